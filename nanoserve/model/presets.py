@@ -1,0 +1,51 @@
+"""Named model presets with random weights: `m3-tiny` for CPU tests and the default server, `m3-slice` for GPU
+benchmarks (../shared/BENCHMARKS.md: the real widths with 4 layers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A config plus how to draw its random weights."""
+
+    config: M3Config
+    init_std: float  # normal std for every projection
+    random_norms: bool  # draw norm offsets (and the router bias) instead of zeros, to exercise (1 + w)
+    seed: int = 0
+
+
+def _tiny() -> Preset:
+    # Small enough for 2 CPU cores, but every mechanism is there: one dense layer then MSA+MoE layers;
+    # MSA blocks of 16 tokens with top-3 selection, so prompts over 48 tokens really drop blocks;
+    # 4 KV heads (TP=2 and TP=4 split them) and 16 experts (EP=2 splits them).
+    cfg = M3Config(
+        vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        head_dim=32, rotary_dim=16, rope_theta=5_000_000.0, max_position_embeddings=4096,
+        intermediate_size=64, dense_intermediate_size=256, shared_intermediate_size=64,
+        num_local_experts=16, num_experts_per_tok=4, index_n_heads=4, index_head_dim=32,
+        index_block_size=16, index_topk_blocks=3, index_local_blocks=1,
+        attn_layer_types=[DENSE, SPARSE, SPARSE, SPARSE], mlp_layer_types=[DENSE, SPARSE, SPARSE, SPARSE],
+        bos_token_id=257, eos_token_id=258,
+    )
+    return Preset(cfg, init_std=0.08, random_norms=True)
+
+
+def _slice() -> Preset:
+    cfg = M3Config(
+        num_hidden_layers=4, attn_layer_types=[DENSE] + [SPARSE] * 3, mlp_layer_types=[DENSE] + [SPARSE] * 3,
+        max_position_embeddings=262_144, bos_token_id=257, eos_token_id=258,
+    )
+    return Preset(cfg, init_std=0.02, random_norms=False)
+
+
+PRESETS = {"m3-tiny": _tiny, "m3-slice": _slice}
+
+
+def get_preset(name: str) -> Preset:
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or pass a directory")
+    return PRESETS[name]()
