@@ -1,0 +1,257 @@
+"""The plain-PyTorch oracle: every computation a Triton kernel in this package replaces, written for clarity.
+
+Each function here is the reference path of a switch in `nanoserve.config.Optimizations` and the thing the
+kernel tests compare against. Shapes use T = tokens in the flat batch, Hq / Hkv = query / KV heads on this rank,
+D = head_dim, G = MSA index heads (= Hkv), E = experts on this rank.
+
+KV cache layout (per layer):
+    kv          [num_blocks, 2, block_size, Hkv, D]    (K at [:, 0], V at [:, 1]; K stored after norm + RoPE)
+    index_keys  [num_blocks, block_size, D_index]      (MSA layers only; after index-k norm + RoPE)
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.model.attention_metadata import AttentionMetadata
+
+# --------------------------------------------------------------------------------------------------------------
+# Norms, RoPE, activation
+# --------------------------------------------------------------------------------------------------------------
+
+
+def gemma_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma RMSNorm over the last dim: fp32 inside, scale by (1 + w), cast back to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+def add_gemma_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual (in the activation dtype), then return (norm(residual), residual)."""
+    residual = x + residual
+    return gemma_rmsnorm(residual, weight, eps), residual
+
+
+def rope_inv_freq(rotary_dim: int, theta: float, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Inverse frequencies of the rotated dims, computed exactly as Hugging Face does (fp32)."""
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32, device=device) / rotary_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[T, rotary_dim/2] cos and sin in fp32."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX (rotate-half) RoPE on the first 2*cos.shape[-1] dims of x [T, H, D]; the rest pass through.
+    The rotation is computed in fp32 and cast back."""
+    half = cos.shape[-1]
+    xf = x.float()
+    x1, x2, rest = xf[..., :half], xf[..., half: 2 * half], xf[..., 2 * half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).to(x.dtype)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """Clamped SwiGLU-OAI: min(gate, limit) * sigmoid(alpha * gate') * (clamp(up, -limit, limit) + 1), in fp32."""
+    g = gate.float().clamp(max=limit)
+    u = up.float().clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1.0)
+
+
+def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head Gemma norm of q [T, Hq, D] and k [T, Hk, D], rounded to the activation dtype, then partial RoPE."""
+    q = gemma_rmsnorm(q, q_w, eps)
+    k = gemma_rmsnorm(k, k_w, eps)
+    return apply_partial_rope(q, cos, sin), apply_partial_rope(k, cos, sin)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Paged KV cache writes and reads
+# --------------------------------------------------------------------------------------------------------------
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store k, v [T, Hkv, D] at their slots; slot -1 (padding) writes nothing."""
+    block_size = kv_cache.shape[2]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+
+
+def write_index_keys(index_cache: torch.Tensor, index_k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store index keys [T, D_index] at their slots; slot -1 writes nothing."""
+    block_size = index_cache.shape[1]
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    index_cache[slots // block_size, slots % block_size] = index_k[keep].to(index_cache.dtype)
+
+
+def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """The first seq_len tokens of one sequence from a paged cache: cache [N, bs, ...] -> [seq_len, ...].
+    For the K/V pool pass kv_cache[:, 0] or kv_cache[:, 1]."""
+    block_size = cache.shape[1]
+    n_blocks = -(-seq_len // block_size)
+    blocks = cache[block_table[:n_blocks].long()]
+    return blocks.reshape(n_blocks * block_size, *cache.shape[2:])[:seq_len]
+
+
+def _sequences(meta: AttentionMetadata):
+    """Yield (index, token slice, query positions, seq_len) for each sequence of the batch."""
+    start = 0
+    for s, (q_len, seq_len) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        yield s, slice(start, start + q_len), seq_len
+        start += q_len
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """Exact softmax attention. q [Hq, Tq, D], k/v [Hkv, Tk, D], allowed [Hq or 1, Tq, Tk] bool -> [Tq, Hq, D].
+    GQA: query head h reads KV head h // (Hq // Hkv). Scores and softmax in fp32."""
+    group = q.shape[0] // k.shape[0]
+    k = k.repeat_interleave(group, dim=0).float()
+    v = v.repeat_interleave(group, dim=0).float()
+    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of q [T, Hq, D] over each sequence's cached context (this step's K/V already written).
+    A query at position p sees keys 0..p. Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    for s, tokens, seq_len in _sequences(meta):
+        k = gather_context(kv_cache[:, 0], meta.block_tables[s], seq_len).transpose(0, 1)  # [Hkv, L, D]
+        v = gather_context(kv_cache[:, 1], meta.block_tables[s], seq_len).transpose(0, 1)
+        pos = meta.positions[tokens]
+        allowed = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [Tq, L]
+        out[tokens] = _attend(q[tokens].transpose(0, 1), k, v, allowed[None], scale)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MSA: indexer block selection and block-sparse attention
+# --------------------------------------------------------------------------------------------------------------
+
+
+def msa_block_scores(index_q: torch.Tensor, index_keys: torch.Tensor, positions: torch.Tensor,
+                     block_size: int) -> torch.Tensor:
+    """Block scores of one sequence. index_q [Tq, G, Di] (normed + roped), index_keys [L, Di] (its cached keys),
+    positions [Tq]. Token score s_g(t, j) = <q_g(t), k(j)> in fp32 (no 1/sqrt(d): ranking is unchanged), -inf for
+    j > p_t; a block's score is the max over its causally visible keys. Returns [G, Tq, n_blocks] with -inf for
+    blocks after the query's own block."""
+    seq_len = index_keys.shape[0]
+    n_blocks = -(-seq_len // block_size)
+    scores = torch.einsum("tgd,ld->gtl", index_q.float(), index_keys.float())
+    future = torch.arange(seq_len, device=scores.device)[None, :] > positions[:, None]
+    scores = scores.masked_fill(future[None], float("-inf"))
+    scores = F.pad(scores, (0, n_blocks * block_size - seq_len), value=float("-inf"))
+    return scores.view(*scores.shape[:2], n_blocks, block_size).amax(-1)
+
+
+def msa_topk_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_size: int, topk: int,
+                    local_blocks: int) -> torch.Tensor:
+    """Select blocks from [G, Tq, n_blocks] scores: the query's own block and the (local_blocks - 1) before it are
+    forced; then the highest scores. Ties break toward the lower block index (a stable descending sort), so any
+    implementation that orders by (score desc, block asc) selects the same set. Returns [Tq, G, topk] int32 logical
+    block indices in that order, padded with -1 where fewer than topk blocks are valid."""
+    g, tq, n_blocks = block_scores.shape
+    scores = block_scores.clone()
+    own = (positions // block_size).long()  # [Tq]
+    blocks = torch.arange(n_blocks, device=scores.device)
+    forced = (blocks[None, :] <= own[:, None]) & (blocks[None, :] > own[:, None] - local_blocks)  # [Tq, nb]
+    scores = scores.masked_fill(forced[None], float("inf"))
+    order = torch.sort(scores, dim=-1, descending=True, stable=True)
+    k = min(topk, n_blocks)
+    picked = order.indices[..., :k].to(torch.int32)
+    picked = picked.masked_fill(order.values[..., :k] == float("-inf"), -1)
+    if k < topk:
+        picked = F.pad(picked, (0, topk - k), value=-1)
+    return picked.permute(1, 0, 2).contiguous()
+
+
+def msa_select(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, topk: int,
+               local_blocks: int) -> torch.Tensor:
+    """MSA indexer for a whole batch: index_q [T, G, Di] -> selected logical blocks [T, G, topk] int32 (-1 pad)."""
+    block_size = index_cache.shape[1]
+    out = torch.full((index_q.shape[0], index_q.shape[1], topk), -1, dtype=torch.int32, device=index_q.device)
+    for s, tokens, seq_len in _sequences(meta):
+        keys = gather_context(index_cache, meta.block_tables[s], seq_len)
+        pos = meta.positions[tokens]
+        scores = msa_block_scores(index_q[tokens], keys, pos, block_size)
+        out[tokens] = msa_topk_blocks(scores, pos, block_size, topk, local_blocks)
+    return out
+
+
+def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Exact attention of q [T, Hq, D] over the union of the blocks its KV group selected (selected [T, Hkv, k],
+    logical block indices, -1 = none), with token-level causality re-applied (keys <= the query's position).
+    One softmax over that union. Returns [T, Hq, D]."""
+    out = torch.empty_like(q)
+    block_size = kv_cache.shape[2]
+    n_kv = kv_cache.shape[3]
+    group = q.shape[1] // n_kv
+    for s, tokens, seq_len in _sequences(meta):
+        k = gather_context(kv_cache[:, 0], meta.block_tables[s], seq_len).transpose(0, 1)
+        v = gather_context(kv_cache[:, 1], meta.block_tables[s], seq_len).transpose(0, 1)
+        pos = meta.positions[tokens]
+        sel = selected[tokens].long()  # [Tq, Hkv, k]
+        n_blocks = -(-seq_len // block_size)
+        keep = torch.zeros(sel.shape[0], n_kv, n_blocks + 1, dtype=torch.bool, device=q.device)
+        keep.scatter_(-1, sel.masked_fill(sel < 0, n_blocks), True)
+        key_block = torch.arange(seq_len, device=q.device) // block_size
+        keep_keys = keep[..., :n_blocks][..., key_block]  # [Tq, Hkv, L]
+        causal = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [Tq, L]
+        allowed = (keep_keys & causal[:, None, :]).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tq, L]
+        out[tokens] = _attend(q[tokens].transpose(0, 1), k, v, allowed, scale)
+    return out
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MoE: routing and the per-expert loop
+# --------------------------------------------------------------------------------------------------------------
+
+
+def route(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """M3 routing, all fp32: s = sigmoid(logits); choose top_k of (s + bias); weights = s of the chosen experts,
+    renormalised to sum to 1. Returns (topk_weights [T, k] fp32, topk_ids [T, k] int32)."""
+    scores = torch.sigmoid(router_logits.float())
+    _, ids = torch.topk(scores + correction_bias.float(), top_k, dim=-1)
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(-1, keepdim=True), ids.to(torch.int32)
+
+
+def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                topk_weights: torch.Tensor, alpha: float, limit: float,
+                expert_map: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t]) for x [T, H], a plain loop over experts.
+
+    w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 [E, H, I]. topk_ids are global expert ids;
+    expert_map [E_global] maps them to local indices (-1 = owned by another rank: skipped), None = identity.
+    Accumulates in fp32, returns x's dtype (routed_scaling_factor is applied by the caller)."""
+    inter = w2.shape[-1]
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    local_ids = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
+    for e in range(w13.shape[0]):
+        token, slot = torch.where(local_ids == e)
+        if token.numel() == 0:
+            continue
+        gate_up = F.linear(x[token], w13[e])
+        act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], alpha, limit).to(x.dtype)
+        y = F.linear(act, w2[e]).float() * topk_weights[token, slot, None].float()
+        out.index_add_(0, token, y)
+    return out.to(x.dtype)
+
+
+def attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

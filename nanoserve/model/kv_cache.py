@@ -1,0 +1,35 @@
+"""The paged KV cache pools: per layer a K/V pool, and per MSA layer a key-only index pool.
+
+    kv[layer]           [num_blocks, 2, block_size, kv_heads_on_this_rank, head_dim]
+    index_keys[layer]   [num_blocks, block_size, index_head_dim]          (MSA layers; None on dense layers)
+
+All layers share one block table per sequence: logical block b of a sequence is the same physical block id in
+every pool. For M3 the KV block size equals the MSA block size, so "MSA block b" is "block-table entry b".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.distributed.parallel_state import kv_head_range
+from nanoserve.model.m3_config import M3Config
+
+
+def kv_cache_bytes_per_block(cfg: M3Config, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block costs on this rank, summed over layers (K + V + index keys)."""
+    k0, k1 = kv_head_range(cfg.num_key_value_heads)
+    item = torch.empty((), dtype=dtype).element_size()
+    per_token = cfg.num_hidden_layers * 2 * (k1 - k0) * cfg.head_dim + cfg.num_sparse_attn_layers * cfg.index_head_dim
+    return per_token * block_size * item
+
+
+def allocate_kv_caches(cfg: M3Config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """Allocate every layer's pools. They start zeroed; attention never reads a slot before it is written."""
+    k0, k1 = kv_head_range(cfg.num_key_value_heads)
+    kv, index = [], []
+    for layer in range(cfg.num_hidden_layers):
+        kv.append(torch.zeros(num_blocks, 2, block_size, k1 - k0, cfg.head_dim, dtype=dtype, device=device))
+        index.append(torch.zeros(num_blocks, block_size, cfg.index_head_dim, dtype=dtype, device=device)
+                     if cfg.is_sparse_attention(layer) else None)
+    return kv, index

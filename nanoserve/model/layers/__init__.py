@@ -1,0 +1,1 @@
+"""Building blocks of the M3 model, each tensor-parallel-ready (tp_size 1 by default)."""

@@ -1,0 +1,51 @@
+"""Vocabulary-parallel embedding and LM head: each rank holds a contiguous slice of the vocabulary rows."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanoserve.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
+from nanoserve.model.layers.linear import WeightSource, check_shape, copy_into
+
+
+class _VocabShard(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        tp = get_tp()
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        # Pad the vocabulary so it splits evenly; padded rows stay zero and are sliced off the logits.
+        self.padded_vocab = -(-vocab_size // tp.size) * tp.size
+        per = self.padded_vocab // tp.size
+        self.start = tp.rank * per
+        self.end = min(self.start + per, vocab_size)
+        self.weight = nn.Parameter(torch.zeros(per, hidden_size, dtype=dtype, device=device), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: torch.Tensor, source: WeightSource, shard_id: str = "", name: str = "") -> None:
+        check_shape(name, source.shape, (self.vocab_size, self.hidden_size))
+        if self.end > self.start:
+            copy_into(param[: self.end - self.start], source[self.start: self.end])
+
+
+class VocabParallelEmbedding(_VocabShard):
+    """Token embedding. Ids outside this rank's slice contribute zeros; an all-reduce assembles the rows."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[:, None], 0)
+        return all_reduce(out)
+
+
+class ParallelLMHead(_VocabShard):
+    """Untied output projection. Each rank computes its vocabulary slice; the slices are gathered (fp32 logits)."""
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight).float()
+        return all_gather_last_dim(logits)[:, : self.vocab_size]

@@ -1,0 +1,195 @@
+"""Load an M3 checkpoint directory (or a preset) into an `M3ForCausalLM`.
+
+Reads config.json in either dialect, then the safetensors files (one file, or shards listed in
+`model.safetensors.index.json`) by the real key names. Each rank reads only its slice of each tensor through
+safetensors' lazy slices. MXFP8 weights (fp8 e4m3 + per-1x32 E8M0 `weight_scale_inv`) are dequantised on load.
+MTP and vision tensors are skipped with one log line each.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from contextlib import ExitStack
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from nanoserve.config import Optimizations
+from nanoserve.model.checkpoint_layout import random_tensors
+from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.model.m3_config import M3Config
+from nanoserve.model.make_checkpoint import MXFP8_BLOCK, dequantize_mxfp8
+from nanoserve.model.presets import PRESETS, get_preset
+
+logger = logging.getLogger(__name__)
+
+SKIPPED_PREFIXES = {
+    "MTP (speculative) heads": ("language_model.model.mtp.", "model.mtp.", "mtp."),
+    "vision tower / projector": ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp."),
+}
+SCALE_SUFFIX = "_scale_inv"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be served, with the reason."""
+
+
+class SafeSlice:
+    """A lazily-read safetensors tensor: `.shape`, and slicing reads only the requested part."""
+
+    def __init__(self, handle: Any, key: str):
+        self._slice = handle.get_slice(key)
+        self.shape = tuple(self._slice.get_shape())
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self._slice[index]
+
+
+class MXFP8Slice:
+    """An fp8 weight plus its E8M0 block scales; slicing dequantises just the requested rows/columns."""
+
+    def __init__(self, weight: SafeSlice, scale: SafeSlice, name: str):
+        self.weight, self.scale, self.shape = weight, scale, weight.shape
+        if len(self.shape) != 2 or scale.shape != (self.shape[0], -(-self.shape[1] // MXFP8_BLOCK)):
+            raise CheckpointError(f"MXFP8 scale of {name} has shape {list(scale.shape)}, expected "
+                                  f"[{self.shape[0]}, {-(-self.shape[1] // MXFP8_BLOCK)}] for weight {list(self.shape)}")
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        rows, cols = (index if isinstance(index, tuple) else (index, slice(None)))
+        c0, c1, _ = cols.indices(self.shape[1])
+        if c0 % MXFP8_BLOCK:
+            raise CheckpointError(f"MXFP8 column slice must start on a {MXFP8_BLOCK}-column boundary, got {c0}")
+        q = self.weight[rows, c0:c1]
+        s = self.scale[rows, c0 // MXFP8_BLOCK: -(-c1 // MXFP8_BLOCK)]
+        return dequantize_mxfp8(q, s, torch.bfloat16)
+
+
+def resolve_model_dir(model: str) -> str:
+    """A preset name becomes its generated cache directory; a path must exist."""
+    if model in PRESETS:
+        from nanoserve.model.make_checkpoint import ensure_preset_checkpoint
+
+        return ensure_preset_checkpoint(model)
+    if not os.path.isdir(model):
+        raise CheckpointError(f"model directory {model!r} does not exist (and is not a preset: "
+                              f"{', '.join(sorted(PRESETS))})")
+    return model
+
+
+def read_config(model_dir: str) -> M3Config:
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{model_dir}: config.json is missing")
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from e
+    try:
+        return M3Config.from_dict(raw)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from e
+
+
+def checkpoint_files(model_dir: str) -> dict[str, str]:
+    """key -> safetensors file path, from the index if there is one, else from every *.safetensors file."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(model_dir, f))})
+        if missing:
+            raise CheckpointError(f"{model_dir}: safetensors file(s) listed in the index are missing: "
+                                  f"{', '.join(missing)}")
+        return {k: os.path.join(model_dir, f) for k, f in weight_map.items()}
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"{model_dir}: no *.safetensors files found")
+    out = {}
+    for fname in files:
+        with safe_open(os.path.join(model_dir, fname), framework="pt") as h:
+            out.update({k: os.path.join(model_dir, fname) for k in h.keys()})
+    return out
+
+
+def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
+    """Fill every parameter of `model` from the checkpoint, checking names and shapes."""
+    files = checkpoint_files(model_dir)
+    expected = model.load_map()
+    skipped = {reason: 0 for reason in SKIPPED_PREFIXES}
+    unexpected = []
+    with ExitStack() as stack:
+        handles: dict[str, Any] = {}
+
+        def source(key: str) -> SafeSlice:
+            path = files[key]
+            if path not in handles:
+                handles[path] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+            return SafeSlice(handles[path], key)
+
+        for key in files:
+            reason = next((r for r, prefixes in SKIPPED_PREFIXES.items() if key.startswith(prefixes)), None)
+            if reason:
+                skipped[reason] += 1
+            elif key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in files:
+                continue  # read together with its weight
+            elif key not in expected:
+                unexpected.append(key)
+        missing = sorted(set(expected) - set(files))
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}"
+                             + (" ..." if len(missing) > 8 else ""))
+            if unexpected:
+                parts.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(sorted(unexpected)[:8])}"
+                             + (" ..." if len(unexpected) > 8 else ""))
+            raise CheckpointError(f"{model_dir}: " + "; ".join(parts))
+        for key, load in expected.items():
+            src: Any = source(key)
+            if src._slice.get_dtype() in ("F8_E4M3", "F8_E4M3FN") or (key + SCALE_SUFFIX) in files:
+                if (key + SCALE_SUFFIX) not in files:
+                    raise CheckpointError(f"{key} is fp8 but its {key + SCALE_SUFFIX} is missing")
+                src = MXFP8Slice(src, source(key + SCALE_SUFFIX), key)
+            try:
+                load(src)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from e
+    for reason, n in skipped.items():
+        if n:
+            logger.info("skipped %d %s tensors (not part of the text model)", n, reason)
+
+
+def init_random_weights(model: M3ForCausalLM, preset: str, device: torch.device | str) -> None:
+    """Fill a model with a preset's random weights drawn directly on `device` (used for m3-slice on the GPU,
+    whose 50 GB checkpoint need not touch disk)."""
+    p = get_preset(preset)
+    loaders = model.load_map()
+    for key, t in random_tensors(model.cfg, p.init_std, p.random_norms, p.seed, device=device):
+        loaders[key](t)
+
+
+def load_model(model: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", random_init: bool = False) -> tuple[M3ForCausalLM, str]:
+    """Build the model for a directory or preset and load its weights. Returns (model, directory holding the
+    tokenizer). With random_init and a preset, weights are drawn on the device instead of read from disk."""
+    if random_init:
+        if model not in PRESETS:
+            raise ValueError(f"random_init needs a preset name, got {model!r}")
+        from nanoserve.model.make_checkpoint import preset_cache_dir
+        from nanoserve.model.tokenizer_files import write_tokenizer
+
+        tok_dir = preset_cache_dir(model) + "-tokenizer"
+        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
+            write_tokenizer(tok_dir)
+        m = M3ForCausalLM(get_preset(model).config, opts, dtype, device)
+        init_random_weights(m, model, device)
+        return m, tok_dir
+    model_dir = resolve_model_dir(model)
+    cfg = read_config(model_dir)
+    m = M3ForCausalLM(cfg, opts, dtype, device)
+    load_weights(m, model_dir)
+    return m, model_dir

@@ -1,0 +1,135 @@
+"""The MiniMax M3 text model, top-down (m3_spec.md section 2).
+
+    tokens -> embedding -> N x [ x += Attn(Norm(x));  x += FFN(Norm(x)) ] -> final norm -> lm_head -> logits
+
+Each layer's attention is dense or MSA (block-sparse) and its FFN is a dense SwiGLU-OAI MLP or the MoE, as the
+config says (the real model: layers 0-2 dense/dense, 3-59 MSA/MoE). The forward pass takes a flat batch of tokens
+from many sequences plus their AttentionMetadata, and reads and writes the paged KV cache bound to each layer.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from nanoserve.config import Optimizations
+from nanoserve.kernels import reference
+from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.model.layers.attention import M3Attention
+from nanoserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from nanoserve.model.layers.linear import WeightSource
+from nanoserve.model.layers.mlp import SwiGLUOAIMLP
+from nanoserve.model.layers.moe import M3MoE
+from nanoserve.model.layers.norm import GemmaRMSNorm
+from nanoserve.model.m3_config import M3Config
+
+CHECKPOINT_PREFIX = "language_model."
+MSA_TOPK_REUSE_EVERY = 2
+"""Under the msa_topk_reuse approximation, MSA layers compute a fresh selection every this many layers."""
+
+
+class M3DecoderLayer(nn.Module):
+    """Pre-norm residual block: attention then FFN, each behind a Gemma RMSNorm."""
+
+    def __init__(self, cfg: M3Config, idx: int, opts: Optimizations, dtype: torch.dtype, device: torch.device | str):
+        super().__init__()
+        self.idx = idx
+        self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts, device)
+        self.self_attn = M3Attention(cfg, idx, opts, dtype, device)
+        self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts, device)
+        if cfg.is_moe(idx):
+            self.mlp: nn.Module = M3MoE(cfg, opts, dtype, device)
+        else:
+            self.mlp = SwiGLUOAIMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
+                                    cfg.swiglu_limit, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
+                prev_selection: torch.Tensor | None):
+        # The residual stream is carried separately so each "add, then norm" can be one fused kernel.
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h, selection = self.self_attn(h, positions, rope, meta, prev_selection)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual, selection
+
+    def load_map(self, prefix: str) -> dict[str, Callable[[WeightSource], None]]:
+        out = self.self_attn.load_map(f"{prefix}.self_attn")
+        for name in ("input_layernorm", "post_attention_layernorm"):
+            p = getattr(self, name).weight
+            out[f"{prefix}.{name}.weight"] = lambda s, p=p, k=f"{prefix}.{name}.weight": p.weight_loader(p.data, s, "", k)
+        if isinstance(self.mlp, M3MoE):
+            out.update(self.mlp.load_map(f"{prefix}.block_sparse_moe"))
+        else:
+            mlp = self.mlp
+            for name, (mod, shard) in {"gate_proj": (mlp.gate_up_proj, "gate"), "up_proj": (mlp.gate_up_proj, "up"),
+                                       "down_proj": (mlp.down_proj, "")}.items():
+                key = f"{prefix}.mlp.{name}.weight"
+                out[key] = lambda s, m=mod, sh=shard, k=key: m.weight_loader(m.weight.data, s, sh, k)
+        return out
+
+
+class M3ForCausalLM(nn.Module):
+    """The whole text model. `forward` returns final hidden states; `compute_logits` applies the LM head to the
+    rows the caller needs (usually each sequence's last token), in fp32."""
+
+    def __init__(self, cfg: M3Config, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
+        super().__init__()
+        self.cfg = cfg
+        self.opts = opts if opts is not None else Optimizations()
+        self.dtype = dtype
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, self.opts, dtype, device)
+                                    for i in range(cfg.num_hidden_layers))
+        self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.opts, device)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.register_buffer("inv_freq", reference.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
+                             persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+        rope = reference.rope_cos_sin(positions, self.inv_freq)
+        x = self.embed_tokens(input_ids)
+        residual = None
+        selection = None
+        msa_seen = 0
+        for layer in self.layers:
+            reuse = None
+            if layer.self_attn.sparse:
+                if self.opts.msa_topk_reuse and msa_seen % MSA_TOPK_REUSE_EVERY:
+                    reuse = selection
+                msa_seen += 1
+            x, residual, sel = layer(x, residual, positions, rope, meta, reuse)
+            if sel is not None:
+                selection = sel
+        x, _ = self.norm(x, residual)
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def bind_kv_caches(self, kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor | None]) -> None:
+        """Give each layer its KV pool (and MSA layers their index-key pool)."""
+        for layer, kv, idx in zip(self.layers, kv_caches, index_caches):
+            layer.self_attn.kv_cache = kv
+            layer.self_attn.index_cache = idx
+
+    # -- checkpoint ---------------------------------------------------------------------------------------
+    def load_map(self) -> dict[str, Callable[[WeightSource], None]]:
+        """Every checkpoint key this model reads (real names, m3_spec.md section 3) -> a loader taking a source."""
+        p = CHECKPOINT_PREFIX
+        out: dict[str, Callable[[WeightSource], None]] = {}
+        for key, mod in {f"{p}model.embed_tokens.weight": self.embed_tokens, f"{p}lm_head.weight": self.lm_head}.items():
+            out[key] = lambda s, m=mod, k=key: m.weight_loader(m.weight.data, s, "", k)
+        key = f"{p}model.norm.weight"
+        out[key] = lambda s, k=key: self.norm.weight.weight_loader(self.norm.weight.data, s, "", k)
+        for i, layer in enumerate(self.layers):
+            out.update(layer.load_map(f"{p}model.layers.{i}"))
+        return out
