@@ -1,0 +1,33 @@
+"""Shared test setup: Triton's CPU interpreter, deterministic torch, and a session-wide m3-tiny checkpoint."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Triton picks interpreter vs compiler when a kernel is decorated, so this must precede any kernel import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory) -> str:
+    """An m3-tiny checkpoint directory (real key names, bf16, tokenizer), written once per test session."""
+    from nanoserve.model.make_checkpoint import write_checkpoint
+    from nanoserve.model.presets import get_preset
+
+    preset = get_preset("m3-tiny")
+    path = str(tmp_path_factory.mktemp("m3-tiny"))
+    write_checkpoint(path, preset.config, preset)
+    return path
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    """Presets generated on first use go to a per-session directory, not the user's ~/.cache."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path_factory.getbasetemp() / "nanoserve-cache"))
