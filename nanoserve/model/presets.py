@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
+from nanoserve.model.tokenizer_files import BOS_ID, EOS_ID, VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -23,13 +24,13 @@ def _tiny() -> Preset:
     # MSA blocks of 16 tokens with top-3 selection, so prompts over 48 tokens really drop blocks;
     # 4 KV heads (TP=2 and TP=4 split them) and 16 experts (EP=2 splits them).
     cfg = M3Config(
-        vocab_size=512, hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+        vocab_size=VOCAB_SIZE, hidden_size=128, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
         head_dim=32, rotary_dim=16, rope_theta=5_000_000.0, max_position_embeddings=4096,
         intermediate_size=64, dense_intermediate_size=256, shared_intermediate_size=64,
         num_local_experts=16, num_experts_per_tok=4, index_n_heads=4, index_head_dim=32,
         index_block_size=16, index_topk_blocks=3, index_local_blocks=1,
         attn_layer_types=[DENSE, SPARSE, SPARSE, SPARSE], mlp_layer_types=[DENSE, SPARSE, SPARSE, SPARSE],
-        bos_token_id=257, eos_token_id=258,
+        bos_token_id=BOS_ID, eos_token_id=EOS_ID,
     )
     return Preset(cfg, init_std=0.08, random_norms=True)
 
@@ -37,7 +38,7 @@ def _tiny() -> Preset:
 def _slice() -> Preset:
     cfg = M3Config(
         num_hidden_layers=4, attn_layer_types=[DENSE] + [SPARSE] * 3, mlp_layer_types=[DENSE] + [SPARSE] * 3,
-        max_position_embeddings=262_144, bos_token_id=257, eos_token_id=258,
+        max_position_embeddings=262_144, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
     )
     return Preset(cfg, init_std=0.02, random_norms=False)
 

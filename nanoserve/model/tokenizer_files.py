@@ -1,9 +1,10 @@
-"""A small byte-level tokenizer with M3's special tokens and chat format, for the preset models.
+"""A small byte-level BPE tokenizer with M3's special tokens and chat format, for the preset models.
 
 The real M3 tokenizer ships with its checkpoint; presets have random weights, so any tokenizer works as long as it
-round-trips text, has M3's special tokens and renders M3-format chats (m3_spec.md section 4). Ids 0-255 are the
-256 bytes (no merges, so every string is encodable and a multi-byte character spans several tokens - which the
-incremental detokeniser must handle), and the special tokens follow from id 256.
+round-trips any text, has M3's special tokens and renders M3-format chats (m3_spec.md section 4). This one is
+trained deterministically on a short embedded text: ids 0-8 are the special tokens, then the 256 byte symbols
+(so every string is encodable, and a rare character spans several tokens - which the incremental detokeniser
+must handle), then BPE merges up to VOCAB_SIZE, so a random model's output still decodes to word pieces.
 """
 
 from __future__ import annotations
@@ -11,17 +12,46 @@ from __future__ import annotations
 import json
 import os
 
+VOCAB_SIZE = 512
 SPECIAL_TOKENS = [
-    "]~b]",            # 256: role start ("]~b]user\n")
-    "]~!b[",           # 257: BOS
-    "[e~[",            # 258: EOS / end of turn
-    "<mm:think>",      # 259
-    "</mm:think>",     # 260
-    "]<]minimax[>[",   # 261: tool-call namespace
-    "<tool_call>",     # 262
-    "</tool_call>",    # 263
-    "]!p~[",           # 264: padding
+    "]~b]",            # 0: role start ("]~b]user\n")
+    "]~!b[",           # 1: BOS
+    "[e~[",            # 2: EOS / end of turn
+    "<mm:think>",      # 3
+    "</mm:think>",     # 4
+    "]<]minimax[>[",   # 5: tool-call namespace
+    "<tool_call>",     # 6
+    "</tool_call>",    # 7
+    "]!p~[",           # 8: padding
 ]
+BOS_ID, EOS_ID = 1, 2
+
+# The training text: a few paragraphs of plain English about serving language models.
+CORPUS = """
+A serving engine turns a trained language model into a service. Requests arrive over HTTP, each with a prompt and
+sampling parameters. The engine tokenizes the prompt, schedules it beside the requests already running, and runs
+the model one step at a time. Each step computes the next token of every running sequence, so the batch changes
+from step to step: this is continuous batching. New requests join as soon as there is room, and finished ones
+leave at once, which keeps the accelerator busy.
+
+The attention layers need the keys and values of every earlier token. They live in a cache split into blocks of
+fixed size, like pages of virtual memory. A block table maps each sequence to its blocks, so memory is taken only
+as a sequence grows, and sequences with the same beginning can share the blocks of that prefix. When memory runs
+out, the newest sequence is preempted and computed again later.
+
+Long prompts are split into chunks that fit the token budget of a step, so a long prefill never stalls the
+decoding of other sequences. The sampler reads the logits of the last position and picks a token: the most likely
+one when the temperature is zero, otherwise a draw after temperature, top k, top p and min p filtering. Stop
+strings, stop tokens and a maximum length decide when a sequence is done. Tokens are turned back into text as they
+come, and streamed to the client.
+
+MiniMax M3 is a mixture of experts: each token is routed to a few experts out of many, plus one shared expert. Most
+of its layers use sparse attention: an indexer scores blocks of earlier tokens and each query attends only to the
+best blocks and its own. Kernels written in Triton fuse the small operations and run on NVIDIA and AMD alike.
+Tensor parallelism splits every layer across several devices and joins the partial results with an all reduce.
+"""
+
+
 BOS, EOS = "]~!b[", "[e~["
 
 # M3's turn format: BOS, then "]~b]ROLE\n...[e~[\n" per message; the assistant's role is "ai".
@@ -45,30 +75,24 @@ CHAT_TEMPLATE = (
 )
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character map (what the ByteLevel pre-tokenizer emits)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
-        list(range(ord("®"), ord("ÿ") + 1))
-    chars = printable[:]
-    n = 0
-    for b in range(256):
-        if b not in printable:
-            printable.append(b)
-            chars.append(256 + n)
-            n += 1
-    return dict(zip(printable, (chr(c) for c in chars)))
+def build_tokenizer():
+    """Train the byte-level BPE on CORPUS (deterministic: same merges every time)."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE, show_progress=False, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.train_from_iterator([CORPUS], trainer=trainer)
+    assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID
+    return tok
 
 
 def write_tokenizer(out_dir: str) -> None:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    byte_map = _bytes_to_unicode()
-    vocab = {byte_map[b]: b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], fuse_unk=False))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok = build_tokenizer()
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     config = {

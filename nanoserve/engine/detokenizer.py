@@ -1,0 +1,37 @@
+"""Incremental detokenisation: text grows token by token without ever emitting half a character.
+
+A byte-level tokenizer can split one UTF-8 character over several tokens; decoding a prefix of them yields the
+replacement character U+FFFD. So each step decodes a short window of recent tokens twice (with and without the
+newest) and emits only the new suffix once it no longer ends in U+FFFD.
+"""
+
+from __future__ import annotations
+
+from nanoserve.engine.sequence import Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def detokenize_step(tokenizer, seq: Sequence) -> str:
+    """Append the text of seq's newest output tokens to seq.text and return what was added (maybe "")."""
+    skip = seq.params.skip_special_tokens
+    out = seq.output_token_ids
+    prefix_text = tokenizer.decode(out[seq.prefix_offset: seq.read_offset], skip_special_tokens=skip)
+    new_text = tokenizer.decode(out[seq.prefix_offset:], skip_special_tokens=skip)
+    if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+        return ""
+    delta = new_text[len(prefix_text):]
+    seq.prefix_offset, seq.read_offset = seq.read_offset, len(out)
+    seq.text += delta
+    return delta
+
+
+def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:
+    """The earliest stop string that the last `delta_len` characters completed: (start index, the string)."""
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - delta_len - len(stop) + 1)
+        i = text.find(stop, start)
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, stop)
+    return best

@@ -1,0 +1,94 @@
+"""The offline API, in vLLM's shape:
+
+    from nanoserve import LLM, SamplingParams
+    llm = LLM(model="m3-tiny")                      # a checkpoint directory or a preset
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence as Seq
+
+from tqdm import tqdm
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.llm_engine import LLMEngine, Prompt
+from nanoserve.engine.outputs import RequestOutput
+from nanoserve.engine.tokenizer import apply_chat_template
+from nanoserve.sampling import SamplingParams
+
+
+class LLM:
+    """Build an engine from vLLM-style keyword arguments and run batches of prompts to completion."""
+
+    def __init__(self, model: str = "m3-tiny", **engine_args: Any):
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
+                 = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt (a string, token ids as {"prompt_token_ids": [...]}, or a list of those) and return
+        one RequestOutput each, in order. A progress bar shows prefill and decode tokens/s."""
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                rid = str(self._counter)
+                self._counter += 1
+                self.engine.add_request(rid, prompt, p)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self.engine.abort_request(ids)
+            raise
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
+             ) -> list[RequestOutput]:
+        """Render one conversation (or a list of them) with the model's chat template and generate."""
+        convs = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(
+            apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template_kwargs),
+            add_special_tokens=False)} for conv in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        engine = self.engine
+        bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        while len(results) < len(ids):
+            prefill_before = engine.stats.num_computed_prefill_tokens
+            decode_before = engine.stats.num_generation_tokens
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            dt = max(time.perf_counter() - t0, 1e-9)
+            prefilled = engine.stats.num_computed_prefill_tokens - prefill_before
+            if prefilled:
+                prefill_tps = prefilled / dt
+            else:
+                decode_tps = (engine.stats.num_generation_tokens - decode_before) / dt
+            for out in outputs:
+                if out.finished:
+                    results[out.request_id] = out
+                    bar.update(1)
+            bar.set_postfix_str(f"prefill {prefill_tps:,.0f} tok/s, decode {decode_tps:,.0f} tok/s", refresh=False)
+            if not outputs and not engine.has_unfinished_requests():
+                break
+        bar.close()
+        return [results[i] for i in ids]

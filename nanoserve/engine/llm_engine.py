@@ -1,0 +1,295 @@
+"""LLMEngine: requests in, tokens out, one `step()` at a time.
+
+    add_request(id, prompt, params)   tokenise, validate, queue n sequences
+    step()                            schedule -> run the model -> sample -> detokenise -> check stops
+    abort_request(id)                 drop a request wherever it is, returning its KV blocks
+
+The offline `LLM` class (engine/llm.py) and the async server bridge (engine/async_engine.py) both drive this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nanoserve.config import EngineConfig
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
+from nanoserve.engine.executor import Executor, make_executor
+from nanoserve.engine.model_runner import ModelInput
+from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.sequence import FinishReason, Sequence
+from nanoserve.engine.tokenizer import load_tokenizer
+from nanoserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class EngineStats:
+    """Monotonic counters since start (read by /metrics, the benchmark and the walkthrough)."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0  # tokens of every prompt added
+    num_computed_prefill_tokens: int = 0  # prompt (and recompute) tokens actually run through the model
+    num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_aborted: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    arrival_time: float
+
+    @property
+    def finished(self) -> bool:
+        return all(s.is_finished for s in self.seqs)
+
+
+class LLMEngine:
+    """The engine loop around a scheduler, a block manager, an executor (the model) and a sampler."""
+
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.executor: Executor = make_executor(config)
+        self.model_config = self.executor.model_config
+        mcfg = self.model_config
+        self.block_size = self._resolve_block_size()
+        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mcfg.max_position_embeddings}")
+        opts = config.optimizations
+        if config.max_num_batched_tokens is not None:
+            budget = config.max_num_batched_tokens
+            if not opts.chunked_prefill and budget < self.max_model_len:
+                raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_model_len="
+                                 f"{self.max_model_len}; without chunked prefill a whole prompt must fit one step")
+        else:
+            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if opts.chunked_prefill else \
+                max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
+        self.max_num_batched_tokens = budget
+        num_blocks = self.executor.initialize_cache(self.max_model_len, budget, config.max_num_seqs)
+        if num_blocks * self.block_size < self.max_model_len:
+            raise ValueError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len="
+                             f"{self.max_model_len}: lower --max-model-len or give the cache more memory")
+        self.observers: list[Callable[..., None]] = []
+        self.block_manager = BlockManager(num_blocks, self.block_size, opts.prefix_caching, self._emit)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, opts),
+                                   self.block_manager, self._emit)
+        self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
+        self.eos_token_id = mcfg.eos_token_id
+        self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id)
+        self.requests: dict[str, RequestState] = {}
+        self.stats = EngineStats()
+        self._seq_ids = itertools.count()
+        logger.info("engine ready: model=%s device=%s blocks=%d x %d tokens, max_model_len=%d, "
+                    "max_num_batched_tokens=%d, max_num_seqs=%d; switches %s", config.model, self.executor.device,
+                    num_blocks, self.block_size, self.max_model_len, budget, config.max_num_seqs, opts.describe())
+
+    def _resolve_block_size(self) -> int:
+        msa_block = self.model_config.index_block_size
+        if self.config.block_size is not None and self.config.block_size != msa_block:
+            raise ValueError(f"block_size={self.config.block_size} is invalid: it must equal the model's MSA block "
+                             f"size ({msa_block}), since MSA selects KV blocks by block-table entry")
+        return msa_block
+
+    # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
+    def add_observer(self, fn: Callable[..., None]) -> None:
+        """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict,
+        prefix_hit and step events."""
+        self.observers.append(fn)
+
+    def _emit(self, event: str, **payload: Any) -> None:
+        for fn in self.observers:
+            fn(event, **payload)
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is too long: {len(token_ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len} (and at least one token must be generated)")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> None:
+        """Queue a request (n sequences). Raises ValueError for a bad prompt or parameters."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        params.validate(self.config.max_logprobs)
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival)
+                for i in range(params.n)]
+        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(token_ids)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests wherever they are (waiting, prefilling, decoding) and free their blocks."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ABORT)
+                self.sampler.forget(seq.seq_id)
+            self.stats.num_aborted += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration. Returns an output for every request that produced tokens or finished."""
+        sched = self.scheduler.schedule()
+        self.stats.num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            return []
+        self.stats.num_steps += 1
+        self._count_admissions(sched)
+        inp = self._model_input(sched)
+        self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
+        logits = self.executor.execute_model(inp)
+        sampled = [s.seq for s in sched.scheduled if s.samples]
+        result = self.sampler(logits, sampled) if sampled else None
+        self.scheduler.update_after_step(sched)
+        touched: dict[str, RequestState] = {}
+        for i, seq in enumerate(sampled):
+            self._append_token(seq, result.token_ids[i], result.logprobs[i], result.chosen_logprob[i])
+            touched[seq.request_id] = self.requests[seq.request_id]
+        return [self._finalize(state) for state in touched.values()]
+
+    def _count_admissions(self, sched: SchedulerOutput) -> None:
+        for seq in sched.admitted:
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += seq.num_cached_tokens
+        self.stats.num_computed_prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
+
+    def _model_input(self, sched: SchedulerOutput) -> ModelInput:
+        ids: list[int] = []
+        query_lens, seq_lens, tables, sample_rows = [], [], [], []
+        for row, s in enumerate(sched.scheduled):
+            seq, start = s.seq, s.seq.num_computed_tokens
+            tokens = seq.token_ids
+            ids.extend(tokens[start: start + s.num_new_tokens])
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(start + s.num_new_tokens)
+            tables.append(list(seq.block_table))
+            if s.samples:
+                sample_rows.append(row)
+        return ModelInput(ids, query_lens, seq_lens, tables, sample_rows)
+
+    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
+                      chosen: float | None) -> None:
+        now = time.monotonic()
+        seq.output_token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.last_token_time = now
+        self.stats.num_generation_tokens += 1
+        if logprobs is not None:
+            seq.logprobs.append(logprobs)
+            seq.cumulative_logprob += chosen or 0.0
+        p = seq.params
+        reason, stop_reason = None, None
+        allowed_to_stop = len(seq.output_token_ids) >= p.min_tokens
+        if allowed_to_stop and token == self.eos_token_id and not p.ignore_eos:
+            reason = FinishReason.STOP
+        elif allowed_to_stop and token in p.stop_token_ids:
+            reason, stop_reason = FinishReason.STOP, token
+        delta = detokenize_step(self.tokenizer, seq)
+        if reason is None and p.stop_list and delta and allowed_to_stop:
+            hit = find_stop_string(seq.text, len(delta), p.stop_list)
+            if hit is not None:
+                idx, stop = hit
+                seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
+                reason, stop_reason = FinishReason.STOP, stop
+        max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
+        if reason is None and (len(seq.output_token_ids) >= max_new or seq.num_tokens >= self.max_model_len):
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            seq.stop_reason = stop_reason
+            self.scheduler.finish(seq, reason)
+            self.sampler.forget(seq.seq_id)
+            self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+
+    def _finalize(self, state: RequestState) -> RequestOutput:
+        out = self.make_output(state)
+        if out.finished:
+            self.requests.pop(state.request_id, None)
+        return out
+
+    @staticmethod
+    def make_output(state: RequestState) -> RequestOutput:
+        completions = [
+            CompletionOutput(
+                index=s.index, text=s.text, token_ids=list(s.output_token_ids),
+                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
+                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
+                finish_reason=s.finish_reason.value if s.finish_reason else None, stop_reason=s.stop_reason)
+            for s in state.seqs
+        ]
+        first = state.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=state.arrival_time,
+            first_scheduled_time=min((s.first_scheduled_time for s in state.seqs if s.first_scheduled_time),
+                                     default=None),
+            first_token_time=min((s.first_token_time for s in state.seqs if s.first_token_time), default=None),
+            last_token_time=max((s.last_token_time for s in state.seqs if s.last_token_time), default=None),
+            finished_time=max((s.finished_time for s in state.seqs if s.finished_time), default=None),
+            num_cached_tokens=first.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in state.seqs))
+        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
+                             metrics)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

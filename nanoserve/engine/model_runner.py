@@ -1,0 +1,136 @@
+"""Runs the model for one scheduled step: batch description -> tensors -> forward -> logits.
+
+The runner owns the model and its KV cache on one device (one tensor-parallel rank). It knows nothing of
+scheduling: it receives a `ModelInput` - plain Python lists, so rank 0 can broadcast it to the other ranks - and
+returns the logits of the sequences that need a next token.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from nanoserve.model.loader import load_model
+from nanoserve.model.m3_config import M3Config
+
+logger = logging.getLogger(__name__)
+
+# Presets whose weights are drawn directly on the device rather than generated as a checkpoint on disk
+# (m3-slice is 50 GB). m3-tiny goes through a real checkpoint so CPU and GPU runs share its weights.
+DEVICE_INIT_PRESETS = {"m3-slice"}
+
+
+@dataclass
+class ModelInput:
+    """One step's batch, as plain lists (picklable, cheap to broadcast under tensor parallelism)."""
+
+    input_ids: list[int]  # the new tokens of every sequence, concatenated
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # context length per sequence after this step
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # sequences (by batch index) whose last token's logits are wanted
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA/HIP device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+class ModelRunner:
+    """The model, its KV pools, and the step-to-tensors conversion, on one device."""
+
+    def __init__(self, config: EngineConfig, device: torch.device | None = None):
+        self.config = config
+        self.device = device or resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        torch.manual_seed(config.seed)
+        random_init = config.model in DEVICE_INIT_PRESETS
+        self.model, self.model_dir = load_model(config.model, config.optimizations, self.dtype, self.device,
+                                                random_init=random_init)
+        self.model.eval()
+        self.cfg: M3Config = self.model.cfg
+        self.block_size = self.cfg.index_block_size
+        self.num_blocks = 0
+
+    # -- KV cache -----------------------------------------------------------------------------------------
+    def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """How many KV blocks fit: fixed by num_gpu_blocks_override, a token budget on the CPU, or on a GPU the
+        memory left under gpu_memory_utilization after the weights and a worst-case warm-up step."""
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if self.device.type != "cuda":
+            tokens = cfg.kv_cache_tokens or max(DEFAULT_CPU_KV_TOKENS, max_model_len)
+            return -(-tokens // self.block_size)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._warmup(min(max_num_batched_tokens, max_model_len), max_num_seqs)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = total * cfg.gpu_memory_utilization - peak - used_by_others
+        per_block = kv_cache_bytes_per_block(self.cfg, self.block_size, self.dtype)
+        blocks = int(budget // per_block)
+        logger.info("KV cache: %.2f GiB for %d blocks of %d tokens (peak step memory %.2f GiB)",
+                    blocks * per_block / 2**30, blocks, self.block_size, peak / 2**30)
+        if blocks < 1:
+            raise RuntimeError(f"no GPU memory left for the KV cache (budget {budget / 2**30:.2f} GiB); raise "
+                               f"--gpu-memory-utilization or lower --max-num-batched-tokens")
+        return blocks
+
+    def _warmup(self, num_tokens: int, max_num_seqs: int) -> None:
+        """One worst-case prefill through a temporary cache, to measure peak activation memory."""
+        blocks = -(-num_tokens // self.block_size) + 1
+        self.allocate_kv_cache(blocks)
+        table = list(range(1, blocks))
+        ids = [i % self.cfg.vocab_size for i in range(num_tokens)]
+        self.execute(ModelInput(ids, [num_tokens], [num_tokens], [table], [0]))
+        logits_rows = torch.zeros(max_num_seqs, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        self.model.compute_logits(logits_rows)
+        self.allocate_kv_cache(0)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches, self.index_caches = [], []
+        self.model.bind_kv_caches([None] * self.cfg.num_hidden_layers, [None] * self.cfg.num_hidden_layers)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if num_blocks:
+            self.kv_caches, self.index_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size,
+                                                                   self.dtype, self.device)
+            self.model.bind_kv_caches(self.kv_caches, self.index_caches)
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def prepare(self, inp: ModelInput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size, self.device)
+        input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
+        ends = meta.query_start_loc[1:].long() - 1
+        logits_index = ends[torch.tensor(inp.sample_rows, dtype=torch.long, device=self.device)]
+        return input_ids, meta, logits_index
+
+    @torch.inference_mode()
+    def execute(self, inp: ModelInput) -> torch.Tensor:
+        """Run one step; returns fp32 logits [len(sample_rows), vocab] (every rank computes them)."""
+        input_ids, meta, logits_index = self.prepare(inp)
+        hidden = self.model(input_ids, meta.positions, meta)
+        return self.model.compute_logits(hidden[logits_index])
+
+    def shutdown(self) -> None:
+        self.allocate_kv_cache(0)
+        del self.model

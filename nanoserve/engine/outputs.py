@@ -1,0 +1,42 @@
+"""What the engine returns per request (vLLM's RequestOutput / CompletionOutput shape)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None  # per token: {chosen id: logprob, then top-N alternatives}
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float | None
+    finished_time: float | None
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    prompt_logprobs: None = field(default=None)
+
+    @property
+    def num_cached_tokens(self) -> int:
+        return self.metrics.num_cached_tokens if self.metrics else 0

@@ -1,0 +1,176 @@
+"""Continuous batching under one token budget per step.
+
+Each step the scheduler fills a budget of `max_num_batched_tokens` tokens:
+
+1. Running sequences first, oldest first: one token for each decode, or the next chunk of a prompt still being
+   prefilled. If the KV pool runs out, the newest running sequence is preempted (its blocks freed, to be
+   recomputed later) and goes back to the front of the waiting queue.
+2. Then waiting sequences, first come first served, while the budget, `max_num_seqs` and the pool allow. A prompt
+   longer than what is left of the budget is split (chunked prefill) and continues next step.
+
+The batch is ordered decodes first, then prefills (the attention kernels rely on it). The switches of this layer:
+continuous_batching off = a new batch is admitted only when the previous one has finished; chunked_prefill off =
+a prompt is scheduled whole or not at all; paged_kv off = a sequence reserves max_model_len tokens of KV when
+admitted; prefix_caching off = no cache lookups.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from nanoserve.config import Optimizations
+from nanoserve.engine.block_manager import BlockManager, EventHook
+from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    opts: Optimizations
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed for it this step (its query length)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.seq.num_computed_tokens == self.seq.num_tokens - 1
+
+    @property
+    def samples(self) -> bool:
+        """Does this step finish computing the sequence's tokens, so a next token is sampled?"""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Decides, each step, which sequences run and how many of their tokens (see module docstring)."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, on_event: EventHook | None = None):
+        self.config = config
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.on_event = on_event or (lambda *a, **k: None)
+        self.num_preemptions = 0
+
+    @property
+    def opts(self) -> Optimizations:
+        return self.config.opts
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.opts.chunked_prefill
+
+        # 1. running sequences, oldest first; preempt the newest when the pool is full
+        queue = list(self.running)
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget) if chunked else remaining
+            if n > budget:
+                continue  # unchunked prefill that does not fit this step's leftover budget
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+
+        # 2. waiting sequences, first come first served
+        admit = self.opts.continuous_batching or not self.running
+        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
+                and not out.preempted:
+            seq = self.waiting[0]
+            computed = self.bm.computed_blocks(seq)
+            num_cached = len(computed) * self.bm.block_size
+            remaining = seq.num_tokens - num_cached
+            n = min(remaining, budget) if chunked else remaining
+            if n > budget:
+                break
+            reserve = num_cached + n if self.opts.paged_kv else max(self.config.max_model_len, seq.num_tokens)
+            if not self.bm.allocate(seq, reserve, computed):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = num_cached
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.admitted.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            self.on_event("admit", seq=seq, num_new_tokens=n, num_cached_tokens=num_cached)
+
+        for s in out.scheduled:
+            if s.num_new_tokens < s.seq.num_tokens - s.seq.num_computed_tokens:
+                self.on_event("chunk", seq=s.seq, num_new_tokens=s.num_new_tokens,
+                              remaining=s.seq.num_tokens - s.seq.num_computed_tokens - s.num_new_tokens)
+        # decodes (one new token) first: the attention kernels take the batch in that order
+        out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        return out
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Preemption by recompute: free the blocks, requeue at the front; its tokens are recomputed later
+        (full blocks it registered in the prefix cache may still be hit then)."""
+        self.bm.free_seq(seq)
+        self.running.remove(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        self.on_event("preempt", seq=seq)
+
+    # -- after the step -----------------------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed-token counts and register newly full blocks in the prefix cache."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_new_tokens
+            self.bm.cache_full_blocks(s.seq)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """End a sequence (stop, length or abort) wherever it is, returning its blocks."""
+        if seq.status == SequenceStatus.FINISHED:
+            return
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finished_time = time.monotonic()
+        self.on_event("finish", seq=seq, reason=reason.value)

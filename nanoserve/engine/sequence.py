@@ -1,0 +1,82 @@
+"""The state of one sequence (one completion of one request) as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from nanoserve.sampling import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # queued for (re)admission: new, or preempted
+    RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's max length
+    ABORT = "abort"  # cancelled by the client or the engine
+
+
+@dataclass
+class Sequence:
+    """One sequence: its tokens, its KV blocks, how much of it the KV cache already holds, and timestamps.
+
+    `num_computed_tokens` counts tokens whose K/V are in the cache. The scheduler schedules the gap
+    `num_tokens - num_computed_tokens` (a whole prompt, a chunk of it, or the one newest token when decoding);
+    preemption frees the blocks and resets it to 0, so the sequence is recomputed from its tokens later."""
+
+    seq_id: int
+    request_id: str
+    index: int  # which of the request's n completions
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    # sampling results
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # incremental detokenisation (engine/detokenizer.py)
+    text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    # timestamps (time.monotonic) for metrics
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """Still computing the prompt (or, after a preemption, recomputing prompt + outputs)."""
+        return self.num_computed_tokens < self.num_tokens - 1
+
+    def token_at(self, i: int) -> int:
+        p = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
