@@ -9,6 +9,7 @@ from many sequences plus their AttentionMetadata, and reads and writes the paged
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -114,6 +115,17 @@ class M3ForCausalLM(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
+
+    def set_trace(self, fn: Callable[..., None] | None) -> None:
+        """Install (or, with None, remove) a tracing hook: each MSA attention layer then calls
+        fn("msa_select", layer=i, ...) after choosing its KV blocks, and each MoE layer fn("moe_route", layer=i, ...)
+        after routing (payloads: M3Attention.trace, M3MoE.trace). For teaching and debugging: the walkthrough
+        narrates from it. Not called from captured CUDA graphs."""
+        for i, layer in enumerate(self.layers):
+            hook = None if fn is None else functools.partial(fn, layer=i)
+            layer.self_attn.trace = hook
+            if isinstance(layer.mlp, M3MoE):
+                layer.mlp.trace = hook
 
     def bind_kv_caches(self, kv_caches: list[torch.Tensor], index_caches: list[torch.Tensor | None]) -> None:
         """Give each layer its KV pool (and MSA layers their index-key pool)."""

@@ -30,6 +30,11 @@ class M3Attention(nn.Module):
     one per KV head) they read: split while tp <= num_key_value_heads, replicated beyond. The single index-key
     head is replicated on every rank."""
 
+    trace: Callable[..., None] | None = None
+    """Optional tracing hook, for teaching and debugging (set it with M3ForCausalLM.set_trace). An MSA layer calls
+    trace("msa_select", index_q=, index_cache=, meta=, selection=) right after choosing its blocks. Eager mode
+    only; left None it costs one attribute check."""
+
     def __init__(self, cfg: M3Config, layer_idx: int, opts: Optimizations, dtype: torch.dtype,
                  device: torch.device | str):
         super().__init__()
@@ -80,6 +85,8 @@ class M3Attention(nn.Module):
         selection = None
         if self.sparse:
             selection = prev_selection if prev_selection is not None else self._select(index_q, meta)
+            if self.trace is not None:
+                self.trace("msa_select", index_q=index_q, index_cache=self.index_cache, meta=meta, selection=selection)
             out = self._sparse_attention(q, meta, selection)
         else:
             out = self._dense_attention(q, meta)

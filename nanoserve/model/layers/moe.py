@@ -28,6 +28,10 @@ class M3MoE(nn.Module):
     launch (`fold_shared_expert`); the reference path computes it from that slot as a plain MLP.
     """
 
+    trace: Callable[..., None] | None = None
+    """Optional tracing hook, for teaching and debugging (set it with M3ForCausalLM.set_trace): called as
+    trace("moe_route", topk_ids=, topk_weights=) right after routing. Eager mode only; None costs one check."""
+
     def __init__(self, cfg: M3Config, opts: Optimizations, dtype: torch.dtype, device: torch.device | str):
         super().__init__()
         if cfg.n_shared_experts != 1:
@@ -73,6 +77,8 @@ class M3MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
         topk_weights, topk_ids = self.route(x)
+        if self.trace is not None:
+            self.trace("moe_route", topk_ids=topk_ids, topk_weights=topk_weights)
         alpha, limit, scale = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.routed_scaling_factor
         routed_w13, routed_w2 = self.w13[: self.num_local], self.w2[: self.num_local]
         if self.opts.fused_moe and triton_usable(x):
