@@ -30,7 +30,10 @@ class Block:
     block_id: int
     ref_count: int = 0
     hash: bytes | None = None  # set once the block is full and registered in the prefix cache
-    token_ids: tuple[int, ...] | None = None  # kept with the hash to verify hits
+    # the hash's inputs, kept to verify hits: a hit must match both, so even a hash collision cannot hand out
+    # a block computed after a different prefix or holding different tokens
+    parent: bytes | None = None
+    token_ids: tuple[int, ...] | None = None
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -82,7 +85,7 @@ class BlockManager:
             chunk = tokens[i * self.block_size: (i + 1) * self.block_size]
             h = chain_hash(parent, chunk)
             block_id = self.cached.get(h)
-            if block_id is None or self.blocks[block_id].token_ids != tuple(chunk):
+            if block_id is None or not self._holds(block_id, parent, chunk):
                 break
             hits.append(block_id)
             parent = h
@@ -155,14 +158,18 @@ class BlockManager:
             tokens = tokens or seq.token_ids
             chunk = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
             h = chain_hash(hashes[-1] if hashes else None, chunk)
-            hashes.append(h)
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
-                block.hash, block.token_ids = h, chunk
+                block.hash, block.parent, block.token_ids = h, (hashes[-1] if hashes else None), chunk
                 self.cached[h] = block.block_id
+            hashes.append(h)
             # else: another sequence computed the same prefix concurrently; the first copy stays the cached one
 
     # -- internals ----------------------------------------------------------------------------------------
+    def _holds(self, block_id: int, parent: bytes | None, chunk: list[int]) -> bool:
+        block = self.blocks[block_id]
+        return block.parent == parent and block.token_ids == tuple(chunk)
+
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:
@@ -173,7 +180,7 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:
             del self.cached[block.hash]
-            block.hash, block.token_ids = None, None
+            block.hash, block.parent, block.token_ids = None, None, None
             self.on_event("evict", block=block_id)
 
     def reset_prefix_cache(self) -> None:
