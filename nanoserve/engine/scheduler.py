@@ -100,7 +100,7 @@ class Scheduler:
                 continue  # unchunked prefill that does not fit this step's leftover budget
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
                 victim = queue.pop() if queue else seq
-                self._preempt(victim, out)
+                self._preempt(victim, out, needed_by=seq)
                 if victim is seq:
                     break
             else:
@@ -141,9 +141,10 @@ class Scheduler:
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
-    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+    def _preempt(self, seq: Sequence, out: SchedulerOutput, needed_by: Sequence | None = None) -> None:
         """Preemption by recompute: free the blocks, requeue at the front; its tokens are recomputed later
-        (full blocks it registered in the prefix cache may still be hit then)."""
+        (full blocks it registered in the prefix cache may still be hit then). `needed_by` is the sequence whose
+        growth ran the pool dry (seq itself when it preempts itself); the event reports it."""
         self.bm.free_seq(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
@@ -152,7 +153,7 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
         out.preempted.append(seq)
-        self.on_event("preempt", seq=seq)
+        self.on_event("preempt", seq=seq, needed_by=needed_by or seq)
 
     # -- after the step -----------------------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
