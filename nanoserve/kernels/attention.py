@@ -1,0 +1,326 @@
+"""Paged causal GQA attention for the dense layers, in Triton (switch `triton_attention`; reference:
+`reference.paged_attention`).
+
+The batch is flat: the first `meta.num_decode_seqs` sequences are decodes (one query token each), the rest are
+prefills or prefill chunks. This step's K/V are already in the paged cache, so every query reads its keys from the
+cache; a query at position p sees keys 0..p (keys past the sequence length never exist).
+
+Decode: flash-decoding. One program per (sequence, KV head, split) holds all the query heads of that KV head's
+GQA group as the rows of one tile (16 in M3, padded to >= 16 for tl.dot), walks its share of the context in
+tiles of BLOCK_N keys with an online softmax, and writes a partial result normalised by its own sum plus the
+log-sum-exp. A second kernel merges the splits. The number of splits depends only on the number of sequences,
+the head counts and `meta.max_seq_len` (which the graph runner pins to max_model_len), never on the data, so the
+decode path has no host synchronisation and is CUDA-graph capturable; one long sequence still spreads over the
+whole GPU.
+
+Prefill: one program per (sequence, tile of BLOCK_M query rows, query head). Keys visible to every row of the
+tile (below the tile's smallest position) are streamed without a mask; the rest, up to the tile's largest
+position, with the causal mask. Grid cells past a sequence's query length do nothing.
+
+Scores are kept in log2 units (scale * log2(e) folded into one multiply, exp2 instead of exp). Masked scores are
+a large finite negative number rather than -inf, so a tile whose keys are all masked for some row never computes
+(-inf) - (-inf) = NaN; the first real key then rescales that row's running state to zero.
+
+The partial-result merge (`combine_splits`) and the softmax step are shared with the MSA block-sparse kernel in
+kernels/msa.py.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.configs import sm_count, tiles
+from nanoserve.model.attention_metadata import AttentionMetadata
+
+LOG2E = 1.4426950408889634
+MASKED_SCORE = tl.constexpr(-1.0e30)
+"""Score (log2 units) of a masked key: finite, so all-masked rows stay NaN-free (see the module docstring).
+(Globals a kernel reads must be tl.constexpr.)"""
+MIN_DOT_ROWS = 16
+"""tl.dot needs M, N, K >= 16 (NVIDIA mma and AMD MFMA alike): a decode program's query-head rows pad up to this."""
+PROGRAMS_PER_SM = 4
+"""Split-K decode aims for this many programs per multiprocessor, to hide memory latency while streaming KV."""
+MIN_KEYS_PER_SPLIT = 256
+"""A split shorter than this costs more in the merge than it gains in parallelism."""
+MAX_SPLITS = 256
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Shared device helpers
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation. fp32 operands use exact IEEE products (not TF32) so fp32 runs match the
+    reference to ~1e-6; 16-bit operands go to the tensor cores / matrix cores."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+    """One online-softmax update with a tile of scores s [M, N] (log2 units, masked = MASKED_SCORE) and values
+    v [N, D]. Returns the new (running max, running sum, unnormalised accumulator)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, row_mask,
+                   SPLIT_OUTPUT: tl.constexpr):
+    """Epilogue of a split-K program. Without splits: write acc / l to the output. With splits: write acc / l
+    and the log2-sum-exp (m + log2 l, or -inf for an empty split) for `combine_splits`."""
+    has_keys = l_i > 0.0
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    if SPLIT_OUTPUT:
+        tl.store(part_out_ptrs, o, mask=mask)
+        lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
+        tl.store(part_lse_ptrs, lse, mask=row_mask)
+    else:
+        tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                           BLOCK_S: tl.constexpr):
+    """out[t, h] = sum_i w_i * part_out[t, h, i] with w_i = 2^lse_i / sum_j 2^lse_j; empty splits weigh 0."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    sp = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    row = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
+    lse = tl.load(part_lse_ptr + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+    parts = tl.load(part_out_ptr + (row + sp[:, None]) * HEAD_DIM + d[None, :],
+                    mask=(sp[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+    total = tl.sum(w, 0)
+    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
+
+
+def split_buffers(num_tokens: int, num_heads: int, num_splits: int, head_dim: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Workspace of a split-K launch: partial outputs [T, H, splits, D] and log2-sum-exps [T, H, splits], fp32."""
+    if num_splits == 1:  # the kernel writes the output directly; pass placeholders
+        empty = torch.empty(1, dtype=torch.float32, device=device)
+        return empty, empty
+    return (torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=device),
+            torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=device))
+
+
+def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge split-K partial results into out [T, H, D] (a no-op launch-wise when there was one split)."""
+    t, h, num_splits, d = part_out.shape
+    if t == 0:
+        return
+    cfg = tiles("split_combine", out.device)
+    _combine_splits_kernel[(t, h)](
+        part_out, part_lse, out, out.stride(0), out.stride(1), h,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def gqa_rows(group: int) -> int:
+    """Rows of a tile that holds one GQA group's query heads: the group padded to a power of two >= 16."""
+    return max(MIN_DOT_ROWS, triton.next_power_of_2(group))
+
+
+def num_decode_splits(work_items: int, max_items_per_split: int, device: torch.device) -> int:
+    """Split count for a split-K decode launch of `work_items` programs per split, each split covering at least
+    one unit (keys / selected blocks) of at most `max_items_per_split` units in total. Depends only on shapes."""
+    want = -(-PROGRAMS_PER_SM * sm_count(device) // max(work_items, 1))
+    return max(1, min(want, max_items_per_split, MAX_SPLITS))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Decode: split-K over the context
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_decode_kernel(
+        q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
+        num_heads, split_len, qk_scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)  # decode sequence s owns flat token s
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    q = q.to(kv_ptr.dtype.element_ty)
+
+    seq_len = tl.load(seq_lens_ptr + seq)
+    n_keys = tl.minimum(seq_len, tl.load(positions_ptr + seq).to(tl.int32) + 1)
+    start = split * split_len
+    end = tl.minimum(start + split_len, n_keys)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    bt_row = block_tables_ptr + seq * stride_bt
+    kv_head = kv_ptr + kvh * stride_kv_head
+    for n0 in range(start, end, BLOCK_N):
+        toks = n0 + tl.arange(0, BLOCK_N)
+        key_ok = toks < end
+        page = tl.load(bt_row + toks // PAGE, mask=key_ok, other=0).to(tl.int64)
+        offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        s = tl.where(key_ok[None, :], s, MASKED_SCORE)
+        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, IEEE)
+
+    part_row = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+    _store_partial(acc, m_i, l_i,
+                   out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
+                   part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
+                   NUM_SPLITS > 1)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+            out: torch.Tensor) -> None:
+    n = meta.num_decode_seqs
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = kv_cache.shape[3]
+    page = kv_cache.shape[2]
+    group = num_heads // num_kv
+    cfg = tiles("paged_decode", q.device)
+    max_len = max(meta.max_seq_len, 1)
+    num_splits = num_decode_splits(n * num_kv, triton.cdiv(max_len, MIN_KEYS_PER_SPLIT), q.device)
+    split_len = triton.cdiv(triton.cdiv(max_len, num_splits), cfg.block_n) * cfg.block_n
+    part_out, part_lse = split_buffers(n, num_heads, num_splits, head_dim, q.device)
+    _paged_decode_kernel[(n, num_kv, num_splits)](
+        q, kv_cache, meta.block_tables, meta.seq_lens, meta.positions, out, part_out, part_lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+        num_heads, split_len, scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=gqa_rows(group),
+        BLOCK_N=cfg.block_n, PAGE=page, NUM_SPLITS=num_splits, IEEE=kv_cache.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        combine_splits(part_out, part_lse, out)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Prefill: query tiles over a ragged batch with cached prefixes
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attend_key_tile(q, kv_head, bt_row, n0, rows_pos, seq_len, m_i, l_i, acc, d, d_ok, qk_scale,
+                     stride_kv_block, stride_kv_kind, stride_kv_tok,
+                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+    """Fold keys n0 .. n0+BLOCK_N of one sequence into the running softmax of a query tile. CAUSAL: mask key j
+    for the rows whose position is < j (and keys past the sequence); otherwise every key is visible to every row."""
+    toks = n0 + tl.arange(0, BLOCK_N)
+    key_ok = toks < seq_len
+    page = tl.load(bt_row + toks // PAGE, mask=key_ok, other=0).to(tl.int64)
+    offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
+    kv_mask = key_ok[:, None] & d_ok[None, :]
+    k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = _dot(q, tl.trans(k), IEEE) * qk_scale
+    if CAUSAL:
+        s = tl.where((toks[None, :] <= rows_pos[:, None]) & key_ok[None, :], s, MASKED_SCORE)
+    v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return _softmax_step(s, v, m_i, l_i, acc, IEEE)
+
+
+@triton.jit
+def _paged_prefill_kernel(
+        q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, out_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
+        first_seq, qk_scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr):
+    seq = first_seq + tl.program_id(0)
+    tile = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    if tile * BLOCK_M < q_len:
+        rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = rows < q_len
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        qd_mask = row_ok[:, None] & d_ok[None, :]
+        tok = (q_start + rows).to(tl.int64)
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+        q = q.to(kv_ptr.dtype.element_ty)
+        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        # keys [0, shared_end) are visible to every row of the tile; [shared_end, end) need the causal mask
+        end = tl.minimum(tl.max(tl.where(row_ok, pos, 0), 0) + 1, seq_len)
+        shared_end = tl.minimum(tl.min(tl.where(row_ok, pos, end), 0) + 1, end) // BLOCK_N * BLOCK_N
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        bt_row = block_tables_ptr + seq * stride_bt
+        kv_head = kv_ptr + (head // GROUP) * stride_kv_head
+        for n0 in range(0, shared_end, BLOCK_N):
+            m_i, l_i, acc = _attend_key_tile(q, kv_head, bt_row, n0, pos, seq_len, m_i, l_i, acc, d, d_ok,
+                                             qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
+                                             BLOCK_N, PAGE, False, IEEE)
+        for n0 in range(shared_end, end, BLOCK_N):
+            m_i, l_i, acc = _attend_key_tile(q, kv_head, bt_row, n0, pos, seq_len, m_i, l_i, acc, d, d_ok,
+                                             qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
+                                             BLOCK_N, PAGE, True, IEEE)
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
+                 o.to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+             out: torch.Tensor) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv = kv_cache.shape[3]
+    first = meta.num_decode_seqs
+    max_q = max(meta.query_lens_cpu[first:])
+    cfg = tiles("paged_prefill", q.device)
+    grid = (meta.num_seqs - first, triton.cdiv(max_q, cfg.block_m), num_heads)
+    _paged_prefill_kernel[grid](
+        q, kv_cache, meta.block_tables, meta.seq_lens, meta.positions, meta.query_start_loc, out,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+        first, scale * LOG2E,
+        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_cache.shape[2], IEEE=kv_cache.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """Causal GQA attention of q [T, Hq, D] over each sequence's paged context; same contract as
+    `reference.paged_attention`. Decodes use split-K (graph-capturable), prefills use query tiles."""
+    out = torch.empty_like(q)
+    if meta.num_decode_seqs:
+        _decode(q, kv_cache, meta, scale, out)
+    if meta.num_seqs > meta.num_decode_seqs:
+        _prefill(q, kv_cache, meta, scale, out)
+    return out
+

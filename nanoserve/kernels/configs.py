@@ -1,0 +1,81 @@
+"""Tile configurations for the attention kernels (kernels/attention.py, kernels/msa.py, kernels/norm_rope.py).
+
+One table per kernel, keyed by backend:
+
+- "cuda": chosen for an H200 (Hopper, 132 SMs, 4.26 TB/s measured copy ceiling). Decode kernels stream the KV
+  cache, so their tiles favour many programs and a few pipeline stages; prefill tiles are the usual
+  flash-attention shapes for head_dim 128.
+- "hip": the same kernels on AMD Instinct (wave-64). `num_warps` counts 64-lane wavefronts there, so the warp
+  counts are halved where the CUDA choice would give 512 threads; every tl.dot keeps M, N, K >= 16 (the MFMA
+  16x16 minimum), and num_stages stays <= 2 (the AMD stream pipeliner's useful range).
+- "interpret": the CPU interpreter used by the tests. No autotuning anywhere: the interpreter runs a program per
+  grid cell in Python, so a few large-ish tiles are what keep it quick; warps and stages are ignored there.
+
+Tiles that depend on the problem (the query-head group of a decode program, the padded head dim, a tile holding a
+whole KV block) are derived in the kernel wrappers; these tables hold only the free choices.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One launch configuration. block_m: query rows per program (0 where the kernel derives it);
+    block_n: keys per inner-loop tile (0 where the kernel derives it)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+TABLES: dict[str, dict[str, Tiles]] = {
+    # Dense decode, one program per (sequence, KV head, split); block_m is derived (the GQA group, >= 16).
+    "paged_decode": {"cuda": Tiles(0, 64, 4, 3), "hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 32, 1, 1)},
+    # Dense prefill, one program per (sequence, query tile, query head).
+    "paged_prefill": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 64, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
+    # Merge of flash-decoding splits, one program per (token, query head).
+    "split_combine": {"cuda": Tiles(0, 0, 4, 1), "hip": Tiles(0, 0, 4, 1), "interpret": Tiles(0, 0, 1, 1)},
+    # MSA indexer scores; block_n is derived (one whole KV block per step). block_m = (token, index head) rows.
+    "msa_score_prefill": {"cuda": Tiles(64, 0, 4, 3), "hip": Tiles(64, 0, 4, 2), "interpret": Tiles(64, 0, 1, 1)},
+    "msa_score_decode": {"cuda": Tiles(16, 0, 4, 3), "hip": Tiles(16, 0, 4, 2), "interpret": Tiles(16, 0, 1, 1)},
+    # Block top-k, one program per (token, KV group); block_n = block scores held per pass.
+    "msa_topk": {"cuda": Tiles(0, 2048, 4, 1), "hip": Tiles(0, 2048, 4, 1), "interpret": Tiles(0, 256, 1, 1)},
+    # Block-sparse attention, one program per (token, KV group, split); block_n = keys per tile of a KV block.
+    "sparse_attention": {"cuda": Tiles(0, 64, 4, 3), "hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 64, 1, 1)},
+    # Row-wise kernels: QK-norm + RoPE + cache insert (one program per token), residual add + RMSNorm (per row).
+    "qk_norm_rope": {"cuda": Tiles(16, 0, 4, 1), "hip": Tiles(16, 0, 4, 1), "interpret": Tiles(64, 0, 1, 1)},
+    "add_rmsnorm": {"cuda": Tiles(0, 0, 8, 1), "hip": Tiles(0, 0, 4, 1), "interpret": Tiles(0, 0, 1, 1)},
+}
+
+INTERPRETER_SM_COUNT = 4
+"""Stand-in multiprocessor count under the interpreter: small, so tests still exercise several splits."""
+
+
+def backend(device: torch.device) -> str:
+    """'interpret', 'hip' or 'cuda': which column of the tables applies to kernels launched on `device`."""
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return "interpret"
+    return "hip" if torch.version.hip else "cuda"
+
+
+def tiles(kernel: str, device: torch.device) -> Tiles:
+    return TABLES[kernel][backend(device)]
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors (CUs on AMD) of the device: sizes the split-K grids so one long sequence fills the GPU."""
+    if backend(device) == "interpret":
+        return INTERPRETER_SM_COUNT
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

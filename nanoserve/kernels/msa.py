@@ -1,0 +1,318 @@
+"""MSA (MiniMax Sparse Attention) in Triton: the indexer's block selection and the block-sparse attention over the
+selected blocks (switch `triton_msa`; references: `reference.msa_select`, `reference.sparse_attention`;
+m3_spec.md 2.5).
+
+Selection, for every query row t and index head g (one per KV group), in three steps:
+
+1. Block scores (`_index_score_kernel`). Token score s_g(t, j) = <index_q_g(t), index_k(j)> in fp32 for the
+   causally visible keys j <= p_t; a block's score is the max over its visible keys. A program holds a tile of
+   (token, index head) rows of one sequence and walks KV blocks one at a time (a tile of keys = one KV block, so
+   the max-pool is a row max), writing block maxima into an fp32 workspace [rows, G, n_blocks]. Only blocks up
+   to each row's own block are written; later blocks are never read. Decode rows (one token, G heads) split the
+   blocks of a sequence over many programs so one long context fills the GPU; prefill rows tile the queries.
+2. Top-k (`_block_topk_kernel`), one program per (row, group). Each valid block becomes one int64 key
+   (orderable bits of its fp32 score) << 32 | (2^31 - 1 - block), so a plain max over keys picks the highest
+   score and, among equal scores, the LOWEST block index. Forced blocks (the row's own block and the
+   local_blocks - 1 before it) get score +inf. k passes each take the max key below the previous pass's key, so
+   the output is ordered by (score desc, block index asc) exactly like the reference's stable descending sort,
+   left-packed, padded with -1 where a row has fewer than topk valid blocks. -0.0 is read as +0.0 so that equal
+   scores of either sign tie as they do in the reference.
+3. The selection indexes the block table directly (KV block = MSA block).
+
+Block-sparse attention (`_sparse_attention_kernel`), one program per (query token, KV group, split): the group's
+query heads are the rows of one tile; the program walks its share of the token's selected blocks (-1 = skip),
+masks keys after the query's position, and runs the online softmax; exact, one softmax over the union. Decode
+splits the top-k list across programs (flash-decoding, merged by `attention.combine_splits`); prefill uses one
+split per token. A selected list must not repeat a block (top-k never does).
+
+Decode is CUDA-graph capturable: grids and workspaces depend only on the number of sequences, head counts and
+meta.max_seq_len. Prefill may use the host-side query lengths (it chunks its queries so the score workspace stays
+under MAX_SCORE_WORKSPACE_BYTES).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, _dot, _softmax_step, _store_partial, combine_splits,
+                                         gqa_rows, num_decode_splits, split_buffers)
+from nanoserve.kernels.configs import tiles
+from nanoserve.model.attention_metadata import AttentionMetadata
+
+MAX_SCORE_WORKSPACE_BYTES = 512 * 2**20
+"""Prefill block scores are computed for at most this many bytes of [rows, G, n_blocks] fp32 at a time."""
+# Ranking keys of the top-k kernel (globals a kernel reads must be tl.constexpr):
+LOW_BITS = tl.constexpr(2**31 - 1)
+"""Low half of a key: LOW_BITS - block (block indices < 2^31), so on equal scores the lower block ranks higher."""
+NO_KEY = tl.constexpr(-(2**63))
+"""Key of an invalid block (after the row's own block, or past the sequence): below every real key."""
+MAX_KEY = tl.constexpr(2**63 - 1)
+SIGN_FLIP = tl.constexpr(2**31 - 1)
+"""XOR with the int32 bits of a negative float makes int32 order agree with float order."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 1. Block scores
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _index_score_kernel(
+        iq_ptr, icache_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, score_ptr,
+        stride_iq_t, stride_iq_g, stride_ic_block, stride_ic_tok, stride_bt,
+        first_seq, tok_lo, tok_hi, n_blocks_ws, blocks_per_split,
+        G: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr):
+    """Block maxima for rows (token, head) of one sequence whose flat token lies in [tok_lo, tok_hi), over the
+    KV blocks [split * blocks_per_split, ...) of that sequence. score[token - tok_lo, head, block]."""
+    seq = first_seq + tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    r = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    tok = (q_start + r // G).to(tl.int64)
+    head = r % G
+    row_ok = (r < q_len * G) & (tok >= tok_lo) & (tok < tok_hi)
+    if tl.max(row_ok.to(tl.int32), 0) > 0:
+        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        own = pos // PAGE
+        seq_len = tl.load(seq_lens_ptr + seq)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < INDEX_DIM
+        q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + d[None, :],
+                    mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+        q = q.to(icache_ptr.dtype.element_ty)
+        out_row = score_ptr + ((tok - tok_lo) * G + head) * n_blocks_ws
+        b_lo = split * blocks_per_split
+        b_hi = tl.minimum(tl.minimum(b_lo + blocks_per_split, n_blocks_ws),
+                          tl.max(tl.where(row_ok, own, -1), 0) + 1)
+        n = tl.arange(0, BLOCK_N)
+        in_block = n < PAGE
+        for b in range(b_lo, b_hi):
+            page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
+            k = tl.load(icache_ptr + page * stride_ic_block + n[:, None] * stride_ic_tok + d[None, :],
+                        mask=in_block[:, None] & d_ok[None, :], other=0.0)
+            s = _dot(q, tl.trans(k), IEEE)
+            keys = b * PAGE + n
+            visible = (keys[None, :] <= pos[:, None]) & (in_block & (keys < seq_len))[None, :]
+            s = tl.where(visible, s, float("-inf"))
+            tl.store(out_row + b, tl.max(s, 1), mask=row_ok & (b <= own))
+
+
+def _launch_scores(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, scores: torch.Tensor,
+                   first_seq: int, num_seqs: int, max_rows: int, tok_lo: int, tok_hi: int, n_splits: int,
+                   kernel_tiles: str) -> None:
+    g, di = index_q.shape[1], index_q.shape[2]
+    page = index_cache.shape[1]
+    n_blocks_ws = scores.shape[2]
+    cfg = tiles(kernel_tiles, index_q.device)
+    grid = (num_seqs, triton.cdiv(max_rows * g, cfg.block_m), n_splits)
+    _index_score_kernel[grid](
+        index_q, index_cache, meta.block_tables, meta.seq_lens, meta.positions, meta.query_start_loc, scores,
+        index_q.stride(0), index_q.stride(1), index_cache.stride(0), index_cache.stride(1),
+        meta.block_tables.stride(0),
+        first_seq, tok_lo, tok_hi, n_blocks_ws, triton.cdiv(n_blocks_ws, n_splits),
+        G=g, INDEX_DIM=di, BLOCK_D=triton.next_power_of_2(di), BLOCK_M=cfg.block_m,
+        BLOCK_N=max(16, triton.next_power_of_2(page)), PAGE=page, IEEE=index_cache.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# 2. Top-k blocks per (row, group)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _block_keys(score_row, b0, own, local_blocks, n_valid, CHUNK: tl.constexpr):
+    """int64 ranking keys of blocks b0 .. b0+CHUNK of one row (NO_KEY where invalid); see the module docstring."""
+    b = b0 + tl.arange(0, CHUNK)
+    valid = b < n_valid
+    score = tl.load(score_row + b, mask=valid, other=0.0)
+    score = tl.where(b > own - local_blocks, float("inf"), score)  # forced: own block and the ones before it
+    valid = valid & (score > float("-inf"))
+    score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: equal scores must tie whatever their sign
+    bits = score.to(tl.int32, bitcast=True)
+    bits = tl.where(bits >= 0, bits, bits ^ SIGN_FLIP)  # now int32 order == float order
+    key = (bits.to(tl.int64) << 32) | ((~b) & LOW_BITS).to(tl.int64)  # low half: LOW_BITS - b
+    return tl.where(valid, key, NO_KEY)
+
+
+@triton.jit
+def _block_topk_kernel(score_ptr, positions_ptr, sel_ptr, stride_sel_t, stride_sel_g, tok_lo, n_blocks_ws,
+                       local_blocks,
+                       G: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+                       PAGE: tl.constexpr):
+    row = tl.program_id(0)  # workspace row; flat token tok_lo + row
+    g = tl.program_id(1)
+    tok = (tok_lo + row).to(tl.int64)
+    own = tl.load(positions_ptr + tok).to(tl.int32) // PAGE
+    n_valid = tl.minimum(own + 1, n_blocks_ws)
+    score_row = score_ptr + (row.to(tl.int64) * G + g) * n_blocks_ws
+    slot = tl.arange(0, BLOCK_K)
+    picked = tl.full([BLOCK_K], -1, tl.int32)
+    prev = tl.full([], MAX_KEY, tl.int64)
+    if n_valid <= CHUNK:  # the whole row fits one tile: rank it once, then k passes in registers
+        keys = _block_keys(score_row, 0, own, local_blocks, n_valid, CHUNK)
+        for i in range(TOPK):
+            best = tl.max(tl.where(keys < prev, keys, NO_KEY), 0)
+            block = tl.where(best == NO_KEY, -1, ((~best) & LOW_BITS).to(tl.int32))
+            picked = tl.where(slot == i, block, picked)
+            prev = best
+    else:  # long rows: every pass re-reads the row (from L2) in CHUNK-sized tiles
+        for i in range(TOPK):
+            best = tl.full([], NO_KEY, tl.int64)
+            for b0 in range(0, n_valid, CHUNK):
+                keys = _block_keys(score_row, b0, own, local_blocks, n_valid, CHUNK)
+                best = tl.maximum(best, tl.max(tl.where(keys < prev, keys, NO_KEY), 0))
+            block = tl.where(best == NO_KEY, -1, ((~best) & LOW_BITS).to(tl.int32))
+            picked = tl.where(slot == i, block, picked)
+            prev = best
+    tl.store(sel_ptr + tok * stride_sel_t + g * stride_sel_g + slot, picked, mask=slot < TOPK)
+
+
+def _launch_topk(scores: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor, tok_lo: int, n_rows: int,
+                 page: int, topk: int, local_blocks: int) -> None:
+    g, n_blocks_ws = scores.shape[1], scores.shape[2]
+    cfg = tiles("msa_topk", scores.device)
+    _block_topk_kernel[(n_rows, g)](
+        scores, meta.positions, selected, selected.stride(0), selected.stride(1), tok_lo, n_blocks_ws, local_blocks,
+        G=g, TOPK=topk, BLOCK_K=triton.next_power_of_2(topk),
+        CHUNK=min(triton.next_power_of_2(n_blocks_ws), cfg.block_n), PAGE=page,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def msa_select(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, topk: int,
+               local_blocks: int) -> torch.Tensor:
+    """MSA indexer: index_q [T, G, Di] (normed + roped) -> selected logical blocks [T, G, topk] int32.
+
+    Same contract as `reference.msa_select`: per (row, group) the top-k blocks by block score with the own block
+    and the (local_blocks - 1) before it forced; ordered by (score desc, block index asc); left-packed; -1 pads.
+    Rows of padding tokens (beyond the batch's sequences) are left as -1."""
+    t, g = index_q.shape[0], index_q.shape[1]
+    page = index_cache.shape[1]
+    selected = torch.full((t, g, topk), -1, dtype=torch.int32, device=index_q.device)
+    nd = meta.num_decode_seqs
+    if nd:
+        n_blocks = triton.cdiv(max(meta.max_seq_len, 1), page)
+        scores = torch.empty(nd, g, n_blocks, dtype=torch.float32, device=index_q.device)
+        n_splits = num_decode_splits(nd, n_blocks, index_q.device)
+        _launch_scores(index_q, index_cache, meta, scores, 0, nd, 1, 0, nd, n_splits, "msa_score_decode")
+        _launch_topk(scores, meta, selected, 0, nd, page, topk, local_blocks)
+    if meta.num_seqs > nd:
+        q_lens, seq_lens = meta.query_lens_cpu[nd:], meta.seq_lens_cpu[nd:]
+        n_blocks = triton.cdiv(max(seq_lens), page)
+        rows_per_pass = max(1, MAX_SCORE_WORKSPACE_BYTES // (g * n_blocks * 4))
+        first_tok = sum(meta.query_lens_cpu[:nd])
+        last_tok = first_tok + sum(q_lens)
+        scores = torch.empty(min(rows_per_pass, last_tok - first_tok), g, n_blocks, dtype=torch.float32,
+                             device=index_q.device)
+        for lo in range(first_tok, last_tok, rows_per_pass):
+            hi = min(lo + rows_per_pass, last_tok)
+            _launch_scores(index_q, index_cache, meta, scores, nd, meta.num_seqs - nd, max(q_lens), lo, hi, 1,
+                           "msa_score_prefill")
+            _launch_topk(scores, meta, selected, lo, hi - lo, page, topk, local_blocks)
+    return selected
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Block-sparse attention
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _sparse_attention_kernel(
+        q_ptr, kv_ptr, block_tables_ptr, token_seq_ptr, positions_ptr, sel_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt, stride_sel_t, stride_sel_g,
+        first_tok, num_heads, slots_per_split, qk_scale,
+        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+        IEEE: tl.constexpr):
+    tok = (first_tok + tl.program_id(0)).to(tl.int64)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    rows = tl.arange(0, BLOCK_H)
+    heads = kvh * GROUP + rows
+    row_ok = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    q = q.to(kv_ptr.dtype.element_ty)
+    seq = tl.load(token_seq_ptr + tok)
+    pos = tl.load(positions_ptr + tok).to(tl.int32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    kv_head = kv_ptr + kvh * stride_kv_head
+    sel_row = sel_ptr + tok * stride_sel_t + kvh * stride_sel_g
+    slot_lo = split * slots_per_split
+    slot_hi = tl.minimum(slot_lo + slots_per_split, TOPK)
+    for slot in range(slot_lo, slot_hi):
+        b = tl.load(sel_row + slot)
+        if b >= 0:
+            page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
+            for n0 in range(0, PAGE, BLOCK_N):
+                n = n0 + tl.arange(0, BLOCK_N)
+                key_ok = (n < PAGE) & (b * PAGE + n <= pos)
+                offs = page * stride_kv_block + n * stride_kv_tok
+                kv_mask = key_ok[:, None] & d_ok[None, :]
+                k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                s = _dot(q, tl.trans(k), IEEE) * qk_scale
+                s = tl.where(key_ok[None, :], s, MASKED_SCORE)
+                v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+                m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, IEEE)
+
+    part_row = (tl.program_id(0) * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+    _store_partial(acc, m_i, l_i,
+                   out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
+                   part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
+                   NUM_SPLITS > 1)
+
+
+def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
+                   scale: float, out: torch.Tensor, token_seq: torch.Tensor, first_tok: int, n_tok: int,
+                   num_splits: int) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv, page = kv_cache.shape[3], kv_cache.shape[2]
+    topk = selected.shape[2]
+    group = num_heads // num_kv
+    cfg = tiles("sparse_attention", q.device)
+    part_out, part_lse = split_buffers(n_tok, num_heads, num_splits, head_dim, q.device)
+    _sparse_attention_kernel[(n_tok, num_kv, num_splits)](
+        q, kv_cache, meta.block_tables, token_seq, meta.positions, selected, out, part_out, part_lse,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
+        selected.stride(0), selected.stride(1),
+        first_tok, num_heads, triton.cdiv(topk, num_splits), scale * LOG2E,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=gqa_rows(group),
+        BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
+        NUM_SPLITS=num_splits, IEEE=kv_cache.dtype == torch.float32,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if num_splits > 1:
+        combine_splits(part_out, part_lse, out[first_tok:first_tok + n_tok])
+
+
+def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Exact attention of q [T, Hq, D] over the blocks its KV group selected (selected [T, Hkv, topk], logical
+    block indices, -1 = none, no repeats), keys after the query's position masked. Same contract as
+    `reference.sparse_attention`."""
+    out = torch.empty_like(q)
+    nd = meta.num_decode_seqs
+    topk = selected.shape[2]
+    if nd:
+        # decode token s belongs to sequence s: the identity map is the first nd entries of query_start_loc
+        n_splits = num_decode_splits(nd * kv_cache.shape[3], topk, q.device)
+        _launch_sparse(q, kv_cache, meta, selected, scale, out, meta.query_start_loc, 0, nd, n_splits)
+    if meta.num_seqs > nd:
+        first_tok = sum(meta.query_lens_cpu[:nd])
+        n_tok = sum(meta.query_lens_cpu[nd:])
+        tokens = torch.arange(meta.num_tokens, device=q.device, dtype=torch.int32)
+        token_seq = (torch.searchsorted(meta.query_start_loc, tokens, right=True) - 1).to(torch.int32)
+        _launch_sparse(q, kv_cache, meta, selected, scale, out, token_seq, first_tok, n_tok, 1)
+    return out
