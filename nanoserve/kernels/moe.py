@@ -1,0 +1,335 @@
+"""Triton fused MoE for M3: device-side alignment, two grouped GEMMs with fused epilogues, a top-k reduction.
+
+    out[t] = routed_scaling_factor * sum_k w[t, k] * Expert_{id[t, k]}(x[t])   (+ SharedExpert(x[t]) when folded)
+    Expert(x) = w2 @ swiglu_oai(gate, up),  [gate; up] = w13 @ x                 (m3_spec.md 2.6)
+
+The pipeline, one launch per step, no host synchronisation anywhere (launch grids come from shapes and upper
+bounds only, so a decode step can be captured in a CUDA/HIP graph):
+
+1. Routing stays in torch (`reference.route`, called by the layer): a [T, 128] fp32 sigmoid + top-4 is a few
+   microseconds next to hundreds for the experts, so a fused routing kernel is not worth its code.
+2. Alignment (`moe_align.py`): the T * KP (token, slot) pairs are grouped by expert into runs padded to BLOCK_M
+   rows, so each BLOCK_M-row tile belongs to one expert. KP = top_k, plus one with the folded shared expert.
+3. GEMM 1 over the sorted rows: the program for tile (m, n) loads the tile's token rows of x once and multiplies
+   them by BLOCK_N gate rows and the matching BLOCK_N up rows of w13 (two accumulators), then applies SwiGLU-OAI in
+   fp32 before storing the activation tile, so gate/up never reach memory.
+4. GEMM 2 with w2, multiplying each row by its pair's routing weight, writes one copy per pair: copies[t*KP + j].
+5. Reduction: out[t] = sum_j copies[t*KP + j] in fp32 (deterministic, no atomics); pairs that no local expert
+   computed (expert parallel) are skipped, so no buffer needs zeroing.
+
+Tiles of experts with no tokens do not exist; tiles past the real end of the runs exit on their first load.
+For decode (1-16 tokens) each expert's rows fit one BLOCK_M tile, so its weights are streamed exactly once, and a
+narrow BLOCK_N splits each weight matrix over many programs to keep the memory system busy.
+
+Shared-expert folding (`fold_shared=True`): the last weight slot holds the shared expert, which joins every token
+as pair j = top_k. vLLM/AITER give that slot weight 1/routed_scaling_factor and scale the whole sum; here the
+scale is folded into the routed weights instead (routed pairs weigh scaling * w, the shared pair 1), which is the
+same sum, exact for M3's scale of 2, with one multiply fewer. One alignment + GEMM pair per layer instead of two.
+
+Expert parallel: `expert_map` [E_global] sends a global expert id to a local slot or -1 (another rank's expert:
+skipped, contributes 0). Tensor parallel experts just arrive with a smaller intermediate size. Both reuse the
+kernels unchanged; the caller's all-reduce sums the ranks.
+
+Tile configurations live in one table below (H200, bf16), keyed by (hidden, intermediate, routed experts) and a
+token bucket; other shapes and AMD GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm,
+BLOCK sizes multiples of 16); the CPU interpreter gets a small fixed tile. `scripts/gpu_moe_bench.py --sweep`
+measures candidates per bucket and prints table entries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.moe_align import moe_align, pair_expert
+
+MAX_TOKENS_PER_CALL = 16384
+"""Larger batches run in chunks of this many tokens, bounding the per-call scratch (activations and copies)."""
+REDUCE_BLOCK_H = 512
+"""Hidden columns per program of the top-k reduction."""
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Tile configurations
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """Tile of one grouped GEMM. For GEMM 1, block_n counts gate columns (the program also does as many up ones)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    block_m: int
+    """Rows per tile in both GEMMs, and the padding unit of each expert's run."""
+    group_m: int
+    """Consecutive row tiles that walk the column tiles together, so their shared weight tiles stay in L2."""
+    up: GemmTiles
+    """GEMM 1: x @ w13^T with the SwiGLU-OAI epilogue."""
+    down: GemmTiles
+    """GEMM 2: act @ w2^T with the routing-weight epilogue."""
+
+
+TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
+"""A batch of T tokens uses the entry of the smallest bucket >= T (the largest bucket beyond that)."""
+
+
+def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> MoEConfig:
+    return MoEConfig(block_m, group_m, GemmTiles(*up), GemmTiles(*down))
+
+
+H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
+    # (hidden, intermediate, routed experts) -> {token bucket: config}. NVIDIA H200, bf16, top-4 (+ shared).
+    # up/down = (block_n, block_k, num_warps, num_stages). Starting points from the roofline reasoning in the
+    # module docstring; replace with `scripts/gpu_moe_bench.py --sweep` results.
+    (6144, 3072, 128): {
+        1: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
+        16: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
+        64: _cfg(16, 1, (64, 128, 4, 4), (64, 128, 4, 4)),
+        256: _cfg(32, 1, (64, 128, 4, 4), (64, 128, 4, 4)),
+        1024: _cfg(64, 8, (64, 64, 4, 4), (128, 64, 4, 4)),
+        4096: _cfg(64, 8, (128, 64, 8, 3), (128, 64, 4, 4)),
+        8192: _cfg(128, 8, (128, 64, 8, 3), (128, 64, 8, 3)),
+    },
+}
+
+INTERPRETER_CONFIG = _cfg(16, 1, (32, 32, 4, 1), (32, 32, 4, 1))
+"""CPU interpreter (tests): small tiles so that test shapes still span several tiles in every dimension."""
+
+
+def _bucket(tokens: int) -> int:
+    return next((b for b in TOKEN_BUCKETS if tokens <= b), TOKEN_BUCKETS[-1])
+
+
+def default_config(tokens: int, top_k: int, experts: int, on_rocm: bool) -> MoEConfig:
+    """Portable heuristic (any GPU, any shape): BLOCK_M from the mean rows per routed expert; small-M tiles are
+    memory-bound (narrow BLOCK_N for many programs, long BLOCK_K per load), larger ones compute-bound. The tiles
+    fit 64 KB of shared memory (MI300) with ROCm's 2 stages."""
+    rows = tokens * top_k / max(experts, 1)
+    stages = 2 if on_rocm else 3
+    if rows <= 16:
+        return _cfg(16, 1, (32, 128, 4, stages), (64, 128, 4, stages))
+    if rows <= 32:
+        return _cfg(32, 4, (32, 128, 4, stages), (64, 128, 4, stages))
+    return _cfg(64, 8, (64, 64, 4, stages), (128, 64, 4, stages))
+
+
+def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
+                  device: torch.device) -> MoEConfig:
+    """The tile configuration for this call: interpreter, tuned H200 table, or the portable heuristic."""
+    if device.type != "cuda":
+        return INTERPRETER_CONFIG
+    on_rocm = torch.version.hip is not None
+    tuned = None if on_rocm else H200_CONFIGS.get((hidden, inter, experts))
+    if tuned is not None:
+        return tuned[_bucket(tokens)]
+    return default_config(tokens, top_k, experts, on_rocm)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_M row tiles at a time across all column tiles."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
+
+
+@triton.jit
+def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
+                      num_pairs, num_blocks, inter, hidden, stride_xt, stride_we, stride_wn, stride_ar,
+                      alpha, limit,
+                      KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile."""
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ids_ptr + rows)
+    real = pair < num_pairs
+    token = (pair // KP).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = (cols % inter).to(tl.int64)  # the ragged last tile re-reads valid rows; those columns are not stored
+    ks = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
+    gate_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, hidden, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
+            gate_w = tl.load(gate_ptrs)
+            up_w = tl.load(up_ptrs)
+        else:
+            in_k = ks < hidden - k
+            a = tl.load(x_ptrs, mask=real[:, None] & in_k[None, :], other=0.0)
+            gate_w = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
+            up_w = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
+        # "ieee" only matters for fp32 operands (exact products instead of TF32); 16-bit operands ignore it.
+        acc_gate = tl.dot(a, gate_w, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(a, up_w, acc_up, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+
+    gate = tl.minimum(acc_gate, limit)
+    up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    # Pad rows are stored too (as swiglu(0) = 0): GEMM 2 then reads whole tiles without row masks.
+    tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+
+
+@triton.jit
+def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr,
+                          num_pairs, num_blocks, hidden, inter, stride_ar, stride_we, stride_wn, stride_ct,
+                          routed_scale,
+                          TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+    """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared)."""
+    KP: tl.constexpr = TOPK + FOLD
+    pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = (cols % hidden).to(tl.int64)
+    ks = tl.arange(0, BLOCK_K)
+
+    a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + ks[None, :]
+    w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, inter, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            in_k = ks < inter - k
+            a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    pair = tl.load(sorted_ids_ptr + rows)
+    real = pair < num_pairs
+    token = pair // KP
+    choice = pair % KP
+    weight = tl.load(topk_weights_ptr + token * TOPK + choice, mask=real & (choice < TOPK), other=0.0) * routed_scale
+    if FOLD:
+        weight = tl.where(choice == TOPK, 1.0, weight)
+    out = acc * weight[:, None]
+    tl.store(copies_ptr + pair[:, None].to(tl.int64) * stride_ct + cols[None, :],
+             out.to(copies_ptr.dtype.element_ty), mask=real[:, None] & (cols[None, :] < hidden))
+
+
+@triton.jit
+def _sum_copies_kernel(copies_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, num_pairs, hidden, shared_slot,
+                       TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr):
+    """out[t] = sum over the token's computed pairs of copies[pair], accumulated in fp32."""
+    KP: tl.constexpr = TOPK + FOLD
+    token = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_h = cols < hidden
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in tl.static_range(KP):
+        pair = token * KP + j
+        slot = pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot, TOPK, FOLD, HAS_MAP)
+        computed = tl.where(slot >= 0, in_h, False)  # not `in_h & (slot >= 0)`: the interpreter mistypes it
+        acc += tl.load(copies_ptr + pair.to(tl.int64) * hidden + cols, mask=computed, other=0.0).to(tl.float32)
+    tl.store(out_ptr + token.to(tl.int64) * hidden + cols, acc.to(out_ptr.dtype.element_ty), mask=in_h)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------------
+
+
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor, *, alpha: float, limit: float, expert_map: torch.Tensor | None = None,
+              routed_scaling_factor: float = 1.0, fold_shared: bool = False,
+              config: MoEConfig | None = None) -> torch.Tensor:
+    """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
+
+    x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
+    expert ids; topk_weights [T, k] fp32. With fold_shared, slot S-1 is the shared expert and is added with
+    weight 1 for every token. expert_map [E_global] int32: global id -> local slot, -1 = skip. `config` overrides
+    the tile table (benchmarks). Returns [T, H] in x's dtype."""
+    tokens, hidden = x.shape
+    slots, two_inter, w13_hidden = w13.shape
+    inter = two_inter // 2
+    top_k = topk_ids.shape[-1]
+    if w13_hidden != hidden or two_inter % 2 or tuple(w2.shape) != (slots, hidden, inter):
+        raise ValueError(f"expert weights w13 {list(w13.shape)} / w2 {list(w2.shape)} do not fit hidden {hidden}")
+    if tuple(topk_weights.shape) != (tokens, top_k) or tuple(topk_ids.shape) != (tokens, top_k):
+        raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} must be "
+                         f"[{tokens}, k]")
+    if not (x.dtype == w13.dtype == w2.dtype):
+        raise ValueError(f"x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
+    if tokens == 0:
+        return x.new_empty((0, hidden))
+    if tokens > MAX_TOKENS_PER_CALL:
+        out = torch.empty_like(x)
+        for start in range(0, tokens, MAX_TOKENS_PER_CALL):
+            part = slice(start, start + MAX_TOKENS_PER_CALL)
+            out[part] = fused_moe(x[part], w13, w2, topk_weights[part], topk_ids[part], alpha=alpha, limit=limit,
+                                  expert_map=expert_map, routed_scaling_factor=routed_scaling_factor,
+                                  fold_shared=fold_shared, config=config)
+        return out
+
+    x = x.contiguous()
+    w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for the layer's parameters
+    topk_ids = topk_ids.to(torch.int32).contiguous()
+    topk_weights = topk_weights.to(torch.float32).contiguous()
+    if expert_map is not None:
+        expert_map = expert_map.to(torch.int32).contiguous()
+    fold = bool(fold_shared)
+    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device)
+
+    align = moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
+    act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
+    up = cfg.up
+    _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
+        x, w13, act, align.sorted_pair_ids, align.block_expert,
+        align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        float(alpha), float(limit),
+        KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=hidden % up.block_k == 0, num_warps=up.num_warps, num_stages=up.num_stages)
+
+    copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
+    down = cfg.down
+    _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
+        act, w2, copies, align.sorted_pair_ids, align.block_expert, topk_weights,
+        align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        copies.stride(0), float(routed_scaling_factor),
+        TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, num_warps=down.num_warps,
+        num_stages=down.num_stages)
+
+    out = torch.empty_like(x)
+    emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
+    _sum_copies_kernel[(tokens, triton.cdiv(hidden, REDUCE_BLOCK_H))](
+        copies, out, topk_ids, emap, align.num_pairs, hidden, slots - 1,
+        TOPK=top_k, FOLD=fold, HAS_MAP=expert_map is not None, BLOCK_H=REDUCE_BLOCK_H)
+    return out
