@@ -31,6 +31,7 @@ SKIPPED_PREFIXES = {
     "vision tower / projector": ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp."),
 }
 SCALE_SUFFIX = "_scale_inv"
+FP8_DTYPES = ("F8_E4M3", "F8_E4M3FN")  # how safetensors names float8_e4m3fn
 
 
 class CheckpointError(ValueError):
@@ -59,12 +60,16 @@ class MXFP8Slice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         rows, cols = (index if isinstance(index, tuple) else (index, slice(None)))
-        c0, c1, _ = cols.indices(self.shape[1])
-        if c0 % MXFP8_BLOCK:
-            raise CheckpointError(f"MXFP8 column slice must start on a {MXFP8_BLOCK}-column boundary, got {c0}")
-        q = self.weight[rows, c0:c1]
-        s = self.scale[rows, c0 // MXFP8_BLOCK: -(-c1 // MXFP8_BLOCK)]
-        return dequantize_mxfp8(q, s, torch.bfloat16)
+        c0, c1, step = cols.indices(self.shape[1])
+        if step != 1:
+            raise CheckpointError(f"MXFP8 weights can only be read in contiguous column ranges, got step {step}")
+        # Read whole 32-column scale blocks around the requested columns (a tensor-parallel slice need not
+        # start on a block boundary), dequantise them, then cut out the requested columns.
+        b0, b1 = c0 // MXFP8_BLOCK, -(-c1 // MXFP8_BLOCK)
+        q = self.weight[rows, b0 * MXFP8_BLOCK: min(b1 * MXFP8_BLOCK, self.shape[1])]
+        s = self.scale[rows, b0:b1]
+        w = dequantize_mxfp8(q, s, torch.bfloat16)
+        return w[..., c0 - b0 * MXFP8_BLOCK: c1 - b0 * MXFP8_BLOCK]
 
 
 def resolve_model_dir(model: str) -> str:
@@ -98,8 +103,13 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     """key -> safetensors file path, from the index if there is one, else from every *.safetensors file."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f).get("weight_map", {})
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index (valid JSON with a 'weight_map'): {e!r}") from e
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to file names")
         missing = sorted({f for f in weight_map.values() if not os.path.isfile(os.path.join(model_dir, f))})
         if missing:
             raise CheckpointError(f"{model_dir}: safetensors file(s) listed in the index are missing: "
@@ -150,9 +160,14 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
             raise CheckpointError(f"{model_dir}: " + "; ".join(parts))
         for key, load in expected.items():
             src: Any = source(key)
-            if src._slice.get_dtype() in ("F8_E4M3", "F8_E4M3FN") or (key + SCALE_SUFFIX) in files:
-                if (key + SCALE_SUFFIX) not in files:
-                    raise CheckpointError(f"{key} is fp8 but its {key + SCALE_SUFFIX} is missing")
+            is_fp8 = src._slice.get_dtype() in FP8_DTYPES
+            has_scale = (key + SCALE_SUFFIX) in files
+            if is_fp8 and not has_scale:
+                raise CheckpointError(f"{key} is fp8 but its {key + SCALE_SUFFIX} is missing")
+            if has_scale and not is_fp8:
+                raise CheckpointError(f"{key} has a {key + SCALE_SUFFIX} but is {src._slice.get_dtype()}, "
+                                      f"not fp8 e4m3 (MXFP8)")
+            if is_fp8:
                 src = MXFP8Slice(src, source(key + SCALE_SUFFIX), key)
             try:
                 load(src)

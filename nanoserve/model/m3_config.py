@@ -14,6 +14,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 DENSE, SPARSE = "dense", "sparse"
+# transformers' per-layer names -> ours
+HF_ATTN_KINDS = {"full_attention": DENSE, "minimax_m3_sparse": SPARSE}
+HF_MLP_KINDS = {"dense": DENSE, "sparse": SPARSE}
+
+
+def _layer_kind(field_name: str, value: Any, kinds: dict[str, str]) -> str:
+    if value not in kinds:
+        raise ValueError(f"config.json: {field_name} entry {value!r} is not one of {sorted(kinds)}")
+    return kinds[value]
 
 
 @dataclass
@@ -109,6 +118,8 @@ class M3Config:
     def from_dict(cls, raw: dict[str, Any]) -> "M3Config":
         """Parse a config.json dict: a `minimax_m3_vl` file (text under `text_config`) or a bare text config,
         in the released dialect or the one transformers writes."""
+        if not isinstance(raw, dict):
+            raise ValueError(f"config.json: expected a JSON object, got {type(raw).__name__}")
         model_type = raw.get("model_type")
         known = {"minimax_m3_vl", "minimax_m3_vl_text", "minimax_m3", "minimax_m3_text", None}
         if model_type not in known:
@@ -138,11 +149,14 @@ class M3Config:
         if theta is not None:
             kw["rope_theta"] = float(theta)
         head_dim = int(kw.get("head_dim", cls.head_dim))
+        # The partial factor wins over rotary_dim: the released file has both (consistent), but transformers
+        # ignores rotary_dim and writes its class default (64) whatever head_dim is, so only the factor is
+        # trustworthy in its dialect. rotary_dim alone is honoured; neither means M3's half of head_dim.
         factor = text.get("partial_rotary_factor", rope.get("partial_rotary_factor"))
-        if text.get("rotary_dim") is not None:
-            kw["rotary_dim"] = int(text["rotary_dim"])
-        elif factor is not None:
+        if factor is not None:
             kw["rotary_dim"] = int(head_dim * float(factor))
+        elif text.get("rotary_dim") is not None:
+            kw["rotary_dim"] = int(text["rotary_dim"])
         else:
             kw["rotary_dim"] = head_dim // 2
         if rope.get("rope_type", "default") not in ("default", None) or text.get("rope_scaling"):
@@ -158,19 +172,23 @@ class M3Config:
         if sparse and sparse.get("sparse_score_type", "max") != "max":
             raise ValueError(f"config.json: sparse_score_type {sparse['sparse_score_type']!r} is not supported "
                              f"(only 'max')")
-        if sparse and not all(sparse.get("sparse_disable_index_value", [1])[i] or not f
-                              for i, f in enumerate(sparse.get("sparse_attention_freq", []))):
+        freq = sparse.get("sparse_attention_freq") or []
+        no_value = sparse.get("sparse_disable_index_value")
+        if no_value is None:  # absent: selection-only indexers everywhere, as in M3
+            no_value = [1] * len(freq)
+        if len(no_value) != len(freq) or not all(v or not f for v, f in zip(no_value, freq)):
             raise ValueError("config.json: an index value/output branch (sparse_disable_index_value = 0 on a "
                              "sparse layer) is not supported; M3 disables it on every sparse layer")
 
         if text.get("layer_types") is not None:
-            kw["attn_layer_types"] = [SPARSE if t == "minimax_m3_sparse" else DENSE for t in text["layer_types"]]
+            kw["attn_layer_types"] = [_layer_kind("layer_types", t, HF_ATTN_KINDS) for t in text["layer_types"]]
         elif sparse.get("sparse_attention_freq") is not None and sparse.get("use_sparse_attention", True):
             kw["attn_layer_types"] = [SPARSE if f else DENSE for f in sparse["sparse_attention_freq"]]
         else:
             kw["attn_layer_types"] = [DENSE] * n_layers
         if text.get("mlp_layer_types") is not None:
-            kw["mlp_layer_types"] = [SPARSE if t == "sparse" else DENSE for t in text["mlp_layer_types"]]
+            kw["mlp_layer_types"] = [_layer_kind("mlp_layer_types", t, HF_MLP_KINDS)
+                                     for t in text["mlp_layer_types"]]
         elif text.get("moe_layer_freq") is not None:
             freq = text["moe_layer_freq"]
             kw["mlp_layer_types"] = [SPARSE if f else DENSE for f in (freq if isinstance(freq, list)
