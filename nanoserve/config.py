@@ -44,6 +44,12 @@ class Optimizations:
     msa_topk_reuse: bool = False
     """APPROXIMATION (changes outputs): reuse one MSA layer's block selection in the next layer(s)."""
 
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool):
+                raise ValueError(f"optimization switch {f.name}={value!r} is invalid: must be True or False")
+
     @classmethod
     def reference(cls) -> "Optimizations":
         """Every switch off: the plain reference path everywhere."""
@@ -142,20 +148,32 @@ class EngineConfig:
             if not cond:
                 raise ValueError(f"{name}={getattr(self, name)!r} is invalid: {allowed}")
 
+        def is_int(v: Any) -> bool:  # bool is an int subclass, but True is no size
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def int_in(name: str, lo: int, hi: int | None = None, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if optional and v is None:
+                return
+            allowed = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]"
+            need(is_int(v) and v >= lo and (hi is None or v <= hi), name, allowed + (" or None" if optional else ""))
+
         need(isinstance(self.model, str) and bool(self.model), "model", "a checkpoint directory or preset name")
+        need(self.tokenizer is None or (isinstance(self.tokenizer, str) and bool(self.tokenizer)), "tokenizer",
+             "a tokenizer directory or None")
         need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
         need(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
-        need(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", "an integer >= 1")
-        need(self.block_size is None or self.block_size >= 1, "block_size", "an integer >= 1")
-        need(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, "max_num_seqs", "an integer >= 1")
-        need(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-             "an integer >= 1")
-        need(0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "a fraction in (0, 1]")
-        need(self.num_gpu_blocks_override is None or self.num_gpu_blocks_override >= 1, "num_gpu_blocks_override",
-             "an integer >= 1")
-        need(self.kv_cache_tokens is None or self.kv_cache_tokens >= 1, "kv_cache_tokens", "an integer >= 1")
-        need(isinstance(self.tensor_parallel_size, int) and 1 <= self.tensor_parallel_size <= 64,
-             "tensor_parallel_size", "an integer in [1, 64]")
-        need(isinstance(self.seed, int), "seed", "an integer")
-        need(self.max_waiting_requests >= 1, "max_waiting_requests", "an integer >= 1")
-        need(0 <= self.max_logprobs <= 1000, "max_logprobs", "an integer in [0, 1000]")
+        int_in("max_model_len", 1, optional=True)
+        int_in("block_size", 1, optional=True)
+        int_in("max_num_seqs", 1)
+        int_in("max_num_batched_tokens", 1, optional=True)
+        need(isinstance(self.gpu_memory_utilization, (int, float)) and not isinstance(self.gpu_memory_utilization, bool)
+             and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "a fraction in (0, 1]")
+        int_in("num_gpu_blocks_override", 1, optional=True)
+        int_in("kv_cache_tokens", 1, optional=True)
+        int_in("tensor_parallel_size", 1, 64)
+        need(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "True or False")
+        need(is_int(self.seed), "seed", "an integer")
+        int_in("max_waiting_requests", 1)
+        int_in("max_logprobs", 0, 1000)
+        need(isinstance(self.optimizations, Optimizations), "optimizations", "an Optimizations instance")
