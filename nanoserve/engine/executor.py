@@ -6,6 +6,8 @@ different executor, not a different engine.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from nanoserve.config import EngineConfig
@@ -59,7 +61,9 @@ class LocalExecutor(Executor):
 
 
 def make_executor(config: EngineConfig) -> Executor:
-    if config.tensor_parallel_size == 1:
+    # Under a torchrun launch (WORLD_SIZE > 1) the multi-process executor checks the sizes agree, rather than
+    # every rank silently running a whole engine of its own.
+    if config.tensor_parallel_size == 1 and int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return LocalExecutor(config)
     from nanoserve.distributed.executor import MultiprocExecutor
 
