@@ -40,7 +40,10 @@ class ScheduledSeq:
 
     @property
     def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.seq.num_computed_tokens == self.seq.num_tokens - 1
+        """Computes just the newest sampled token. A prompt's last token is prefill even when it is the only
+        one left to compute (a full prefix-cache hit), so the prefill counters see it."""
+        seq = self.seq
+        return self.num_new_tokens == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1
 
     @property
     def samples(self) -> bool:

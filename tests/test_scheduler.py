@@ -1,0 +1,254 @@
+"""The continuous-batching scheduler, driven directly: a Scheduler and a BlockManager, sequences with made-up
+tokens, and a fake model step (every scheduled token is "computed"; a sequence that finished its tokens gets one
+new output token)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from nanoserve.config import Optimizations
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from nanoserve.sampling import SamplingParams
+
+BS = 4
+SAMPLED_TOKEN = 7
+
+_ids = itertools.count()
+_tokens = itertools.count(100)  # fresh token ids: no accidental prefix-cache hits between prompts
+
+
+class Harness:
+    def __init__(self, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 64,
+                 **switches: bool):
+        opts = Optimizations().replace(**switches)
+        self.bm = BlockManager(num_blocks, BS, opts.prefix_caching)
+        self.events: list[tuple[str, dict]] = []
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, opts), self.bm,
+                               on_event=lambda name, **kw: self.events.append((name, kw)))
+        self.budget = budget
+
+    def add(self, prompt_len: int | None = None, max_tokens: int = 4, tokens: list[int] | None = None) -> Sequence:
+        tokens = tokens if tokens is not None else [next(_tokens) for _ in range(prompt_len)]
+        seq_id = next(_ids)
+        seq = Sequence(seq_id, f"r{seq_id}", 0, tokens, SamplingParams(max_tokens=max_tokens))
+        self.sched.add(seq)
+        return seq
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        assert out.num_batched_tokens <= self.budget
+        sampled = [s.seq for s in out.scheduled if s.samples]
+        self.sched.update_after_step(out)
+        for seq in sampled:
+            seq.output_token_ids.append(SAMPLED_TOKEN)
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                self.sched.finish(seq, FinishReason.LENGTH)
+        self.bm.check_integrity()
+        return out
+
+    def run(self, max_steps: int = 500) -> list[SchedulerOutput]:
+        outs = []
+        while self.sched.has_unfinished():
+            outs.append(self.step())
+            assert len(outs) < max_steps, "the scheduler made no progress"
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        return outs
+
+    def named(self, name: str) -> list[dict]:
+        return [kw for n, kw in self.events if n == name]
+
+
+def plan(out: SchedulerOutput) -> list[tuple[int, int]]:
+    return [(s.seq.seq_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_budget_respected_and_decodes_first():
+    h = Harness(budget=20)
+    seqs = [h.add(n, max_tokens=m) for n, m in [(30, 6), (5, 8), (17, 3), (9, 10), (41, 2), (2, 5)]]
+    outs = h.run()
+    mixed = 0
+    for out in outs:
+        assert 0 < out.num_batched_tokens <= 20
+        kinds = [s.num_new_tokens == 1 for s in out.scheduled]
+        assert kinds == sorted(kinds, reverse=True), "a prefill chunk came before a decode"
+        mixed += any(kinds) and not all(kinds)
+    assert mixed > 0, "no step mixed decodes and prefills, so the ordering was not exercised"
+    for seq, m in zip(seqs, [6, 8, 3, 10, 2, 5]):
+        assert seq.status == SequenceStatus.FINISHED and len(seq.output_token_ids) == m
+        assert seq.num_computed_tokens == seq.num_tokens - 1
+
+
+def test_running_decodes_take_the_budget_before_new_prefills():
+    h = Harness(budget=16)
+    a = h.add(6, max_tokens=10)
+    h.step()
+    b = h.add(40)
+    out = h.step()
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 15)]
+    assert out.scheduled[0].is_decode and not out.scheduled[1].is_decode
+
+
+def test_chunked_prefill_splits_a_long_prompt_across_steps():
+    h = Harness(budget=16)
+    seq = h.add(50, max_tokens=2)
+    plans, outputs = [], []
+    while h.sched.has_unfinished():
+        plans.append(plan(h.step()))
+        outputs.append(len(seq.output_token_ids))
+    assert plans == [[(seq.seq_id, 16)], [(seq.seq_id, 16)], [(seq.seq_id, 16)], [(seq.seq_id, 2)],
+                     [(seq.seq_id, 1)]]
+    assert outputs == [0, 0, 0, 1, 2]  # no token is sampled from a partial prompt
+    assert [kw["remaining"] for kw in h.named("chunk")] == [34, 18, 2]
+
+
+def test_chunked_prefill_off_schedules_a_prompt_whole():
+    h = Harness(budget=64, chunked_prefill=False)
+    a, b = h.add(50, max_tokens=2), h.add(40, max_tokens=2)
+    out = h.step()
+    assert plan(out) == [(a.seq_id, 50)]  # b does not fit the 14 tokens left and is not split
+    out = h.step()
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 40)]
+    h.run()
+    assert not h.named("chunk")
+
+
+def test_running_chunked_prefill_continues_before_new_admissions():
+    h = Harness(budget=16)
+    a = h.add(40)
+    b = h.add(10)
+    assert plan(h.step()) == [(a.seq_id, 16)]
+    assert plan(h.step()) == [(a.seq_id, 16)]
+    assert plan(h.step()) == [(a.seq_id, 8), (b.seq_id, 8)]
+
+
+def test_preemption_picks_the_newest_and_requeues_it_at_the_front():
+    h = Harness(num_blocks=6, prefix_caching=False)
+    a, b, c = h.add(8, max_tokens=3), h.add(8, max_tokens=3), h.add(8, max_tokens=3)
+    h.step()  # all three prefilled: 6 full blocks, the pool is empty; each needs a 3rd block to decode
+    assert h.bm.num_free_blocks == 0 and h.sched.running == [a, b, c]
+    d = h.add(2, max_tokens=3)
+    out = h.step()
+    assert out.preempted == [c]
+    assert plan(out) == [(a.seq_id, 1), (b.seq_id, 1)]
+    assert list(h.sched.waiting) == [c, d]
+    assert c.status == SequenceStatus.WAITING and c.num_computed_tokens == 0 and not c.block_table
+    assert c.seq_id not in h.bm.tables and c.num_preemptions == 1 and h.sched.num_preemptions == 1
+    assert [kw["seq"] for kw in h.named("preempt")] == [c]
+    assert not out.admitted, "nothing is admitted in a step that had to preempt"
+    h.run()
+    # c went before d, and recomputed its prompt and its output token (9 tokens) when it came back
+    admits = [kw for kw in h.named("admit")]
+    assert [kw["seq"] for kw in admits][3:] == [c, d]
+    assert admits[3]["num_new_tokens"] == 9
+    assert len(c.output_token_ids) == 3 and c.output_token_ids == [SAMPLED_TOKEN] * 3
+
+
+def test_preempted_sequence_reuses_its_own_cached_blocks():
+    """The pool hands out a preempted sequence's tail blocks first, so its head is still cached when it
+    comes back."""
+    h = Harness(num_blocks=8, prefix_caching=True)
+    a, b, c = h.add(8, max_tokens=3), h.add(8, max_tokens=3), h.add(16, max_tokens=3)
+    h.step()
+    assert h.step().preempted == [c]  # a and b took one of c's 4 blocks each
+    h.run()
+    readmit = [kw for kw in h.named("admit") if kw["seq"] is c][1]
+    assert readmit["num_cached_tokens"] == 8 and readmit["num_new_tokens"] == 17 - 8
+
+
+def test_a_sequence_with_no_one_newer_to_preempt_preempts_itself():
+    h = Harness(num_blocks=4, max_model_len=16, prefix_caching=False)
+    a, b = h.add(5, max_tokens=4), h.add(8, max_tokens=3)
+    h.step()  # 4 blocks: a has room left in its second block, b does not
+    out = h.step()
+    assert out.preempted == [b] and plan(out) == [(a.seq_id, 1)]
+    assert list(h.sched.waiting) == [b] and not b.block_table
+    h.run()
+    assert len(a.output_token_ids) == 4 and len(b.output_token_ids) == 3 and b.num_preemptions == 1
+
+
+def test_max_num_seqs_respected():
+    h = Harness(max_num_seqs=2, budget=64)
+    for n in [5, 9, 3, 12, 7]:
+        h.add(n, max_tokens=3)
+    seen = []
+    while h.sched.has_unfinished():
+        out = h.step()
+        assert len(h.sched.running) <= 2 and len(out.scheduled) <= 2
+        seen.append(len(out.scheduled))
+    assert max(seen) == 2
+
+
+def test_continuous_batching_admits_every_step():
+    h = Harness()
+    a = h.add(5, max_tokens=6)
+    h.step()
+    b = h.add(5, max_tokens=2)
+    assert b in h.step().admitted
+
+
+def test_continuous_batching_off_admits_a_new_batch_only_after_the_previous_finished():
+    h = Harness(continuous_batching=False)
+    a, b = h.add(5, max_tokens=2), h.add(6, max_tokens=6)
+    out = h.step()
+    assert out.admitted == [a, b]
+    c = h.add(5, max_tokens=2)
+    while not b.is_finished:
+        assert c.status == SequenceStatus.WAITING, "admitted while the previous batch was still running"
+        assert c not in h.step().admitted
+    assert a.is_finished
+    out = h.step()
+    assert out.admitted == [c]
+    h.run()
+
+
+def test_paged_kv_off_reserves_max_model_len_at_admission():
+    h = Harness(num_blocks=20, max_model_len=32, paged_kv=False, prefix_caching=False)
+    a, b, c = h.add(5, max_tokens=2), h.add(5, max_tokens=2), h.add(5, max_tokens=2)
+    out = h.step()
+    assert out.admitted == [a, b]  # 8 blocks each; c's 8 do not fit in the 4 left
+    assert len(a.block_table) == len(b.block_table) == 32 // BS
+    assert h.bm.num_free_blocks == 4
+    h.run()
+    assert c.is_finished
+
+
+def test_paged_kv_on_allocates_on_demand():
+    h = Harness(num_blocks=20, max_model_len=32)
+    a = h.add(5, max_tokens=8)
+    h.step()
+    assert len(a.block_table) == 2
+    for _ in range(3):
+        h.step()
+    assert len(a.block_table) == 2  # 8 tokens computed (5 + 3): still 2 blocks
+    h.step()
+    assert len(a.block_table) == 3
+
+
+@pytest.mark.parametrize("where", ["waiting", "mid_prefill", "decoding"])
+def test_abort_anywhere_returns_the_blocks(where):
+    h = Harness(budget=16)
+    other = h.add(6, max_tokens=20)
+    seq = h.add(40, max_tokens=20)
+    if where != "waiting":
+        h.step()  # other prefilled, seq's first chunk
+        assert seq.status == SequenceStatus.RUNNING and 0 < seq.num_computed_tokens < seq.num_prompt_tokens
+    if where == "decoding":
+        while not seq.output_token_ids:
+            h.step()
+        assert seq.block_table
+    held = len(seq.block_table)
+    free_before = h.bm.num_free_blocks
+    h.sched.finish(seq, FinishReason.ABORT)
+    h.bm.check_integrity()
+    assert h.bm.num_free_blocks == free_before + held
+    assert seq not in h.sched.running and seq not in h.sched.waiting
+    assert seq.status == SequenceStatus.FINISHED and seq.finish_reason == FinishReason.ABORT
+    assert not seq.block_table
+    assert h.named("finish")[-1]["seq"] is seq and h.named("finish")[-1]["reason"] == "abort"
+    h.sched.finish(seq, FinishReason.ABORT)  # a second abort is a no-op
+    h.run()
+    assert other.is_finished and len(other.output_token_ids) == 20
