@@ -39,6 +39,9 @@ class Optimizations:
     """kernels/norm_rope.py: per-head QK-norm + partial RoPE + K/V and index-key cache insert in one launch."""
     fused_add_rmsnorm: bool = True
     """kernels/norm_rope.py: Gemma RMSNorm fused with the residual add."""
+    fast_input_prep: bool = True
+    """engine/model_runner.py: build a step's input tensors with numpy into pinned buffers, one host-to-device copy
+    per dtype (off: AttentionMetadata.build, a Python loop per token, and one copy per tensor)."""
     overlap_scheduling: bool = True
     """engine/llm_engine.py: schedule step N+1 on the CPU while the device runs step N."""
     msa_topk_reuse: bool = False
