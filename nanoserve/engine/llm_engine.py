@@ -67,9 +67,11 @@ class RequestState:
 class LLMEngine:
     """The engine loop around a scheduler, a block manager, an executor (the model) and a sampler."""
 
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, executor: Executor | None = None):
+        """`executor`: reuse an already built model and KV pool (the benchmark's ablation builds one engine per
+        switch setting around one model); None builds them from `config`."""
         self.config = config
-        self.executor: Executor = make_executor(config)
+        self.executor: Executor = executor or make_executor(config)
         self.model_config = self.executor.model_config
         mcfg = self.model_config
         self.block_size = self._resolve_block_size()
@@ -87,7 +89,8 @@ class LLMEngine:
             budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if opts.chunked_prefill else \
                 max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
         self.max_num_batched_tokens = budget
-        num_blocks = self.executor.initialize_cache(self.max_model_len, budget, config.max_num_seqs)
+        num_blocks = self.executor.num_blocks if executor is not None and self.executor.num_blocks else \
+            self.executor.initialize_cache(self.max_model_len, budget, config.max_num_seqs)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len="
                              f"{self.max_model_len}: lower --max-model-len or give the cache more memory")
@@ -220,8 +223,14 @@ class LLMEngine:
         query_lens, seq_lens, tables, sample_rows = [], [], [], []
         for row, s in enumerate(sched.scheduled):
             seq, start = s.seq, s.seq.num_computed_tokens
-            tokens = seq.token_ids
-            ids.extend(tokens[start: start + s.num_new_tokens])
+            end, prompt_len = start + s.num_new_tokens, seq.num_prompt_tokens
+            # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
+            if start >= prompt_len:
+                ids.extend(seq.output_token_ids[start - prompt_len: end - prompt_len])
+            elif end <= prompt_len:
+                ids.extend(seq.prompt_token_ids[start:end])
+            else:
+                ids.extend(seq.token_ids[start:end])
             query_lens.append(s.num_new_tokens)
             seq_lens.append(start + s.num_new_tokens)
             tables.append(list(seq.block_table))

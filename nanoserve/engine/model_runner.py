@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from nanoserve.engine import cuda_graphs
+from nanoserve.engine.input_prep import InputPreparer
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from nanoserve.model.loader import load_model
@@ -67,12 +69,22 @@ class ModelRunner:
         self.cfg: M3Config = self.model.cfg
         self.block_size = self.cfg.index_block_size
         self.num_blocks = 0
+        self.inputs = InputPreparer(self.block_size, self.device)
+        # decode graphs (engine/cuda_graphs.py): sized by the limits determine_num_blocks was given, rebuilt when
+        # the KV pool or a model-side switch changes. graph_capture: a test seam (None = real CUDA graphs).
+        self.max_model_len: int | None = None
+        self.max_num_seqs: int | None = None
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self.graph_capture: cuda_graphs.CaptureFn | None = None
+        self._graph_switches: tuple[bool, ...] | None = None
+        self._graph_notice: str | None = None
 
     # -- KV cache -----------------------------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """How many KV blocks fit: fixed by num_gpu_blocks_override, a token budget on the CPU, or on a GPU the
         memory left under gpu_memory_utilization after the weights and a worst-case warm-up step."""
         cfg = self.config
+        self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
         if self.device.type != "cuda":
@@ -107,6 +119,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
+        self.graphs = None  # captured against the old pools
         self.kv_caches, self.index_caches = [], []
         self.model.bind_kv_caches([None] * self.cfg.num_hidden_layers, [None] * self.cfg.num_hidden_layers)
         if self.device.type == "cuda":
@@ -118,6 +131,9 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------------
     def prepare(self, inp: ModelInput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        if self.config.optimizations.fast_input_prep:
+            return self.inputs.prepare(inp.input_ids, inp.query_lens, inp.seq_lens, inp.block_tables,
+                                       inp.sample_rows)
         meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size, self.device)
         input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
         ends = meta.query_start_loc[1:].long() - 1
@@ -127,10 +143,41 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(sample_rows), vocab] (every rank computes them)."""
+        graphs = self._decode_graphs(inp)
+        if graphs is not None:
+            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
+            if logits is not None:
+                return logits
         input_ids, meta, logits_index = self.prepare(inp)
         hidden = self.model(input_ids, meta.positions, meta)
         return self.model.compute_logits(hidden[logits_index])
 
+    def _decode_graphs(self, inp: ModelInput) -> cuda_graphs.DecodeGraphs | None:
+        """The decode graphs if this step can replay one: a decode-only batch (every sequence one new token, all
+        sampled), graphs on and applicable, the batch within the captured sizes."""
+        opts = self.config.optimizations
+        n = len(inp.query_lens)
+        if not opts.cuda_graphs or not self.num_blocks or self.max_model_len is None or len(inp.input_ids) != n \
+                or len(inp.sample_rows) != n:
+            return None
+        state = cuda_graphs.switch_state(opts)
+        if self.graphs is None or state != self._graph_switches:
+            self.graphs = None
+            reason = None if self.graph_capture is not None else \
+                cuda_graphs.unsupported_reason(self.model, opts, self.device)
+            if reason is not None:
+                if reason != self._graph_notice:
+                    logger.info("CUDA graphs not applicable, decode runs eagerly: %s", reason)
+                    self._graph_notice = reason
+                return None
+            self.graphs = cuda_graphs.DecodeGraphs(self.model, self.max_num_seqs, self.max_model_len,
+                                                   self.block_size, self.device, self.graph_capture)
+            self._graph_switches = state
+        if not self.graphs.fits(n, max(inp.seq_lens), max(len(t) for t in inp.block_tables)):
+            return None
+        return self.graphs
+
     def shutdown(self) -> None:
+        self.graphs = None
         self.allocate_kv_cache(0)
         del self.model

@@ -1,0 +1,99 @@
+"""A step's batch -> device tensors, vectorised (switch `fast_input_prep`; reference: `AttentionMetadata.build`
+plus one `torch.tensor(...)` per input in `ModelRunner.prepare`).
+
+The reference builds positions and slots with a Python loop over every token and copies each tensor to the device
+on its own: fine for a decode step of a few sequences, ~5 ms for an 8192-token prefill chunk, and a handful of
+synchronous copies per step. Here numpy computes positions and slots for the whole batch at once, everything is
+packed into two host buffers (one int64, one int32) and each goes to the device in one copy. On a GPU the host
+buffers are pinned and reused, so the copies are asynchronous; an event guards a buffer until its copy is done.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nanoserve.model.attention_metadata import AttentionMetadata
+
+
+class _Staging:
+    """A growable host buffer (pinned on a GPU) whose previous copy to the device must finish before reuse."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device):
+        self.dtype, self.device = dtype, device
+        self.pinned = device.type == "cuda"
+        self.host = torch.empty(0, dtype=dtype)
+        self.np_dtype = self.host.numpy().dtype
+        self.copied = torch.cuda.Event() if self.pinned else None
+
+    def to_device(self, parts: list[np.ndarray]) -> torch.Tensor:
+        """Concatenate `parts` and return them as one device tensor."""
+        n = sum(p.size for p in parts)
+        if not self.pinned:  # CPU: a fresh tensor (the caller keeps views of it)
+            return torch.from_numpy(np.concatenate([p.ravel() for p in parts]).astype(self.np_dtype, copy=False))
+        self.copied.synchronize()
+        if self.host.numel() < n:
+            self.host = torch.empty(max(n, 2 * self.host.numel()), dtype=self.dtype, pin_memory=True)
+        buf = self.host.numpy()
+        off = 0
+        for p in parts:
+            buf[off: off + p.size] = p.ravel()
+            off += p.size
+        out = self.host[:n].to(self.device, non_blocking=True)
+        self.copied.record()
+        return out
+
+
+class InputPreparer:
+    """Builds (input_ids, AttentionMetadata, logits_index) for one step, like `ModelRunner.prepare` does on the
+    reference path, with the same validation."""
+
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size = block_size
+        self.device = device
+        self.i64 = _Staging(torch.int64, device)
+        self.i32 = _Staging(torch.int32, device)
+
+    def prepare(self, input_ids: list[int], query_lens: list[int], seq_lens: list[int],
+                block_tables: list[list[int]], sample_rows: list[int]
+                ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        page = self.block_size
+        num_seqs = len(query_lens)
+        if len(seq_lens) != num_seqs or len(block_tables) != num_seqs:
+            raise ValueError("query_lens, seq_lens and block_tables must have one entry per sequence")
+        q = np.asarray(query_lens, dtype=np.int64)
+        s = np.asarray(seq_lens, dtype=np.int64)
+        if num_seqs and ((q < 1).any() or (q > s).any()):
+            bad = int(np.flatnonzero((q < 1) | (q > s))[0])
+            raise ValueError(f"query length {query_lens[bad]} must be in [1, seq_len={seq_lens[bad]}]")
+        table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
+        if (table_lens * page < s).any():
+            bad = int(np.flatnonzero(table_lens * page < s)[0])
+            raise ValueError(f"block table of {table_lens[bad]} blocks cannot hold {seq_lens[bad]} tokens")
+        num_tokens = int(q.sum())
+        if len(input_ids) != num_tokens:
+            raise ValueError(f"{len(input_ids)} input ids for {num_tokens} scheduled tokens")
+
+        width = max(int(table_lens.max(initial=0)), 1)
+        tables = np.zeros((num_seqs, width), dtype=np.int32)
+        for i, t in enumerate(block_tables):
+            tables[i, : len(t)] = t
+        starts = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q, out=starts[1:])
+        row = np.repeat(np.arange(num_seqs), q)
+        positions = np.arange(num_tokens, dtype=np.int64) - starts[row] + (s - q)[row]
+        slots = tables[row, positions // page].astype(np.int64) * page + positions % page
+        logits_index = starts[1:][np.asarray(sample_rows, dtype=np.int64)] - 1
+        not_decode = np.flatnonzero(q != 1)
+        num_decode = int(not_decode[0]) if not_decode.size else num_seqs
+
+        ids = np.asarray(input_ids, dtype=np.int64)
+        i64 = self.i64.to_device([ids, positions, slots, logits_index])
+        i32 = self.i32.to_device([starts.astype(np.int32), s.astype(np.int32), tables])
+        t, r, n = num_tokens, len(sample_rows), num_seqs
+        meta = AttentionMetadata(
+            positions=i64[t: 2 * t], query_start_loc=i32[: n + 1], seq_lens=i32[n + 1: 2 * n + 1],
+            block_tables=i32[2 * n + 1:].view(n, width), slot_mapping=i64[2 * t: 3 * t], block_size=page,
+            max_query_len=int(q.max(initial=0)), max_seq_len=int(s.max(initial=0)), num_decode_seqs=num_decode,
+            query_lens_cpu=list(query_lens), seq_lens_cpu=list(seq_lens))
+        return i64[:t], meta, i64[3 * t: 3 * t + r]
