@@ -44,6 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels.configs import backend
 from nanoserve.kernels.moe_align import moe_align, pair_expert
 
 MAX_TOKENS_PER_CALL = 16384
@@ -126,13 +127,13 @@ def default_config(tokens: int, top_k: int, experts: int, on_rocm: bool) -> MoEC
 def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
                   device: torch.device) -> MoEConfig:
     """The tile configuration for this call: interpreter, tuned H200 table, or the portable heuristic."""
-    if device.type != "cuda":
+    kind = backend(device)
+    if kind == "interpret":
         return INTERPRETER_CONFIG
-    on_rocm = torch.version.hip is not None
-    tuned = None if on_rocm else H200_CONFIGS.get((hidden, inter, experts))
+    tuned = H200_CONFIGS.get((hidden, inter, experts)) if kind == "cuda" else None
     if tuned is not None:
         return tuned[_bucket(tokens)]
-    return default_config(tokens, top_k, experts, on_rocm)
+    return default_config(tokens, top_k, experts, on_rocm=kind == "hip")
 
 
 # --------------------------------------------------------------------------------------------------------------
