@@ -232,11 +232,11 @@ class DecodeGraphs:
         return replay
 
     def capture_all(self, max_seq_len: int | None = None, max_batch: int | None = None) -> int:
-        """Capture every batch bucket (up to max_batch) for the context bucket of max_seq_len (default: the
-        largest), largest batch first. Uses dummy inputs (all padding). Returns the number of graphs captured."""
-        length = self.key(1, max_seq_len or self.max_model_len)[1]
+        """Capture every batch bucket up to the one holding max_batch, for the context bucket of max_seq_len
+        (default: the largest), largest batch first, on dummy inputs (all padding). Returns how many were captured."""
+        top, length = self.key(min(max_batch or self.max_bs, self.max_bs), max_seq_len or self.max_model_len)
         count = 0
-        for bs in sorted((b for b in self.buckets if max_batch is None or b <= max(max_batch, 1)), reverse=True):
+        for bs in sorted((b for b in self.buckets if b <= top), reverse=True):
             if (bs, length) in self.graphs:
                 continue
             self._stage([0] * bs, [1] * bs, [[0]] * bs, bs)

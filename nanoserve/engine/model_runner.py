@@ -155,10 +155,19 @@ class ModelRunner:
     def _decode_graphs(self, inp: ModelInput) -> cuda_graphs.DecodeGraphs | None:
         """The decode graphs if this step can replay one: a decode-only batch (every sequence one new token, all
         sampled), graphs on and applicable, the batch within the captured sizes."""
-        opts = self.config.optimizations
         n = len(inp.query_lens)
-        if not opts.cuda_graphs or not self.num_blocks or self.max_model_len is None or len(inp.input_ids) != n \
-                or len(inp.sample_rows) != n:
+        if len(inp.input_ids) != n or len(inp.sample_rows) != n:
+            return None
+        graphs = self._graphs()
+        if graphs is None or not graphs.fits(n, max(inp.seq_lens), max(len(t) for t in inp.block_tables)):
+            return None
+        return graphs
+
+    def _graphs(self) -> cuda_graphs.DecodeGraphs | None:
+        """The DecodeGraphs for the current pool and switches (rebuilt if a model-side switch changed), or None
+        when graphs are off or not applicable (the reason is logged once)."""
+        opts = self.config.optimizations
+        if not opts.cuda_graphs or not self.num_blocks or self.max_model_len is None:
             return None
         state = cuda_graphs.switch_state(opts)
         if self.graphs is None or state != self._graph_switches:
@@ -173,9 +182,16 @@ class ModelRunner:
             self.graphs = cuda_graphs.DecodeGraphs(self.model, self.max_num_seqs, self.max_model_len,
                                                    self.block_size, self.device, self.graph_capture)
             self._graph_switches = state
-        if not self.graphs.fits(n, max(inp.seq_lens), max(len(t) for t in inp.block_tables)):
-            return None
         return self.graphs
+
+    @torch.inference_mode()
+    def capture_decode_graphs(self, max_seq_len: int, max_batch: int) -> int:
+        """Capture ahead of time the decode graphs of every batch bucket up to max_batch at the context bucket of
+        max_seq_len (otherwise each is captured the first time a step needs it). Returns how many were captured."""
+        graphs = self._graphs()
+        if graphs is None:
+            return 0
+        return graphs.capture_all(min(max_seq_len, self.max_model_len), max_batch)
 
     def shutdown(self) -> None:
         self.graphs = None
