@@ -387,7 +387,7 @@ class Narrator:
             n_blocks = -(-seq_len // bs)
             head = f"layer {layer}, {row.name}'s newest query (position {int(pos)}) sees {n_blocks} blocks"
             if n_blocks <= self.topk:
-                dense.append(f"{row.name} sees {n_blocks}")
+                dense.append(f"{row.name} ({n_blocks} block{'s' * (n_blocks > 1)})")
                 continue
             keys = reference.gather_context(index_cache, meta.block_tables[s], seq_len)
             scores = reference.msa_block_scores(index_q[t: t + 1], keys, pos, bs)[:, 0].tolist()  # [G][block]
@@ -407,8 +407,9 @@ class Narrator:
             if others and self.detail < 2:
                 self.tag("", "; ".join(others), level=1)
         if dense:
-            self.tag("MSA", f"layer {layer}: {', '.join(dense)}: no more than {self.topk} blocks visible, so the "
-                     f"top-{self.topk} selection keeps every block (MSA equals dense attention there)", level=1)
+            self.tag("MSA", f"layer {layer}: the newest query of {', '.join(dense)} sees no more than {self.topk} "
+                     f"blocks, so the top-{self.topk} selection keeps them all: MSA equals dense attention there",
+                     level=1)
 
     def _moe(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
         self.count.moe_routings += 1
