@@ -92,12 +92,18 @@ def describe_validation_error(exc: ValidationError) -> APIError:
     return APIError(400, f"{path}: {msg}" if path else msg, param=param)
 
 
-def param_of(exc: ValueError, req: P.SamplingRequest, prompt_field: str) -> str | None:
-    """Which request field a SamplingParams / engine ValueError is about (its message starts with the name)."""
-    first = str(exc).split(" ", 1)[0].split("=", 1)[0]
+def invalid_value(exc: ValueError, req: P.SamplingRequest, prompt_field: str) -> APIError:
+    """A 400 for a SamplingParams / engine ValueError. Its message starts with the parameter's name; when the
+    request calls it differently (chat's top_logprobs is SamplingParams.logprobs), the message says the
+    request's name."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].split("=", 1)[0]
     if first.startswith("prompt"):
-        return prompt_field
-    return req.request_field(first) if first in SAMPLING_FIELDS else None
+        return APIError(400, message, param=prompt_field)
+    if first not in SAMPLING_FIELDS:
+        return APIError(400, message)
+    param = req.request_field(first)
+    return APIError(400, param + message[len(first):], param=param)
 
 
 @contextlib.contextmanager
@@ -106,7 +112,7 @@ def engine_errors(req: P.SamplingRequest, prompt_field: str) -> Iterator[None]:
     try:
         yield
     except ValueError as exc:
-        raise APIError(400, str(exc), param=param_of(exc, req, prompt_field)) from exc
+        raise invalid_value(exc, req, prompt_field) from exc
     except QueueFullError as exc:
         raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from exc
     except EngineShutdownError as exc:
@@ -154,12 +160,12 @@ class OpenAIServer:
     def check_length(self, ids: list[int], params: SamplingParams, req: P.SamplingRequest,
                      prompt_field: str) -> None:
         n, limit = len(ids), self.max_model_len
+        what = "prompt" if prompt_field == "prompt" else f"{prompt_field} (rendered with the chat template)"
         if n == 0:
-            raise APIError(400, f"{prompt_field}: the prompt is empty (it must contain at least one token)",
-                           param=prompt_field)
+            raise APIError(400, f"{what} is empty: it must contain at least one token", param=prompt_field)
         if n >= limit:
-            raise APIError(400, f"{prompt_field}: the prompt is too long: {n} tokens, but max_model_len is {limit} "
-                                f"(the prompt and at least one generated token must fit)", param=prompt_field)
+            raise APIError(400, f"{what} is too long: {n} tokens, but max_model_len is {limit} (the prompt and "
+                                f"at least one generated token must fit)", param=prompt_field)
         if params.max_tokens is not None and n + params.max_tokens > limit:
             field = req.request_field("max_tokens")
             raise APIError(400, f"{field}={params.max_tokens} does not fit: the prompt has {n} tokens and "

@@ -115,7 +115,7 @@ class CompletionRequest(SamplingRequest):
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
         if isinstance(v, list) and not v:
-            raise ValueError("the prompt is empty")
+            raise ValueError("must not be empty")
         if isinstance(v, str) or token_ids(v) or (isinstance(v, list) and (
                 all(isinstance(p, str) for p in v) or all(token_ids(p) for p in v))):
             return v
