@@ -1,0 +1,147 @@
+"""The docs cannot go stale silently.
+
+- docs/architecture.md's switch table is generated from nanoserve.config.Optimizations (each field's docstring
+  names the module behind it) and from the code that reads each switch. The test regenerates it and compares;
+  after adding or changing a switch, refresh the table with
+
+      python tests/test_docs.py --write
+
+- docs/walkthrough.md quotes the output of `python -m nanoserve.walkthrough`. The test reruns the walkthrough and
+  checks that every quoted scheduler and block-manager line (the integer facts: admissions, chunks, prefix hits,
+  preemptions, allocations, frees, evictions, batches, block tables) still appears in the real output.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import io
+import re
+import sys
+import textwrap
+from dataclasses import fields
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
+BEGIN, END = "<!-- switch-table:begin (generated: python tests/test_docs.py --write) -->", "<!-- switch-table:end -->"
+MODULE = re.compile(r"^((?:engine|kernels|model|server|distributed|bench)/[\w/]+\.py): *")
+
+
+def switch_docstrings() -> dict[str, str]:
+    """Optimizations field -> the docstring under it in config.py (Python keeps no attribute docstrings at run
+    time, so read them from the source)."""
+    from nanoserve.config import Optimizations
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(Optimizations))).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
+                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+DATA_PATH = ("engine", "model", "kernels", "distributed")  # where a switch changes what runs (not bench/, server/)
+
+
+def readers(switch: str) -> list[str]:
+    """The data-path modules whose code reads the switch (`opts.<switch>` or `optimizations.<switch>`)."""
+    pattern = re.compile(rf"\b(?:opts|optimizations)\.{switch}\b")
+    found = []
+    for package in DATA_PATH:
+        for path in sorted((ROOT / "nanoserve" / package).rglob("*.py")):
+            if pattern.search(path.read_text()):
+                found.append(path.relative_to(ROOT / "nanoserve").as_posix())
+    return sorted(found)
+
+
+def switch_table() -> str:
+    from nanoserve.config import Optimizations
+
+    docs = switch_docstrings()
+    rows = ["| switch | default | module (from its docstring) | what it does | read in |",
+            "|---|---|---|---|---|"]
+    for f in fields(Optimizations):
+        doc = docs.get(f.name, "")
+        m = MODULE.match(doc)
+        module = f"[`{m.group(1)}`](../nanoserve/{m.group(1)})" if m else "-"
+        what = doc[m.end():] if m else doc
+        where = ", ".join(f"`{r}`" for r in readers(f.name)) or "not read yet"
+        rows.append(f"| `{f.name}` | {'on' if f.default else 'off'} | {module} | {what.replace('|', '/')} | "
+                    f"{where} |")
+    return "\n".join(rows)
+
+
+def documented_table(text: str) -> str:
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    return text[start:end].strip()
+
+
+def write_switch_table() -> None:
+    text = ARCHITECTURE.read_text()
+    start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+    ARCHITECTURE.write_text(text[:start] + "\n" + switch_table() + "\n" + text[end:])
+
+
+# -- tests ------------------------------------------------------------------------------------------------------
+def test_every_switch_has_a_documented_module():
+    from nanoserve.config import Optimizations
+
+    docs = switch_docstrings()
+    assert set(docs) == set(Optimizations.names()), "every switch needs a docstring"
+    for name, doc in docs.items():
+        m = MODULE.match(doc)
+        if m:
+            assert (ROOT / "nanoserve" / m.group(1)).exists(), \
+                f"{name}: its docstring names {m.group(1)}, which does not exist"
+        else:
+            assert doc.startswith("APPROXIMATION"), f"{name}: the docstring must start with the module behind it"
+
+
+def test_architecture_switch_table_is_current():
+    from nanoserve.config import Optimizations
+
+    table = documented_table(ARCHITECTURE.read_text())
+    for name in Optimizations.names():
+        assert f"| `{name}` |" in table, f"docs/architecture.md's switch table lacks {name}"
+    assert table == switch_table(), ("docs/architecture.md's switch table is out of date: run "
+                                     "`python tests/test_docs.py --write`")
+
+
+def test_walkthrough_doc_quotes_real_output():
+    from nanoserve import walkthrough
+
+    doc = WALKTHROUGH.read_text()
+    blocks = re.findall(r"<!-- output: python -m nanoserve.walkthrough(.*?) -->\s*```text\n(.*?)```", doc, re.S)
+    assert blocks, "docs/walkthrough.md quotes no walkthrough output"
+    outputs: dict[str, str] = {}
+    checked = 0
+    for args, quoted in blocks:
+        args = args.split()
+        key = " ".join(args)
+        if key not in outputs:
+            out = io.StringIO()
+            scenario = args[args.index("--scenario") + 1] if "--scenario" in args else "all"
+            detail = "high" if "-v" in args else "low" if "-q" in args else "normal"
+            walkthrough.run(scenario, detail, out=out)
+            outputs[key] = out.getvalue()
+        real = outputs[key]
+        for line in quoted.splitlines():
+            tag = re.match(r"^  \[(arrive|admit|prefix hit|chunk|preempt|allocate|free|evict|batch|waiting|tables"
+                           r"|pool)\]", line)
+            if tag or line.startswith("--- step"):
+                assert line in real.splitlines(), f"docs/walkthrough.md quotes a line the walkthrough no longer " \
+                                                  f"prints (python -m nanoserve.walkthrough {key}):\n{line}"
+                checked += 1
+    assert checked >= 10
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))  # run as a script from a checkout
+    if sys.argv[1:] == ["--write"]:
+        write_switch_table()
+        print(f"wrote the switch table into {ARCHITECTURE.relative_to(ROOT)}")
+    else:
+        print(switch_table())
