@@ -1,0 +1,13 @@
+"""Benchmarks (W1-W6 of ../shared/BENCHMARKS.md), the Hugging Face baseline, the A/B ablation and the decode-step
+profile: `python -m nanoserve.bench --help`.
+
+    workloads.py   W1-W6: random-token prompts, full size or scaled down for the CPU
+    offline.py     nanoserve runs: one model build, a fresh engine per run, engine-timestamp metrics
+    floor.py       bytes and FLOPs per step, the physical floor, achieved GB/s and TFLOP/s
+    hf.py          transformers' generate() on the same weights (eager, and static-cache compiled)
+    ablation.py    every switch off alone (approximations on alone), one table
+    profile.py     torch.profiler over decode steps, grouped per kernel family
+    serve.py       W3: closed-loop streaming client, vllm-bench-serve metrics
+    report.py      results.json, aligned tables, PNG plots
+    session.py     one guarded, time-budgeted session that ties these together
+"""

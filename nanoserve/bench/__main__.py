@@ -1,0 +1,162 @@
+"""python -m nanoserve.bench: the W1-W6 benchmarks, the Hugging Face baseline, the ablation, the profile.
+
+    python -m nanoserve.bench                                   # W1, W2, W4, W5, W6 on nanoserve (m3-slice on a GPU)
+    python -m nanoserve.bench --workloads W1,W2 --engine both --hf-modes eager,static --out results/
+    python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table
+    python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile
+    python -m nanoserve.bench --serve http://127.0.0.1:8000     # W3 against a running server
+    python -m nanoserve.bench --scale small                     # CPU-sized workloads (m3-tiny)
+
+Every result records the effective switches, the commit, the device and the date (results.json under --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from nanoserve.bench import workloads as W
+from nanoserve.bench.floor import Ceilings, H200
+from nanoserve.bench.session import BenchSession, SessionConfig, parse_switch_changes
+
+DEFAULT_GPU_MODEL, DEFAULT_CPU_MODEL = "m3-slice", "m3-tiny"
+
+
+def _names(text: str | None) -> list[str]:
+    return [t.strip().upper() for t in text.split(",") if t.strip()] if text else []
+
+
+def _ints(text: str | None) -> list[int] | None:
+    return [int(t) for t in text.split(",") if t.strip()] if text else None
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m nanoserve.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="preset (m3-slice, m3-tiny) or checkpoint directory "
+                    f"(default: {DEFAULT_GPU_MODEL} on a GPU, {DEFAULT_CPU_MODEL} on the CPU)")
+    ap.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"])
+    ap.add_argument("--workloads", default=None, help="comma-separated subset of W1-W6 (default: all offline ones; "
+                    "W3 needs --serve)")
+    ap.add_argument("--engine", default="nanoserve", choices=["nanoserve", "hf", "both"])
+    ap.add_argument("--hf-modes", default="eager", help="HF configurations: eager (dynamic cache) and/or static "
+                    "(static cache, torch.compile'd; compiling takes minutes)")
+    ap.add_argument("--hf-max-tokens", type=int, default=None, help="cap HF output tokens (its TPOT is per token)")
+    ap.add_argument("--scale", default=None, choices=["full", "small"],
+                    help="workload sizes (default: full on a GPU, small on the CPU)")
+    ap.add_argument("--prompt-len", type=int, default=None)
+    ap.add_argument("--output-len", type=int, default=None)
+    ap.add_argument("--num-requests", type=int, default=None)
+    ap.add_argument("--w4-lens", default=None, help="W4 prompt lengths, e.g. 32768,131072")
+    ap.add_argument("--ablate", action="store_true", help="ablation table for the selected workloads (default W1)")
+    ap.add_argument("--profile", default=None, help="profile decode steps of these workloads, e.g. W1,W2")
+    ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--serve", default=None, metavar="URL", help="run W3 against this server")
+    ap.add_argument("--served-model-name", default=None)
+    ap.add_argument("--concurrency", default=None, help="W3 concurrency levels (default 1,4,16,64)")
+    ap.add_argument("--requests-per-concurrency", type=int, default=None, help="W3: requests = this x C (10)")
+    ap.add_argument("--out", default=None, help="directory for results.json, tables and PNG plots")
+    ap.add_argument("--switch", action="append", default=[], metavar="NAME=on|off",
+                    help="set an optimization switch (repeatable)")
+    ap.add_argument("--enforce-eager", action="store_true", default=None, help="no CUDA graphs")
+    ap.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false", default=None)
+    ap.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false",
+                    default=None)
+    ap.add_argument("--cpu-reference-kernels", action=argparse.BooleanOptionalAction, default=None,
+                    help="on a CPU device, turn the Triton kernel switches off (default: on)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--time-budget", type=float, default=None, help="seconds; no new part starts after it")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--peak-gbps", type=float, default=None, help="bandwidth ceiling (default: H200 4260)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 ceiling (default: H200 772)")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    import torch
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    model = args.model or (DEFAULT_GPU_MODEL if on_gpu else DEFAULT_CPU_MODEL)
+    scale = args.scale or ("full" if on_gpu else "small")
+    hw = H200
+    if args.peak_gbps or args.peak_tflops:
+        hw = Ceilings("given ceilings", (args.peak_gbps or H200.bytes_per_s / 1e9) * 1e9,
+                      (args.peak_tflops or H200.flops_per_s / 1e12) * 1e12)
+    changes = parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager,
+                                                 "enable_prefix_caching": args.enable_prefix_caching,
+                                                 "enable_chunked_prefill": args.enable_chunked_prefill})
+    session = BenchSession(SessionConfig(model=model, device=args.device, dtype=args.dtype, out_dir=args.out,
+                                         seed=args.seed, time_budget_s=args.time_budget,
+                                         cpu_reference_kernels=args.cpu_reference_kernels, switch_changes=changes,
+                                         max_num_batched_tokens=args.max_num_batched_tokens, hw=hw))
+    names = _names(args.workloads)
+    profile_names = _names(args.profile)
+    if args.ablate and not names:
+        names = ["W1"]
+    elif not names and not profile_names and not args.serve:
+        names = list(W.OFFLINE)
+    for n in names + profile_names:
+        if n not in W.ALL:
+            raise SystemExit(f"unknown workload {n}; choose from {', '.join(W.ALL)}")
+    vocab = session.model_cfg.vocab_size
+    build = dict(vocab=vocab, scale=scale, prompt_len=args.prompt_len, output_len=args.output_len,
+                 num_requests=args.num_requests, w4_lens=_ints(args.w4_lens), seed=args.seed)
+    wls = W.build([n for n in names if n != "W3"], **build)
+    prof_wls = W.build([n for n in profile_names if n != "W3"], **build)
+
+    if args.serve:
+        spec = W.serve_spec(scale, args.prompt_len, args.output_len, _ints(args.concurrency),
+                            args.requests_per_concurrency)
+        tok = _tokenizer(model)
+        session.part("W3 serve sweep", lambda: session.serve(args.serve, spec, args.served_model_name, tok))
+    elif "W3" in names:
+        session.results.add("notes", "W3 needs a running server: pass --serve URL")
+
+    if args.engine in ("nanoserve", "both") and (wls or prof_wls):
+        if session.part("build nanoserve", lambda: session.build_nano(wls + prof_wls)) is not None:
+            for wl in wls:
+                if args.ablate:
+                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl))
+                else:
+                    session.part(f"nanoserve {wl.name}", lambda wl=wl: session.run_nano(wl))
+            for wl in prof_wls:
+                session.part(f"profile {wl.name}", lambda wl=wl: session.profile(wl, args.profile_steps))
+        session.close_nano()
+    if args.engine in ("hf", "both") and not args.ablate:
+        for mode in [m.strip() for m in args.hf_modes.split(",") if m.strip()]:
+            for wl in wls:
+                session.part(f"hf {mode} {wl.name}", lambda wl=wl, mode=mode: session.run_hf(wl, mode,
+                                                                                             args.hf_max_tokens))
+        session.close_hf()
+    print()
+    print(session.summary())
+    return 1 if session.results.data["errors"] else 0
+
+
+def _tokenizer(model: str):
+    """The served model's tokenizer for W3's text prompts (None: send token ids)."""
+    try:
+        from nanoserve.engine.tokenizer import load_tokenizer
+        from nanoserve.model.presets import PRESETS
+
+        if model in PRESETS:
+            from nanoserve.model.make_checkpoint import preset_cache_dir
+            from nanoserve.model.tokenizer_files import write_tokenizer
+
+            path = preset_cache_dir(model) + "-tokenizer"
+            write_tokenizer(path)
+            return load_tokenizer(path)
+        return load_tokenizer(model)
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger(__name__).warning("no tokenizer for W3 text prompts (%s): sending token ids", e)
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""The physical floor of a workload: bytes a step must read and FLOPs it must do, over the device's ceilings
+(../shared/BENCHMARKS.md, "The physical limit on one H200").
+
+A decode step reads every active weight once - the dense layers, each MSA layer's attention + indexer + router +
+the experts its batch touches + the shared expert, and the LM head - plus each sequence's KV (all of it on the
+dense layers; on MSA layers all index keys and the top-k selected blocks). With B sequences routed uniformly over
+E experts, top-k each, a layer touches E * (1 - (1 - k/E)^B) distinct experts (~111 of 128 at B = 64).
+Prefill is compute bound: 2 FLOPs per active weight per token, plus attention. A workload's floor is its prefill
+FLOPs at peak plus, decode step by step, the larger of bytes / bandwidth and FLOPs / peak.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.model.m3_config import M3Config
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    name: str
+    bytes_per_s: float
+    flops_per_s: float
+
+
+H200 = Ceilings("H200 measured ceilings (4.26 TB/s copy, 772 TFLOP/s bf16 matmul)", 4.26e12, 772e12)
+
+
+class ModelCost:
+    """Bytes and FLOPs of M3 steps, from the config (weights in `weight_bytes` per element, router in fp32)."""
+
+    def __init__(self, cfg: M3Config, weight_bytes: int = 2, kv_bytes: int = 2):
+        self.cfg = cfg
+        self.wb, self.kvb = weight_bytes, kv_bytes
+        h = cfg.hidden_size
+        self.attn = 2 * cfg.q_size * h + 2 * cfg.kv_size * h
+        self.indexer = (cfg.index_n_heads + 1) * cfg.index_head_dim * h
+        self.dense_mlp = 3 * cfg.dense_intermediate_size * h
+        self.expert = 3 * cfg.intermediate_size * h
+        self.shared = 3 * cfg.shared_intermediate_size * h
+        self.router = cfg.num_local_experts * h
+        self.lm_head = cfg.vocab_size * h
+        n = cfg.num_hidden_layers
+        self.dense_attn_layers = [i for i in range(n) if not cfg.is_sparse_attention(i)]
+        self.sparse_attn_layers = [i for i in range(n) if cfg.is_sparse_attention(i)]
+        self.moe_layers = [i for i in range(n) if cfg.is_moe(i)]
+        self.dense_mlp_layers = [i for i in range(n) if not cfg.is_moe(i)]
+
+    # -- weights ------------------------------------------------------------------------------------------
+    def experts_touched(self, batch: int) -> float:
+        e, k = self.cfg.num_local_experts, self.cfg.num_experts_per_tok
+        return e * (1.0 - (1.0 - k / e) ** max(batch, 0))
+
+    def active_params_per_token(self, with_lm_head: bool = True) -> float:
+        """Weights one token multiplies (FLOPs = 2x this)."""
+        c = self.cfg
+        p = self.attn * c.num_hidden_layers + self.indexer * len(self.sparse_attn_layers)
+        p += self.dense_mlp * len(self.dense_mlp_layers)
+        p += (c.num_experts_per_tok * self.expert + self.shared + self.router) * len(self.moe_layers)
+        return p + (self.lm_head if with_lm_head else 0)
+
+    def total_params(self) -> float:
+        c = self.cfg
+        p = self.attn * c.num_hidden_layers + self.indexer * len(self.sparse_attn_layers)
+        p += self.dense_mlp * len(self.dense_mlp_layers)
+        p += (c.num_local_experts * self.expert + self.shared + self.router) * len(self.moe_layers)
+        return p + 2 * self.lm_head  # embedding + LM head
+
+    def decode_weight_bytes(self, batch: int) -> float:
+        """Weight bytes one decode step of `batch` sequences reads (embedding rows included)."""
+        c = self.cfg
+        b = (self.attn * c.num_hidden_layers + self.indexer * len(self.sparse_attn_layers)
+             + self.dense_mlp * len(self.dense_mlp_layers)
+             + (self.experts_touched(batch) * self.expert + self.shared) * len(self.moe_layers)
+             + self.lm_head + batch * c.hidden_size) * self.wb
+        return b + self.router * len(self.moe_layers) * 4
+
+    def all_weight_bytes(self) -> float:
+        return (self.total_params() - self.router * len(self.moe_layers)) * self.wb + \
+            self.router * len(self.moe_layers) * 4
+
+    # -- attention ----------------------------------------------------------------------------------------
+    def _selected_keys(self, context: int) -> int:
+        c = self.cfg
+        return min(context, c.index_topk_blocks * c.index_block_size)
+
+    def decode_kv_bytes(self, context: int) -> float:
+        """KV (and index-key) bytes one sequence's decode token reads at `context` tokens."""
+        c = self.cfg
+        per_token_kv = 2 * c.num_key_value_heads * c.head_dim * self.kvb
+        b = len(self.dense_attn_layers) * context * per_token_kv
+        b += len(self.sparse_attn_layers) * (context * c.index_head_dim * self.kvb
+                                             + self._selected_keys(context) * per_token_kv)
+        return b
+
+    def attention_flops(self, context: int) -> float:
+        """Attention FLOPs of one query token at `context` keys (QK + PV; indexer scores on MSA layers)."""
+        c = self.cfg
+        per_key = 4 * c.num_attention_heads * c.head_dim
+        f = len(self.dense_attn_layers) * per_key * context
+        f += len(self.sparse_attn_layers) * (2 * c.index_n_heads * c.index_head_dim * context
+                                             + per_key * self._selected_keys(context))
+        return f
+
+    # -- steps ----------------------------------------------------------------------------------------------
+    def decode_step(self, batch: int, context: float) -> tuple[float, float]:
+        """(bytes, FLOPs) of one decode step of `batch` sequences at mean context `context`."""
+        ctx = int(context)
+        bytes_ = self.decode_weight_bytes(batch) + batch * self.decode_kv_bytes(ctx)
+        flops = batch * (2 * self.active_params_per_token() + self.attention_flops(ctx))
+        return bytes_, flops
+
+    def prefill_flops(self, prompt_len: int, cached: int = 0) -> float:
+        """FLOPs to prefill tokens cached..prompt_len-1 of one prompt (one LM-head row)."""
+        n = prompt_len - cached
+        linear = 2 * n * self.active_params_per_token(with_lm_head=False) + 2 * self.lm_head
+        # sum over query positions p of attention at context p + 1, in closed form for the dense part
+        c = self.cfg
+        per_key = 4 * c.num_attention_heads * c.head_dim
+        ctx_sum = (prompt_len * (prompt_len + 1) - cached * (cached + 1)) / 2
+        sel = c.index_topk_blocks * c.index_block_size
+        sel_sum = sum(min(p + 1, sel) for p in range(cached, min(prompt_len, sel))) + max(0, prompt_len - max(sel, cached)) * sel
+        f = len(self.dense_attn_layers) * per_key * ctx_sum
+        f += len(self.sparse_attn_layers) * (2 * c.index_n_heads * c.index_head_dim * ctx_sum + per_key * sel_sum)
+        return linear + f
+
+
+@dataclass
+class Floor:
+    prefill_s: float
+    decode_s: float
+    decode_steps: int
+    output_tokens: int
+    first_step_tpot_s: float  # floor of one decode step at the workload's first decode batch
+
+    @property
+    def total_s(self) -> float:
+        return self.prefill_s + self.decode_s
+
+    @property
+    def output_tok_s(self) -> float:
+        return self.output_tokens / self.total_s if self.total_s else 0.0
+
+    def as_dict(self) -> dict:
+        return {"prefill_s": self.prefill_s, "decode_s": self.decode_s, "total_s": self.total_s,
+                "output_tok_s": self.output_tok_s, "tpot_ms": self.first_step_tpot_s * 1e3,
+                "decode_steps": self.decode_steps}
+
+
+def workload_floor(cost: ModelCost, prompt_lens: list[int], output_lens: list[int], hw: Ceilings = H200,
+                   shared_prefix: int = 0, chunk_tokens: int = 8192) -> Floor:
+    """Floor time of requests arriving at once: every prompt prefilled (a shared prefix once, in chunks of
+    chunk_tokens that each read all weights at least once), then decode steps in lockstep, the batch shrinking
+    as requests finish; each stretch of steps is costed at its mid-point context."""
+    flops = sum(cost.prefill_flops(p, shared_prefix if i else 0) for i, p in enumerate(prompt_lens))
+    prefill_tokens = sum(prompt_lens) - shared_prefix * max(len(prompt_lens) - 1, 0)
+    chunks = -(-prefill_tokens // chunk_tokens)
+    prefill_s = max(flops / hw.flops_per_s, chunks * cost.all_weight_bytes() / hw.bytes_per_s)
+    # request i needs output_lens[i] - 1 decode steps (its first token comes out of the prefill)
+    order = sorted(range(len(output_lens)), key=lambda i: output_lens[i])
+    decode_s, steps, first = 0.0, 0, None
+    for pos, i in enumerate(order):
+        span = output_lens[i] - 1 - steps
+        if span <= 0:
+            continue
+        active = order[pos:]
+        ctx = sum(prompt_lens[j] for j in active) / len(active) + steps + span / 2
+        bytes_, fl = cost.decode_step(len(active), ctx)
+        t = max(bytes_ / hw.bytes_per_s, fl / hw.flops_per_s)
+        first = t if first is None else first
+        decode_s += t * span
+        steps += span
+    return Floor(prefill_s, decode_s, steps, sum(output_lens), first or 0.0)

@@ -1,0 +1,287 @@
+"""Offline workloads on nanoserve: one model build, a fresh engine per run, timings from the engine's timestamps.
+
+`NanoBench` builds the model and its KV pool once (an executor) and hands out a new `LLMEngine` around it per run,
+so each run starts with an empty prefix cache and fresh counters, and the ablation can flip switches between runs
+without rebuilding 50 GB of weights. Model-side switches are read from the shared `Optimizations` object at
+forward time; engine-side ones take effect in the next engine built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import importlib
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
+from nanoserve.bench.workloads import Workload
+from nanoserve.config import EngineConfig, Optimizations
+from nanoserve.engine.executor import make_executor
+from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.model_runner import resolve_device
+from nanoserve.engine.outputs import RequestOutput
+from nanoserve.model.kv_cache import kv_cache_bytes_per_block
+from nanoserve.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+KERNEL_SWITCHES = {
+    # switch -> (module, functions the model layers import from it)
+    "triton_attention": ("nanoserve.kernels.attention", ("paged_attention",)),
+    "triton_msa": ("nanoserve.kernels.msa", ("msa_select", "sparse_attention")),
+    "fused_moe": ("nanoserve.kernels.moe", ("fused_moe",)),
+    "fold_shared_expert": ("nanoserve.kernels.moe", ("fused_moe",)),
+    "fused_qk_norm_rope": ("nanoserve.kernels.norm_rope", ("qk_norm_rope_insert",)),
+    "fused_add_rmsnorm": ("nanoserve.kernels.norm_rope", ("fused_add_rmsnorm",)),
+}
+ENGINE_SWITCHES = ("paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill", "cuda_graphs",
+                   "overlap_scheduling", "fast_input_prep")
+"""Switches read by the engine, scheduler, block manager or runner (the rest are read by the model layers)."""
+KV_HEADROOM = 1.15
+"""KV pool = this x the largest workload's resident tokens (+ one max_model_len sequence)."""
+MAX_KV_FRACTION_OF_FREE = 0.75
+"""Never ask for more than this share of the free device memory for the KV pool (activations need the rest)."""
+
+
+def unavailable_kernel_switches() -> dict[str, str]:
+    """Kernel switches whose module cannot be imported here (switch -> reason)."""
+    out = {}
+    for switch, (module, names) in KERNEL_SWITCHES.items():
+        try:
+            mod = importlib.import_module(module)
+            missing = [n for n in names if not hasattr(mod, n)]
+            if missing:
+                out[switch] = f"{module} has no {', '.join(missing)}"
+        except Exception as e:  # noqa: BLE001 - a kernel being written may not import yet
+            out[switch] = f"{module} does not import: {type(e).__name__}: {e}"
+    return out
+
+
+def stats(values: list[float]) -> dict[str, float]:
+    """mean / p50 / p99 / min / max (numpy's linear percentiles, as vllm bench serve)."""
+    if not values:
+        return {"mean": float("nan"), "p50": float("nan"), "p99": float("nan"), "min": float("nan"),
+                "max": float("nan"), "n": 0}
+    a = np.asarray(values, dtype=np.float64)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99)),
+            "min": float(a.min()), "max": float(a.max()), "n": int(a.size)}
+
+
+@dataclass
+class RunResult:
+    """One workload on one engine configuration."""
+
+    workload: str
+    engine: str  # "nanoserve" or "hf"
+    mode: str  # nanoserve: "default" / the ablation row; hf: "eager" / "static"
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int
+    wall_s: float
+    output_tok_s: float
+    total_tok_s: float
+    ttft_ms: dict
+    tpot_ms: dict
+    e2e_ms: dict
+    decode_tok_s: float  # batch / mean TPOT: the decode rate once every request is decoding
+    perf: dict = field(default_factory=dict)  # achieved GB/s, TFLOP/s, floors and fractions
+    extra: dict = field(default_factory=dict)  # prefix-cache hits, preemptions, notes
+    switches: dict = field(default_factory=dict)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
+
+    def as_dict(self, with_tokens: bool = False) -> dict:
+        d = dataclasses.asdict(self)
+        if not with_tokens:
+            d.pop("token_ids")
+        return d
+
+
+def performance(cost: ModelCost, wl: Workload, wall_s: float, tpot_s: float, ttft_s: float,
+                hw: Ceilings = H200, engine_prefill_tokens: int | None = None) -> dict:
+    """Achieved bandwidth / FLOP rate of the decode steps and the fraction of the floor, next to tokens/s."""
+    prompts = [len(r.prompt_ids) for r in wl.requests]
+    outs = [r.max_tokens for r in wl.requests]
+    fl = workload_floor(cost, prompts, outs, hw, wl.shared_prefix_len)
+    batch = len(wl.requests)
+    ctx = sum(prompts) / batch + (max(outs) / 2)
+    step_bytes, step_flops = cost.decode_step(batch, ctx)
+    out = {
+        "ceilings": hw.name,
+        "decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
+        "floor": fl.as_dict(),
+        "output_tok_s_fraction_of_floor": (sum(outs) / wall_s) / fl.output_tok_s if wall_s and fl.output_tok_s else None,
+    }
+    if tpot_s and tpot_s == tpot_s:
+        floor_step = max(step_bytes / hw.bytes_per_s, step_flops / hw.flops_per_s)
+        out.update({
+            "decode_gb_s": step_bytes / tpot_s / 1e9,
+            "decode_tflop_s": step_flops / tpot_s / 1e12,
+            "decode_bandwidth_fraction": step_bytes / tpot_s / hw.bytes_per_s,
+            "floor_tpot_ms": floor_step * 1e3,
+            "tpot_fraction_of_floor": floor_step / tpot_s,
+        })
+    if ttft_s and ttft_s == ttft_s and batch == 1:
+        floor_ttft = workload_floor(cost, prompts, [1], hw).prefill_s
+        out.update({"floor_ttft_ms": floor_ttft * 1e3, "ttft_fraction_of_floor": floor_ttft / ttft_s,
+                    "prefill_tflop_s": cost.prefill_flops(prompts[0]) / ttft_s / 1e12})
+    return out
+
+
+class NanoBench:
+    """One model + KV pool, fresh engines on demand."""
+
+    def __init__(self, model: str, device: str = "auto", dtype: str = "auto", opts: Optimizations | None = None,
+                 max_model_len: int = 4096, max_num_seqs: int = 256, kv_tokens: int | None = None,
+                 max_num_batched_tokens: int | None = None, seed: int = 0, hw: Ceilings = H200):
+        self.device = resolve_device(device)
+        self.opts = opts or Optimizations()
+        self.hw = hw
+        self.config = EngineConfig(model=model, device=self.device.type, dtype=dtype, max_model_len=max_model_len,
+                                   max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                   seed=seed, optimizations=self.opts)
+        t0 = time.perf_counter()
+        self.executor = make_executor(self.config)
+        self.build_s = time.perf_counter() - t0
+        self.model_config = self.executor.model_config
+        self.block_size = self.executor.block_size
+        self.runner = getattr(self.executor, "runner", None)
+        dtype_t = self.runner.dtype if self.runner is not None else torch.bfloat16
+        self.cost = ModelCost(self.model_config, weight_bytes=torch.empty((), dtype=dtype_t).element_size(),
+                              kv_bytes=torch.empty((), dtype=dtype_t).element_size())
+        if kv_tokens is not None:
+            self.config.num_gpu_blocks_override = self._kv_blocks(kv_tokens, max_model_len, dtype_t)
+        budget = max_num_batched_tokens or 8192
+        t0 = time.perf_counter()
+        self.num_blocks = self.executor.initialize_cache(max_model_len, budget, max_num_seqs)
+        self.cache_s = time.perf_counter() - t0
+        logger.info("nanoserve bench: model built in %.1f s, KV pool of %d blocks in %.1f s", self.build_s,
+                    self.num_blocks, self.cache_s)
+
+    def _kv_blocks(self, kv_tokens: int, max_model_len: int, dtype: torch.dtype) -> int:
+        blocks = int((kv_tokens * KV_HEADROOM + max_model_len) // self.block_size) + 2
+        if self.device.type == "cuda":
+            per_block = kv_cache_bytes_per_block(self.model_config, self.block_size, dtype)
+            free = torch.cuda.mem_get_info(self.device)[0]
+            cap = int(free * MAX_KV_FRACTION_OF_FREE // per_block)
+            if blocks > cap:
+                logger.warning("KV pool capped at %d blocks (%.1f GiB) by free memory", cap, cap * per_block / 2**30)
+                blocks = cap
+        return blocks
+
+    def engine(self, max_model_len: int, max_num_seqs: int) -> LLMEngine:
+        """A fresh engine (empty prefix cache, zeroed stats) around the shared model; engine-side switches are
+        read from the shared Optimizations now."""
+        cfg = dataclasses.replace(self.config, max_model_len=max_model_len,
+                                  max_num_seqs=min(max_num_seqs, self.config.max_num_seqs), num_gpu_blocks_override=None)
+        cfg.optimizations = self.opts
+        return LLMEngine(cfg, executor=self.executor)
+
+    def engine_for(self, wl: Workload) -> LLMEngine:
+        bs = self.block_size
+        need = -(-wl.max_total_len // bs) * bs
+        return self.engine(min(max(need, bs), self.config.max_model_len), max(wl.num_requests, 1))
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def capture_graphs(self, wl: Workload) -> int:
+        """Capture the decode graphs this workload will use (batch sizes up to its request count, its context),
+        outside the timed region. 0 if graphs do not apply."""
+        if self.runner is None or not hasattr(self.runner, "capture_decode_graphs"):
+            return 0
+        return self.runner.capture_decode_graphs(wl.max_total_len, wl.num_requests)
+
+    def warmup(self, wl: Workload, max_tokens: int = 4, max_requests: int = 64) -> None:
+        """Compile the kernels this workload's shapes need and capture its decode graphs, on fresh prompts."""
+        small = wl.scaled(max_tokens=max_tokens, max_requests=max_requests, seed=1000)
+        self.run(small, tag="warmup")
+        self.capture_graphs(wl)
+
+    def run(self, wl: Workload, mode: str = "default", tag: str = "run", keep_tokens: bool = True) -> RunResult:
+        engine = self.engine_for(wl)
+        self.sync()
+        outputs, wall = drive(engine, wl, tag)
+        return result_from_outputs(wl, outputs, wall, "nanoserve", mode, self.opts, self.cost, self.hw,
+                                   engine.stats, keep_tokens)
+
+    def close(self) -> None:
+        self.executor.shutdown()
+        self.executor = None
+        self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def sampling_params(req) -> SamplingParams:
+    return SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, ignore_eos=True)
+
+
+MAX_IDLE_STEPS = 1000
+"""Steps in a row with nothing scheduled before the driver gives up (a request that can never fit)."""
+
+
+def drive(engine: LLMEngine, wl: Workload, tag: str = "run") -> tuple[list[RequestOutput], float]:
+    """Add every request at once, step until all finish; returns outputs in request order and the wall time."""
+    t0 = time.perf_counter()
+    ids = []
+    for i, req in enumerate(wl.requests):
+        rid = f"{tag}-{wl.name}-{i}"
+        engine.add_request(rid, {"prompt_token_ids": req.prompt_ids}, sampling_params(req))
+        ids.append(rid)
+    results: dict[str, RequestOutput] = {}
+    idle = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        idle = 0 if outs or engine.stats.num_steps else idle + 1
+        for out in outs:
+            if out.finished:
+                results[out.request_id] = out
+        if not outs and engine.num_running == 0 and engine.num_waiting and idle > MAX_IDLE_STEPS:
+            engine.abort_request(ids)
+            raise RuntimeError(f"{wl.name}: {engine.num_waiting} request(s) can never be scheduled")
+    if engine.executor.device.type == "cuda":
+        torch.cuda.synchronize(engine.executor.device)
+    wall = time.perf_counter() - t0
+    return [results[i] for i in ids], wall
+
+
+def result_from_outputs(wl: Workload, outputs: list[RequestOutput], wall: float, engine_name: str, mode: str,
+                        opts: Optimizations | None, cost: ModelCost, hw: Ceilings, engine_stats=None,
+                        keep_tokens: bool = True) -> RunResult:
+    ttft, tpot, e2e = [], [], []
+    out_tokens = 0
+    for o in outputs:
+        m = o.metrics
+        n = len(o.outputs[0].token_ids)
+        out_tokens += n
+        if m is None or m.first_token_time is None:
+            continue
+        ttft.append((m.first_token_time - m.arrival_time) * 1e3)
+        if n > 1 and m.last_token_time is not None:
+            tpot.append((m.last_token_time - m.first_token_time) / (n - 1) * 1e3)
+        end = m.finished_time or m.last_token_time
+        e2e.append((end - m.arrival_time) * 1e3)
+    prompt_tokens = sum(len(r.prompt_ids) for r in wl.requests)
+    t, f = stats(tpot), stats(ttft)
+    extra = {}
+    if engine_stats is not None:
+        s = engine_stats
+        extra = {"prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+                 "computed_prefill_tokens": s.num_computed_prefill_tokens, "preemptions": s.num_preemptions,
+                 "steps": s.num_steps}
+    res = RunResult(
+        workload=wl.name, engine=engine_name, mode=mode, num_requests=len(outputs), prompt_tokens=prompt_tokens,
+        output_tokens=out_tokens, wall_s=wall, output_tok_s=out_tokens / wall if wall else 0.0,
+        total_tok_s=(out_tokens + prompt_tokens) / wall if wall else 0.0, ttft_ms=f, tpot_ms=t, e2e_ms=stats(e2e),
+        decode_tok_s=len(outputs) / (t["mean"] / 1e3) if t["n"] else 0.0,
+        perf=performance(cost, wl, wall, t["mean"] / 1e3 if t["n"] else 0.0, f["mean"] / 1e3 if f["n"] else 0.0, hw),
+        extra=extra, switches=opts.as_dict() if opts is not None else {},
+        token_ids=[list(o.outputs[0].token_ids) for o in outputs] if keep_tokens else [])
+    return res
