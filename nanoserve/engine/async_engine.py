@@ -215,8 +215,9 @@ class AsyncLLMEngine:
         try:
             self.engine.abort_request(list(self.engine.requests))
             self.snapshot = self._take_snapshot()
-        finally:
-            self.engine.shutdown()
+        except Exception:  # a failed engine may not abort cleanly; the device is released all the same
+            logger.exception("could not abort the remaining requests at shutdown")
+        self.engine.shutdown()
 
     # -- requests -----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:

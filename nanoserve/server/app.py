@@ -408,8 +408,6 @@ async def completion_events(server: OpenAIServer, request_id: str, req: P.Comple
             yield sse(P.CompletionChunk(id=request_id, model=server.model_name, choices=[], usage=usage))
     except (EngineDeadError, EngineShutdownError) as exc:
         yield sse_error(exc)
-    finally:
-        await close_all(streams)
     yield SSE_DONE
 
 
@@ -443,14 +441,24 @@ async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompleti
             yield chunk([], server.usage([final]))
     except (EngineDeadError, EngineShutdownError) as exc:
         yield sse_error(exc)
-    finally:
-        await stream.aclose()
     yield SSE_DONE
 
 
-def event_stream(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class EventStreamResponse(StreamingResponse):
+    """Server-Sent Events over the engine's streams. However the response ends - finished, the client gone
+    (Starlette cancels it), the server shutting down - its streams are closed, so unfinished requests are
+    aborted and their KV blocks freed, even if the body never started."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_all(self.streams)
 
 
 # -- the app ------------------------------------------------------------------------------------------------
@@ -521,7 +529,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         request_id = f"cmpl-{uuid.uuid4().hex}"
         streams = await server.add_requests(request_id, prepared, req, "prompt")
         if req.stream:
-            return event_stream(completion_events(server, request_id, req, streams, prepared.params))
+            return EventStreamResponse(completion_events(server, request_id, req, streams, prepared.params), streams)
         try:
             with engine_errors(req, "prompt"):
                 outputs = await unless_disconnected(request, collect(streams))
@@ -536,7 +544,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         [stream] = await server.add_requests(request_id, prepared, req, "messages")
         if req.stream:
-            return event_stream(chat_events(server, request_id, req, stream, prepared.params))
+            return EventStreamResponse(chat_events(server, request_id, req, stream, prepared.params), [stream])
         try:
             with engine_errors(req, "messages"):
                 [output] = await unless_disconnected(request, collect([stream]))

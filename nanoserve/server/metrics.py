@@ -46,7 +46,8 @@ class ServerMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (KV freed, recomputed later).")
-        self.success = counter("vllm:request_success", "Requests finished, by finish reason (of the first completion).", ("finished_reason",))
+        self.success = counter("vllm:request_success", "Requests finished, by finish reason (of the first "
+                               "completion).", ("finished_reason",))
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
         self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time between a request's output tokens.",
                               LATENCY_BUCKETS)
