@@ -26,7 +26,7 @@ import sys
 import textwrap
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, TextIO
 
 import torch
@@ -234,9 +234,13 @@ class Narrator:
 
     # -- engine events --------------------------------------------------------------------------------------
     def on_event(self, event: str, **p: Any) -> None:
+        """LLMEngine observer: one handler per event, `_<event>(**payload)`. Handlers take **_ so the engine
+        may add payload keys (or events) without breaking the narration."""
         if self.rows and event != "step" and _SAMPLED not in self.lines:
             self.lines.append(_SAMPLED)  # the model has run: report the sampled tokens before what follows
-        getattr(self, f"_{event}")(**p)
+        handler = getattr(self, f"_{event}", None)
+        if handler is not None:
+            handler(**p)
 
     def _before_free(self, seq: Sequence, tag: str, text: str) -> None:
         """Add a line that explains why seq's blocks were just freed. The block manager reports the free first;
@@ -246,7 +250,7 @@ class Narrator:
         if freed is seq and at == len(self.lines) - 2:
             self.lines[at], self.lines[at + 1] = self.lines[at + 1], self.lines[at]
 
-    def _allocate(self, seq: Sequence, blocks: list[int]) -> None:
+    def _allocate(self, seq: Sequence, blocks: list[int], **_: Any) -> None:
         first = len(seq.block_table) - len(blocks)  # the new blocks are the table's last entries
         bs = self.bm.block_size
         for b in blocks:
@@ -255,7 +259,7 @@ class Narrator:
                  f"tokens {first * bs}-{(first + len(blocks)) * bs - 1}; {self.bm.num_free_blocks} blocks free "
                  f"left", level=1)
 
-    def _prefix_hit(self, seq: Sequence, blocks: list[int], tokens: int) -> None:
+    def _prefix_hit(self, seq: Sequence, blocks: list[int], tokens: int, **_: Any) -> None:
         self.count.prefix_hit_tokens += tokens
         revived = [b for b in blocks if self.bm.blocks[b].ref_count == 1]  # nobody else holds it: was free
         shared = [b for b in blocks if b not in revived]
@@ -272,13 +276,13 @@ class Narrator:
                  + (f" ({whose})" if owners else "") + f": {'; '.join(how)}. "
                  f"Those tokens are not computed again.")
 
-    def _evict(self, block: int) -> None:
+    def _evict(self, block: int, **_: Any) -> None:
         self.count.evictions += 1
         was = self.owner.get(block)
         self.tag("evict", f"block {block}{f' (last used by {was})' if was else ''} was free but still held a "
                  f"cached prefix; the pool hands it out again, so that prefix is forgotten")
 
-    def _admit(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int) -> None:
+    def _admit(self, seq: Sequence, num_new_tokens: int, num_cached_tokens: int, **_: Any) -> None:
         again = seq.num_preemptions > 0
         what = f"{num_new_tokens} tokens to {'recompute' if again else 'compute'}"
         if num_cached_tokens:
@@ -286,13 +290,13 @@ class Narrator:
         self.tag("admit", f"{seq.request_id}{' (again, after its preemption)' if again else ''}: first in the "
                  f"waiting queue, and the budget and the pool have room: {what}")
 
-    def _chunk(self, seq: Sequence, num_new_tokens: int, remaining: int) -> None:
+    def _chunk(self, seq: Sequence, num_new_tokens: int, remaining: int, **_: Any) -> None:
         self.count.chunks += 1
         start = seq.num_computed_tokens
         self.tag("chunk", f"{seq.request_id}: only tokens {start}-{start + num_new_tokens - 1} fit this step's "
                  f"token budget; the other {remaining} wait for the next step (chunked prefill)")
 
-    def _preempt(self, seq: Sequence, needed_by: Sequence | None = None) -> None:
+    def _preempt(self, seq: Sequence, needed_by: Sequence | None = None, **_: Any) -> None:
         self.count.preemptions += 1
         need = needed_by or seq
         cause = (f"{need.request_id} needs another KV block and the pool is empty, so the newest running "
@@ -301,7 +305,7 @@ class Narrator:
         self._before_free(seq, "preempt", f"{cause}. {seq.request_id} returns its blocks and goes back to the front "
                           f"of the waiting queue; its tokens will be computed again later (preemption by recompute).")
 
-    def _free(self, seq: Sequence, blocks: list[int]) -> None:
+    def _free(self, seq: Sequence, blocks: list[int], **_: Any) -> None:
         self._last_free = (seq, len(self.lines))
         held = [b for b in blocks if self.bm.blocks[b].ref_count > 0]
         cached = [b for b in blocks if b not in held and self.bm.blocks[b].hash is not None]
@@ -312,12 +316,12 @@ class Narrator:
             text += f"; {self.ids(cached)} keep their cached prefix until handed out again"
         self.tag("free", text, level=1)
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, **_: Any) -> None:
         self.count.finished += 1
         self._before_free(seq, "finish", f"{seq.request_id}: {len(seq.output_token_ids)} tokens generated (finish "
                           f"reason '{reason}'): {self.quote(seq.output_token_ids)}")
 
-    def _step(self, scheduled: list[Any], preempted: list[Sequence], model_input: Any) -> None:
+    def _step(self, scheduled: list[Any], preempted: list[Sequence], model_input: Any, **_: Any) -> None:
         self.rows, i = [], 0
         for s in scheduled:
             ids = model_input.input_ids[i: i + s.num_new_tokens]
@@ -365,13 +369,14 @@ class Narrator:
 
     # -- model trace ----------------------------------------------------------------------------------------
     def on_trace(self, event: str, layer: int, **p: Any) -> None:
+        """Model trace hook: narrate one MSA layer and one MoE layer (the first of each)."""
         if event == "msa_select" and layer == self.msa_layer:
             self._msa(layer, **p)
         elif event == "moe_route" and layer == self.moe_layer:
             self._moe(layer, **p)
 
     def _msa(self, layer: int, index_q: torch.Tensor, index_cache: torch.Tensor, meta: Any,
-             selection: torch.Tensor) -> None:
+             selection: torch.Tensor, **_: Any) -> None:
         """For each sequence's newest query: the blocks each KV group selected, with their block scores
         (recomputed for that one query with the reference indexer; the own block is forced in, whatever its
         score)."""
@@ -411,7 +416,7 @@ class Narrator:
                      f"blocks, so the top-{self.topk} selection keeps them all: MSA equals dense attention there",
                      level=1)
 
-    def _moe(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    def _moe(self, layer: int, topk_ids: torch.Tensor, topk_weights: torch.Tensor, **_: Any) -> None:
         self.count.moe_routings += 1
         ids, weights = topk_ids.tolist(), topk_weights.tolist()
         load = Counter(e for row in ids for e in row)
@@ -554,23 +559,23 @@ def _run(scenario: Scenario, detail: str, pause: bool, delay: float, out: TextIO
 def _intro(engine: LLMEngine, scenario: Scenario, out: TextIO) -> None:
     cfg, bs = engine.model_config, engine.block_size
 
-    def print(text: str = "", file: TextIO = out) -> None:
-        file.write(textwrap.fill(text, RULE_WIDTH, subsequent_indent="    ", break_on_hyphens=False) + "\n")
+    def say(text: str = "") -> None:
+        out.write(textwrap.fill(text, RULE_WIDTH, subsequent_indent="    ", break_on_hyphens=False) + "\n")
 
-    print(f"nanoserve walkthrough - scenario '{scenario.name}': {scenario.title}", file=out)
-    print(f"model {MODEL} (random weights: the text it writes is noise), {cfg.num_hidden_layers} layers: "
-          f"{'/'.join('MSA' if cfg.is_sparse_attention(i) else 'dense' for i in range(cfg.num_hidden_layers))} "
-          f"attention, {'/'.join('MoE' if cfg.is_moe(i) else 'MLP' for i in range(cfg.num_hidden_layers))} FFN",
-          file=out)
-    print(f"KV pool {engine.block_manager.num_blocks} blocks of {bs} tokens (a block = an MSA block); token budget "
-          f"{engine.max_num_batched_tokens} per step; at most {engine.scheduler.config.max_num_seqs} sequences; "
-          f"MSA keeps the top {cfg.index_topk_blocks} blocks per query; MoE routes each token to "
-          f"{cfg.num_experts_per_tok} of {cfg.num_local_experts} experts", file=out)
-    print("requests (greedy, ignore EOS, so every run is the same):", file=out)
+    layers = range(cfg.num_hidden_layers)
+    say(f"nanoserve walkthrough - scenario '{scenario.name}': {scenario.title}")
+    say(f"model {MODEL} (random weights: the text it writes is noise), {cfg.num_hidden_layers} layers: "
+        f"{'/'.join('MSA' if cfg.is_sparse_attention(i) else 'dense' for i in layers)} attention, "
+        f"{'/'.join('MoE' if cfg.is_moe(i) else 'MLP' for i in layers)} FFN")
+    say(f"KV pool {engine.block_manager.num_blocks} blocks of {bs} tokens (a block = an MSA block); token budget "
+        f"{engine.max_num_batched_tokens} per step; at most {engine.scheduler.config.max_num_seqs} sequences; "
+        f"MSA keeps the top {cfg.index_topk_blocks} blocks per query; MoE routes each token to "
+        f"{cfg.num_experts_per_tok} of {cfg.num_local_experts} experts")
+    say("requests (greedy, ignore EOS, so every run is the same):")
     for r in scenario.requests:
         n = sum(p.blocks * bs + p.extra for p in r.parts)
-        print(f"  {r.name}  arrives before step {r.arrives}, {n} prompt tokens: {r.role}", file=out)
-    print(file=out)
+        say(f"  {r.name}  arrives before step {r.arrives}, {n} prompt tokens: {r.role}")
+    say()
 
 
 def _summary(engine: LLMEngine, n: Narrated, out: TextIO) -> None:
