@@ -22,6 +22,7 @@ The engine runs with the plain reference kernels (no Triton), which are fast at 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import time
@@ -613,7 +614,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.delay < 0:
         ap.error("--delay must be >= 0")
     wait = lambda: input("  (Enter for the next step) ")  # noqa: E731
-    run(args.scenario, detail, args.pause, args.delay, wait=wait)
+    try:
+        run(args.scenario, detail, args.pause, args.delay, wait=wait)
+    except BrokenPipeError:  # piped into `head` and the reader has seen enough: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe, so exit stays quiet
     return 0
 
 
