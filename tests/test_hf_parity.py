@@ -22,6 +22,8 @@ from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.kv_cache import allocate_kv_caches
 from nanoserve.model.loader import load_model, load_weights, read_config
 from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.model.make_checkpoint import write_checkpoint
+from nanoserve.model.presets import get_preset
 from tests.hf_oracle import load_hf_oracle
 
 FP32_RTOL = 1e-5
@@ -212,6 +214,26 @@ def test_long_prompt_logits_match_hf_and_msa_drops_blocks(request, model, hf, lo
     boundary = bs * topk
     torch.testing.assert_close(dense[:boundary], ref[:boundary], rtol=0, atol=FP32_RTOL * ref.abs().max().item())
     assert (dense[boundary:] - ref[boundary:]).abs().max().item() > 100 * FP32_RTOL * ref.abs().max().item()
+
+
+@pytest.mark.parametrize("changes", [
+    dict(index_local_blocks=2, index_topk_blocks=4, index_block_size=8),
+    dict(num_attention_heads=16, rotary_dim=32, index_block_size=4, index_topk_blocks=3, index_local_blocks=3,
+         num_experts_per_tok=1),
+], ids=["two-local-blocks", "gqa4-full-rotary-local-only"])
+def test_config_variants_match_hf(request, tmp_path, changes):
+    """Other shapes of the same architecture (more forced local blocks, a GQA ratio of 4, RoPE over the whole
+    head, top-1 routing): prefill and paged decode still match transformers on the same checkpoint."""
+    preset = get_preset("m3-tiny")
+    write_checkpoint(str(tmp_path), preset.config.replace(**changes), preset)
+    model, _ = load_model(str(tmp_path), Optimizations.reference(), torch.float32)
+    hf = load_hf_oracle(str(tmp_path))
+    ids = random_ids(100, seed=3)
+    ref = hf_forward(hf, ids)
+    _assert_close(request, f"variant {request.node.callspec.id}: prefill", full_forward(model, ids), ref)
+    runner = PagedRunner(model, seed=1)
+    inc = torch.cat([runner.step([("a", ids[:30])])[0]] + [runner.step([("a", [t])])[0] for t in ids[30:]])
+    _assert_close(request, f"variant {request.node.callspec.id}: paged decode", inc, ref)
 
 
 # -- incremental decoding through the paged cache ---------------------------------------------------------------

@@ -132,13 +132,18 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
     skipped = {reason: 0 for reason in SKIPPED_PREFIXES}
     unexpected = []
     with ExitStack() as stack:
-        handles: dict[str, Any] = {}
+        handles: dict[str, tuple[Any, set[str]]] = {}  # path -> (open file, its tensor names)
 
         def source(key: str) -> SafeSlice:
             path = files[key]
             if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
-            return SafeSlice(handles[path], key)
+                h = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
+                handles[path] = (h, set(h.keys()))
+            handle, names = handles[path]
+            if key not in names:
+                raise CheckpointError(f"{key} is listed in model.safetensors.index.json under "
+                                      f"{os.path.basename(path)}, which does not contain it")
+            return SafeSlice(handle, key)
 
         for key in files:
             reason = next((r for r, prefixes in SKIPPED_PREFIXES.items() if key.startswith(prefixes)), None)
