@@ -67,6 +67,7 @@ def test_async_engine_generate_abort_and_shutdown(tiny_dir):
         stream = await engine.add_request("d", PROMPT, SamplingParams(max_tokens=400, ignore_eos=True))
         await stream.__anext__()
         await engine.shutdown(drain_timeout=0.2)  # too short for 400 tokens: "d" is aborted
+        await engine.shutdown()  # a second call is harmless
         with pytest.raises(EngineShutdownError):
             async for _ in stream:
                 pass

@@ -189,7 +189,9 @@ class AsyncLLMEngine:
 
     async def shutdown(self, drain_timeout: float = 10.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `drain_timeout` seconds, abort the rest,
-        stop the loop and release the device."""
+        stop the loop and release the device. Calling it again does nothing."""
+        if self._stopping:
+            return
         self.accepting = False
         deadline = time.monotonic() + drain_timeout
         while self._streams and self.is_running and time.monotonic() < deadline:
@@ -199,7 +201,7 @@ class AsyncLLMEngine:
             for stream in list(self._streams.values()):
                 stream.fail(EngineShutdownError("the server is shutting down; the request was aborted"))
         self._streams.clear()
-        self._stopping = True
+        self._stopping = True  # the loop exits after its current step
         if self._wakeup is not None:
             self._wakeup.set()
         if self._loop_task is not None:
