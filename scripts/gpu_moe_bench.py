@@ -17,6 +17,8 @@ random bf16 weights (std 0.02, as m3-slice), uniform random routing (reference.r
      grouped_mm    torch._grouped_mm as Hugging Face runs it: sort by expert, two grouped GEMMs, SwiGLU-OAI,
                    weight, un-sort, index_add (BENCHMARKS.md's MoE baseline; routed only)
      loop          reference.moe_experts, one expert at a time (routed only; only up to --loop-max-tokens)
+     route         the layer's torch routing (fp32 router GEMM, sigmoid, top-k, renorm), eager and as a graph
+                   ("route graph"): what a fused routing kernel could save (none is used yet)
    FLOPs = 2 * 3 * H * I per (token, expert) pair computed; bytes = weights of the distinct experts touched (the
    BENCHMARKS.md convention; activations are < 1% at these sizes). Fractions are of 772 TFLOP/s and 4.26 TB/s.
 3. --sweep: per token bucket, coordinate descent over BLOCK_M, then GEMM 1 tiles, then GEMM 2 tiles (fold on),
@@ -113,6 +115,8 @@ class Problem:
         for e in range(slots):  # one expert at a time: no fp32 copy of 14.6 GB
             self.w13[e].normal_(0.0, WEIGHT_STD, generator=gen)
             self.w2[e].normal_(0.0, WEIGHT_STD, generator=gen)
+        self.router = torch.randn(experts, hidden, device=device, generator=gen) * WEIGHT_STD  # fp32, as M3
+        self.router_bias = torch.zeros(experts, device=device)
         self.gen = gen
 
     @property
@@ -155,6 +159,10 @@ class Problem:
         y = torch._grouped_mm(act, self.w2[: self.experts].transpose(-2, -1), offs=offsets)
         y = (y * weights.reshape(-1)[perm, None]).to(x.dtype)[inv_perm]
         return torch.zeros_like(x).index_add_(0, token_idx, y) * SCALE
+
+    def route(self, x) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's routing as it runs today: fp32 router GEMM + reference.route (sigmoid, top-k, renorm)."""
+        return reference.route(F.linear(x.float(), self.router), self.router_bias, self.top_k)
 
     def loop(self, x, weights, ids) -> torch.Tensor:
         return reference.moe_experts(x, self.w13[: self.experts], self.w2[: self.experts], ids, weights, ALPHA,
@@ -260,17 +268,23 @@ def run_timings(p: Problem, token_counts, loop_max_tokens: int) -> None:
             variants["graph"] = (lambda: p.fused(x, weights, ids, fold=True), True, graph_ms)
         if tokens <= loop_max_tokens:
             variants["loop"] = (lambda: p.loop(x, weights, ids), False, bench_ms)
+        variants["route"] = (lambda: p.route(x), None, bench_ms)
+        if torch.cuda.is_available() and tokens in GRAPH_TOKENS:
+            variants["route graph"] = (lambda: p.route(x), None, graph_ms)
         for name, (fn, shared, timer) in variants.items():
             try:
                 fn()  # compile / warm up outside the timing
                 ms = timer(fn)
-                tflops = p.flops(tokens, shared) / ms / 1e9
-                gbs = p.bytes(ids, shared) / ms / 1e6
-                row = {"variant": name, "tokens": tokens, "ms": ms, "tflops": tflops, "gbs": gbs,
-                       "frac_peak_flops": tflops / PEAK_TFLOPS, "frac_copy_bw": gbs / COPY_CEILING_GBS,
-                       "experts_touched": p.touched_experts(ids) + int(shared)}
+                row = {"variant": name, "tokens": tokens, "ms": ms, "tflops": None, "gbs": None}
+                if shared is not None:  # an experts variant: count its FLOPs and weight bytes
+                    row["tflops"] = p.flops(tokens, shared) / ms / 1e9
+                    row["gbs"] = p.bytes(ids, shared) / ms / 1e6
+                    row.update(frac_peak_flops=row["tflops"] / PEAK_TFLOPS,
+                               frac_copy_bw=row["gbs"] / COPY_CEILING_GBS,
+                               experts_touched=p.touched_experts(ids) + int(shared))
                 results["timings"].append(row)
-                log(f"  {name:13s} T={tokens:5d}  {ms:8.3f} ms  {tflops:7.1f} TFLOP/s  {gbs:7.0f} GB/s")
+                rates = "" if shared is None else f"  {row['tflops']:7.1f} TFLOP/s  {row['gbs']:7.0f} GB/s"
+                log(f"  {name:13s} T={tokens:5d}  {ms:8.3f} ms{rates}")
             except Exception as e:  # noqa: BLE001
                 record_error(f"time {name} T={tokens}", e)
         if loop_max_tokens < tokens:
@@ -358,6 +372,8 @@ def print_table(token_counts) -> None:
     for name, per_t in rows.items():
         for metric, fmt in (("ms", "{:9.3f}"), ("TFLOP/s", "{:9.1f}"), ("GB/s", "{:9.0f}")):
             key = {"ms": "ms", "TFLOP/s": "tflops", "GB/s": "gbs"}[metric]
+            if all(per_t[t][key] is None for t in per_t):
+                continue  # routing rows: time only
             cells = "".join(fmt.format(per_t[t][key]) if t in per_t else f"{'-':>9s}" for t in token_counts)
             lines.append(f"{name:13s} {metric:8s}{cells}")
     fused = rows.get("fused+shared", {})
