@@ -29,6 +29,15 @@ def tiny_dir(tmp_path_factory) -> str:
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_hf(tiny_dir):
+    """transformers' MiniMaxM3VLForCausalLM holding the `tiny_dir` weights (fp32, eval): the parity oracle.
+    Shared by the whole session; do not modify it. See tests/hf_oracle.py to load other directories."""
+    from tests.hf_oracle import load_hf_oracle
+
+    return load_hf_oracle(tiny_dir)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Presets generated on first use go to a per-session directory, not the user's ~/.cache."""

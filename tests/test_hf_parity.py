@@ -133,8 +133,8 @@ class SelectionRecorder:
 
 
 @pytest.fixture(scope="module")
-def hf(tiny_dir):
-    return load_hf_oracle(tiny_dir)
+def hf(tiny_hf):
+    return tiny_hf
 
 
 @pytest.fixture(scope="module")
