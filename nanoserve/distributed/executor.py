@@ -31,6 +31,7 @@ import atexit
 import logging
 import multiprocessing.connection
 import os
+import signal
 import socket
 import threading
 import time
@@ -85,6 +86,9 @@ def _spawned_worker_main(config: EngineConfig, info: RankInfo, conn: multiproces
         os._exit(1)
 
     threading.Thread(target=exit_when_parent_gone, daemon=True, name="nanoserve-tp-parent-watch").start()
+    # Ctrl-C in a terminal reaches the whole process group; only rank 0 decides when to stop (it may be draining
+    # in-flight requests), so a worker ignores SIGINT and leaves on rank 0's stop command or when rank 0 is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_worker(config, info)
     except BaseException:
@@ -110,6 +114,7 @@ class MultiprocExecutor(Executor):
         self.channel: ControlChannel | None = None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self._sent_switches = config.optimizations.as_dict()  # what the workers' models run with
 
         info = torchrun_rank()
         spawn = info is None
@@ -153,7 +158,10 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
         def step() -> torch.Tensor:
-            self.channel.send((STEP, inp))
+            switches = self.runner.config.optimizations.as_dict()
+            changed = switches if switches != self._sent_switches else None
+            self.channel.send((STEP, inp, changed))
+            self._sent_switches = switches
             logits = self.runner.execute(inp)
             if self.device.type == "cuda":
                 self._wait_for_device()

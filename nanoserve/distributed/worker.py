@@ -49,7 +49,10 @@ IDLE_TIMEOUT = timedelta(days=365)
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast off in every rank, set before the process group exists (the lent multi-GPU hosts need it)."""
 
-# Commands rank 0 sends; each is a tuple whose first item is one of these.
+# Commands rank 0 sends, each a tuple whose first item is one of these:
+#   (CONFIG, EngineConfig)   (INIT_CACHE, max_model_len, max_num_batched_tokens, max_num_seqs)
+#   (STEP, ModelInput, switches: dict | None - the optimization switches when they changed since the last step)
+#   (STOP,)
 CONFIG, INIT_CACHE, STEP, STOP = "config", "init_cache", "step", "stop"
 
 
@@ -150,13 +153,25 @@ def initialize_cache(runner: ModelRunner, channel: ControlChannel, max_model_len
     return num_blocks
 
 
+def apply_switches(runner: ModelRunner, switches: dict[str, bool]) -> None:
+    """Take rank 0's optimization switches. The model reads them at every forward from the Optimizations object it
+    shares with the runner's config, so flipping them in place (as the benchmark's ablation does on rank 0) takes
+    effect at the next step."""
+    opts = runner.config.optimizations
+    for name, value in switches.items():
+        setattr(opts, name, value)
+
+
 def worker_loop(runner: ModelRunner, channel: ControlChannel) -> None:
     """Ranks > 0: run rank 0's commands until it says stop. Logits stay here; only rank 0 samples."""
     while True:
         command = channel.recv()
         kind = command[0]
         if kind == STEP:
-            runner.execute(command[1])
+            _, inp, switches = command
+            if switches is not None:
+                apply_switches(runner, switches)
+            runner.execute(inp)
         elif kind == INIT_CACHE:
             initialize_cache(runner, channel, *command[1:])
         elif kind == STOP:
