@@ -174,11 +174,11 @@ class Problem:
         out = torch.zeros_like(xf)
         for e in ids.unique().tolist():
             token, slot = torch.where(ids == e)
-            out.index_add_(0, token, self._expert_fp32(xf[token], e) * weights[token, slot, None])
+            out.index_add_(0, token, self.expert_fp32(xf[token], e) * weights[token, slot, None])
         out *= SCALE
-        return out + self._expert_fp32(xf, self.experts) if fold else out
+        return out + self.expert_fp32(xf, self.experts) if fold else out
 
-    def _expert_fp32(self, xf, e: int) -> torch.Tensor:
+    def expert_fp32(self, xf, e: int) -> torch.Tensor:
         gate_up = xf @ self.w13[e].float().T
         act = reference.swiglu_oai(gate_up[:, : self.inter], gate_up[:, self.inter:], ALPHA, LIMIT)
         return act @ self.w2[e].float().T
@@ -207,7 +207,7 @@ def run_checks(p: Problem, token_counts, graph_tokens) -> None:
     for tokens in token_counts:
         x, weights, ids = p.inputs(tokens)
         exact_routed = p.exact(x, weights, ids, fold=False)
-        exact_folded = exact_routed + p._expert_fp32(x.float(), p.experts)
+        exact_folded = exact_routed + p.expert_fp32(x.float(), p.experts)
         variants = {
             "fused+shared": (lambda: p.fused(x, weights, ids, fold=True), exact_folded),
             "fused": (lambda: p.fused(x, weights, ids, fold=False), exact_routed),
@@ -348,11 +348,11 @@ def run_sweep(p: Problem, token_counts) -> None:
                     best = cfg
         ms = measure(best)
         gain = measure(start) / ms if ms > 0 else float("nan")
-        line = (f"{moe._bucket(tokens)}: _cfg({best.block_m}, {best.group_m}, "
+        line = (f"{moe.token_bucket(tokens)}: _cfg({best.block_m}, {best.group_m}, "
                 f"({best.up.block_n}, {best.up.block_k}, {best.up.num_warps}, {best.up.num_stages}), "
                 f"({best.down.block_n}, {best.down.block_k}, {best.down.num_warps}, {best.down.num_stages})),")
         best_lines.append(f"        {line}  # {ms:.3f} ms at {tokens} tokens")
-        results["sweep"].append({"tokens": tokens, "bucket": moe._bucket(tokens), "best": repr(best), "ms": ms,
+        results["sweep"].append({"tokens": tokens, "bucket": moe.token_bucket(tokens), "best": repr(best), "ms": ms,
                                  "start": repr(start), "start_ms": measure(start), "speedup": gain,
                                  "candidates": len(timed)})
         log(f"  T={tokens:5d}: {len(timed)} configs, best {ms:.3f} ms ({gain:.2f}x the table's entry): {line}")

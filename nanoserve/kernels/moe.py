@@ -3,12 +3,13 @@
     out[t] = routed_scaling_factor * sum_k w[t, k] * Expert_{id[t, k]}(x[t])   (+ SharedExpert(x[t]) when folded)
     Expert(x) = w2 @ swiglu_oai(gate, up),  [gate; up] = w13 @ x                 (m3_spec.md 2.6)
 
-The pipeline, one launch per step, no host synchronisation anywhere (launch grids come from shapes and upper
-bounds only, so a decode step can be captured in a CUDA/HIP graph):
+The pipeline: five launches, no host synchronisation anywhere (launch grids come from shapes and upper bounds
+only, so a decode step can be captured in a CUDA/HIP graph):
 
-1. Routing stays in torch (`reference.route`, called by the layer): a [T, 128] fp32 sigmoid + top-4 is a few
-   microseconds next to hundreds for the experts, so a fused routing kernel is not worth its code.
-2. Alignment (`moe_align.py`): the T * KP (token, slot) pairs are grouped by expert into runs padded to BLOCK_M
+1. Routing stays in torch (`reference.route`, called by the layer): a handful of small launches next to the
+   ~190 us it takes to stream five experts' weights at decode. No fused routing kernel has been measured to beat
+   it; `scripts/gpu_moe_bench.py` times the torch routing (eager and as a graph) so one can be judged.
+2. Alignment (`moe_align.py`, two launches): the T * KP (token, slot) pairs are grouped by expert into runs padded to BLOCK_M
    rows, so each BLOCK_M-row tile belongs to one expert. KP = top_k, plus one with the folded shared expert.
 3. GEMM 1 over the sorted rows: the program for tile (m, n) loads the tile's token rows of x once and multiplies
    them by BLOCK_N gate rows and the matching BLOCK_N up rows of w13 (two accumulators), then applies SwiGLU-OAI in
@@ -90,8 +91,9 @@ def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[
 
 H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
     # (hidden, intermediate, routed experts) -> {token bucket: config}. NVIDIA H200, bf16, top-4 (+ shared).
-    # up/down = (block_n, block_k, num_warps, num_stages). Starting points from the roofline reasoning in the
-    # module docstring; replace with `scripts/gpu_moe_bench.py --sweep` results.
+    # up/down = (block_n, block_k, num_warps, num_stages). Not yet measured: starting points (small BLOCK_M, narrow
+    # BLOCK_N and long BLOCK_K while memory-bound; 64-128 square-ish tiles once compute-bound); replace them with
+    # the lines `scripts/gpu_moe_bench.py --sweep` prints.
     (6144, 3072, 128): {
         1: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
         16: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
@@ -107,7 +109,8 @@ INTERPRETER_CONFIG = _cfg(16, 1, (32, 32, 4, 1), (32, 32, 4, 1))
 """CPU interpreter (tests): small tiles so that test shapes still span several tiles in every dimension."""
 
 
-def _bucket(tokens: int) -> int:
+def token_bucket(tokens: int) -> int:
+    """The TOKEN_BUCKETS entry a batch of `tokens` uses."""
     return next((b for b in TOKEN_BUCKETS if tokens <= b), TOKEN_BUCKETS[-1])
 
 
@@ -132,7 +135,7 @@ def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int
         return INTERPRETER_CONFIG
     tuned = H200_CONFIGS.get((hidden, inter, experts)) if kind == "cuda" else None
     if tuned is not None:
-        return tuned[_bucket(tokens)]
+        return tuned[token_bucket(tokens)]
     return default_config(tokens, top_k, experts, on_rocm=kind == "hip")
 
 
@@ -196,7 +199,7 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
     gate = tl.minimum(acc_gate, limit)
     up = tl.minimum(tl.maximum(acc_up, -limit), limit)
     act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
-    # Pad rows are stored too (as swiglu(0) = 0): GEMM 2 then reads whole tiles without row masks.
+    # Pad rows are stored too (as swiglu(0) = 0): GEMM 2 reads whole, finite tiles without row masks.
     tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :],
              act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
 

@@ -43,6 +43,7 @@ COUNT_ROWS = 32
 TABLE_STEP = 64
 """Block-table entries one program writes per step."""
 ALIGN_WARPS = 4
+"""Warps per alignment program (128 threads on NVIDIA, 256 on AMD's wave-64): the one-hot steps are small."""
 
 
 @dataclass
