@@ -128,6 +128,9 @@ class MultiprocExecutor(Executor):
         try:
             self.device = rank_device(config, info.local_rank)
             if self.device.type == "cuda":
+                if spawn and torch.cuda.device_count() < info.world_size:
+                    raise ValueError(f"tensor_parallel_size={info.world_size} needs as many GPUs, but "
+                                     f"{torch.cuda.device_count()} are visible")
                 torch.cuda.set_device(self.device)
             for key, value in MULTICAST_OFF_ENV.items():  # before spawning, so the workers inherit them too
                 os.environ.setdefault(key, value)

@@ -1,7 +1,8 @@
 """The tensor-parallel group of this process and the collectives the model uses.
 
 With tp_size == 1 (the default) every collective is a no-op, so a one-GPU run pays nothing for being
-tensor-parallel-ready. Worker processes call `init_tensor_parallel` once before building the model.
+tensor-parallel-ready. Every rank calls `set_tp` once, after joining the process group and before building the
+model: the layers read their shard from it at construction (distributed/worker.py `build_runner`).
 """
 
 from __future__ import annotations

@@ -130,6 +130,8 @@ def join_process_groups(config: EngineConfig, info: RankInfo) -> ControlChannel:
     for key, value in MULTICAST_OFF_ENV.items():
         os.environ.setdefault(key, value)
     device = rank_device(config, info.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # before NCCL exists, so its communicators bind this rank's GPU
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=info.init_method, world_size=info.world_size, rank=info.rank,
                             timeout=dist_timeout(), device_id=device if device.type == "cuda" else None)
