@@ -216,6 +216,13 @@ def test_long_prompt_logits_match_hf_and_msa_drops_blocks(request, model, hf, lo
     assert (dense[boundary:] - ref[boundary:]).abs().max().item() > 100 * FP32_RTOL * ref.abs().max().item()
 
 
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 47, 48, 49, 64, 65])
+def test_prompt_lengths_at_block_boundaries_match_hf(request, model, hf, n):
+    """One token, and lengths on either side of a 16-token block and of the 48-token dense/sparse boundary."""
+    ids = random_ids(n, seed=100 + n)
+    _assert_close(request, f"prefill {n} tokens", full_forward(model, ids), hf_forward(hf, ids))
+
+
 @pytest.mark.parametrize("changes", [
     dict(index_local_blocks=2, index_topk_blocks=4, index_block_size=8),
     dict(num_attention_heads=16, rotary_dim=32, index_block_size=4, index_topk_blocks=3, index_local_blocks=3,
@@ -281,6 +288,32 @@ def test_ragged_batch_matches_one_sequence_at_a_time(request, model, hf):
     reference = torch.cat([hf_forward(hf, ids) for ids in seqs.values()])
     _assert_close(request, "ragged batch vs one at a time (nanoserve)", batched, alone)
     _assert_close(request, "ragged batch vs HF", batched, reference)
+
+
+def test_sequences_sharing_prefix_blocks_match_hf(request, model, hf):
+    """Prefix caching's use of the paged cache: sequence b's block table starts with three full blocks that
+    sequence a computed (48 shared tokens); b then prefills only its own 52 tokens and decodes. Its logits equal
+    a full forward of b alone, and a (still running) is unaffected."""
+    bs = model.cfg.index_block_size
+    shared = random_ids(3 * bs, seed=20)
+    a = shared + random_ids(30, seed=21)
+    b = shared + random_ids(52, seed=22)
+    kv, index = allocate_kv_caches(model.cfg, 32, bs, torch.float32, "cpu")
+    model.bind_kv_caches(kv, index)
+    table_a = [9, 4, 17, 2, 25]  # 78 tokens
+    table_b = table_a[:3] + [30, 11, 6, 21, 13]  # shares a's first three blocks; 101 tokens
+    meta = AttentionMetadata.build([len(a)], [len(a)], [table_a], bs)
+    out_a = [model.compute_logits(model(torch.tensor(a), meta.positions, meta))]
+    meta = AttentionMetadata.build([len(b) - 1 - 3 * bs], [len(b) - 1], [table_b], bs)
+    out_b = [model.compute_logits(model(torch.tensor(b[3 * bs:-1]), meta.positions, meta))]
+    # one step decoding both: a's next token (its own blocks) and b's last prompt token (shared prefix)
+    nxt = random_ids(1, seed=23)
+    meta = AttentionMetadata.build([1, 1], [len(a) + 1, len(b)], [table_a, table_b], bs)
+    step = model.compute_logits(model(torch.tensor(nxt + b[-1:]), meta.positions, meta))
+    out_a.append(step[:1])
+    out_b.append(step[1:])
+    _assert_close(request, "shared-prefix sequence vs HF", torch.cat(out_b), hf_forward(hf, b)[3 * bs:])
+    _assert_close(request, "prefix owner vs HF", torch.cat(out_a), hf_forward(hf, a + nxt))
 
 
 # -- greedy generation ------------------------------------------------------------------------------------------
