@@ -46,8 +46,18 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.top_k == -1:
             self.top_k = 0
-        self.stop_list = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.stop, str):
+            self.stop_list = [self.stop]
+        elif isinstance(self.stop, (list, tuple)):
+            self.stop_list = list(self.stop)
+        elif self.stop is not None:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids)
+        elif self.stop_token_ids is None:
+            self.stop_token_ids = []
+        else:
+            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
         self.validate()
 
     def validate(self, max_logprobs: int | None = None) -> None:
@@ -88,6 +98,9 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "True or False")
         limit = 20 if max_logprobs is None else max_logprobs
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= limit):
             raise bad("logprobs", f"an integer in [0, {limit}]")

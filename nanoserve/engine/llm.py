@@ -34,9 +34,8 @@ class LLM:
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt (a string, token ids as {"prompt_token_ids": [...]}, or a list of those) and return
         one RequestOutput each, in order. A progress bar shows prefill and decode tokens/s."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt (anything but a list of prompts is one; a bad one fails validation)
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -71,23 +70,27 @@ class LLM:
         results: dict[str, RequestOutput] = {}
         engine = self.engine
         bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
+        # rates over the whole run, not the last step: steps that prefill (possibly beside decodes) count
+        # toward prefill, decode-only steps toward decode
+        prefill_tokens = prefill_time = decode_tokens = decode_time = 0.0
         while len(results) < len(ids):
             prefill_before = engine.stats.num_computed_prefill_tokens
             decode_before = engine.stats.num_generation_tokens
             t0 = time.perf_counter()
             outputs = engine.step()
-            dt = max(time.perf_counter() - t0, 1e-9)
+            dt = time.perf_counter() - t0
             prefilled = engine.stats.num_computed_prefill_tokens - prefill_before
             if prefilled:
-                prefill_tps = prefilled / dt
+                prefill_tokens, prefill_time = prefill_tokens + prefilled, prefill_time + dt
             else:
-                decode_tps = (engine.stats.num_generation_tokens - decode_before) / dt
+                decode_tokens += engine.stats.num_generation_tokens - decode_before
+                decode_time += dt
+            bar.set_postfix_str(f"prefill {prefill_tokens / max(prefill_time, 1e-9):,.0f} tok/s, "
+                                f"decode {decode_tokens / max(decode_time, 1e-9):,.0f} tok/s", refresh=False)
             for out in outputs:
                 if out.finished:
                     results[out.request_id] = out
                     bar.update(1)
-            bar.set_postfix_str(f"prefill {prefill_tps:,.0f} tok/s, decode {decode_tps:,.0f} tok/s", refresh=False)
             if not outputs and not engine.has_unfinished_requests():
                 break
         bar.close()

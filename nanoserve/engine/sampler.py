@@ -43,7 +43,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
         """logits [S, V] (fp32, one row per sequence in `seqs`) -> one token per sequence."""
-        logits = logits.float()
+        logits = logits.to(torch.float32, copy=True)  # penalties edit it in place; the caller's stays intact
         num_logprobs = [s.params.logprobs for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
         logits = self._apply_penalties(logits, seqs)
@@ -121,8 +121,9 @@ class Sampler:
             ranks = torch.arange(vocab, device=logits.device)[None, :]
             drop = (top_k[:, None] > 0) & (ranks >= top_k[:, None])
             probs = torch.softmax(sorted_logits.masked_fill(drop, float("-inf")), dim=-1)
-            # top-p: drop a token if the mass strictly before it already reaches top_p (the first always stays)
-            drop |= (probs.cumsum(-1) - probs) >= top_p[:, None]
+            # top-p: drop a token if the mass strictly before it already reaches top_p (the first always stays);
+            # rows with top_p = 1 skip it, since a rounded cumsum can reach 1.0 before the tail
+            drop |= (top_p[:, None] < 1) & ((probs.cumsum(-1) - probs) >= top_p[:, None])
             drop |= probs < min_p[:, None] * probs[:, :1]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)

@@ -1,0 +1,270 @@
+"""The whole engine on m3-tiny (CPU, reference kernels): batching, preemption, chunking and prefix caching must
+not change a single greedy token; prefix caching must really skip work; aborts and bad inputs are handled.
+
+The "each prompt alone" oracle runs with every switch off and a KV pool large enough for anything, so it shares
+nothing with the batched runs but the model.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve import LLM, Optimizations, SamplingParams
+from nanoserve.model.tokenizer_files import BOS_ID
+
+LAYER_SWITCHES = ("paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill")
+MAX_MODEL_LEN = 192
+SMALL_POOL_BLOCKS = 24  # 384 tokens for a batch of ~630 prompt tokens: forces preemption
+SMALL_BUDGET = 64  # tokens per step: forces chunked prefill of every prompt over 64 tokens
+OFF_POOL_BLOCKS = 48  # with paged KV off each sequence reserves max_model_len (12 blocks): 4 run at once
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """m3-tiny's ops are so small that torch's intra-op threads only add synchronisation: on 2 busy cores one
+    thread ran the mixed batch in 0.3 s of CPU time, two threads in 12 s."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def engine_opts(**layer_switches: bool) -> Optimizations:
+    """The switches of this layer as given; every kernel switch off (on the CPU they would run Triton's slow
+    interpreter, and they are tested in the kernel tests)."""
+    return Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False,
+                                   fold_shared_expert=False, fused_qk_norm_rope=False, fused_add_rmsnorm=False,
+                                   cuda_graphs=False, **layer_switches)
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(9, 512) for _ in range(n)]  # ids 0-8 are special tokens
+
+
+def mixed_prompts() -> list[list[int]]:
+    """Different lengths; four share a 70-token prefix (four full 16-token blocks), one is long."""
+    rng = random.Random(1234)
+    prefix = random_tokens(rng, 70)
+    shared = [prefix + random_tokens(rng, n) for n in (5, 17, 30, 1)]
+    others = [random_tokens(rng, n) for n in (12, 45, 150, 90)]
+    return [shared[0], others[0], shared[1], others[1], others[2], shared[2], others[3], shared[3]]
+
+
+MIXED_PARAMS = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 6, 12, 16, 10, 20, 4, 14)]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+@pytest.fixture(scope="module")
+def ref_llm() -> LLM:
+    return LLM("m3-tiny", optimizations=engine_opts(**{s: False for s in LAYER_SWITCHES}), kv_cache_tokens=4096,
+               max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    """Every switch of this layer on, with a pool and a budget small enough to preempt and chunk."""
+    return LLM("m3-tiny", optimizations=engine_opts(), num_gpu_blocks_override=SMALL_POOL_BLOCKS,
+               max_num_batched_tokens=SMALL_BUDGET, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def expected(ref_llm) -> list[list[int]]:
+    """Greedy tokens of each mixed prompt, run alone."""
+    return [ref_llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids
+            for p, sp in zip(mixed_prompts(), MIXED_PARAMS)]
+
+
+def generate_tokens(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_mixed_batch_with_preemption_and_chunking_matches_each_prompt_alone(llm, expected):
+    engine = llm.engine
+    events: dict[str, int] = {}
+    engine.add_observer(lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+    preemptions, hits = engine.stats.num_preemptions, engine.stats.prefix_cache_hits
+    got = generate_tokens(llm, mixed_prompts(), MIXED_PARAMS)
+    engine.observers.clear()
+    assert engine.stats.num_preemptions > preemptions, "the pool was meant to be small enough to preempt"
+    assert events.get("chunk", 0) > 0, "the budget was meant to be small enough to chunk"
+    assert engine.stats.prefix_cache_hits > hits, "the shared prefix was meant to hit the cache"
+    assert got == expected
+    assert [len(t) for t in got] == [sp.max_tokens for sp in MIXED_PARAMS]
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("off", [*LAYER_SWITCHES, "all"])
+def test_mixed_batch_matches_with_switches_off(off, expected):
+    switches = {s: False for s in LAYER_SWITCHES} if off == "all" else {off: False}
+    chunked = switches.get("chunked_prefill", True)
+    llm = LLM("m3-tiny", optimizations=engine_opts(**switches), num_gpu_blocks_override=OFF_POOL_BLOCKS,
+              # without chunked prefill a whole prompt must fit one step
+              max_num_batched_tokens=SMALL_BUDGET if chunked else MAX_MODEL_LEN, max_model_len=MAX_MODEL_LEN)
+    assert generate_tokens(llm, mixed_prompts(), MIXED_PARAMS) == expected
+    if not switches.get("prefix_caching", True):
+        assert llm.engine.stats.prefix_cache_hits == 0
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_caching_skips_the_shared_prefix(llm, ref_llm):
+    engine, stats = llm.engine, llm.engine.stats
+    engine.block_manager.reset_prefix_cache()
+    rng = random.Random(7)
+    prefix = random_tokens(rng, 64)
+    first, second = prefix + random_tokens(rng, 10), prefix + random_tokens(rng, 12)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+    before = stats.num_computed_prefill_tokens
+    llm.generate({"prompt_token_ids": first}, sp, use_tqdm=False)
+    assert stats.num_computed_prefill_tokens - before == len(first)
+
+    before, hits = stats.num_computed_prefill_tokens, stats.prefix_cache_hits
+    out = llm.generate({"prompt_token_ids": second}, sp, use_tqdm=False)[0]
+    assert stats.prefix_cache_hits - hits == 64 and out.num_cached_tokens == 64
+    assert stats.num_computed_prefill_tokens - before == len(second) - 64
+    assert out.outputs[0].token_ids == generate_tokens(ref_llm, [second], sp)[0]
+
+    # the same prompt again: every block is cached, but the last token is computed for its logits
+    exact = prefix + [prefix[0]]  # 65 tokens: 4 full blocks + 1
+    llm.generate({"prompt_token_ids": exact}, sp, use_tqdm=False)
+    before = stats.num_computed_prefill_tokens
+    again = llm.generate({"prompt_token_ids": exact}, sp, use_tqdm=False)[0]
+    assert stats.num_computed_prefill_tokens - before == 1 and again.num_cached_tokens == 64
+    assert again.outputs[0].token_ids == generate_tokens(ref_llm, [exact], sp)[0]
+    assert_all_blocks_free(llm)
+
+
+def test_abort_mid_run_frees_blocks(llm, ref_llm):
+    engine = llm.engine
+    rng = random.Random(3)
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    short, long, kept = random_tokens(rng, 10), random_tokens(rng, 150), random_tokens(rng, 20)
+    engine.add_request("decoding", short, sp)
+    engine.add_request("prefilling", long, sp)
+    engine.add_request("kept", kept, sp)
+    engine.add_request("waiting", random_tokens(rng, 30), sp)
+    engine.abort_request("waiting")  # never scheduled
+    engine.step()
+    engine.step()
+    seqs = {rid: state.seqs[0] for rid, state in engine.requests.items()}
+    assert seqs["decoding"].output_token_ids and not seqs["decoding"].is_finished
+    assert 0 < seqs["prefilling"].num_computed_tokens < len(long)
+    engine.abort_request(["prefilling", "decoding"])
+    engine.block_manager.check_integrity()
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    assert list(finished) == ["kept"]
+    assert finished["kept"].outputs[0].token_ids == generate_tokens(ref_llm, [kept], sp)[0]
+    assert all(s.finish_reason.value == "abort" for s in (seqs["prefilling"], seqs["decoding"]))
+    assert engine.stats.num_aborted >= 3
+    engine.abort_request("no-such-request")  # unknown ids are ignored
+    assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("prompt, words", [
+    ("", ["prompt", "empty"]),
+    ({"prompt_token_ids": []}, ["prompt", "empty"]),
+    ([10] * 300, ["300", str(MAX_MODEL_LEN), "max_model_len"]),
+    ([10] * MAX_MODEL_LEN, [str(MAX_MODEL_LEN), "max_model_len"]),
+    ([10, 512], ["prompt_token_ids", "512"]),
+    ([10, -1], ["prompt_token_ids"]),
+    ({"text": "hi"}, ["prompt"]),
+    (3.5, ["prompt"]),
+])
+def test_bad_prompt_raises_naming_the_field(llm, prompt, words):
+    with pytest.raises(ValueError) as err:
+        llm.generate(prompt, SamplingParams(max_tokens=2), use_tqdm=False)
+    for w in words:
+        assert w in str(err.value)
+    assert_all_blocks_free(llm)
+
+
+def test_bad_sampling_params_are_rejected_by_the_engine(llm):
+    sp = SamplingParams(max_tokens=2)
+    sp.top_p = 0.0  # changed after construction: the engine validates again
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate([10, 11], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match="logprobs"):
+        llm.engine.add_request("x", [10, 11], SamplingParams(logprobs=21))
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[10, 11], [12, 13]], [SamplingParams()] * 3, use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_a_failing_batch_leaves_no_request_behind(llm):
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([[10, 11, 12], ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert_all_blocks_free(llm)
+
+
+def test_duplicate_request_id(llm):
+    engine = llm.engine
+    engine.add_request("dup", [10, 11], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("dup", [12, 13], SamplingParams(max_tokens=2))
+    outs = []
+    while engine.has_unfinished_requests():
+        outs += [o for o in engine.step() if o.finished]
+    assert [o.prompt_token_ids for o in outs] == [[10, 11]]
+    assert_all_blocks_free(llm)
+
+
+def test_n_completions(llm):
+    prompt = {"prompt_token_ids": random_tokens(random.Random(5), 20)}
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert all(len(c.token_ids) == 8 and c.finish_reason == "length" for c in out.outputs)
+    assert len({tuple(c.token_ids) for c in out.outputs}) == 3, "seeded completions of one request must differ"
+    greedy = llm.generate(prompt, SamplingParams(n=2, temperature=0.0, max_tokens=8, ignore_eos=True),
+                          use_tqdm=False)[0]
+    assert len(greedy.outputs) == 2 and greedy.outputs[0].token_ids == greedy.outputs[1].token_ids
+    assert_all_blocks_free(llm)
+
+
+def test_text_prompt_and_output_text(llm):
+    tok = llm.get_tokenizer()
+    out = llm.generate("The engine schedules", SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt == "The engine schedules"
+    assert out.prompt_token_ids == tok.encode("The engine schedules", add_special_tokens=False)
+    # a random model's bytes need not end on a character boundary: an unfinished character is never emitted
+    full = tok.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    assert out.outputs[0].text == full.rstrip("\ufffd") and out.outputs[0].text
+
+
+def test_chat_renders_the_template(llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    assert out.prompt_token_ids[0] == BOS_ID
+    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False) == \
+        "]~!b[]~b]system\nBe brief.[e~[\n]~b]user\nHello[e~[\n]~b]ai\n"
+    two = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert len(two) == 2 and len(two[1].prompt_token_ids) < len(two[0].prompt_token_ids)
+    with pytest.raises(ValueError, match="messages"):
+        llm.chat([], use_tqdm=False)
+
+
+def test_progress_bar_shows_prefill_and_decode_rates(llm, capsys):
+    rng = random.Random(9)
+    llm.generate([{"prompt_token_ids": random_tokens(rng, 40)} for _ in range(3)],
+                 SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    err = capsys.readouterr().err
+    final = err.replace("\r", "\n").strip().splitlines()[-1]
+    assert "Processed prompts" in final and "3/3" in final
+    assert "prefill" in final and "decode" in final and final.count("tok/s") == 2
