@@ -114,6 +114,7 @@ class MultiprocExecutor(Executor):
         self.channel: ControlChannel | None = None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
+        self._ready = False  # every rank has built its shard and is in the worker loop
         self._sent_switches = config.optimizations.as_dict()  # what the workers' models run with
 
         info = torchrun_rank()
@@ -143,6 +144,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        self._ready = True
         self.model_config = self.runner.cfg
         self.model_dir = self.runner.model_dir
         self.block_size = self.runner.block_size
@@ -184,13 +186,17 @@ class MultiprocExecutor(Executor):
         self._stop_monitor_w.close()
         if self._monitor is not None:
             self._monitor.join()
-        if self._failure is None and self.channel is not None:
+        # The stop command only makes sense to workers waiting in their loop; after a failure, or a start-up
+        # that did not finish, they may be inside a collective, so they are killed instead.
+        stopped = False
+        if self._ready and self._failure is None:
             try:
                 self.channel.send((STOP,))
+                stopped = True
             except Exception as e:  # a worker went away during shutdown: it is being stopped anyway
                 logger.warning("tensor parallel: could not send the stop command (%s)", e)
         for proc in self.workers:
-            proc.join(SHUTDOWN_JOIN_S if self._failure is None else 0)
+            proc.join(SHUTDOWN_JOIN_S if stopped else 0)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
