@@ -107,24 +107,27 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
             if name not in ENGINE_SWITCHES:
                 bench.capture_graphs(wl)  # graphs are dropped when a model-side switch changes
     meta = meta or {}
-    out = {"workload": wl.name, "description": wl.description, "model": model_name, "device": meta.get("device", device),
-           "date": meta.get("date"), "commit": meta.get("commit"), "rows": rows, "elapsed_s": time.perf_counter() - t0}
+    out = {"workload": wl.name, "description": wl.description, "model": model_name,
+           "device": meta.get("device", device), "date": meta.get("date"), "commit": meta.get("commit"), "rows": rows,
+           "elapsed_s": time.perf_counter() - t0}
     out["table"] = ablation_table(out)
     return out
 
 
 def ablation_table(abl: dict) -> str:
     title = (f"Ablation: {abl['workload']} - {abl['description']}\n"
-             f"model {abl['model']} | device {abl['device']} | {abl.get('date') or ''} | commit {abl.get('commit') or '?'}")
+             f"model {abl['model']} | device {abl['device']} | {abl.get('date') or ''} | "
+             f"commit {abl.get('commit') or '?'}")
     rows = []
     for r in abl["rows"]:
+        setting = r["label"].split(" ", 1)[1] if r["switch"] else r["label"]
         if "output_tok_s" not in r:
-            rows.append([r["switch"] or "-", r["label"], None, None, None, None, "-", r["note"]])
+            rows.append([r["switch"] or "-", setting, None, None, None, None, "-", r["note"]])
             continue
         same = "-" if r["label"] == "all on" else (
             "yes" if r.get("identical") else f"no (from token {r.get('first_divergence')})")
         ratio = r.get("ratio")
-        rows.append([r["switch"] or "(all)", r["label"], r["output_tok_s"], r["ttft_ms"], r["tpot_ms"],
+        rows.append([r["switch"] or "(all)", setting, r["output_tok_s"], r["ttft_ms"], r["tpot_ms"],
                      "-" if ratio is None else f"{ratio:.2f}x", same, r["note"]])
-    return table(("switch", "row", "out tok/s", "TTFT p50 ms", "TPOT ms", "x all-on", "same tokens", "note"),
+    return table(("switch", "setting", "out tok/s", "TTFT p50 ms", "TPOT ms", "x all-on", "same tokens", "note"),
                  rows, title)

@@ -119,7 +119,8 @@ class ModelCost:
         per_key = 4 * c.num_attention_heads * c.head_dim
         ctx_sum = (prompt_len * (prompt_len + 1) - cached * (cached + 1)) / 2
         sel = c.index_topk_blocks * c.index_block_size
-        sel_sum = sum(min(p + 1, sel) for p in range(cached, min(prompt_len, sel))) + max(0, prompt_len - max(sel, cached)) * sel
+        sel_sum = sum(min(p + 1, sel) for p in range(cached, min(prompt_len, sel)))
+        sel_sum += max(0, prompt_len - max(sel, cached)) * sel
         f = len(self.dense_attn_layers) * per_key * ctx_sum
         f += len(self.sparse_attn_layers) * (2 * c.index_n_heads * c.index_head_dim * ctx_sum + per_key * sel_sum)
         return linear + f

@@ -225,7 +225,8 @@ class HFBench:
         used = wl.scaled(max_tokens=n, seed=0) if n != wl.requests[0].max_tokens else wl
         res = RunResult(
             workload=wl.name, engine="hf", mode=mode, num_requests=batch, prompt_tokens=int(ids.numel()),
-            output_tokens=batch * n, wall_s=wall, output_tok_s=batch * n / wall, total_tok_s=(ids.numel() + batch * n) / wall,
+            output_tokens=batch * n, wall_s=wall, output_tok_s=batch * n / wall,
+            total_tok_s=(ids.numel() + batch * n) / wall,
             ttft_ms=stats([ttft * 1e3] * batch), tpot_ms=stats([tpot * 1e3] * batch if tpot == tpot else []),
             e2e_ms=stats([wall * 1e3] * batch), decode_tok_s=batch / tpot if tpot == tpot and tpot > 0 else 0.0,
             perf=performance(self.cost, used, wall, tpot if tpot == tpot else 0.0, ttft, self.hw),

@@ -114,7 +114,8 @@ def performance(cost: ModelCost, wl: Workload, wall_s: float, tpot_s: float, ttf
         "ceilings": hw.name,
         "decode_step_bytes": step_bytes, "decode_step_flops": step_flops,
         "floor": fl.as_dict(),
-        "output_tok_s_fraction_of_floor": (sum(outs) / wall_s) / fl.output_tok_s if wall_s and fl.output_tok_s else None,
+        "output_tok_s_fraction_of_floor":
+            (sum(outs) / wall_s) / fl.output_tok_s if wall_s and fl.output_tok_s else None,
     }
     if tpot_s and tpot_s == tpot_s:
         floor_step = max(step_bytes / hw.bytes_per_s, step_flops / hw.flops_per_s)
@@ -176,8 +177,8 @@ class NanoBench:
     def engine(self, max_model_len: int, max_num_seqs: int) -> LLMEngine:
         """A fresh engine (empty prefix cache, zeroed stats) around the shared model; engine-side switches are
         read from the shared Optimizations now."""
-        cfg = dataclasses.replace(self.config, max_model_len=max_model_len,
-                                  max_num_seqs=min(max_num_seqs, self.config.max_num_seqs), num_gpu_blocks_override=None)
+        cfg = dataclasses.replace(self.config, max_model_len=max_model_len, num_gpu_blocks_override=None,
+                                  max_num_seqs=min(max_num_seqs, self.config.max_num_seqs))
         cfg.optimizations = self.opts
         return LLMEngine(cfg, executor=self.executor)
 
@@ -197,9 +198,10 @@ class NanoBench:
             return 0
         return self.runner.capture_decode_graphs(wl.max_total_len, wl.num_requests)
 
-    def warmup(self, wl: Workload, max_tokens: int = 4, max_requests: int = 64) -> None:
-        """Compile the kernels this workload's shapes need and capture its decode graphs, on fresh prompts."""
-        small = wl.scaled(max_tokens=max_tokens, max_requests=max_requests, seed=1000)
+    def warmup(self, wl: Workload, max_tokens: int = 4, max_requests: int = 64, max_prompt: int = 16384) -> None:
+        """Compile the kernels this workload's shapes need and capture its decode graphs, on fresh prompts (at
+        most max_prompt tokens each: two full prefill chunks meet every kernel variant a longer prompt would)."""
+        small = wl.scaled(max_tokens=max_tokens, max_requests=max_requests, max_prompt=max_prompt, seed=1000)
         self.run(small, tag="warmup")
         self.capture_graphs(wl)
 
@@ -273,7 +275,8 @@ def result_from_outputs(wl: Workload, outputs: list[RequestOutput], wall: float,
     extra = {}
     if engine_stats is not None:
         s = engine_stats
-        extra = {"prefix_cache_hit_rate": s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0,
+        hits = s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0
+        extra = {"prefix_cache_hit_rate": hits,
                  "computed_prefill_tokens": s.num_computed_prefill_tokens, "preemptions": s.num_preemptions,
                  "steps": s.num_steps}
     res = RunResult(

@@ -107,21 +107,27 @@ class _Stream:
         return self.rec
 
 
+CLIENTS = ("aiohttp", "httpx")
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except ImportError:
+        return False
+    return True
+
+
 class _Client:
     """aiohttp if importable, else httpx: post a JSON body and iterate the response's lines."""
 
-    def __init__(self, timeout_s: float):
+    def __init__(self, timeout_s: float, kind: str = "auto"):
         self.timeout_s = timeout_s
-        try:
-            import aiohttp  # noqa: F401
-
-            self.kind = "aiohttp"
-        except ImportError:
-            try:
-                import httpx  # noqa: F401
-            except ImportError as e:
-                raise RuntimeError("W3 needs aiohttp or httpx (pip install aiohttp)") from e
-            self.kind = "httpx"
+        self.kind = kind if kind != "auto" else next((k for k in CLIENTS if _importable(k)), None)
+        if self.kind is None:
+            raise RuntimeError("W3 needs aiohttp or httpx (pip install aiohttp)")
+        if self.kind not in CLIENTS or not _importable(self.kind):
+            raise RuntimeError(f"HTTP client {kind!r} is not available (choose from {CLIENTS})")
         self.session = None
 
     async def __aenter__(self) -> "_Client":
@@ -225,11 +231,12 @@ async def _level(client: _Client, url: str, model: str, warm: list, prompts: lis
 
 
 async def _sweep(base_url: str, model: str | None, concurrency: list[int], requests_per_concurrency: int,
-                 prompt_len: int, output_len: int, tokenizer, seed: int, timeout_s: float, on_level=None) -> dict:
+                 prompt_len: int, output_len: int, tokenizer, seed: int, timeout_s: float, on_level=None,
+                 client_kind: str = "auto") -> dict:
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
-    async with _Client(timeout_s) as client:
+    async with _Client(timeout_s, client_kind) as client:
         if model is None:
             models = await client.get_json(f"{base}/v1/models")
             model = models["data"][0]["id"]
@@ -246,10 +253,11 @@ async def _sweep(base_url: str, model: str | None, concurrency: list[int], reque
 
 def run_sweep(base_url: str, model: str | None = None, concurrency: list[int] = (1, 4, 16, 64),
               requests_per_concurrency: int = 10, prompt_len: int = 1024, output_len: int = 256, tokenizer=None,
-              seed: int = 0, timeout_s: float = 3600.0, on_level=None) -> dict:
-    """The W3 sweep against `base_url` (http://host:port). `model`: the served name (None = the first listed)."""
+              seed: int = 0, timeout_s: float = 3600.0, on_level=None, client: str = "auto") -> dict:
+    """The W3 sweep against `base_url` (http://host:port). `model`: the served name (None = the first listed).
+    `client`: "aiohttp", "httpx" or "auto" (the first of those importable)."""
     return asyncio.run(_sweep(base_url, model, list(concurrency), requests_per_concurrency, prompt_len, output_len,
-                              tokenizer, seed, timeout_s, on_level))
+                              tokenizer, seed, timeout_s, on_level, client))
 
 
 def sweep_table(sweep: dict) -> str:

@@ -44,7 +44,7 @@ def resolve_switches(device: torch.device, cpu_reference_kernels: bool, changes:
     if device.type == "cpu" and cpu_reference_kernels:
         for name in KERNEL_SWITCHES:
             setattr(opts, name, False)
-            notes[name] = "CPU run with reference kernels (--cpu-reference-kernels; the Triton interpreter is slow)"
+            notes[name] = "CPU reference kernels (--cpu-reference-kernels)"
     else:
         for name, why in unavailable_kernel_switches().items():
             setattr(opts, name, False)
@@ -271,8 +271,11 @@ class BenchSession:
         lines = [f"nanoserve bench | {m['model']} on {m['device']} | {m['date']} | commit {m['commit']} | "
                  f"torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}",
                  f"switches: {self.opts.describe()}"]
-        if self.switch_notes:
-            lines.append("forced off: " + "; ".join(f"{k} ({v})" for k, v in self.switch_notes.items()))
+        by_reason: dict[str, list[str]] = {}
+        for k, v in self.switch_notes.items():
+            by_reason.setdefault(v, []).append(k)
+        for reason, names in by_reason.items():
+            lines.append(f"forced off: {', '.join(names)}: {reason}")
         if d["runs"]:
             lines += ["", report.runs_table(d["runs"], "Runs (TTFT/TPOT from engine timestamps; GB/s and TFLOP/s "
                                                       "of the decode steps; % floor = TPOT floor / TPOT for one "

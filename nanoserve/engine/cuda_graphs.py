@@ -98,7 +98,9 @@ def cuda_graph_capture(pool) -> CaptureFn:
 
     def capture(fn: Callable[[], None]) -> Replay:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
+        # thread_local: only this thread's unsafe calls break the capture (the server steps the engine in a
+        # background thread while its event loop thread keeps running)
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             fn()
         return graph.replay
 

@@ -1,0 +1,377 @@
+"""The benchmark harness on the CPU with m3-tiny: every offline workload end to end (tiny sizes, no timing
+assertions), the JSON it writes, the ablation table (every switch), the profile table, the Hugging Face baseline on
+the same weights (logits and greedy tokens equal nanoserve's), the W3 client against a fake SSE server and, when
+the server package is there, against `python -m nanoserve.server`; plus the vectorised input preparation against
+its reference and the decode-graph plumbing with an emulated capture."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import numpy as np
+import pytest
+import torch
+
+from nanoserve.bench import workloads as W
+from nanoserve.bench.ablation import ablate, first_divergence
+from nanoserve.bench.floor import ModelCost, workload_floor
+from nanoserve.bench.offline import NanoBench
+from nanoserve.config import Optimizations
+from nanoserve.engine.input_prep import InputPreparer
+from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.model.presets import get_preset
+
+REFERENCE = dict(triton_attention=False, triton_msa=False, fused_moe=False, fold_shared_expert=False,
+                 fused_qk_norm_rope=False, fused_add_rmsnorm=False)
+"""The CPU runs use the reference kernels (the Triton interpreter is too slow for end-to-end runs)."""
+FP32_RTOL = 1e-5
+"""HF vs nanoserve logits, fp32: max |diff| <= FP32_RTOL x max |logit| (measured ~4e-7)."""
+
+
+def tiny_workload(name: str = "W1", prompt_len: int = 20, output_len: int = 3, num_requests: int = 1) -> W.Workload:
+    return W.build([name], 512, "small", prompt_len=prompt_len, output_len=output_len, num_requests=num_requests)[0]
+
+
+@pytest.fixture(scope="module")
+def bench() -> NanoBench:
+    b = NanoBench("m3-tiny", "cpu", "float32", Optimizations(**REFERENCE), max_model_len=256, max_num_seqs=8,
+                  kv_tokens=2048)
+    yield b
+    b.close()
+
+
+# -- workloads and floors (no model) ------------------------------------------------------------------------------
+
+
+def test_full_workloads_follow_benchmarks_md():
+    wls = {w.name: w for w in W.build(list(W.OFFLINE), 200064, "full")}
+    assert set(wls) == {"W1", "W2", "W4-32k", "W4-128k", "W5", "W6"}
+    assert (wls["W1"].num_requests, len(wls["W1"].requests[0].prompt_ids), wls["W1"].requests[0].max_tokens) == \
+        (1, 1024, 128)
+    assert wls["W2"].num_requests == 64 and wls["W2"].total_output_tokens == 64 * 256
+    assert [len(wls[n].requests[0].prompt_ids) for n in ("W4-32k", "W4-128k")] == [32768, 131072]
+    # nano-vllm's bench.py (seed 0): its README reports 133,966 output tokens
+    assert wls["W5"].num_requests == 256 and wls["W5"].total_output_tokens == 133966
+    assert all(100 <= len(r.prompt_ids) <= 1024 and r.temperature == 0.6 for r in wls["W5"].requests)
+    w6 = wls["W6"]
+    assert w6.num_requests == 32 and all(r.prompt_ids[:4096] == w6.requests[0].prompt_ids[:4096] for r in w6.requests)
+    assert len({tuple(r.prompt_ids[4096:]) for r in w6.requests}) == 32
+    assert all(r.max_tokens == 128 for r in w6.requests)
+
+
+def test_floors_match_benchmarks_md():
+    cost = ModelCost(get_preset("m3-slice").config)
+    assert cost.active_params_per_token() == pytest.approx(2.75e9, rel=0.01)
+    w1_bytes, _ = cost.decode_step(1, 1088)
+    assert w1_bytes / 4.26e12 * 1e3 == pytest.approx(1.29, abs=0.02)  # ms per token
+    assert cost.experts_touched(64) == pytest.approx(111, abs=1)
+    assert cost.decode_step(64, 1152)[0] / 1e9 == pytest.approx(42, abs=1.5)  # GB per W2 step
+    assert cost.decode_kv_bytes(131072) / 1e9 == pytest.approx(0.38, abs=0.01)
+    w2 = W.build(["W2"], 200064)[0]
+    fl = workload_floor(cost, [1024] * 64, [256] * 64)
+    assert fl.output_tok_s == pytest.approx(5800, rel=0.05) and w2.total_output_tokens == fl.output_tokens
+    assert workload_floor(cost, [131072], [1]).prefill_s == pytest.approx(0.9, rel=0.1)
+
+
+# -- the harness end to end ---------------------------------------------------------------------------------------
+
+
+def test_cli_runs_every_offline_workload_and_writes_json(tmp_path):
+    from nanoserve.bench.__main__ import main
+
+    out = tmp_path / "out"
+    rc = main(["--model", "m3-tiny", "--device", "cpu", "--scale", "small", "--output-len", "3",
+               "--workloads", "W1,W2,W4,W5,W6", "--max-num-batched-tokens", "64", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    meta = data["meta"]
+    for key in ("date", "commit", "device", "torch", "triton", "transformers", "model", "switches"):
+        assert meta[key], key
+    assert set(meta["switches"]) == set(Optimizations.names())
+    assert not meta["switches"]["triton_attention"]  # CPU: reference kernels by default
+    names = [r["workload"] for r in data["runs"]]
+    assert names == ["W1", "W2", "W4-96", "W4-192", "W5", "W6"]
+    for r in data["runs"]:
+        assert r["engine"] == "nanoserve" and r["output_tokens"] == r["num_requests"] * 3
+        assert r["output_tok_s"] > 0 and r["ttft_ms"]["n"] == r["num_requests"] and r["tpot_ms"]["mean"] > 0
+        for key in ("decode_gb_s", "decode_tflop_s", "floor", "tpot_fraction_of_floor",
+                    "output_tok_s_fraction_of_floor"):
+            assert key in r["perf"], key
+        assert r["switches"] == meta["switches"]
+    w6 = next(r for r in data["runs"] if r["workload"] == "W6")
+    # 64-token steps: the first request's prefix blocks are cached before the others are admitted
+    assert w6["extra"]["prefix_cache_hit_rate"] > 0
+    assert not data["errors"]
+    assert (out / "summary.txt").exists() and (out / "runs.png").exists()
+
+
+def test_ablation_lists_every_switch(bench, tmp_path):
+    wl = tiny_workload()
+    abl = ablate(bench, wl, {n: "CPU reference kernels" for n in REFERENCE}, "m3-tiny", {"device": "cpu"},
+                 warmup_tokens=1)
+    rows = {r["switch"]: r for r in abl["rows"] if r["switch"]}
+    assert set(rows) == set(Optimizations.names())
+    for name in Optimizations.names():
+        assert name in abl["table"]
+    for name in Optimizations.approximations():
+        assert rows[name]["label"] == f"{name} ON" and rows[name]["approximation"]
+    for name in REFERENCE:
+        assert "off in the base run" in rows[name]["note"] and "output_tok_s" not in rows[name]
+    # the exact (non-approximation) switches that were measured must not change greedy tokens (fp32 CPU)
+    for name, r in rows.items():
+        if name not in REFERENCE and name not in Optimizations.approximations():
+            assert r["identical"], f"{name} changed the tokens (from position {r['first_divergence']})"
+            assert r["ratio"] > 0
+    assert "overlap_scheduling" in abl["table"] and "not implemented" in rows["overlap_scheduling"]["note"]
+    assert bench.opts.as_dict() == Optimizations(**REFERENCE).as_dict()  # restored
+    from nanoserve.bench.report import plot_ablation
+
+    assert plot_ablation(abl, str(tmp_path / "abl.png")) and (tmp_path / "abl.png").exists()
+
+
+def test_first_divergence():
+    assert first_divergence([[1, 2, 3]], [[1, 2, 3]]) is None
+    assert first_divergence([[1, 2, 3], [4, 5]], [[1, 9, 3], [4, 5]]) == 1
+    assert first_divergence([[1, 2]], [[1, 2, 3]]) == 2
+
+
+def test_profile_table(bench):
+    from nanoserve.bench.profile import profile_decode
+
+    prof = profile_decode(bench, tiny_workload("W2", num_requests=2), steps=2)
+    assert prof["batch"] == 2 and prof["step_ms"] > 0 and prof["top_kernels"]
+    assert abs(sum(g["share"] for g in prof["groups"].values()) - 1.0) < 1e-6
+    assert "GEMMs" in prof["groups"] and "Decode step profile" in prof["table"]
+    assert not bench.engine_for(tiny_workload()).has_unfinished_requests()
+
+
+# -- the Hugging Face baseline ------------------------------------------------------------------------------------
+
+
+def test_hf_weights_map_to_the_same_model(bench):
+    """transformers' model built from the same random draw gives nanoserve's logits, and its greedy tokens."""
+    from nanoserve.bench.hf import HFBench
+
+    preset = get_preset("m3-tiny")
+    hf = HFBench(preset.config, preset, torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(0)).tolist()  # > 3 MSA blocks x 16
+    runner = bench.runner
+    from nanoserve.engine.model_runner import ModelInput
+
+    bs = runner.block_size
+    table = list(range(-(-len(ids) // bs)))
+    ours = runner.execute(ModelInput(ids, [len(ids)], [len(ids)], [table], [0]))  # last position
+    with torch.no_grad():
+        ref = hf.model(torch.tensor([ids])).logits[0].float()
+    scale = ref.abs().max().item()
+    assert (ours[0] - ref[-1]).abs().max().item() <= FP32_RTOL * scale
+    wl = tiny_workload(prompt_len=40, output_len=4)
+    nano = bench.run(wl)
+    for mode in ("eager", "static"):
+        res = hf.run(wl, mode)
+        assert res.token_ids == nano.token_ids, mode
+        assert res.tpot_ms["mean"] > 0 and res.extra["compiled"] is False
+    hf.close()
+
+
+def test_hf_name_mapping_covers_every_tensor():
+    from nanoserve.bench.hf import hf_name
+    from nanoserve.model.checkpoint_layout import checkpoint_specs
+
+    cfg = get_preset("m3-tiny").config
+    mapped = {hf_name(n, cfg)[0] for n in checkpoint_specs(cfg)}
+    assert "model.layers.1.self_attn.indexer.k_norm.weight" in mapped
+    assert "model.layers.1.mlp.experts.gate_up_proj" in mapped and "model.layers.0.mlp.gate_up_proj.weight" in mapped
+    assert hf_name("language_model.model.layers.2.block_sparse_moe.experts.5.w3.weight", cfg) == \
+        ("model.layers.2.mlp.experts.gate_up_proj", ("expert_rows", 5, cfg.intermediate_size,
+                                                     2 * cfg.intermediate_size))
+
+
+# -- W3 -----------------------------------------------------------------------------------------------------------
+
+
+class _FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams max_tokens one-character chunks 2 ms apart, then a usage chunk, like an OpenAI server."""
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def do_GET(self) -> None:
+        body = json.dumps({"data": [{"id": "fake"}]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self) -> None:
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["stream"] and req["ignore_eos"] and req["model"] == "fake"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        n = req["max_tokens"]
+        for _ in range(n):
+            self.wfile.write(b'data: {"choices": [{"index": 0, "text": "a"}]}\n\n')
+            self.wfile.flush()
+            time.sleep(0.002)
+        usage = {"choices": [], "usage": {"prompt_tokens": len(req["prompt"]), "completion_tokens": n}}
+        self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        self.wfile.flush()
+
+
+@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
+def test_serve_client_metrics(client):
+    pytest.importorskip(client)
+    from nanoserve.bench.serve import run_sweep, sweep_table
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        sweep = run_sweep(f"http://127.0.0.1:{server.server_port}", None, [1, 3], 2, prompt_len=8, output_len=5,
+                          client=client)
+    finally:
+        server.shutdown()
+    assert sweep["model"] == "fake" and sweep["client"] == client
+    for lv, c in zip(sweep["levels"], (1, 3)):
+        assert lv["concurrency"] == c and lv["completed"] == 2 * c and lv["failed"] == 0
+        assert lv["output_tokens"] == 5 * 2 * c and lv["prompt_tokens"] == 8 * 2 * c
+        assert lv["tpot_ms"]["mean"] >= 1.5 and lv["itl_ms"]["p50"] >= 1.5  # the fake server's 2 ms gaps
+        assert lv["ttft_ms"]["p99"] >= lv["ttft_ms"]["p50"] > 0
+        assert lv["e2el_ms"]["mean"] >= lv["ttft_ms"]["mean"] + 4 * 1.5
+    assert "TPOT p99" in sweep_table(sweep)
+
+
+def _server_available() -> str | None:
+    import importlib.util
+
+    if importlib.util.find_spec("nanoserve.server.__main__") is None:
+        return "nanoserve.server is not there yet"
+    for mod in ("fastapi", "uvicorn"):
+        if importlib.util.find_spec(mod) is None:
+            return f"{mod} is not installed"
+    return None
+
+
+@pytest.mark.skipif(_server_available() is not None, reason=str(_server_available()))
+def test_w3_against_nanoserve_server(tmp_path):
+    from nanoserve.bench.__main__ import main
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    switches = [f"--no-{n.replace('_', '-')}" for n in list(REFERENCE) + ["cuda_graphs"]]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, "-m", "nanoserve.server", "--model", "m3-tiny", "--port", str(port),
+                             "--device", "cpu", "--max-model-len", "256", "--kv-cache-tokens", "2048",
+                             "--served-model-name", "tiny", "--log-level", "warning", *switches], cwd=root,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, f"server exited: {proc.stdout.read()[-2000:]}"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except Exception:  # noqa: BLE001
+                assert time.time() < deadline, "server did not come up"
+                time.sleep(0.5)
+        out = tmp_path / "w3"
+        rc = main(["--serve", f"http://127.0.0.1:{port}", "--model", "m3-tiny", "--scale", "small",
+                   "--concurrency", "1,2", "--requests-per-concurrency", "1", "--prompt-len", "16",
+                   "--output-len", "4", "--out", str(out)])
+        assert rc == 0
+        sweep = json.loads((out / "results.json").read_text())["serve"][0]
+        assert sweep["model"] == "tiny" and [lv["concurrency"] for lv in sweep["levels"]] == [1, 2]
+        for lv in sweep["levels"]:
+            assert lv["failed"] == 0 and lv["completed"] == lv["concurrency"]
+            assert lv["output_tokens"] == 4 * lv["concurrency"] and lv["tpot_ms"]["mean"] > 0
+        assert (out / "w3_sweep.png").exists()
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+# -- engine-side speedups: on/off agreement -----------------------------------------------------------------------
+
+
+def _random_batch(rng: np.random.Generator, page: int):
+    """A decode-first batch: decodes, then prefills with cached prefixes, chunks and full prompts."""
+    n_dec, n_pre = int(rng.integers(0, 5)), int(rng.integers(0, 4))
+    if n_dec + n_pre == 0:
+        n_dec = 1
+    query, seq = [], []
+    for _ in range(n_dec):
+        s = int(rng.integers(1, 90))
+        query.append(1)
+        seq.append(s)
+    for _ in range(n_pre):
+        s = int(rng.integers(2, 90))
+        query.append(int(rng.integers(2, s + 1)))
+        seq.append(s)
+    free = rng.permutation(200).tolist()
+    tables = [[free.pop() for _ in range(-(-s // page) + int(rng.integers(0, 2)))] for s in seq]
+    ids = rng.integers(0, 500, sum(query)).tolist()
+    sample = sorted(rng.choice(len(query), size=int(rng.integers(1, len(query) + 1)), replace=False).tolist())
+    return ids, query, seq, tables, sample
+
+
+def test_fast_input_prep_matches_reference():
+    page = 16
+    prep = InputPreparer(page, torch.device("cpu"))
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        ids, query, seq, tables, sample = _random_batch(rng, page)
+        got_ids, meta, logits_index = prep.prepare(ids, query, seq, tables, sample)
+        ref = AttentionMetadata.build(query, seq, tables, page)
+        assert got_ids.tolist() == ids and got_ids.dtype == torch.int64
+        for f in ("positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
+            a, b = getattr(meta, f), getattr(ref, f)
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f
+        for f in ("block_size", "max_query_len", "max_seq_len", "num_decode_seqs", "query_lens_cpu", "seq_lens_cpu"):
+            assert getattr(meta, f) == getattr(ref, f), f
+        assert logits_index.tolist() == (ref.query_start_loc[1:].long() - 1)[sample].tolist()
+    with pytest.raises(ValueError, match="query length"):
+        prep.prepare([1, 2, 3], [3], [2], [[0]], [0])
+    with pytest.raises(ValueError, match="cannot hold"):
+        prep.prepare([1], [1], [40], [[0, 1]], [0])
+
+
+def test_fast_input_prep_switch_gives_same_tokens(bench):
+    wl = tiny_workload("W2", num_requests=3, output_len=4)
+    on = bench.run(wl)
+    bench.opts.fast_input_prep = False
+    try:
+        off = bench.run(wl)
+    finally:
+        bench.opts.fast_input_prep = True
+    assert on.token_ids == off.token_ids
+
+
+def test_decode_graph_plumbing_emulated(bench):
+    """The graph path (static buffers, padding to the bucket, context buckets) with a capture that replays by
+    re-running the function: same logits as the eager path."""
+    from nanoserve.bench.graph_check import compare_decode_logits
+
+    runner = bench.runner
+    runner.graph_capture = lambda fn: fn
+    try:
+        rows = compare_decode_logits(runner, (1, 3, 5), prompt_len=30)
+    finally:
+        runner.graph_capture = None
+        runner.graphs = None
+    for r in rows:
+        assert r["graph_used"] and r["disabled"] is None
+        assert r["max_rel_diff"] < 1e-5 and r["argmax_agreement"] == 1.0, r
+    assert {k[0] for k in rows[-1]["graph_keys"]} == {1, 4, 8}  # 3 runs padded to 4, 5 to 8
