@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 from nanoserve.config import DEVICES, EngineConfig
 from nanoserve.distributed.worker import RankInfo, run_worker
@@ -51,8 +52,17 @@ def run_worker_if_torchrun(config: EngineConfig) -> None:
     if info is None or info.rank == 0:
         return
     check_world_size(info, config.tensor_parallel_size)
-    run_worker(config, info)
+    serve_as_worker(config, info)
     raise SystemExit(0)
+
+
+def serve_as_worker(config: EngineConfig, info: RankInfo) -> None:
+    # torchrun forwards SIGINT / SIGTERM to every rank. Only rank 0 decides when to stop (a server drains its
+    # in-flight requests first, which needs every shard), so a worker waits for rank 0's stop command, or for
+    # rank 0's sockets to close; torchrun's own SIGKILL after its grace period remains the backstop.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    run_worker(config, info)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,7 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     if info is None or info.rank == 0:
         raise SystemExit("nanoserve.distributed.launch is for ranks > 0 under torchrun; rank 0 runs the engine "
                          "(python -m nanoserve.server, or a script that builds LLM(...))")
-    run_worker(EngineConfig(device=args.device, tensor_parallel_size=info.world_size), info)
+    serve_as_worker(EngineConfig(device=args.device, tensor_parallel_size=info.world_size), info)
 
 
 if __name__ == "__main__":
