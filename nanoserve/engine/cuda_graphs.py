@@ -223,10 +223,10 @@ class DecodeGraphs:
                 torch.cuda.synchronize(self.device)
             replay = self._capture(fn)
         except Exception as e:  # noqa: BLE001 - a failed capture must not take the engine down
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
             self.disabled = f"capture of batch {key[0]} / context {key[1]} failed: {type(e).__name__}: {e}"
-            logger.warning("CUDA graphs disabled, decode runs eagerly: %s", self.disabled)
+            logger.warning("CUDA graphs disabled, decode runs eagerly: %s", self.disabled, exc_info=True)
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # raises if the failure left the device unusable
             self.graphs.clear()
             return None
         self.graphs[key] = replay
