@@ -21,9 +21,9 @@ random bf16 weights (std 0.02, as m3-slice), uniform random routing (reference.r
                    ("route graph"): what a fused routing kernel could save (none is used yet)
    FLOPs = 2 * 3 * H * I per (token, expert) pair computed; bytes = weights of the distinct experts touched (the
    BENCHMARKS.md convention; activations are < 1% at these sizes). Fractions are of 772 TFLOP/s and 4.26 TB/s.
-3. --sweep: per token bucket, coordinate descent over BLOCK_M, then GEMM 1 tiles, then GEMM 2 tiles (fold on),
-   printing the best configuration as a line for nanoserve/kernels/moe.py's H200_CONFIGS. Several minutes:
-   use --tokens to split it over runs.
+3. --sweep: per token count, coordinate descent from the table's entry (fold on): BLOCK_M, GEMM 1 tiles, GEMM 2
+   tiles, GROUP_M, BLOCK_M again (about 20 configurations), printing the best as a line for
+   nanoserve/kernels/moe.py's H200_CONFIGS. About 30 s per token count: use --tokens to split long sweeps.
 
 Prints a compact table last; writes $OUT/moe_bench.json when OUT is set. Every case catches and reports its own
 exception. Needs about 16 GB of GPU memory (the expert weights are 14.6 GB).
@@ -33,6 +33,7 @@ exception. Needs about 16 GB of GPU memory (the expert weights are 14.6 GB).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -304,16 +305,17 @@ LARGE_M_TILES = [GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 4), GemmTiles(128
 def sweep_candidates(tokens: int) -> tuple[list[int], list[int], list[GemmTiles]]:
     """(BLOCK_M values, GROUP_M values, GEMM tiles) worth trying at this token count."""
     if tokens <= 64:
-        return [16], [1], SMALL_M_TILES
+        return [16, 32], [1], SMALL_M_TILES
     if tokens <= 256:
-        return [16, 32], [1, 8], SMALL_M_TILES
+        return [16, 32, 64], [1, 8], SMALL_M_TILES
     if tokens <= 1024:
-        return [32, 64], [8], SMALL_M_TILES[4:] + LARGE_M_TILES
+        return [32, 64, 128], [1, 8], SMALL_M_TILES[4:] + LARGE_M_TILES
     return [64, 128], [8, 16], LARGE_M_TILES
 
 
 def run_sweep(p: Problem, token_counts) -> None:
-    log("== tile sweep (fused+shared, median ms; coordinate descent: BLOCK_M/GROUP_M, GEMM 1, GEMM 2) ==")
+    log("== tile sweep (fused+shared, median ms; coordinate descent from the table's entry: BLOCK_M, GEMM 1 "
+        "tiles, GEMM 2 tiles, GROUP_M, BLOCK_M again) ==")
     best_lines = []
     for tokens in token_counts:
         x, weights, ids = p.inputs(tokens)
@@ -332,20 +334,12 @@ def run_sweep(p: Problem, token_counts) -> None:
 
         block_ms, group_ms, tiles = sweep_candidates(tokens)
         best = start
-        measure(best)
-        for block_m in block_ms:
-            for group_m in group_ms:
-                cfg = MoEConfig(block_m, group_m, best.up, best.down)
-                for up in tiles:
-                    cand = MoEConfig(block_m, group_m, up, cfg.down)
-                    if measure(cand) < measure(cfg):
-                        cfg = cand
-                for down in tiles:
-                    cand = MoEConfig(block_m, group_m, cfg.up, down)
-                    if measure(cand) < measure(cfg):
-                        cfg = cand
-                if measure(cfg) < measure(best):
-                    best = cfg
+        steps = ([dict(block_m=m) for m in block_ms] + [dict(up=t) for t in tiles] + [dict(down=t) for t in tiles]
+                 + [dict(group_m=g) for g in group_ms] + [dict(block_m=m) for m in block_ms])
+        for change in steps:
+            cand = dataclasses.replace(best, **change)
+            if measure(cand) < measure(best):
+                best = cand
         ms = measure(best)
         gain = measure(start) / ms if ms > 0 else float("nan")
         line = (f"{moe.token_bucket(tokens)}: _cfg({best.block_m}, {best.group_m}, "
