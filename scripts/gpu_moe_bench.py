@@ -305,7 +305,7 @@ LARGE_M_TILES = [GemmTiles(64, 64, 4, 3), GemmTiles(64, 64, 4, 4), GemmTiles(128
 def sweep_candidates(tokens: int) -> tuple[list[int], list[int], list[GemmTiles]]:
     """(BLOCK_M values, GROUP_M values, GEMM tiles) worth trying at this token count."""
     if tokens <= 64:
-        return [16, 32], [1], SMALL_M_TILES
+        return [16, 32], [1, 8], SMALL_M_TILES
     if tokens <= 256:
         return [16, 32, 64], [1, 8], SMALL_M_TILES
     if tokens <= 1024:
