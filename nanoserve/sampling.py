@@ -36,8 +36,11 @@ class SamplingParams:
     stop: str | list[str] | None = None
     """Stop strings: generation ends when the text contains one (not included unless include_stop_str_in_output)."""
     stop_token_ids: list[int] | None = None
+    """Stop tokens: generation ends after one (its text is not included unless include_stop_str_in_output)."""
     ignore_eos: bool = False
+    """Keep generating after EOS (until max_tokens or another stop)."""
     include_stop_str_in_output: bool = False
+    """Keep the stop string or stop token's text at the end of the output text."""
     logprobs: int | None = None
     """Return the chosen token's log-probability and this many top alternatives (of the raw model logits)."""
     skip_special_tokens: bool = True

@@ -211,6 +211,13 @@ def test_a_failing_batch_leaves_no_request_behind(llm):
     assert_all_blocks_free(llm)
 
 
+def test_generation_stops_at_max_model_len(llm):
+    out = llm.generate([10] * (MAX_MODEL_LEN - 3), SamplingParams(max_tokens=None, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) == 3 and out.finish_reason == "length"
+    assert_all_blocks_free(llm)
+
+
 def test_duplicate_request_id(llm):
     engine = llm.engine
     engine.add_request("dup", [10, 11], SamplingParams(max_tokens=2))

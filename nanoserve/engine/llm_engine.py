@@ -256,7 +256,9 @@ class LLMEngine:
             reason = FinishReason.STOP
         elif allowed_to_stop and token in p.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
-        delta = detokenize_step(self.tokenizer, seq)
+        # as in vLLM, the text of the token that stopped generation (EOS, a stop id) is left out of the output
+        # unless include_stop_str_in_output; the token itself stays in token_ids
+        delta = detokenize_step(self.tokenizer, seq) if reason is None or p.include_stop_str_in_output else ""
         if reason is None and p.stop_list and delta and allowed_to_stop:
             hit = find_stop_string(seq.text, len(delta), p.stop_list)
             if hit is not None:
