@@ -259,6 +259,15 @@ def test_shard_shapes_at_tp8(ep):
             per_token * cfg.index_block_size * 4
 
 
+def test_engines_refuse_to_mix_with_a_live_tp_state(tiny_dir):
+    """The TP state is per process and the layers read it: no second engine while a tensor-parallel one runs."""
+    set_tp(0, 2)
+    with pytest.raises(RuntimeError, match="tensor-parallel engine is running"):
+        LocalExecutor(engine_config(tiny_dir))
+    with pytest.raises(RuntimeError, match="already initialised"):
+        MultiprocExecutor(engine_config(tiny_dir, 2))
+
+
 @pytest.mark.parametrize("tp,ep", [(2, False), (2, True), (8, False), (8, True)],
                          ids=["tp2", "tp2-ep", "tp8", "tp8-ep"])
 def test_loader_reads_only_this_ranks_slices(tiny_dir, monkeypatch, tp, ep):

@@ -45,7 +45,7 @@ import torch.multiprocessing as torch_mp
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
-from nanoserve.distributed.parallel_state import set_tp
+from nanoserve.distributed.parallel_state import get_tp, set_tp
 from nanoserve.distributed.worker import (CONFIG, INIT_CACHE, MULTICAST_OFF_ENV, STEP, STOP, ControlChannel, RankInfo,
                                           build_runner, initialize_cache, join_process_groups, leave_process_groups,
                                           rank_device, run_worker)
@@ -103,6 +103,9 @@ class MultiprocExecutor(Executor):
     """tensor_parallel_size > 1: shard 0 here, the other shards in worker processes (see the module docstring)."""
 
     def __init__(self, config: EngineConfig):
+        if dist.is_initialized() or get_tp().size > 1:
+            raise RuntimeError("torch.distributed is already initialised in this process (another tensor-parallel "
+                               "engine still running?): shut it down first")
         self.config = config
         self.workers: list[BaseProcess] = []  # index i holds rank i + 1 (empty under torchrun)
         self._pipes: dict[Any, int] = {}  # rank 0's end of each worker's pipe -> its rank

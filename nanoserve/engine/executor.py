@@ -11,6 +11,7 @@ import os
 import torch
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.parallel_state import get_tp
 from nanoserve.engine.model_runner import ModelInput, ModelRunner
 from nanoserve.model.m3_config import M3Config
 
@@ -41,6 +42,8 @@ class LocalExecutor(Executor):
     """tensor_parallel_size == 1: the runner lives in this process."""
 
     def __init__(self, config: EngineConfig):
+        if get_tp().size > 1:  # the layers would read that state and build a shard, not the whole model
+            raise RuntimeError("a tensor-parallel engine is running in this process: shut it down first")
         self.runner = ModelRunner(config)
         self.model_config = self.runner.cfg
         self.model_dir = self.runner.model_dir
