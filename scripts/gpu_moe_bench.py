@@ -319,7 +319,7 @@ def run_sweep(p: Problem, token_counts) -> None:
     best_lines = []
     for tokens in token_counts:
         x, weights, ids = p.inputs(tokens)
-        start = moe.select_config(tokens, p.hidden, p.inter, p.experts, p.top_k, x.device)
+        start = moe.select_config(tokens, p.hidden, p.inter, p.experts, p.top_k, x.device, x.dtype)
         timed: dict[MoEConfig, float] = {}
 
         def measure(cfg: MoEConfig) -> float:

@@ -1,7 +1,7 @@
 """The Triton fused MoE (kernels/moe.py, kernels/moe_align.py) against the plain-torch per-expert loop.
 
-Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py), in fp32 and fp16 (the interpreter computes bf16
-wrongly). Every case draws a fresh routing and compares with `reference.moe_experts` times the scaling factor,
+Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py), or compiled on a GPU when one is present, in fp32
+and fp16 (the interpreter computes bf16 wrongly; bf16 is checked by scripts/gpu_moe_bench.py). Every case draws a fresh routing and compares with `reference.moe_experts` times the scaling factor,
 plus the shared expert computed by the reference ops when it is folded. Scratch buffers and outputs the kernels
 allocate are poisoned (NaN / a wild index), so a value the kernels should have written but did not shows up.
 
@@ -37,6 +37,8 @@ ALPHA, LIMIT, SCALE = 1.702, 7.0, 2.0
 """M3's SwiGLU-OAI constants and routed_scaling_factor."""
 POISON_INDEX = 2**30 - 1
 """Fill for int scratch: read as a pair id it is past every real pair (a pad), so a missed write loses outputs."""
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+"""Inputs are drawn on the CPU (seeded) and moved here; the reference runs on the same device."""
 E2E_LOGIT_RTOL = 1e-5
 """End to end, fp32, fused vs reference MoE: max |logit diff| <= E2E_LOGIT_RTOL x max |logit| (measured ~3e-7)."""
 
@@ -62,7 +64,7 @@ def make_weights(slots: int, hidden: int, inter: int, dtype: torch.dtype, gen: t
     """w13 [S, 2I, H] (gate rows then up rows), w2 [S, H, I]; scaled so some activations reach the clamp."""
     w13 = torch.randn(slots, 2 * inter, hidden, generator=gen) * (3.0 / hidden**0.5)
     w2 = torch.randn(slots, hidden, inter, generator=gen) / inter**0.5
-    return w13.to(dtype), w2.to(dtype)
+    return w13.to(DEVICE, dtype), w2.to(DEVICE, dtype)
 
 
 def random_routing(tokens: int, experts: int, top_k: int, gen: torch.Generator, allowed: int | None = None):
@@ -71,7 +73,7 @@ def random_routing(tokens: int, experts: int, top_k: int, gen: torch.Generator, 
     bias = torch.zeros(experts)
     if allowed is not None:
         bias[allowed:] = -100.0
-    return reference.route(logits, bias, top_k)
+    return reference.route(logits.to(DEVICE), bias.to(DEVICE), top_k)
 
 
 def shared_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -106,7 +108,7 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> No
 def check_case(tokens, hidden, inter, experts, top_k, dtype, fold, seed, allowed=None, config=None):
     gen = torch.Generator().manual_seed(seed)
     w13, w2 = make_weights(experts + int(fold), hidden, inter, dtype, gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     weights, ids = random_routing(tokens, experts, top_k, gen, allowed)
     out = run_fused(x, w13, w2, weights, ids, fold, config=config)
     assert_close(out, expected(x, w13, w2, weights, ids, fold), dtype)
@@ -146,12 +148,13 @@ def test_alignment_layout(tokens, experts, top_k, block_m, fold, allowed, use_ma
     gen = torch.Generator().manual_seed(tokens + experts)
     _, ids = random_routing(tokens, experts, top_k, gen, allowed)
     expert_map = None
-    local_routed = ids.long()
+    local_routed = ids.long().cpu()
     num_routed = experts
     if use_map:  # this rank owns global experts 2..5 as local slots 0..3
         expert_map = torch.full((experts,), -1, dtype=torch.int32)
         expert_map[2:6] = torch.arange(4, dtype=torch.int32)
-        local_routed = expert_map[ids.long()].long()
+        local_routed = expert_map[local_routed]
+        expert_map = expert_map.to(DEVICE)
         num_routed = 4
     num_slots = num_routed + int(fold)
     local = torch.cat([local_routed, torch.full((tokens, 1), num_routed)], 1) if fold else local_routed
@@ -196,9 +199,9 @@ def test_all_tokens_on_one_expert(dtype):
     gen = torch.Generator().manual_seed(4)
     tokens, hidden, inter, experts = 40, 64, 32, 8
     w13, w2 = make_weights(experts + 1, hidden, inter, dtype, gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
-    ids = torch.full((tokens, 1), 5, dtype=torch.int32)
-    weights = torch.ones(tokens, 1)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    ids = torch.full((tokens, 1), 5, dtype=torch.int32, device=DEVICE)
+    weights = torch.ones(tokens, 1, device=DEVICE)
     for fold in FOLDS:
         ws13, ws2 = (w13, w2) if fold else (w13[:experts], w2[:experts])
         out = run_fused(x, ws13, ws2, weights, ids, fold)
@@ -213,10 +216,10 @@ def test_expert_parallel_map(dtype, fold):
     gen = torch.Generator().manual_seed(5)
     tokens, hidden, inter, experts, top_k = 33, 64, 48, 8, 2
     w13, w2 = make_weights(4 + int(fold), hidden, inter, dtype, gen)
-    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
     weights, ids = random_routing(tokens, experts, top_k, gen)
     ids[0] = torch.tensor([0, 1], dtype=torch.int32)  # a token with no local expert
-    expert_map = torch.full((experts,), -1, dtype=torch.int32)
+    expert_map = torch.full((experts,), -1, dtype=torch.int32, device=DEVICE)
     expert_map[4:] = torch.arange(4, dtype=torch.int32)
     out = run_fused(x, w13, w2, weights, ids, fold, expert_map=expert_map)
     ref = expected(x, w13, w2, weights, ids, fold, expert_map)
@@ -253,15 +256,15 @@ def test_large_batches_run_in_chunks(monkeypatch):
 def test_empty_batch():
     gen = torch.Generator().manual_seed(9)
     w13, w2 = make_weights(8, 64, 32, torch.float32, gen)
-    out = fused_moe(torch.empty(0, 64), w13, w2, torch.empty(0, 2), torch.empty(0, 2, dtype=torch.int32),
-                    alpha=ALPHA, limit=LIMIT)
+    out = fused_moe(torch.empty(0, 64, device=DEVICE), w13, w2, torch.empty(0, 2, device=DEVICE),
+                    torch.empty(0, 2, dtype=torch.int32, device=DEVICE), alpha=ALPHA, limit=LIMIT)
     assert out.shape == (0, 64)
 
 
 def test_shape_errors():
     gen = torch.Generator().manual_seed(10)
     w13, w2 = make_weights(8, 64, 32, torch.float32, gen)
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 64, device=DEVICE)
     weights, ids = random_routing(3, 8, 2, gen)
     with pytest.raises(ValueError, match="expert weights"):
         fused_moe(x, w13, w2[:, :, :16], weights, ids, alpha=ALPHA, limit=LIMIT)
@@ -291,9 +294,9 @@ NUM_BLOCKS = 16
 def generate(tiny_dir: str, opts: Optimizations) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill both prompts in one batch, then DECODE_STEPS greedy decode steps of both. Returns the generated
     tokens per sequence and the logits of every step."""
-    model, _ = load_model(tiny_dir, opts, torch.float32)
+    model, _ = load_model(tiny_dir, opts, torch.float32, device=DEVICE)
     bs = model.cfg.index_block_size
-    kv, index = allocate_kv_caches(model.cfg, NUM_BLOCKS, bs, torch.float32, "cpu")
+    kv, index = allocate_kv_caches(model.cfg, NUM_BLOCKS, bs, torch.float32, DEVICE)
     model.bind_kv_caches(kv, index)
     tables = [list(range(0, NUM_BLOCKS // 2)), list(range(NUM_BLOCKS // 2, NUM_BLOCKS))]
     lens = [len(p) for p in PROMPTS]
@@ -301,9 +304,9 @@ def generate(tiny_dir: str, opts: Optimizations) -> tuple[list[list[int]], list[
     generated: list[list[int]] = [[], []]
     all_logits = []
     for _ in range(DECODE_STEPS + 1):
-        meta = AttentionMetadata.build(query_lens, lens, tables, bs)
-        hidden = model(torch.tensor(step_ids), meta.positions, meta)
-        last = torch.cumsum(torch.tensor(query_lens), 0) - 1
+        meta = AttentionMetadata.build(query_lens, lens, tables, bs, device=DEVICE)
+        hidden = model(torch.tensor(step_ids, device=DEVICE), meta.positions, meta)
+        last = torch.cumsum(torch.tensor(query_lens, device=DEVICE), 0) - 1
         logits = model.compute_logits(hidden[last])
         all_logits.append(logits)
         step_ids = logits.argmax(-1).tolist()

@@ -129,13 +129,15 @@ def default_config(tokens: int, top_k: int, experts: int, on_rocm: bool) -> MoEC
     return _cfg(64, 8, (64, 64, 4, stages), (128, 64, 4, stages))
 
 
-def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int,
-                  device: torch.device) -> MoEConfig:
-    """The tile configuration for this call: interpreter, tuned H200 table, or the portable heuristic."""
+def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device,
+                  dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
+    """The tile configuration for this call: interpreter, tuned H200 table (16-bit operands: fp32 tiles would need
+    twice its shared memory), or the portable heuristic."""
     kind = backend(device)
     if kind == "interpret":
         return INTERPRETER_CONFIG
-    tuned = H200_CONFIGS.get((hidden, inter, experts)) if kind == "cuda" else None
+    sixteen_bit = dtype.itemsize == 2
+    tuned = H200_CONFIGS.get((hidden, inter, experts)) if kind == "cuda" and sixteen_bit else None
     if tuned is not None:
         return tuned[token_bucket(tokens)]
     return default_config(tokens, top_k, experts, on_rocm=kind == "hip")
@@ -311,7 +313,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if expert_map is not None:
         expert_map = expert_map.to(torch.int32).contiguous()
     fold = bool(fold_shared)
-    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device)
+    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype)
 
     align = moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
