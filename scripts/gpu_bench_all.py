@@ -66,10 +66,12 @@ def main() -> int:
     if "W3" in parts and not args.with_w3:
         parts.remove("W3")
     small = args.scale == "small"
-    estimates = {k: (v / 10 if small else v) for k, v in ESTIMATES.items()}
-
     s = BenchSession(SessionConfig(model=args.model, device=args.device, out_dir=args.out, time_budget_s=args.budget,
                                    switch_changes=parse_switch_changes(args.switch, {})))
+    slow = any(v.startswith("kernel unavailable") for v in s.switch_notes.values())
+    if slow:  # reference paths on the GPU: every part takes longer
+        print(f"[bench] WARNING: kernel switches forced off: {s.switch_notes}", flush=True)
+    estimates = {k: v * (0.1 if small else 1.0) * (4.0 if slow else 1.0) for k, v in ESTIMATES.items()}
     vocab = s.model_cfg.vocab_size
     wl = {w.name: w for w in W.build(list(W.OFFLINE), vocab, args.scale)}
     w4 = [n for n in wl if n.startswith("W4")]
@@ -81,11 +83,12 @@ def main() -> int:
 
     def nano_part(name: str, fn) -> None:
         est = estimates.get(name, estimates.get(name.split("-")[0], 30))
-        s.part(name, fn, min_time_s=est + reserve)
+        s.part(name, fn, min_time_s=est + reserve, reserve_s=reserve)
 
     if nano_parts:
         planned = list(wl.values())
-        built = s.part("build nanoserve", lambda: s.build_nano(planned), min_time_s=estimates["build"] + reserve)
+        built = s.part("build nanoserve", lambda: s.build_nano(planned), min_time_s=estimates["build"] + reserve,
+                       reserve_s=reserve)
         if built is not None:
             for p in nano_parts:
                 if p == "graph-check":

@@ -185,8 +185,7 @@ class HFBench:
                       attention_mask=torch.ones_like(ids), streamer=streamer)
         if mode == "static":
             kwargs["cache_implementation"] = "static"
-        with torch.inference_mode():
-            return self.model.generate(ids, **kwargs)
+        return self.model.generate(ids, **kwargs)  # generate() runs under no_grad itself
 
     def skip_reason(self, wl: Workload, mode: str) -> str | None:
         if not wl.uniform:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -23,6 +25,11 @@ from nanoserve.engine.model_runner import resolve_device, resolve_dtype
 from nanoserve.model.m3_config import M3Config
 
 logger = logging.getLogger(__name__)
+
+
+class PartTimeout(BaseException):
+    """A part ran past what was left of the time budget (a BaseException, like KeyboardInterrupt, so the
+    `except Exception` fallbacks inside a part - a failed graph capture, a failed ablation row - let it through)."""
 
 
 def model_config(model: str) -> M3Config:
@@ -118,9 +125,10 @@ class BenchSession:
             return float("inf")
         return self.cfg.time_budget_s - self.elapsed()
 
-    def part(self, name: str, fn: Callable[[], Any], min_time_s: float = 0.0) -> Any:
-        """Run one part: skipped if less than min_time_s of the budget is left; errors are recorded, printed and
-        swallowed; results are flushed either way."""
+    def part(self, name: str, fn: Callable[[], Any], min_time_s: float = 0.0, reserve_s: float = 0.0) -> Any:
+        """Run one part: skipped if less than min_time_s of the budget is left, interrupted (SIGALRM, main thread
+        only) when all but reserve_s of it is spent; errors are recorded, printed and swallowed; results are
+        flushed either way."""
         left = self.time_left()
         if left < min_time_s:
             msg = f"skipped {name}: {left:.0f} s of the time budget left, it needs ~{min_time_s:.0f} s"
@@ -129,11 +137,19 @@ class BenchSession:
             return None
         print(f"[bench] {name} (t={self.elapsed():.0f} s)", flush=True)
         t0 = time.perf_counter()
+        alarm = left != float("inf") and threading.current_thread() is threading.main_thread() \
+            and hasattr(signal, "setitimer")
+        if alarm:
+            def on_alarm(signum, frame):
+                raise PartTimeout(f"interrupted: the time budget ran out ({left - reserve_s:.0f} s for this part)")
+
+            previous = signal.signal(signal.SIGALRM, on_alarm)
+            signal.setitimer(signal.ITIMER_REAL, max(left - reserve_s, 1.0))
         try:
             out = fn()
             print(f"[bench] {name} done in {time.perf_counter() - t0:.1f} s", flush=True)
             return out
-        except Exception as e:  # noqa: BLE001 - keep going: one broken part must not lose the others
+        except (Exception, PartTimeout) as e:  # noqa: BLE001 - keep going: one broken part must not lose the others
             tb = traceback.format_exc()
             print(f"[bench] {name} FAILED after {time.perf_counter() - t0:.1f} s: {type(e).__name__}: {e}\n{tb}",
                   flush=True)
@@ -142,6 +158,9 @@ class BenchSession:
                 torch.cuda.synchronize(self.device)
             return None
         finally:
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
             self.results.flush()
 
     def say(self, text: str) -> None:
