@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig, Optimizations
+from nanoserve.config import EngineConfig
 from nanoserve.distributed.executor import MultiprocExecutor, WorkerFailure, free_loopback_port
 from nanoserve.distributed.parallel_state import get_tp, kv_head_range, set_tp
 from nanoserve.engine.executor import Executor, LocalExecutor

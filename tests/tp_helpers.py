@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import pickle
 
-import torch
 import torch.distributed as dist
 
 from nanoserve.config import Optimizations
@@ -45,7 +44,3 @@ def channel_peer(init_method: str) -> None:
     channel.agree_min(int(intact))
     channel.agree_min(5)
     dist.destroy_process_group()
-
-
-def as_tensor(logits: torch.Tensor) -> torch.Tensor:
-    return logits.detach().float().cpu().clone()
