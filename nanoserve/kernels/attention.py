@@ -17,6 +17,10 @@ Prefill: one program per (sequence, tile of BLOCK_M query rows, query head). Key
 tile (below the tile's smallest position) are streamed without a mask; the rest, up to the tile's largest
 position, with the causal mask. Grid cells past a sequence's query length do nothing.
 
+Every tl.dot passes input_precision="ieee": fp32 operands then multiply exactly (no TF32), so fp32 runs match
+the reference to ~1e-6, while 16-bit operands still go to the tensor cores (wgmma) / matrix cores (MFMA).
+Operands keep the cache's dtype; accumulation is fp32.
+
 Scores are kept in log2 units (scale * log2(e) folded into one multiply, exp2 instead of exp). Masked scores are
 a large finite negative number rather than -inf, so a tile whose keys are all masked for some row never computes
 (-inf) - (-inf) = NaN; the first real key then rescales that row's running state to zero.
@@ -53,24 +57,14 @@ MAX_SPLITS = 256
 
 
 @triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    """a @ b with fp32 accumulation. fp32 operands use exact IEEE products (not TF32) so fp32 runs match the
-    reference to ~1e-6; 16-bit operands go to the tensor cores / matrix cores."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a, b)
-
-
-@triton.jit
-def _softmax_step(s, v, m_i, l_i, acc, IEEE: tl.constexpr):
+def _softmax_step(s, v, m_i, l_i, acc):
     """One online-softmax update with a tile of scores s [M, N] (log2 units, masked = MASKED_SCORE) and values
     v [N, D]. Returns the new (running max, running sum, unnormalised accumulator)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, l_i, acc
 
 
@@ -155,7 +149,7 @@ def _paged_decode_kernel(
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
         num_heads, split_len, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
     seq = tl.program_id(0)  # decode sequence s owns flat token s
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -185,10 +179,10 @@ def _paged_decode_kernel(
         offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        s = _dot(q, tl.trans(k), IEEE) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(key_ok[None, :], s, MASKED_SCORE)
         v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, IEEE)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
 
     part_row = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
     _store_partial(acc, m_i, l_i,
@@ -215,7 +209,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         num_heads, split_len, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=gqa_rows(group),
-        BLOCK_N=cfg.block_n, PAGE=page, NUM_SPLITS=num_splits, IEEE=kv_cache.dtype == torch.float32,
+        BLOCK_N=cfg.block_n, PAGE=page, NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         combine_splits(part_out, part_lse, out)
@@ -229,7 +223,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
 @triton.jit
 def _attend_key_tile(q, kv_head, bt_row, n0, rows_pos, seq_len, m_i, l_i, acc, d, d_ok, qk_scale,
                      stride_kv_block, stride_kv_kind, stride_kv_tok,
-                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr):
+                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr):
     """Fold keys n0 .. n0+BLOCK_N of one sequence into the running softmax of a query tile. CAUSAL: mask key j
     for the rows whose position is < j (and keys past the sequence); otherwise every key is visible to every row."""
     toks = n0 + tl.arange(0, BLOCK_N)
@@ -238,11 +232,11 @@ def _attend_key_tile(q, kv_head, bt_row, n0, rows_pos, seq_len, m_i, l_i, acc, d
     offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
     kv_mask = key_ok[:, None] & d_ok[None, :]
     k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = _dot(q, tl.trans(k), IEEE) * qk_scale
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
     if CAUSAL:
         s = tl.where((toks[None, :] <= rows_pos[:, None]) & key_ok[None, :], s, MASKED_SCORE)
     v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return _softmax_step(s, v, m_i, l_i, acc, IEEE)
+    return _softmax_step(s, v, m_i, l_i, acc)
 
 
 @triton.jit
@@ -252,7 +246,7 @@ def _paged_prefill_kernel(
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
         first_seq, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     seq = first_seq + tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -281,11 +275,11 @@ def _paged_prefill_kernel(
         for n0 in range(0, shared_end, BLOCK_N):
             m_i, l_i, acc = _attend_key_tile(q, kv_head, bt_row, n0, pos, seq_len, m_i, l_i, acc, d, d_ok,
                                              qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
-                                             BLOCK_N, PAGE, False, IEEE)
+                                             BLOCK_N, PAGE, False)
         for n0 in range(shared_end, end, BLOCK_N):
             m_i, l_i, acc = _attend_key_tile(q, kv_head, bt_row, n0, pos, seq_len, m_i, l_i, acc, d, d_ok,
                                              qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
-                                             BLOCK_N, PAGE, True, IEEE)
+                                             BLOCK_N, PAGE, True)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qd_mask)
@@ -305,7 +299,7 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         first, scale * LOG2E,
         GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_cache.shape[2], IEEE=kv_cache.dtype == torch.float32,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_cache.shape[2],
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

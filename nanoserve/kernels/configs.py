@@ -45,13 +45,18 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # MSA indexer scores; block_n is derived (one whole KV block per step). block_m = (token, index head) rows.
     "msa_score_prefill": {"cuda": Tiles(64, 0, 4, 3), "hip": Tiles(64, 0, 4, 2), "interpret": Tiles(64, 0, 1, 1)},
     "msa_score_decode": {"cuda": Tiles(16, 0, 4, 3), "hip": Tiles(16, 0, 4, 2), "interpret": Tiles(16, 0, 1, 1)},
-    # Block top-k, one program per (token, KV group); block_n = block scores held per pass.
-    "msa_topk": {"cuda": Tiles(0, 2048, 4, 1), "hip": Tiles(0, 2048, 4, 1), "interpret": Tiles(0, 256, 1, 1)},
-    # Block-sparse attention, one program per (token, KV group, split); block_n = keys per tile of a KV block.
-    "sparse_attention": {"cuda": Tiles(0, 64, 4, 3), "hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 64, 1, 1)},
-    # Row-wise kernels: QK-norm + RoPE + cache insert (one program per token), residual add + RMSNorm (per row).
-    "qk_norm_rope": {"cuda": Tiles(16, 0, 4, 1), "hip": Tiles(16, 0, 4, 1), "interpret": Tiles(64, 0, 1, 1)},
-    "add_rmsnorm": {"cuda": Tiles(0, 0, 8, 1), "hip": Tiles(0, 0, 4, 1), "interpret": Tiles(0, 0, 1, 1)},
+    # Block top-k over (token, KV group) rows: block_n = block scores of a row held per pass (longer rows loop),
+    # block_m = scores a program holds in all (rows per program = block_m // block_n).
+    "msa_topk": {"cuda": Tiles(4096, 2048, 4, 1), "hip": Tiles(4096, 2048, 4, 1),
+                 "interpret": Tiles(16384, 256, 1, 1)},
+    # Block-sparse attention, one program per (block_m query tokens x the GQA group, KV group, split);
+    # block_n = keys per tile of a KV block. Decode: one token, split-K over its selected blocks.
+    "sparse_decode": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
+    "sparse_prefill": {"cuda": Tiles(4, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
+    # QK-norm + RoPE + cache insert: block_m tokens per program, block_n (token, head) rows per step.
+    "qk_norm_rope": {"cuda": Tiles(1, 32, 4, 1), "hip": Tiles(1, 32, 4, 1), "interpret": Tiles(16, 128, 1, 1)},
+    # Residual add + RMSNorm, block_m rows per program.
+    "add_rmsnorm": {"cuda": Tiles(1, 0, 8, 1), "hip": Tiles(1, 0, 4, 1), "interpret": Tiles(16, 0, 1, 1)},
 }
 
 INTERPRETER_SM_COUNT = 4

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, _dot, _softmax_step, _store_partial, combine_splits,
-                                         gqa_rows, num_decode_splits, split_buffers)
+from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, MIN_DOT_ROWS, _softmax_step, _store_partial,
+                                         combine_splits, num_decode_splits, split_buffers)
 from nanoserve.kernels.configs import tiles
 from nanoserve.model.attention_metadata import AttentionMetadata
 
@@ -64,7 +64,7 @@ def _index_score_kernel(
         stride_iq_t, stride_iq_g, stride_ic_block, stride_ic_tok, stride_bt,
         first_seq, tok_lo, tok_hi, n_blocks_ws, blocks_per_split,
         G: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, IEEE: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """Block maxima for rows (token, head) of one sequence whose flat token lies in [tok_lo, tok_hi), over the
     KV blocks [split * blocks_per_split, ...) of that sequence. score[token - tok_lo, head, block]."""
     seq = first_seq + tl.program_id(0)
@@ -95,7 +95,7 @@ def _index_score_kernel(
             page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
             k = tl.load(icache_ptr + page * stride_ic_block + n[:, None] * stride_ic_tok + d[None, :],
                         mask=in_block[:, None] & d_ok[None, :], other=0.0)
-            s = _dot(q, tl.trans(k), IEEE)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
             keys = b * PAGE + n
             visible = (keys[None, :] <= pos[:, None]) & (in_block & (keys < seq_len))[None, :]
             s = tl.where(visible, s, float("-inf"))
@@ -116,7 +116,7 @@ def _launch_scores(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Atten
         meta.block_tables.stride(0),
         first_seq, tok_lo, tok_hi, n_blocks_ws, triton.cdiv(n_blocks_ws, n_splits),
         G=g, INDEX_DIM=di, BLOCK_D=triton.next_power_of_2(di), BLOCK_M=cfg.block_m,
-        BLOCK_N=max(16, triton.next_power_of_2(page)), PAGE=page, IEEE=index_cache.dtype == torch.float32,
+        BLOCK_N=max(16, triton.next_power_of_2(page)), PAGE=page,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -126,61 +126,67 @@ def _launch_scores(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Atten
 
 
 @triton.jit
-def _block_keys(score_row, b0, own, local_blocks, n_valid, CHUNK: tl.constexpr):
-    """int64 ranking keys of blocks b0 .. b0+CHUNK of one row (NO_KEY where invalid); see the module docstring."""
+def _block_keys(score_rows, b0, own, local_blocks, n_valid, CHUNK: tl.constexpr):
+    """int64 ranking keys [R, CHUNK] of blocks b0 .. b0+CHUNK of R rows (score_rows [R] point at each row's
+    block scores; own / n_valid [R]); NO_KEY where a block is invalid. See the module docstring."""
     b = b0 + tl.arange(0, CHUNK)
-    valid = b < n_valid
-    score = tl.load(score_row + b, mask=valid, other=0.0)
-    score = tl.where(b > own - local_blocks, float("inf"), score)  # forced: own block and the ones before it
+    valid = b[None, :] < n_valid[:, None]
+    score = tl.load(score_rows[:, None] + b[None, :], mask=valid, other=0.0)
+    forced = b[None, :] > (own - local_blocks)[:, None]  # the own block and the local_blocks - 1 before it
+    score = tl.where(forced, float("inf"), score)
     valid = valid & (score > float("-inf"))
     score = tl.where(score == 0.0, 0.0, score)  # -0.0 -> +0.0: equal scores must tie whatever their sign
     bits = score.to(tl.int32, bitcast=True)
     bits = tl.where(bits >= 0, bits, bits ^ SIGN_FLIP)  # now int32 order == float order
-    key = (bits.to(tl.int64) << 32) | ((~b) & LOW_BITS).to(tl.int64)  # low half: LOW_BITS - b
+    key = (bits.to(tl.int64) << 32) | ((~b) & LOW_BITS).to(tl.int64)[None, :]  # low half: LOW_BITS - b
     return tl.where(valid, key, NO_KEY)
 
 
 @triton.jit
-def _block_topk_kernel(score_ptr, positions_ptr, sel_ptr, stride_sel_t, stride_sel_g, tok_lo, n_blocks_ws,
+def _block_topk_kernel(score_ptr, positions_ptr, sel_ptr, stride_sel_t, stride_sel_g, n_rows, tok_lo, n_blocks_ws,
                        local_blocks,
-                       G: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
-                       PAGE: tl.constexpr):
-    row = tl.program_id(0)  # workspace row; flat token tok_lo + row
-    g = tl.program_id(1)
-    tok = (tok_lo + row).to(tl.int64)
-    own = tl.load(positions_ptr + tok).to(tl.int32) // PAGE
-    n_valid = tl.minimum(own + 1, n_blocks_ws)
-    score_row = score_ptr + (row.to(tl.int64) * G + g) * n_blocks_ws
+                       G: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
+                       CHUNK: tl.constexpr, PAGE: tl.constexpr):
+    """Top-k for ROWS workspace rows (token, group) = (tok_lo + r // G, r % G) at a time."""
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = r < n_rows
+    tok = (tok_lo + r // G).to(tl.int64)
+    own = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32) // PAGE
+    n_valid = tl.where(row_ok, tl.minimum(own + 1, n_blocks_ws), 0)
+    score_rows = score_ptr + r.to(tl.int64) * n_blocks_ws
     slot = tl.arange(0, BLOCK_K)
-    picked = tl.full([BLOCK_K], -1, tl.int32)
-    prev = tl.full([], MAX_KEY, tl.int64)
-    if n_valid <= CHUNK:  # the whole row fits one tile: rank it once, then k passes in registers
-        keys = _block_keys(score_row, 0, own, local_blocks, n_valid, CHUNK)
+    picked = tl.full([ROWS, BLOCK_K], -1, tl.int32)
+    prev = tl.full([ROWS], MAX_KEY, tl.int64)
+    if tl.max(n_valid, 0) <= CHUNK:  # every row fits one tile: rank once, then k passes in registers
+        keys = _block_keys(score_rows, 0, own, local_blocks, n_valid, CHUNK)
         for i in range(TOPK):
-            best = tl.max(tl.where(keys < prev, keys, NO_KEY), 0)
+            best = tl.max(tl.where(keys < prev[:, None], keys, NO_KEY), 1)
             block = tl.where(best == NO_KEY, -1, ((~best) & LOW_BITS).to(tl.int32))
-            picked = tl.where(slot == i, block, picked)
+            picked = tl.where(slot[None, :] == i, block[:, None], picked)
             prev = best
-    else:  # long rows: every pass re-reads the row (from L2) in CHUNK-sized tiles
+    else:  # long rows: every pass re-reads the rows (from L2) in CHUNK-sized tiles
         for i in range(TOPK):
-            best = tl.full([], NO_KEY, tl.int64)
-            for b0 in range(0, n_valid, CHUNK):
-                keys = _block_keys(score_row, b0, own, local_blocks, n_valid, CHUNK)
-                best = tl.maximum(best, tl.max(tl.where(keys < prev, keys, NO_KEY), 0))
+            best = tl.full([ROWS], NO_KEY, tl.int64)
+            for b0 in range(0, tl.max(n_valid, 0), CHUNK):
+                keys = _block_keys(score_rows, b0, own, local_blocks, n_valid, CHUNK)
+                best = tl.maximum(best, tl.max(tl.where(keys < prev[:, None], keys, NO_KEY), 1))
             block = tl.where(best == NO_KEY, -1, ((~best) & LOW_BITS).to(tl.int32))
-            picked = tl.where(slot == i, block, picked)
+            picked = tl.where(slot[None, :] == i, block[:, None], picked)
             prev = best
-    tl.store(sel_ptr + tok * stride_sel_t + g * stride_sel_g + slot, picked, mask=slot < TOPK)
+    tl.store(sel_ptr + tok[:, None] * stride_sel_t + (r % G)[:, None] * stride_sel_g + slot[None, :], picked,
+             mask=row_ok[:, None] & (slot < TOPK)[None, :])
 
 
-def _launch_topk(scores: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor, tok_lo: int, n_rows: int,
+def _launch_topk(scores: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor, tok_lo: int, n_tok: int,
                  page: int, topk: int, local_blocks: int) -> None:
     g, n_blocks_ws = scores.shape[1], scores.shape[2]
     cfg = tiles("msa_topk", scores.device)
-    _block_topk_kernel[(n_rows, g)](
-        scores, meta.positions, selected, selected.stride(0), selected.stride(1), tok_lo, n_blocks_ws, local_blocks,
-        G=g, TOPK=topk, BLOCK_K=triton.next_power_of_2(topk),
-        CHUNK=min(triton.next_power_of_2(n_blocks_ws), cfg.block_n), PAGE=page,
+    chunk = min(triton.next_power_of_2(n_blocks_ws), cfg.block_n)
+    rows = max(1, cfg.block_m // chunk)
+    _block_topk_kernel[(triton.cdiv(n_tok * g, rows),)](
+        scores, meta.positions, selected, selected.stride(0), selected.stride(1), n_tok * g, tok_lo, n_blocks_ws,
+        local_blocks,
+        G=g, TOPK=topk, BLOCK_K=triton.next_power_of_2(topk), ROWS=rows, CHUNK=chunk, PAGE=page,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -223,96 +229,136 @@ def msa_select(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Attention
 
 
 @triton.jit
+def _attend_block(q, kv_head, page, b, row_selected, pos, m_i, l_i, acc, d, d_ok, qk_scale,
+                  stride_kv_block, stride_kv_kind, stride_kv_tok,
+                  BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+    """Fold logical block b (physical `page`) into the running softmax of the rows that selected it, keys after
+    each row's position masked."""
+    for n0 in range(0, PAGE, BLOCK_N):
+        n = n0 + tl.arange(0, BLOCK_N)
+        key_ok = n < PAGE
+        offs = page * stride_kv_block + n * stride_kv_tok
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        visible = row_selected[:, None] & key_ok[None, :] & (b * PAGE + n[None, :] <= pos[:, None])
+        s = tl.where(visible, s, MASKED_SCORE)
+        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _sparse_attention_kernel(
-        q_ptr, kv_ptr, block_tables_ptr, token_seq_ptr, positions_ptr, sel_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+        q_ptr, kv_ptr, block_tables_ptr, positions_ptr, query_start_ptr, sel_ptr, out_ptr, part_out_ptr,
+        part_lse_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt, stride_sel_t, stride_sel_g,
-        first_tok, num_heads, slots_per_split, qk_scale,
-        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TOPK: tl.constexpr, NUM_SPLITS: tl.constexpr,
-        IEEE: tl.constexpr):
-    tok = (first_tok + tl.program_id(0)).to(tl.int64)
+        first_seq, tiles_per_seq, num_heads, slots_per_split, qk_scale,
+        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+        TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """Rows (token, query head of the group) of BLOCK_T consecutive query tokens of one sequence, for one KV
+    group. Decode (BLOCK_T == 1): walk this split's slots of the token's selection list. Prefill: walk the
+    candidate blocks from the smallest selected to the last own block of the tile once each; a row attends only
+    to the blocks its own token selected, so a block shared by several tokens is read once."""
+    seq = first_seq + tl.program_id(0) // tiles_per_seq
+    t0 = (tl.program_id(0) % tiles_per_seq) * BLOCK_T
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    rows = tl.arange(0, BLOCK_H)
-    heads = kvh * GROUP + rows
-    row_ok = rows < GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    qd_mask = row_ok[:, None] & d_ok[None, :]
-    q = tl.load(q_ptr + tok * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-    q = q.to(kv_ptr.dtype.element_ty)
-    seq = tl.load(token_seq_ptr + tok)
-    pos = tl.load(positions_ptr + tok).to(tl.int32)
+    q_start = tl.load(query_start_ptr + seq)
+    n_tok = tl.minimum(tl.load(query_start_ptr + seq + 1) - q_start - t0, BLOCK_T)
+    if n_tok > 0:
+        rows = tl.arange(0, ROWS)
+        t = rows // GROUP_PAD
+        heads = kvh * GROUP + rows % GROUP_PAD
+        row_ok = (rows % GROUP_PAD < GROUP) & (t < n_tok)
+        tok = (q_start + t0 + t).to(tl.int64)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        qd_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask,
+                    other=0.0)
+        q = q.to(kv_ptr.dtype.element_ty)
+        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        sel_rows = sel_ptr + tok * stride_sel_t + kvh * stride_sel_g  # [ROWS] each row's token's selection
+        bt_row = block_tables_ptr + seq * stride_bt
+        kv_head = kv_ptr + kvh * stride_kv_head
 
-    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    kv_head = kv_ptr + kvh * stride_kv_head
-    sel_row = sel_ptr + tok * stride_sel_t + kvh * stride_sel_g
-    slot_lo = split * slots_per_split
-    slot_hi = tl.minimum(slot_lo + slots_per_split, TOPK)
-    for slot in range(slot_lo, slot_hi):
-        b = tl.load(sel_row + slot)
-        if b >= 0:
-            page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
-            for n0 in range(0, PAGE, BLOCK_N):
-                n = n0 + tl.arange(0, BLOCK_N)
-                key_ok = (n < PAGE) & (b * PAGE + n <= pos)
-                offs = page * stride_kv_block + n * stride_kv_tok
-                kv_mask = key_ok[:, None] & d_ok[None, :]
-                k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                s = _dot(q, tl.trans(k), IEEE) * qk_scale
-                s = tl.where(key_ok[None, :], s, MASKED_SCORE)
-                v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-                m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc, IEEE)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        if BLOCK_T == 1:
+            slot_lo = split * slots_per_split
+            for slot in range(slot_lo, tl.minimum(slot_lo + slots_per_split, TOPK)):
+                b = tl.load(sel_ptr + (q_start + t0) * stride_sel_t + kvh * stride_sel_g + slot)
+                if b >= 0:
+                    page = tl.load(bt_row + b).to(tl.int64)
+                    m_i, l_i, acc = _attend_block(q, kv_head, page, b, row_ok, pos, m_i, l_i, acc, d, d_ok,
+                                                  qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
+                                                  BLOCK_N, PAGE)
+        else:
+            slot = tl.arange(0, TOPK_PAD)
+            row_sel = tl.load(sel_rows[:, None] + slot[None, :], mask=row_ok[:, None] & (slot < TOPK)[None, :],
+                              other=-1)
+            b_first = tl.min(tl.where(row_sel >= 0, row_sel, 2**30), 1)
+            b_first = tl.min(tl.where(row_ok, b_first, 2**30), 0)
+            b_last = tl.max(tl.where(row_ok, pos, 0), 0) // PAGE
+            for b in range(b_first, b_last + 1):
+                row_selected = tl.max((row_sel == b).to(tl.int32), 1) > 0
+                if tl.max(row_selected.to(tl.int32), 0) > 0:
+                    page = tl.load(bt_row + b).to(tl.int64)
+                    m_i, l_i, acc = _attend_block(q, kv_head, page, b, row_selected, pos, m_i, l_i, acc, d, d_ok,
+                                                  qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
+                                                  BLOCK_N, PAGE)
 
-    part_row = (tl.program_id(0) * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
-    _store_partial(acc, m_i, l_i,
-                   out_ptr + tok * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
-                   part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
-                   NUM_SPLITS > 1)
+        part_row = (tok * num_heads + heads) * NUM_SPLITS + split
+        _store_partial(acc, m_i, l_i,
+                       out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
+                       part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
+                       NUM_SPLITS > 1)
 
 
 def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
-                   scale: float, out: torch.Tensor, token_seq: torch.Tensor, first_tok: int, n_tok: int,
-                   num_splits: int) -> None:
+                   scale: float, out: torch.Tensor, first_seq: int, num_seqs: int, max_q_len: int, block_t: int,
+                   num_splits: int, kernel_tiles: str) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = kv_cache.shape[3], kv_cache.shape[2]
     topk = selected.shape[2]
     group = num_heads // num_kv
-    cfg = tiles("sparse_attention", q.device)
-    part_out, part_lse = split_buffers(n_tok, num_heads, num_splits, head_dim, q.device)
-    _sparse_attention_kernel[(n_tok, num_kv, num_splits)](
-        q, kv_cache, meta.block_tables, token_seq, meta.positions, selected, out, part_out, part_lse,
+    group_pad = triton.next_power_of_2(group)
+    cfg = tiles(kernel_tiles, q.device)
+    tiles_per_seq = triton.cdiv(max_q_len, block_t)
+    # split-K partials are indexed by flat token; decode tokens are the first num_seqs of the batch
+    part_out, part_lse = split_buffers(num_seqs, num_heads, num_splits, head_dim, q.device)
+    _sparse_attention_kernel[(num_seqs * tiles_per_seq, num_kv, num_splits)](
+        q, kv_cache, meta.block_tables, meta.positions, meta.query_start_loc, selected, out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         selected.stride(0), selected.stride(1),
-        first_tok, num_heads, triton.cdiv(topk, num_splits), scale * LOG2E,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=gqa_rows(group),
+        first_seq, tiles_per_seq, num_heads, triton.cdiv(topk, num_splits), scale * LOG2E,
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, ROWS=max(MIN_DOT_ROWS, block_t * group_pad),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
-        NUM_SPLITS=num_splits, IEEE=kv_cache.dtype == torch.float32,
+        TOPK_PAD=triton.next_power_of_2(topk), NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
-        combine_splits(part_out, part_lse, out[first_tok:first_tok + n_tok])
+        combine_splits(part_out, part_lse, out)
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
                      scale: float) -> torch.Tensor:
     """Exact attention of q [T, Hq, D] over the blocks its KV group selected (selected [T, Hkv, topk], logical
-    block indices, -1 = none, no repeats), keys after the query's position masked. Same contract as
-    `reference.sparse_attention`."""
+    block indices, -1 = none, no block twice in one list), keys after the query's position masked. Same contract
+    as `reference.sparse_attention`."""
     out = torch.empty_like(q)
     nd = meta.num_decode_seqs
     topk = selected.shape[2]
     if nd:
-        # decode token s belongs to sequence s: the identity map is the first nd entries of query_start_loc
         n_splits = num_decode_splits(nd * kv_cache.shape[3], topk, q.device)
-        _launch_sparse(q, kv_cache, meta, selected, scale, out, meta.query_start_loc, 0, nd, n_splits)
+        _launch_sparse(q, kv_cache, meta, selected, scale, out, 0, nd, 1, 1, n_splits, "sparse_decode")
     if meta.num_seqs > nd:
-        first_tok = sum(meta.query_lens_cpu[:nd])
-        n_tok = sum(meta.query_lens_cpu[nd:])
-        tokens = torch.arange(meta.num_tokens, device=q.device, dtype=torch.int32)
-        token_seq = (torch.searchsorted(meta.query_start_loc, tokens, right=True) - 1).to(torch.int32)
-        _launch_sparse(q, kv_cache, meta, selected, scale, out, token_seq, first_tok, n_tok, 1)
+        cfg = tiles("sparse_prefill", q.device)
+        _launch_sparse(q, kv_cache, meta, selected, scale, out, nd, meta.num_seqs - nd,
+                       max(meta.query_lens_cpu[nd:]), cfg.block_m, 1, "sparse_prefill")
     return out
