@@ -17,7 +17,9 @@ keeping a reserve for the Hugging Face phase, which runs last because the two mo
     ablation-W2   every switch off alone on W2 (64 output tokens)
     hf-eager      transformers generate(), dynamic cache, W1 and W2 shapes (32 output tokens)
     hf-static     transformers generate(cache_implementation="static"), compiled, W1 and W2 shapes
-    W3            only with --with-w3 and fastapi/uvicorn importable: server + closed-loop sweep
+    W3            only with --with-w3: server + closed-loop sweep (the server's packages - fastapi, uvicorn,
+                  prometheus_client - must import, or be installable from --wheels DIR without the network)
+    gpu-tests     only when listed in --parts: pytest tests/test_cuda_graphs.py (real capture on m3-tiny)
 
 Then it prints a compact summary last: runs, nanoserve vs HF, the targets, errors.
 """
@@ -43,6 +45,9 @@ ESTIMATES = {"build": 90, "graph-check": 25, "W1": 20, "W2": 40, "profile": 40, 
 HF_RESERVE = ESTIMATES["hf-build"] + ESTIMATES["hf-eager"]
 ORDER = ["graph-check", "W1", "W2", "profile", "ablation-W1", "W4-32k", "W6", "W5", "W4-128k", "ablation-W2",
          "hf-eager", "hf-static", "W3"]
+OPTIONAL = ["gpu-tests"]
+SERVER_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def main() -> int:
@@ -56,13 +61,15 @@ def main() -> int:
     ap.add_argument("--hf-max-tokens", type=int, default=32, help="HF output tokens (TPOT is per token)")
     ap.add_argument("--ablation-w2-output-len", type=int, default=64)
     ap.add_argument("--with-w3", action="store_true", help="also start a server and run the W3 sweep")
+    ap.add_argument("--wheels", default=None, help="directory of wheels for the server's packages (W3), installed "
+                    "with pip --no-index if they do not import")
     ap.add_argument("--w3-requests-per-concurrency", type=int, default=10)
     ap.add_argument("--switch", action="append", default=[], metavar="NAME=on|off")
     args = ap.parse_args()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
-    unknown = sorted(set(parts) - set(ORDER))
+    unknown = sorted(set(parts) - set(ORDER) - set(OPTIONAL))
     if unknown:
-        raise SystemExit(f"unknown part(s) {unknown}; choose from {ORDER}")
+        raise SystemExit(f"unknown part(s) {unknown}; choose from {ORDER + OPTIONAL}")
     if "W3" in parts and not args.with_w3:
         parts.remove("W3")
     small = args.scale == "small"
@@ -78,7 +85,7 @@ def main() -> int:
     w4_short, w4_long = (w4[0], w4[-1]) if w4 else (None, None)
     abl_w2 = W.build(["W2"], vocab, args.scale, output_len=args.ablation_w2_output_len if not small else None)[0]
     hf_wls = [wl["W1"], wl["W2"]]
-    nano_parts = [p for p in parts if not p.startswith("hf-") and p != "W3"]
+    nano_parts = [p for p in parts if not p.startswith("hf-") and p not in ("W3", "gpu-tests")]
     reserve = HF_RESERVE / (10 if small else 1) if any(p.startswith("hf-") for p in parts) else 0.0
 
     def nano_part(name: str, fn) -> None:
@@ -117,6 +124,8 @@ def main() -> int:
         s.close_hf()
     if "W3" in parts:
         s.part("W3", lambda: w3(s, args, small), min_time_s=estimates["W3"])
+    if "gpu-tests" in parts:
+        s.part("gpu-tests", lambda: gpu_tests(s), min_time_s=30)
 
     full = s.summary()  # also written to $OUT/summary.txt with every table
     print("\n" + "=" * 100)
@@ -141,19 +150,38 @@ def graph_check(s: BenchSession, batch_sizes: list[int], prompt_len: int) -> lis
     return rows
 
 
+def gpu_tests(s: BenchSession) -> None:
+    """tests/test_cuda_graphs.py in a subprocess (its own GPU memory), within what is left of the budget."""
+    cmd = [sys.executable, "-m", "pytest", "tests/test_cuda_graphs.py", "-q", "-rs", "-p", "no:cacheprovider"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=max(s.time_left(), 30))
+    tail = (done.stdout + done.stderr)[-3000:]
+    s.results.data["gpu_tests"] = {"returncode": done.returncode, "output": tail}
+    s.say(f"pytest tests/test_cuda_graphs.py -> exit {done.returncode}\n{tail}")
+    if done.returncode != 0:
+        raise RuntimeError(f"tests/test_cuda_graphs.py failed (exit {done.returncode})")
+
+
+def _missing_server_packages() -> list[str]:
+    import importlib.util
+
+    return [m for m in SERVER_PACKAGES if importlib.util.find_spec(m) is None]
+
+
 def w3(s: BenchSession, args, small: bool) -> None:
     """Start `python -m nanoserve.server` on the model, run the sweep, stop the server."""
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as e:
-        raise RuntimeError(f"W3 needs the server's packages (fastapi, uvicorn): {e}") from e
+    missing = _missing_server_packages()
+    if missing and args.wheels:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--no-index", "--find-links", args.wheels, *missing],
+                       check=False)
+        missing = _missing_server_packages()
+    if missing:
+        raise RuntimeError(f"W3 needs the server's packages: {', '.join(missing)} do not import (pass --wheels DIR)")
     import urllib.request
 
     port = 8123
     cmd = [sys.executable, "-m", "nanoserve.server", "--model", args.model, "--port", str(port),
            "--served-model-name", "bench", "--max-model-len", "4096", "--log-level", "warning"]
-    server = subprocess.Popen(cmd, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    server = subprocess.Popen(cmd, cwd=REPO)
     try:
         deadline = time.time() + 300
         while True:
@@ -199,6 +227,13 @@ def compact(s: BenchSession) -> str:
     for p in d["profiles"]:
         groups = ", ".join(f"{g} {100 * v['share']:.0f}%" for g, v in p["groups"].items())
         out.append(f"profile {p['workload']}: step {p['step_ms']:.3f} ms (eager {p['step_ms_eager']:.3f} ms); {groups}")
+    for sweep in d["serve"]:
+        out.append("W3: " + "; ".join(
+            f"C={lv['concurrency']} {lv['output_throughput']:.0f} tok/s TTFT p50/p99 {lv['ttft_ms']['p50']:.0f}/"
+            f"{lv['ttft_ms']['p99']:.0f} ms TPOT p50/p99 {lv['tpot_ms']['p50']:.1f}/{lv['tpot_ms']['p99']:.1f} ms"
+            for lv in sweep["levels"]))
+    if "gpu_tests" in d:
+        out.append(f"gpu tests: exit {d['gpu_tests']['returncode']}")
     for g in d.get("graph_check", []):
         if g["step"] == 1:
             out.append(f"graph check bs {g['batch']}: used {g['graph_used']}, max rel diff {g['max_rel_diff']:.2g}, "
