@@ -367,11 +367,13 @@ def test_decode_graph_plumbing_emulated(bench):
     runner = bench.runner
     runner.graph_capture = lambda fn: fn
     try:
-        rows = compare_decode_logits(runner, (1, 3, 5), prompt_len=30)
+        assert runner.capture_decode_graphs(40, 2) == 2  # ahead of time, on dummy (padding) rows
+        assert sorted(runner.graphs.graphs) == [(1, 256), (2, 256)]
+        rows = compare_decode_logits(runner, (1, 2, 3, 5), prompt_len=30)
     finally:
         runner.graph_capture = None
         runner.graphs = None
     for r in rows:
         assert r["graph_used"] and r["disabled"] is None
         assert r["max_rel_diff"] < 1e-5 and r["argmax_agreement"] == 1.0, r
-    assert {k[0] for k in rows[-1]["graph_keys"]} == {1, 4, 8}  # 3 runs padded to 4, 5 to 8
+    assert {k[0] for k in rows[-1]["graph_keys"]} == {1, 2, 4, 8}  # 3 runs padded to 4, 5 to 8

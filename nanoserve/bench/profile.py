@@ -116,7 +116,7 @@ def profile_decode(bench: NanoBench, wl: Workload, steps: int = 5, top: int = 15
     ranked = sorted(per_step.items(), key=lambda kv: -kv[1][0])
     out = {
         "workload": wl.name, "batch": len(wl.requests), "steps": steps, "device": bench.device.type,
-        "step_ms": step_ms, "step_ms_eager": eager_ms, "cuda_graphs": graphs_were,
+        "step_ms": step_ms, "step_ms_eager": eager_ms, "cuda_graphs": graphs_were, "switches": opts.as_dict(),
         "kernel_time_per_step_us": total / steps,
         "groups": {g: {"us_per_step": t, "share": t / (total / steps)} for g, t in
                    sorted(groups.items(), key=lambda kv: -kv[1])},
