@@ -135,13 +135,15 @@ def test_prefix_caching_skips_the_shared_prefix(llm, ref_llm):
     assert stats.num_computed_prefill_tokens - before == len(second) - 64
     assert out.outputs[0].token_ids == generate_tokens(ref_llm, [second], sp)[0]
 
-    # the same prompt again: every block is cached, but the last token is computed for its logits
-    exact = prefix + [prefix[0]]  # 65 tokens: 4 full blocks + 1
-    llm.generate({"prompt_token_ids": exact}, sp, use_tqdm=False)
-    before = stats.num_computed_prefill_tokens
-    again = llm.generate({"prompt_token_ids": exact}, sp, use_tqdm=False)[0]
-    assert stats.num_computed_prefill_tokens - before == 1 and again.num_cached_tokens == 64
-    assert again.outputs[0].token_ids == generate_tokens(ref_llm, [exact], sp)[0]
+    # the same prompt again: every full block is cached, but the last token is computed for its logits - so a
+    # prompt of whole blocks recomputes its last block
+    for repeated, cached in [(prefix + [prefix[0]], 64), (prefix, 48)]:  # 4 full blocks + 1 token; 4 full blocks
+        llm.generate({"prompt_token_ids": repeated}, sp, use_tqdm=False)
+        before = stats.num_computed_prefill_tokens
+        again = llm.generate({"prompt_token_ids": repeated}, sp, use_tqdm=False)[0]
+        assert again.num_cached_tokens == cached
+        assert stats.num_computed_prefill_tokens - before == len(repeated) - cached
+        assert again.outputs[0].token_ids == generate_tokens(ref_llm, [repeated], sp)[0]
     assert_all_blocks_free(llm)
 
 

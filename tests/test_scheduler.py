@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from nanoserve.config import Optimizations
 from nanoserve.engine.block_manager import BlockManager
@@ -252,3 +254,91 @@ def test_abort_anywhere_returns_the_blocks(where):
     h.sched.finish(seq, FinishReason.ABORT)  # a second abort is a no-op
     h.run()
     assert other.is_finished and len(other.output_token_ids) == 20
+
+
+# -- random workloads ---------------------------------------------------------------------------------------
+
+WORKLOAD_MAX_MODEL_LEN = 48
+LAYER_SWITCHES = ("paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill")
+
+
+def sampled_token(seq: Sequence) -> int:
+    """The fake model's next token: differs between sequences and positions, so outputs tell them apart."""
+    return 100 + (seq.seq_id * 31 + seq.num_tokens * 7) % 50
+
+
+@settings(derandomize=True, max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_workloads_keep_every_promise(data):
+    """Random requests (some sharing prefixes, arriving over time, some aborted) under random switches, pool
+    sizes and budgets. The KV the model would write is simulated: whenever a sequence samples, every one of its
+    positions must hold its own token - so chunking, prefix hits and preemption never skip or misplace work."""
+    switches = {name: data.draw(st.booleans(), label=name) for name in LAYER_SWITCHES}
+    chunked = switches["chunked_prefill"]
+    budget = data.draw(st.integers(4, 64) if chunked else st.integers(WORKLOAD_MAX_MODEL_LEN, 96), label="budget")
+    h = Harness(num_blocks=data.draw(st.integers(WORKLOAD_MAX_MODEL_LEN // BS, 40), label="blocks"), budget=budget,
+                max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
+                max_model_len=WORKLOAD_MAX_MODEL_LEN, **switches)
+    prefixes = [[1, 2, 3] * 8, [4, 5] * 12]
+    # (prompt source: a shared prefix / none / an earlier sequence's prompt and output, as a next chat turn;
+    #  how much of it; own new tokens; max_tokens; arrival step; abort step)
+    requests = data.draw(st.lists(st.tuples(st.integers(0, 3), st.integers(0, 48), st.integers(0, 30),
+                                            st.integers(1, 12), st.integers(0, 30), st.none() | st.integers(0, 40)),
+                                  min_size=1, max_size=8), label="requests")
+    kv: dict[int, list[int | None]] = {b: [None] * BS for b in range(h.bm.num_blocks)}
+    arrivals: dict[int, list[tuple]] = {}
+    for r in requests:
+        arrivals.setdefault(r[4], []).append(r)
+    seqs: list[tuple[Sequence, int | None]] = []
+    step = 0
+    while step <= max(arrivals) or h.sched.has_unfinished():
+        for which, cut, own, max_tokens, _, abort_at in arrivals.get(step, []):
+            if which < len(prefixes):
+                source = prefixes[which][:cut]
+            elif which == len(prefixes) or not seqs:
+                source = []
+            else:
+                source = seqs[cut % len(seqs)][0].token_ids
+            prompt = (source + [next(_tokens) for _ in range(own)])[: WORKLOAD_MAX_MODEL_LEN - 1] or [next(_tokens)]
+            seqs.append((h.add(tokens=prompt, max_tokens=min(max_tokens, WORKLOAD_MAX_MODEL_LEN - len(prompt))),
+                         abort_at))
+        for seq, abort_at in seqs:
+            if abort_at == step:
+                h.sched.finish(seq, FinishReason.ABORT)
+        running_before = list(h.sched.running)
+
+        out = h.sched.schedule()
+        assert out.num_batched_tokens <= budget and len(h.sched.running) <= h.sched.config.max_num_seqs
+        kinds = [s.num_new_tokens == 1 for s in out.scheduled]
+        assert kinds == sorted(kinds, reverse=True)
+        if out.admitted and not switches["continuous_batching"]:
+            assert not running_before, "a new batch was admitted while the previous one was running"
+        for s in out.scheduled:
+            seq, start = s.seq, s.seq.num_computed_tokens
+            assert s.num_new_tokens >= 1, "a sequence was scheduled with nothing to compute"
+            if not chunked:
+                assert start + s.num_new_tokens == seq.num_tokens, "a prompt was split with chunking off"
+            if not switches["paged_kv"]:
+                assert len(seq.block_table) >= WORKLOAD_MAX_MODEL_LEN // BS
+            if not switches["prefix_caching"]:
+                assert seq.num_cached_tokens == 0
+            for p in range(start, start + s.num_new_tokens):  # the model writes this step's K/V
+                block = seq.block_table[p // BS]
+                assert h.bm.blocks[block].ref_count == 1, "a shared block was written"
+                kv[block][p % BS] = seq.token_at(p)
+        sampled = [s.seq for s in out.scheduled if s.samples]
+        h.sched.update_after_step(out)
+        for seq in sampled:
+            assert [kv[seq.block_table[p // BS]][p % BS] for p in range(seq.num_tokens)] == seq.token_ids
+            seq.output_token_ids.append(sampled_token(seq))
+            if len(seq.output_token_ids) >= seq.params.max_tokens:
+                h.sched.finish(seq, FinishReason.LENGTH)
+        h.bm.check_integrity()
+        step += 1
+        assert step < 2000, "the scheduler made no progress"
+
+    assert h.bm.num_free_blocks == h.bm.num_blocks
+    for seq, _ in seqs:
+        assert seq.is_finished
+        if seq.finish_reason == FinishReason.LENGTH:
+            assert len(seq.output_token_ids) == seq.params.max_tokens
