@@ -46,12 +46,55 @@ EAGER_MASK_MEMORY_FRACTION = 0.5
 take more than this share of the free device memory."""
 
 
+def _hf_dialect(cfg: M3Config) -> dict:
+    """The text config in transformers' own field names."""
+    return dict(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers, num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
+        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+        bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id, tie_word_embeddings=cfg.tie_word_embeddings,
+        num_experts_per_tok=cfg.num_experts_per_tok, num_local_experts=cfg.num_local_experts,
+        dense_intermediate_size=cfg.dense_intermediate_size, shared_intermediate_size=cfg.shared_intermediate_size,
+        routed_scaling_factor=cfg.routed_scaling_factor, swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit,
+        rope_parameters={"rope_theta": cfg.rope_theta, "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
+                         "rope_type": "default"},
+        layer_types=["minimax_m3_sparse" if cfg.is_sparse_attention(i) else "full_attention"
+                     for i in range(cfg.num_hidden_layers)],
+        mlp_layer_types=["sparse" if cfg.is_moe(i) else "dense" for i in range(cfg.num_hidden_layers)],
+        index_n_heads=cfg.index_n_heads, index_head_dim=cfg.index_head_dim, index_block_size=cfg.index_block_size,
+        index_topk_blocks=cfg.index_topk_blocks, index_local_blocks=cfg.index_local_blocks)
+
+
+def _config_mismatches(text, want: dict) -> list[str]:
+    bad = []
+    for key, value in want.items():
+        got = getattr(text, key, None)
+        if key == "rope_parameters":
+            got = {k: (got or {}).get(k) for k in value}
+        if got != value:
+            bad.append(f"{key}={got!r} (want {value!r})")
+    return bad
+
+
 def hf_text_config(cfg: M3Config, attn_implementation: str = "sdpa"):
-    from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig
+    """transformers' MiniMaxM3VLTextConfig for `cfg`: built from transformers' own field names, else (an older
+    release) parsed from the released config.json dialect; checked field by field either way."""
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig, MiniMaxM3VLTextConfig
 
     from nanoserve.model.make_checkpoint import TINY_VISION_CONFIG
 
-    text = MiniMaxM3VLConfig.from_dict(cfg.to_hf_dict(vision_config=TINY_VISION_CONFIG)).text_config
+    want = _hf_dialect(cfg)
+    try:
+        text = MiniMaxM3VLTextConfig(**want)
+        bad = _config_mismatches(text, want)
+    except Exception as e:  # noqa: BLE001 - fall back to the released dialect below
+        bad = [f"{type(e).__name__}: {e}"]
+    if bad:
+        text = MiniMaxM3VLConfig.from_dict(cfg.to_hf_dict(vision_config=TINY_VISION_CONFIG)).text_config
+        still = _config_mismatches(text, want)
+        if still:
+            raise ValueError(f"transformers' MiniMaxM3VLTextConfig does not hold this model: {'; '.join(still)}")
     text._attn_implementation = attn_implementation
     return text
 
