@@ -179,9 +179,11 @@ def build_hf_model(cfg: M3Config, preset: Preset, device: torch.device | str, dt
     if missing:
         raise RuntimeError(f"HF weight mapping left {len(missing)} tensor(s) unfilled: {missing[:5]}")
     model.load_state_dict(dest, strict=True, assign=True)
-    # non-persistent buffers (the rotary inverse frequencies) are not in the state dict: rebuild them here
-    rotary = model.model.rotary_emb
-    model.model.rotary_emb = type(rotary)(text).to(device)
+    # non-persistent buffers (the rotary inverse frequencies) are not in the state dict: rebuild their modules
+    for name, mod in list(model.named_modules()):
+        if any(b.device.type == "meta" for b in mod.buffers(recurse=False)):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, type(mod)(text).to(device))
     left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
     if left:
         raise RuntimeError(f"HF model still has meta tensors: {left[:5]}")
