@@ -75,10 +75,10 @@ def test_graph_replay_matches_eager(tiny_dir, dtype):
     rows = compare_decode_logits(runner, (1, 3, 8, 17), prompt_len=40, steps=2)
     for r in rows:
         assert r["graph_used"] and r["disabled"] is None, r
-        if dtype == "float32":
-            assert r["max_rel_diff"] <= FP32_RTOL, r
-        else:
-            assert r["max_rel_diff"] <= BF16_RTOL and r["argmax_agreement"] >= BF16_MIN_ARGMAX, r
+        assert r["max_rel_diff"] <= (FP32_RTOL if dtype == "float32" else BF16_RTOL), r
+    if dtype == "bfloat16":  # over every row of every batch (a batch of 1 is one near-tie away from 0%)
+        agree = sum(r["argmax_agreement"] * r["batch"] for r in rows) / sum(r["batch"] for r in rows)
+        assert agree >= BF16_MIN_ARGMAX, rows
     assert {k[0] for k in runner.graphs.graphs} == {1, 4, 8, 24}  # 3 -> 4, 17 -> 24
     assert runner.graph_capture is None  # real torch.cuda.CUDAGraph captures, not the CPU emulation
     runner.shutdown()
