@@ -104,9 +104,10 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
-        limit = 20 if max_logprobs is None else max_logprobs
-        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= limit):
-            raise bad("logprobs", f"an integer in [0, {limit}]")
+        # the cap is the engine's (its max_logprobs), so it applies when a request reaches an engine
+        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0
+                                          or (max_logprobs is not None and self.logprobs > max_logprobs)):
+            raise bad("logprobs", "an integer >= 0" if max_logprobs is None else f"an integer in [0, {max_logprobs}]")
 
     @property
     def greedy(self) -> bool:

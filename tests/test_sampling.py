@@ -9,6 +9,8 @@ import re
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoserve import LLM, Optimizations, SamplingParams
 from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
@@ -70,7 +72,7 @@ def run(llm: LLM, prompt: list[int], **params):
     ({"stop": ""}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
-    ({"logprobs": -1}, "logprobs"), ({"logprobs": 21}, "logprobs"), ({"logprobs": 2.5}, "logprobs"),
+    ({"logprobs": -1}, "logprobs"), ({"logprobs": 2.5}, "logprobs"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
 ])
@@ -87,6 +89,15 @@ def test_sampling_params_normalisation():
     assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams().greedy
     SamplingParams(max_tokens=None, min_tokens=100, seed=2**63 - 1, logprobs=20)  # edges are valid
+
+
+def test_logprobs_are_capped_by_the_engine_not_the_params(llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=2, logprobs=25)  # the engine decides the cap
+    with pytest.raises(ValueError, match=r"logprobs must be an integer in \[0, 20\]"):
+        llm.engine.add_request("too-many-logprobs", [10, 11], sp)
+    generous = LLM("m3-tiny", optimizations=engine_opts(), kv_cache_tokens=256, max_model_len=64, max_logprobs=30)
+    out = generous.generate([10, 11], sp, use_tqdm=False)[0].outputs[0]
+    assert [len(lp) for lp in out.logprobs] == [25, 25]  # greedy: the chosen token is the top one
 
 
 # -- the sampler on hand-made logits ------------------------------------------------------------------------
@@ -384,3 +395,14 @@ def test_incremental_detokenizer_never_emits_a_broken_character(llm, text):
     assert "".join(deltas) == text == seq.text
     if not text.isascii():
         assert "" in deltas[:-1], "no character was split across tokens, so the test proves nothing"
+
+
+@settings(derandomize=True, max_examples=150, deadline=None)
+@given(text=st.text(alphabet="ab é世界🙂€—\n", min_size=1, max_size=30))
+def test_incremental_detokenizer_on_random_text(llm, text):
+    tok = llm.get_tokenizer()
+    seq = fake_seq(SamplingParams(), prompt=[10])
+    for t in tok.encode(text, add_special_tokens=False):
+        seq.output_token_ids.append(t)
+        assert "\ufffd" not in detokenize_step(tok, seq)
+    assert seq.text == text
