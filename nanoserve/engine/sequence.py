@@ -72,11 +72,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
 
-    @property
-    def is_prefilling(self) -> bool:
-        """Still computing the prompt (or, after a preemption, recomputing prompt + outputs)."""
-        return self.num_computed_tokens < self.num_tokens - 1
-
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < p else self.output_token_ids[i - p]
