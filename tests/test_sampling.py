@@ -238,8 +238,7 @@ def test_seeded_sampling_reproducible_regardless_of_batch(llm):
     rng = random.Random(21)
     prompt = random_tokens(rng, 25)
     sp = SamplingParams(temperature=0.9, top_p=0.95, seed=777, max_tokens=12, ignore_eos=True)
-    alone = run(llm, prompt, **{k: getattr(sp, k) for k in ("temperature", "top_p", "seed", "max_tokens",
-                                                                "ignore_eos")}).token_ids
+    alone = llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0].outputs[0].token_ids
 
     def in_batch(others: list[tuple[list[int], SamplingParams]], engine_llm: LLM) -> list[int]:
         prompts = [{"prompt_token_ids": p} for p, _ in others]
