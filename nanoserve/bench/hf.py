@@ -25,7 +25,6 @@ TPOT = (last token - first token) / (n - 1), tokens/s = batch x n / wall.
 from __future__ import annotations
 
 import gc
-import logging
 import time
 
 import torch
@@ -36,8 +35,6 @@ from nanoserve.bench.workloads import Workload
 from nanoserve.model.checkpoint_layout import random_tensors
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.presets import Preset
-
-logger = logging.getLogger(__name__)
 
 MODES = ("eager", "static")
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")

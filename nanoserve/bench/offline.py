@@ -102,7 +102,7 @@ class RunResult:
 
 
 def performance(cost: ModelCost, wl: Workload, wall_s: float, tpot_s: float, ttft_s: float,
-                hw: Ceilings = H200, engine_prefill_tokens: int | None = None) -> dict:
+                hw: Ceilings = H200) -> dict:
     """Achieved bandwidth / FLOP rate of the decode steps and the fraction of the floor, next to tokens/s."""
     prompts = [len(r.prompt_ids) for r in wl.requests]
     outs = [r.max_tokens for r in wl.requests]

@@ -113,7 +113,6 @@ class BenchSession:
         self.results = report.Results(cfg.out_dir, meta)
         self.nano: NanoBench | None = None
         self.hf = None
-        self.printed: list[str] = []
         self.nano_tokens: dict[str, list[list[int]]] = {}  # workload -> nanoserve's greedy tokens (vs HF)
 
     # -- time and guarded parts -----------------------------------------------------------------------------
@@ -165,7 +164,6 @@ class BenchSession:
 
     def say(self, text: str) -> None:
         print(text, flush=True)
-        self.printed.append(text)
 
     # -- nanoserve ------------------------------------------------------------------------------------------
     def build_nano(self, planned: list[Workload], max_num_seqs: int | None = None) -> NanoBench:
