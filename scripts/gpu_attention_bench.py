@@ -341,7 +341,7 @@ def bench_prefill(n: int) -> None:
 SWEEP = {
     "paged_decode": [configs.Tiles(0, n, w, s) for n, w, s in
                      [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 2, 4)]],
-    "sparse_attention": [configs.Tiles(0, n, w, s) for n, w, s in [(32, 4, 3), (64, 4, 3), (128, 4, 2), (128, 8, 3)]],
+    "sparse_decode": [configs.Tiles(1, n, w, s) for n, w, s in [(32, 4, 3), (64, 4, 3), (128, 4, 2), (128, 8, 3)]],
     "msa_score_decode": [configs.Tiles(16, 0, w, s) for w, s in [(4, 2), (4, 3), (8, 3), (4, 4)]],
 }
 
@@ -351,7 +351,7 @@ def sweep() -> None:
     scale = D ** -0.5
     sel = msa_select(iq, icache, meta1, TOPK, LOCAL)
     runs = {"paged_decode": lambda: paged_attention(q, kv, meta1, scale),
-            "sparse_attention": lambda: sparse_attention(q, kv, meta1, sel, scale),
+            "sparse_decode": lambda: sparse_attention(q, kv, meta1, sel, scale),
             "msa_score_decode": lambda: msa_select(iq, icache, meta1, TOPK, LOCAL)}
     backend = configs.backend(q.device)
     for kernel, options in SWEEP.items():

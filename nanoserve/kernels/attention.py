@@ -86,20 +86,27 @@ def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, 
 @triton.jit
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           BLOCK_S: tl.constexpr):
-    """out[t, h] = sum_i w_i * part_out[t, h, i] with w_i = 2^lse_i / sum_j 2^lse_j; empty splits weigh 0."""
+                           BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+    """out[t, h] = sum_i w_i * part_out[t, h, i] with w_i = 2^lse_i / sum_j 2^lse_j; empty splits weigh 0.
+    The partial outputs are read CHUNK_S splits at a time to bound registers."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    sp = tl.arange(0, BLOCK_S)
     d = tl.arange(0, BLOCK_D)
     row = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    lse = tl.load(part_lse_ptr + row + sp, mask=sp < NUM_SPLITS, other=float("-inf"))
-    m = tl.max(lse, 0)
-    w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
-    parts = tl.load(part_out_ptr + (row + sp[:, None]) * HEAD_DIM + d[None, :],
-                    mask=(sp[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
-    total = tl.sum(w, 0)
-    o = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    sp = tl.arange(0, BLOCK_S)
+    m = tl.max(tl.load(part_lse_ptr + row + sp, mask=sp < NUM_SPLITS, other=float("-inf")), 0)
+    total = tl.zeros([CHUNK_S], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, NUM_SPLITS, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        lse = tl.load(part_lse_ptr + row + sc, mask=sc < NUM_SPLITS, other=float("-inf"))
+        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+        parts = tl.load(part_out_ptr + (row + sc[:, None]) * HEAD_DIM + d[None, :],
+                        mask=(sc[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+        total += w
+        acc += tl.sum(parts * w[:, None], 0)
+    norm = tl.sum(total, 0)
+    o = acc / tl.where(norm > 0.0, norm, 1.0)
     tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
 
 
@@ -122,7 +129,8 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
     _combine_splits_kernel[(t, h)](
         part_out, part_lse, out, out.stride(0), out.stride(1), h,
         HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=min(cfg.block_n, triton.next_power_of_2(num_splits)),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def gqa_rows(group: int) -> int:

@@ -26,8 +26,8 @@ import torch
 
 @dataclass(frozen=True)
 class Tiles:
-    """One launch configuration. block_m: query rows per program (0 where the kernel derives it);
-    block_n: keys per inner-loop tile (0 where the kernel derives it)."""
+    """One launch configuration: a kernel's two free tile sizes (what each means is noted at its table entry;
+    0 = derived from the problem by the wrapper), warps (wavefronts on AMD) and software-pipeline stages."""
 
     block_m: int
     block_n: int
@@ -40,19 +40,19 @@ TABLES: dict[str, dict[str, Tiles]] = {
     "paged_decode": {"cuda": Tiles(0, 64, 4, 3), "hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 32, 1, 1)},
     # Dense prefill, one program per (sequence, query tile, query head).
     "paged_prefill": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 64, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
-    # Merge of flash-decoding splits, one program per (token, query head).
-    "split_combine": {"cuda": Tiles(0, 0, 4, 1), "hip": Tiles(0, 0, 4, 1), "interpret": Tiles(0, 0, 1, 1)},
+    # Merge of flash-decoding splits, one program per (token, query head); block_n = splits read per step.
+    "split_combine": {"cuda": Tiles(0, 16, 4, 2), "hip": Tiles(0, 16, 4, 2), "interpret": Tiles(0, 64, 1, 1)},
     # MSA indexer scores; block_n is derived (one whole KV block per step). block_m = (token, index head) rows.
-    "msa_score_prefill": {"cuda": Tiles(64, 0, 4, 3), "hip": Tiles(64, 0, 4, 2), "interpret": Tiles(64, 0, 1, 1)},
+    "msa_score_prefill": {"cuda": Tiles(128, 0, 8, 3), "hip": Tiles(64, 0, 4, 2), "interpret": Tiles(64, 0, 1, 1)},
     "msa_score_decode": {"cuda": Tiles(16, 0, 4, 3), "hip": Tiles(16, 0, 4, 2), "interpret": Tiles(16, 0, 1, 1)},
     # Block top-k over (token, KV group) rows: block_n = block scores of a row held per pass (longer rows loop),
     # block_m = scores a program holds in all (rows per program = block_m // block_n).
-    "msa_topk": {"cuda": Tiles(4096, 2048, 4, 1), "hip": Tiles(4096, 2048, 4, 1),
+    "msa_topk": {"cuda": Tiles(4096, 2048, 8, 1), "hip": Tiles(4096, 2048, 4, 1),
                  "interpret": Tiles(16384, 256, 1, 1)},
     # Block-sparse attention, one program per (block_m query tokens x the GQA group, KV group, split);
     # block_n = keys per tile of a KV block. Decode: one token, split-K over its selected blocks.
     "sparse_decode": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
-    "sparse_prefill": {"cuda": Tiles(4, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
+    "sparse_prefill": {"cuda": Tiles(4, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
     # QK-norm + RoPE + cache insert: block_m tokens per program, block_n (token, head) rows per step.
     "qk_norm_rope": {"cuda": Tiles(1, 32, 4, 1), "hip": Tiles(1, 32, 4, 1), "interpret": Tiles(16, 128, 1, 1)},
     # Residual add + RMSNorm, block_m rows per program.
