@@ -49,6 +49,7 @@ PROGRAMS_PER_SM = 4
 MIN_KEYS_PER_SPLIT = 256
 """A split shorter than this costs more in the merge than it gains in parallelism."""
 MAX_SPLITS = 256
+"""Cap on splits per sequence: the merge reads every split's partial result for every query head."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -121,7 +122,7 @@ def split_buffers(num_tokens: int, num_heads: int, num_splits: int, head_dim: in
 
 
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge split-K partial results into out [T, H, D] (a no-op launch-wise when there was one split)."""
+    """Merge split-K partial results into out [T, H, D]."""
     t, h, num_splits, d = part_out.shape
     if t == 0:
         return

@@ -2,7 +2,7 @@
 selected blocks (switch `triton_msa`; references: `reference.msa_select`, `reference.sparse_attention`;
 m3_spec.md 2.5).
 
-Selection, for every query row t and index head g (one per KV group), in three steps:
+Selection, for every query row t and index head g (one per KV group), in two kernels:
 
 1. Block scores (`_index_score_kernel`). Token score s_g(t, j) = <index_q_g(t), index_k(j)> in fp32 for the
    causally visible keys j <= p_t; a block's score is the max over its visible keys. A program holds a tile of
@@ -10,20 +10,23 @@ Selection, for every query row t and index head g (one per KV group), in three s
    the max-pool is a row max), writing block maxima into an fp32 workspace [rows, G, n_blocks]. Only blocks up
    to each row's own block are written; later blocks are never read. Decode rows (one token, G heads) split the
    blocks of a sequence over many programs so one long context fills the GPU; prefill rows tile the queries.
-2. Top-k (`_block_topk_kernel`), one program per (row, group). Each valid block becomes one int64 key
-   (orderable bits of its fp32 score) << 32 | (2^31 - 1 - block), so a plain max over keys picks the highest
+2. Top-k (`_block_topk_kernel`), a tile of (token, group) rows per program. Each valid block becomes one int64
+   key (orderable bits of its fp32 score) << 32 | (2^31 - 1 - block), so a plain max over keys picks the highest
    score and, among equal scores, the LOWEST block index. Forced blocks (the row's own block and the
    local_blocks - 1 before it) get score +inf. k passes each take the max key below the previous pass's key, so
    the output is ordered by (score desc, block index asc) exactly like the reference's stable descending sort,
    left-packed, padded with -1 where a row has fewer than topk valid blocks. -0.0 is read as +0.0 so that equal
    scores of either sign tie as they do in the reference.
-3. The selection indexes the block table directly (KV block = MSA block).
 
-Block-sparse attention (`_sparse_attention_kernel`), one program per (query token, KV group, split): the group's
-query heads are the rows of one tile; the program walks its share of the token's selected blocks (-1 = skip),
-masks keys after the query's position, and runs the online softmax; exact, one softmax over the union. Decode
-splits the top-k list across programs (flash-decoding, merged by `attention.combine_splits`); prefill uses one
-split per token. A selected list must not repeat a block (top-k never does).
+The selected logical blocks index the block table directly (KV block = MSA block).
+
+Block-sparse attention (`_sparse_attention_kernel`): a program holds the GQA group's query heads of BLOCK_T
+consecutive query tokens of one sequence as the rows of one tile, for one KV group, and runs an exact online
+softmax over the union of blocks its rows selected; a row only attends to blocks its own token selected, keys
+after its position masked. Decode (BLOCK_T = 1) walks the token's selection list, split across programs
+(flash-decoding, merged by `attention.combine_splits`) so a single sequence still fills the GPU. Prefill walks the
+candidate blocks of the tile once each, so a block that several neighbouring tokens selected is read once for all
+of them. A selection list must not repeat a block (top-k never does).
 
 Decode is CUDA-graph capturable: grids and workspaces depend only on the number of sequences, head counts and
 meta.max_seq_len. Prefill may use the host-side query lengths (it chunks its queries so the score workspace stays
@@ -121,7 +124,7 @@ def _launch_scores(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Atten
 
 
 # --------------------------------------------------------------------------------------------------------------
-# 2. Top-k blocks per (row, group)
+# 2. Top-k blocks per (token, group) row
 # --------------------------------------------------------------------------------------------------------------
 
 
