@@ -12,7 +12,6 @@ import re
 from collections import Counter
 
 import pytest
-import torch
 
 from nanoserve import LLM, Optimizations, SamplingParams
 from nanoserve.model.tokenizer_files import BOS_ID
@@ -22,16 +21,6 @@ MAX_MODEL_LEN = 192
 SMALL_POOL_BLOCKS = 24  # 384 tokens for a batch of ~630 prompt tokens: forces preemption
 SMALL_BUDGET = 64  # tokens per step: forces chunked prefill of every prompt over 64 tokens
 OFF_POOL_BLOCKS = 48  # with paged KV off each sequence reserves max_model_len (12 blocks): 4 run at once
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """m3-tiny's ops are so small that torch's intra-op threads only add synchronisation: on 2 busy cores one
-    thread ran the mixed batch in 0.3 s of CPU time, two threads in 12 s."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def engine_opts(**layer_switches: bool) -> Optimizations:

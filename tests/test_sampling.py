@@ -24,15 +24,6 @@ FREQ_TOL = 0.03
 LOGPROB_ATOL = 1e-4  # fp32: engine (batched, paged, chunked) vs one direct forward
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """m3-tiny's ops are so small that torch's intra-op threads only add synchronisation (see test_engine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def engine_opts(**layer_switches: bool) -> Optimizations:
     """Every kernel switch off (Triton's interpreter is slow; the kernels have their own tests)."""
     return Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False,

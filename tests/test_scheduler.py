@@ -153,9 +153,10 @@ def test_preempted_sequence_reuses_its_own_cached_blocks():
     """The pool hands out a preempted sequence's tail blocks first, so its head is still cached when it
     comes back."""
     h = Harness(num_blocks=8, prefix_caching=True)
-    a, b, c = h.add(8, max_tokens=3), h.add(8, max_tokens=3), h.add(16, max_tokens=3)
+    h.add(8, max_tokens=3), h.add(8, max_tokens=3)
+    c = h.add(16, max_tokens=3)
     h.step()
-    assert h.step().preempted == [c]  # a and b took one of c's 4 blocks each
+    assert h.step().preempted == [c]  # the two older sequences took one of c's 4 blocks each
     h.run()
     readmit = [kw for kw in h.named("admit") if kw["seq"] is c][1]
     assert readmit["num_cached_tokens"] == 8 and readmit["num_new_tokens"] == 17 - 8
@@ -189,7 +190,8 @@ def test_continuous_batching_admits_every_step():
     a = h.add(5, max_tokens=6)
     h.step()
     b = h.add(5, max_tokens=2)
-    assert b in h.step().admitted
+    out = h.step()
+    assert out.admitted == [b] and plan(out) == [(a.seq_id, 1), (b.seq_id, 5)]
 
 
 def test_continuous_batching_off_admits_a_new_batch_only_after_the_previous_finished():
