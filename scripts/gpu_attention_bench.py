@@ -52,8 +52,36 @@ def log(msg: str) -> None:
     print(msg, flush=True)
 
 
+L2_FLUSH_BYTES = 256 * 2**20
+GRAPH_REPLAYS = 30
+
+
 def bench_ms(fn) -> float:
+    """Median eager time (Python launch overhead included), cold L2."""
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+
+
+def bench_graph_ms(fn) -> float:
+    """Median time of one CUDA-graph replay of fn with a cold L2, as the engine runs decode steps."""
+    flush = torch.empty(L2_FLUSH_BYTES, dtype=torch.int8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(GRAPH_REPLAYS):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
 
 
 def time_reference(fn) -> tuple[float, str]:
@@ -276,14 +304,15 @@ def bench_decode(ctx: int, batch: int) -> None:
         meta, kv, q, icache, iq = build([1] * batch, [ctx] * batch)
         scale = D ** -0.5
         seq_lens = meta.seq_lens_cpu
-        ms = bench_ms(lambda: paged_attention(q, kv, meta, scale))
-        row.update(dense_ms=ms, dense_gbs=dense_bytes(seq_lens) / ms / 1e6)
+        dense = lambda: paged_attention(q, kv, meta, scale)  # noqa: E731
+        msa = lambda: sparse_attention(q, kv, meta, msa_select(iq, icache, meta, TOPK, LOCAL), scale)  # noqa: E731
         sel = msa_select(iq, icache, meta, TOPK, LOCAL)
-        ms_sel = bench_ms(lambda: msa_select(iq, icache, meta, TOPK, LOCAL))
-        ms_sparse = bench_ms(lambda: sparse_attention(q, kv, meta, sel, scale))
-        ms_msa = bench_ms(lambda: sparse_attention(q, kv, meta, msa_select(iq, icache, meta, TOPK, LOCAL), scale))
-        row.update(msa_select_ms=ms_sel, msa_sparse_ms=ms_sparse, msa_ms=ms_msa,
-                   msa_gbs=msa_bytes(seq_lens) / ms_msa / 1e6)
+        ms = bench_graph_ms(dense)
+        ms_msa = bench_graph_ms(msa)
+        row.update(dense_ms=ms, dense_gbs=dense_bytes(seq_lens) / ms / 1e6, dense_eager_ms=bench_ms(dense),
+                   msa_ms=ms_msa, msa_gbs=msa_bytes(seq_lens) / ms_msa / 1e6, msa_eager_ms=bench_ms(msa),
+                   msa_select_ms=bench_graph_ms(lambda: msa_select(iq, icache, meta, TOPK, LOCAL)),
+                   msa_sparse_ms=bench_graph_ms(lambda: sparse_attention(q, kv, meta, sel, scale)))
         if batch * ctx <= 64 * 32768:
             row["ref_dense_ms"], row["ref_dense_mode"] = time_reference(
                 lambda: reference.paged_attention(q, kv, meta, scale))
@@ -321,11 +350,15 @@ def bench_prefill(n: int) -> None:
         ms = bench_ms(lambda: paged_attention(q, kv, meta, scale))
         row.update(dense_ms=ms, dense_tflops=causal_flops(n, HQ) / ms / 1e9)
         ms_sel = bench_ms(lambda: msa_select(iq, icache, meta, TOPK, LOCAL))
-        sel = msa_select(iq, icache, meta, TOPK, LOCAL)
-        ms_sparse = bench_ms(lambda: sparse_attention(q, kv, meta, sel, scale))
-        row.update(msa_select_ms=ms_sel, msa_select_tflops=causal_flops(n, G) / 2 / ms_sel / 1e9,
-                   msa_sparse_ms=ms_sparse,
-                   msa_sparse_tflops=causal_flops(n, HQ, TOPK * BLOCK) / ms_sparse / 1e9)
+        row.update(msa_select_ms=ms_sel, msa_select_tflops=causal_flops(n, G) / 2 / ms_sel / 1e9)
+        sparse_flops = causal_flops(n, HQ, TOPK * BLOCK)
+        for kind, index_q in (("random", iq), ("smooth", smooth_index_queries(n))):
+            sel = msa_select(index_q, icache, meta, TOPK, LOCAL)
+            ms_sparse = bench_ms(lambda: sparse_attention(q, kv, meta, sel, scale))
+            row[f"msa_sparse_{kind}_ms"] = ms_sparse
+            row[f"msa_sparse_{kind}_tflops"] = sparse_flops / ms_sparse / 1e9
+            if SWEEP_PREFILL and n == PREFILL_LENS[0]:
+                sweep_sparse_prefill(kind, lambda: sparse_attention(q, kv, meta, sel, scale))
         del kv, icache
     except Exception as e:
         row["error"] = repr(e)
@@ -336,12 +369,38 @@ def bench_prefill(n: int) -> None:
     torch.cuda.empty_cache()
 
 
+def smooth_index_queries(n: int) -> torch.Tensor:
+    """Index queries that drift slowly along the sequence (a random walk), so neighbouring tokens select mostly
+    the same blocks, as a trained indexer's do; random queries are the worst case for the prefill tile."""
+    torch.manual_seed(3)
+    walk = torch.cumsum(torch.randn(n, G, DI, device="cuda") * 0.02, 0)
+    return (walk + torch.randn(1, G, DI, device="cuda")).to(DTYPE)
+
+
 # ---- optional: tile sweep --------------------------------------------------------------------------------------
+
+SWEEP_PREFILL = False
+"""Set by --sweep: time the sparse prefill at several query-tile widths (tokens per program)."""
+
+
+def sweep_sparse_prefill(kind: str, run) -> None:
+    backend = configs.backend(torch.device("cuda"))
+    default = configs.TABLES["sparse_prefill"][backend]
+    for block_t, warps in ((1, 4), (2, 4), (4, 8), (8, 8)):
+        configs.TABLES["sparse_prefill"][backend] = configs.Tiles(block_t, default.block_n, warps, default.num_stages)
+        try:
+            ms = bench_ms(run)
+            results["sweep"].append({"kernel": "sparse_prefill", "data": kind, "block_t": block_t, "ms_8k": ms})
+            log(f"sweep sparse_prefill {kind} tokens/program={block_t} warps={warps}: {ms:.2f} ms")
+        except Exception as e:
+            log(f"sweep sparse_prefill {kind} {block_t}: ERROR {e!r}")
+    configs.TABLES["sparse_prefill"][backend] = default
+
 
 SWEEP = {
     "paged_decode": [configs.Tiles(0, n, w, s) for n, w, s in
-                     [(32, 4, 3), (64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 2, 4)]],
-    "sparse_decode": [configs.Tiles(1, n, w, s) for n, w, s in [(32, 4, 3), (64, 4, 3), (128, 4, 2), (128, 8, 3)]],
+                     [(32, 4, 3), (64, 4, 3), (64, 4, 4), (64, 8, 3), (128, 8, 3), (64, 2, 4)]],
+    "sparse_decode": [configs.Tiles(1, n, w, s) for n, w, s in [(64, 4, 3), (128, 8, 3)]],
     "msa_score_decode": [configs.Tiles(16, 0, w, s) for w, s in [(4, 2), (4, 3), (8, 3), (4, 4)]],
 }
 
@@ -359,7 +418,7 @@ def sweep() -> None:
         for cfg in options:
             configs.TABLES[kernel][backend] = cfg
             try:
-                ms = bench_ms(runs[kernel])
+                ms = bench_graph_ms(runs[kernel])
                 results["sweep"].append({"kernel": kernel, "cfg": str(cfg), "ms_ctx128k_b1": ms})
                 log(f"sweep {kernel} {cfg}: {ms * 1e3:.1f} us")
             except Exception as e:
@@ -380,23 +439,26 @@ def report() -> None:
         log(f"{'PASS' if c.get('ok') else 'FAIL'}  {c['name']}: " +
             ", ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in c.items()
                       if k not in ("name", "ok")))
-    log(f"\n==== decode (ms median; GB/s vs {COPY_CEILING_GBS:.0f} GB/s copy ceiling) ====")
-    log(f"{'ctx':>7} {'bs':>3} | {'dense ms':>9} {'GB/s':>6} {'%peak':>5} {'ref ms':>8} | {'msa ms':>8} "
-        f"{'select':>7} {'sparse':>7} {'GB/s':>6} {'ref ms':>8}")
+    log(f"\n==== decode (ms: median CUDA-graph replay, cold L2; eager = Python launches included; "
+        f"GB/s vs {COPY_CEILING_GBS:.0f} GB/s copy ceiling) ====")
+    log(f"{'ctx':>7} {'bs':>3} | {'dense ms':>9} {'GB/s':>6} {'%peak':>5} {'eager':>7} {'ref ms':>8} | "
+        f"{'msa ms':>8} {'select':>7} {'sparse':>7} {'GB/s':>6} {'eager':>7} {'ref ms':>8}")
     for r in results["decode"]:
         if "error" in r:
             log(f"{r['context']:>7} {r['batch']:>3} | ERROR {r['error'][:80]}")
             continue
         log(f"{r['context']:>7} {r['batch']:>3} | {fmt(r.get('dense_ms')):>9} {fmt(r.get('dense_gbs'), '.0f'):>6} "
-            f"{fmt(100 * r['dense_gbs'] / COPY_CEILING_GBS, '.0f'):>5} {fmt(r.get('ref_dense_ms')):>8} | "
-            f"{fmt(r.get('msa_ms')):>8} {fmt(r.get('msa_select_ms')):>7} {fmt(r.get('msa_sparse_ms')):>7} "
-            f"{fmt(r.get('msa_gbs'), '.0f'):>6} {fmt(r.get('ref_msa_ms')):>8}")
+            f"{fmt(100 * r['dense_gbs'] / COPY_CEILING_GBS, '.0f'):>5} {fmt(r.get('dense_eager_ms')):>7} "
+            f"{fmt(r.get('ref_dense_ms')):>8} | {fmt(r.get('msa_ms')):>8} {fmt(r.get('msa_select_ms')):>7} "
+            f"{fmt(r.get('msa_sparse_ms')):>7} {fmt(r.get('msa_gbs'), '.0f'):>6} {fmt(r.get('msa_eager_ms')):>7} "
+            f"{fmt(r.get('ref_msa_ms')):>8}")
     by = {(r["context"], r["batch"]): r for r in results["decode"] if "msa_ms" in r}
     for b in BATCHES:
         if (8192, b) in by and (131072, b) in by:
             ratio = by[(131072, b)]["msa_ms"] / by[(8192, b)]["msa_ms"]
             results.setdefault("msa_128k_over_8k", {})[b] = ratio
-            log(f"MSA decode time 128k / 8k at batch {b}: {ratio:.2f}x (target <= 1.5x)")
+            log(f"MSA decode time 128k / 8k at batch {b}: {ratio:.2f}x (target <= 1.5x; at batch 64 the index-key "
+                f"read alone, {64 * 131072 * DI * 2 / 1e9:.1f} GB at 128k, bounds it from below)")
     log("reference skipped at batch*ctx > 2M tokens (whole-context gathers); '-' = not run")
     log("\n==== prefill (one sequence; ms, TFLOP/s of the causal matmuls; reference skipped: >= 16 GB scores) ====")
     for r in results["prefill"]:
@@ -404,8 +466,10 @@ def report() -> None:
             log(f"{r['tokens']:>7} | ERROR {r['error'][:80]}")
             continue
         log(f"{r['tokens']:>7} | dense {fmt(r.get('dense_ms'))} ms {fmt(r.get('dense_tflops'), '.0f')} TFLOP/s | "
-            f"msa select {fmt(r.get('msa_select_ms'))} ms, sparse attention {fmt(r.get('msa_sparse_ms'))} ms "
-            f"{fmt(r.get('msa_sparse_tflops'), '.0f')} TFLOP/s")
+            f"msa select {fmt(r.get('msa_select_ms'))} ms | sparse attention: random index "
+            f"{fmt(r.get('msa_sparse_random_ms'))} ms {fmt(r.get('msa_sparse_random_tflops'), '.0f')} TFLOP/s, "
+            f"smooth index {fmt(r.get('msa_sparse_smooth_ms'))} ms "
+            f"{fmt(r.get('msa_sparse_smooth_tflops'), '.0f')} TFLOP/s")
     if results["errors"]:
         log(f"\n{len(results['errors'])} case(s) raised; tracebacks in the JSON")
 
@@ -415,6 +479,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="also time a few tile configurations at 128k")
     parser.add_argument("--quick", action="store_true", help="checks and one decode/prefill size only")
     args = parser.parse_args()
+    global SWEEP_PREFILL
+    SWEEP_PREFILL = args.sweep
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA/HIP device")
     props = torch.cuda.get_device_properties(0)

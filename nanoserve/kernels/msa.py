@@ -41,7 +41,7 @@ import triton.language as tl
 
 from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, MIN_DOT_ROWS, _softmax_step, _store_partial,
                                          combine_splits, num_decode_splits, split_buffers)
-from nanoserve.kernels.configs import tiles
+from nanoserve.kernels.configs import sm_count, tiles
 from nanoserve.model.attention_metadata import AttentionMetadata
 
 MAX_SCORE_WORKSPACE_BYTES = 512 * 2**20
@@ -186,6 +186,8 @@ def _launch_topk(scores: torch.Tensor, meta: AttentionMetadata, selected: torch.
     cfg = tiles("msa_topk", scores.device)
     chunk = min(triton.next_power_of_2(n_blocks_ws), cfg.block_n)
     rows = max(1, cfg.block_m // chunk)
+    while rows > 1 and triton.cdiv(n_tok * g, rows) < sm_count(scores.device):  # keep every SM busy
+        rows //= 2
     _block_topk_kernel[(triton.cdiv(n_tok * g, rows),)](
         scores, meta.positions, selected, selected.stride(0), selected.stride(1), n_tok * g, tok_lo, n_blocks_ws,
         local_blocks,
