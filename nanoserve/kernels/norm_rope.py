@@ -11,12 +11,13 @@ A program owns BLOCK_T tokens and walks the sections of their fused projection r
 
 q and index_q go to fresh [T, H, D] outputs; k and v to the paged KV cache, index_k to the index-key cache, at
 the token's slot (slot -1 = padding: nothing is written). RoPE reads the caller's fp32 (cos, sin) tables
-[T, rotary_dim / 2], so it is bit-for-bit the reference's rotation. The rotation needs each element's partner,
+[T, rotary_dim / 2], the reference's own tables (on a GPU, rsqrt and fused multiply-adds may still move the last
+bit, so a 16-bit result can differ by one ulp now and then). The rotation needs each element's partner,
 which lives in another lane; rather than shuffle registers, the program reloads each head vector at the partner
 offsets (an L1 hit) and normalises that copy with the same statistic.
 
-`fused_add_rmsnorm` is `reference.add_gemma_rmsnorm` in one pass over each row (block_m rows per program): residual + x rounded to the activation
-dtype (stored as the new residual), then Gemma RMSNorm of it in fp32.
+`fused_add_rmsnorm` is `reference.add_gemma_rmsnorm` in one pass over each row (block_m rows per program):
+residual + x rounded to the activation dtype (stored as the new residual), then Gemma RMSNorm of it in fp32.
 """
 
 from __future__ import annotations
