@@ -60,6 +60,8 @@ class ModelRunner:
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda" means the current device; set_device needs an index
+                self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         random_init = config.model in DEVICE_INIT_PRESETS
