@@ -85,25 +85,28 @@ def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, 
 
 
 @triton.jit
-def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
-                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                           BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr):
+def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
+                           HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr):
     """out[t, h] = sum_i w_i * part_out[t, h, i] with w_i = 2^lse_i / sum_j 2^lse_j; empty splits weigh 0.
-    The partial outputs are read CHUNK_S splits at a time to bound registers."""
+    The split count is a runtime argument (one compiled kernel whatever the batch), and the partials are read
+    CHUNK_S splits at a time: a first pass finds the largest lse, a second accumulates."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    row = (t * num_heads + h).to(tl.int64) * NUM_SPLITS
-    sp = tl.arange(0, BLOCK_S)
-    m = tl.max(tl.load(part_lse_ptr + row + sp, mask=sp < NUM_SPLITS, other=float("-inf")), 0)
+    row = (t * num_heads + h).to(tl.int64) * num_splits
+    m_chunk = tl.full([CHUNK_S], float("-inf"), tl.float32)
+    for s0 in range(0, num_splits, CHUNK_S):
+        sc = s0 + tl.arange(0, CHUNK_S)
+        m_chunk = tl.maximum(m_chunk, tl.load(part_lse_ptr + row + sc, mask=sc < num_splits, other=float("-inf")))
+    m = tl.max(m_chunk, 0)
     total = tl.zeros([CHUNK_S], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for s0 in range(0, NUM_SPLITS, CHUNK_S):
+    for s0 in range(0, num_splits, CHUNK_S):
         sc = s0 + tl.arange(0, CHUNK_S)
-        lse = tl.load(part_lse_ptr + row + sc, mask=sc < NUM_SPLITS, other=float("-inf"))
+        lse = tl.load(part_lse_ptr + row + sc, mask=sc < num_splits, other=float("-inf"))
         w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
         parts = tl.load(part_out_ptr + (row + sc[:, None]) * HEAD_DIM + d[None, :],
-                        mask=(sc[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+                        mask=(sc[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
         total += w
         acc += tl.sum(parts * w[:, None], 0)
     norm = tl.sum(total, 0)
@@ -128,9 +131,8 @@ def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
         return
     cfg = tiles("split_combine", out.device)
     _combine_splits_kernel[(t, h)](
-        part_out, part_lse, out, out.stride(0), out.stride(1), h,
-        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), CHUNK_S=min(cfg.block_n, triton.next_power_of_2(num_splits)),
+        part_out, part_lse, out, out.stride(0), out.stride(1), h, num_splits,
+        HEAD_DIM=d, BLOCK_D=triton.next_power_of_2(d), CHUNK_S=cfg.block_n,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
@@ -156,9 +158,9 @@ def _paged_decode_kernel(
         q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
-        num_heads, split_len, qk_scale,
+        num_heads, split_len, num_splits, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT_OUTPUT: tl.constexpr):
     seq = tl.program_id(0)  # decode sequence s owns flat token s
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -193,11 +195,11 @@ def _paged_decode_kernel(
         v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
 
-    part_row = (seq * num_heads + heads).to(tl.int64) * NUM_SPLITS + split
+    part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
     _store_partial(acc, m_i, l_i,
                    out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
                    part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
-                   NUM_SPLITS > 1)
+                   SPLIT_OUTPUT)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -216,9 +218,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         q, kv_cache, meta.block_tables, meta.seq_lens, meta.positions, out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
-        num_heads, split_len, scale * LOG2E,
+        num_heads, split_len, num_splits, scale * LOG2E,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=gqa_rows(group),
-        BLOCK_N=cfg.block_n, PAGE=page, NUM_SPLITS=num_splits,
+        BLOCK_N=cfg.block_n, PAGE=page, SPLIT_OUTPUT=num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         combine_splits(part_out, part_lse, out)

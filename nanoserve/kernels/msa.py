@@ -54,6 +54,8 @@ NO_KEY = tl.constexpr(-(2**63))
 MAX_KEY = tl.constexpr(2**63 - 1)
 SIGN_FLIP = tl.constexpr(2**31 - 1)
 """XOR with the int32 bits of a negative float makes int32 order agree with float order."""
+MIN_TOPK_CHUNK = 128
+"""Smallest block-score tile of the top-k kernel (contexts up to 128 blocks share one compiled variant)."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -184,7 +186,9 @@ def _launch_topk(scores: torch.Tensor, meta: AttentionMetadata, selected: torch.
                  page: int, topk: int, local_blocks: int) -> None:
     g, n_blocks_ws = scores.shape[1], scores.shape[2]
     cfg = tiles("msa_topk", scores.device)
-    chunk = min(triton.next_power_of_2(n_blocks_ws), cfg.block_n)
+    # CHUNK is a compile-time tile: a floor keeps short contexts (which grow by a block every few decode steps)
+    # on one compiled variant instead of a new compile at every power of two
+    chunk = min(max(triton.next_power_of_2(n_blocks_ws), MIN_TOPK_CHUNK), cfg.block_n)
     rows = max(1, cfg.block_m // chunk)
     while rows > 1 and triton.cdiv(n_tok * g, rows) < sm_count(scores.device):  # keep every SM busy
         rows //= 2
@@ -259,10 +263,10 @@ def _sparse_attention_kernel(
         part_lse_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt, stride_sel_t, stride_sel_g,
-        first_seq, tiles_per_seq, num_heads, slots_per_split, qk_scale,
+        first_seq, tiles_per_seq, num_heads, slots_per_split, num_splits, qk_scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
-        TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr):
+        TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SPLIT_OUTPUT: tl.constexpr):
     """Rows (token, query head of the group) of BLOCK_T consecutive query tokens of one sequence, for one KV
     group. Decode (BLOCK_T == 1): walk this split's slots of the token's selection list. Prefill: walk the
     candidate blocks from the smallest selected to the last own block of the tile once each; a row attends only
@@ -317,11 +321,11 @@ def _sparse_attention_kernel(
                                                   qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
                                                   BLOCK_N, PAGE)
 
-        part_row = (tok * num_heads + heads) * NUM_SPLITS + split
+        part_row = (tok * num_heads + heads) * num_splits + split
         _store_partial(acc, m_i, l_i,
                        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
                        part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
-                       NUM_SPLITS > 1)
+                       SPLIT_OUTPUT)
 
 
 def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
@@ -341,11 +345,11 @@ def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         selected.stride(0), selected.stride(1),
-        first_seq, tiles_per_seq, num_heads, triton.cdiv(topk, num_splits), scale * LOG2E,
+        first_seq, tiles_per_seq, num_heads, triton.cdiv(topk, num_splits), num_splits, scale * LOG2E,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, ROWS=max(MIN_DOT_ROWS, block_t * group_pad),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
-        TOPK_PAD=triton.next_power_of_2(topk), NUM_SPLITS=num_splits,
+        TOPK_PAD=triton.next_power_of_2(topk), SPLIT_OUTPUT=num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if num_splits > 1:
         combine_splits(part_out, part_lse, out)
