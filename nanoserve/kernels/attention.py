@@ -84,7 +84,7 @@ def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, 
         tl.store(out_ptrs, o.to(out_ptrs.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads, num_splits,
                            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_S: tl.constexpr):
     """out[t, h] = sum_i w_i * part_out[t, h, i] with w_i = 2^lse_i / sum_j 2^lse_j; empty splits weigh 0.
@@ -153,7 +153,7 @@ def num_decode_splits(work_items: int, max_items_per_split: int, device: torch.d
 # --------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["split_len", "num_splits"])
 def _paged_decode_kernel(
         q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -250,7 +250,7 @@ def _attend_key_tile(q, kv_head, bt_row, n0, rows_pos, seq_len, m_i, l_i, acc, d
     return _softmax_step(s, v, m_i, l_i, acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq"])
 def _paged_prefill_kernel(
         q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, out_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,

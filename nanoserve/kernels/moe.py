@@ -159,7 +159,7 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       num_pairs, num_blocks, inter, hidden, stride_xt, stride_we, stride_wn, stride_ar,
                       alpha, limit,
@@ -208,7 +208,7 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
              act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr,
                           num_pairs, num_blocks, hidden, inter, stride_ar, stride_we, stride_wn, stride_ct,
                           routed_scale,
@@ -252,7 +252,7 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
              out.to(copies_ptr.dtype.element_ty), mask=real[:, None] & (cols[None, :] < hidden))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _sum_copies_kernel(copies_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, num_pairs, hidden, shared_slot,
                        TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = sum over the token's computed pairs of copies[pair], accumulated in fp32."""

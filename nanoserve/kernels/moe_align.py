@@ -84,7 +84,7 @@ def pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot,
     return tl.where(real, slot, -1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
 def _count_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, num_pairs, chunk_size, shared_slot,
                   TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
                   E_PAD: tl.constexpr):
@@ -98,7 +98,7 @@ def _count_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, num_pairs, chu
     tl.store(chunk_counts_ptr + chunk * E_PAD + experts, counts)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size", "num_chunks", "max_blocks"])
 def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr, block_expert_ptr,
                   num_padded_ptr, num_pairs, chunk_size, num_chunks, max_blocks, shared_slot,
                   TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,

@@ -63,7 +63,7 @@ MIN_TOPK_CHUNK = 128
 # --------------------------------------------------------------------------------------------------------------
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "tok_lo", "tok_hi", "n_blocks_ws", "blocks_per_split"])
 def _index_score_kernel(
         iq_ptr, icache_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, score_ptr,
         stride_iq_t, stride_iq_g, stride_ic_block, stride_ic_tok, stride_bt,
@@ -147,7 +147,7 @@ def _block_keys(score_rows, b0, own, local_blocks, n_valid, CHUNK: tl.constexpr)
     return tl.where(valid, key, NO_KEY)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows", "tok_lo", "n_blocks_ws"])
 def _block_topk_kernel(score_ptr, positions_ptr, sel_ptr, stride_sel_t, stride_sel_g, n_rows, tok_lo, n_blocks_ws,
                        local_blocks,
                        G: tl.constexpr, TOPK: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr,
@@ -257,7 +257,7 @@ def _attend_block(q, kv_head, page, b, row_selected, pos, m_i, l_i, acc, d, d_ok
     return m_i, l_i, acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_seq", "tiles_per_seq", "slots_per_split", "num_splits"])
 def _sparse_attention_kernel(
         q_ptr, kv_ptr, block_tables_ptr, positions_ptr, query_start_ptr, sel_ptr, out_ptr, part_out_ptr,
         part_lse_ptr,

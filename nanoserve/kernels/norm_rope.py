@@ -68,7 +68,7 @@ def _norm_rope_store(src, dst, ok, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
     tl.store(dst[:, None] + d[None, :], y.to(dst.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_tokens"])
 def _qk_norm_rope_insert_kernel(
         qkv_ptr, q_out_ptr, iq_out_ptr, kv_ptr, icache_ptr, slot_ptr, cos_ptr, sin_ptr,
         q_w_ptr, k_w_ptr, iq_w_ptr, ik_w_ptr,
@@ -153,7 +153,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, split_sizes: list[int], head_dim: int
     return q, index_q
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_rows"])
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
                         stride_res_out, n_rows, n_cols, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
