@@ -91,17 +91,18 @@ def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[
 
 H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
     # (hidden, intermediate, routed experts) -> {token bucket: config}. NVIDIA H200, bf16, top-4 (+ shared).
-    # up/down = (block_n, block_k, num_warps, num_stages). Not yet measured: starting points (small BLOCK_M, narrow
-    # BLOCK_N and long BLOCK_K while memory-bound; 64-128 square-ish tiles once compute-bound); replace them with
-    # the lines `scripts/gpu_moe_bench.py --sweep` prints.
+    # up/down = (block_n, block_k, num_warps, num_stages). Buckets 1-256: hand-picked starting points (small
+    # BLOCK_M, narrow BLOCK_N and long BLOCK_K while memory-bound), measured at 77-102% of the 4.26 TB/s copy
+    # ceiling (2026-12-02, H200, `scripts/gpu_moe_bench.py`). Buckets 1024-8192: the best of a coordinate-descent
+    # sweep (`scripts/gpu_moe_bench.py --sweep-only --tokens 4096,1024,8192`, 2026-12-02, H200, Triton 3.6).
     (6144, 3072, 128): {
         1: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
         16: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
         64: _cfg(16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
         256: _cfg(32, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
-        1024: _cfg(64, 8, (64, 64, 4, 4), (128, 64, 4, 4)),
-        4096: _cfg(64, 8, (128, 64, 8, 3), (128, 64, 4, 4)),
-        8192: _cfg(128, 8, (128, 64, 8, 3), (128, 64, 8, 3)),
+        1024: _cfg(64, 1, (256, 64, 8, 3), (128, 64, 4, 3)),  # 3.919 ms
+        4096: _cfg(128, 16, (64, 64, 4, 4), (128, 64, 4, 4)),  # 6.675 ms (was 7.54 ms)
+        8192: _cfg(128, 16, (128, 64, 8, 3), (128, 64, 8, 3)),  # 10.947 ms
     },
 }
 
