@@ -455,7 +455,7 @@ def test_worker_death_while_idle_is_reported(tiny_dir):
 # -- the server -------------------------------------------------------------------------------------------------
 def test_server_tp2_serves_then_fails_cleanly(tiny_dir, generate_reference, tmp_path):
     """python -m nanoserve.server --tensor-parallel-size 2: serves TP=1's completion; after its worker is killed
-    requests get 500 and /health 503; SIGTERM still stops it, and no worker outlives it."""
+    /health turns 503 while idle and requests get 500; SIGTERM still stops it, and no worker outlives it."""
     httpx = pytest.importorskip("httpx")
     port = free_loopback_port()
     switch_flags = [f"--no-{n.replace('_', '-')}" for n, on in CPU_REFERENCE.as_dict().items() if not on]
@@ -485,11 +485,13 @@ def test_server_tp2_serves_then_fails_cleanly(tiny_dir, generate_reference, tmp_
         assert resp.json()["choices"][0]["text"] == generate_reference["server_text"]
 
         os.kill(workers[0], signal.SIGKILL)
+        # an idle server notices the dead worker on /health, before any request trips over it
+        wait_until(lambda: httpx.get(f"{url}/health", timeout=10).status_code == 503, FAIL_FAST_S,
+                   "/health to report the dead worker")
+        assert "tensor-parallel worker 1 died" in httpx.get(f"{url}/health", timeout=10).text
         resp = httpx.post(f"{url}/v1/completions", json=body, timeout=FAIL_FAST_S)
         assert resp.status_code == 500, resp.text
         assert "tensor-parallel worker 1 died" in resp.json()["error"]["message"]
-        health = httpx.get(f"{url}/health", timeout=10)
-        assert health.status_code == 503 and "tensor-parallel worker 1 died" in health.text
 
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)

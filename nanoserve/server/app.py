@@ -561,6 +561,12 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
                             code="engine_dead").response()
         if not engine.is_running:
             return APIError(503, "the engine loop is not running", code="engine_not_running").response()
+        try:
+            # reads worker state only (no collective): a tensor-parallel worker that died while the server was
+            # idle shows here before any request trips over it
+            engine.engine.executor.check_health()
+        except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
+            return APIError(503, f"the engine is unhealthy: {exc}", code="engine_dead").response()
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
