@@ -43,7 +43,8 @@ class Optimizations:
     """engine/model_runner.py: build a step's input tensors with numpy into pinned buffers, one host-to-device copy
     per dtype (off: AttentionMetadata.build, a Python loop per token, and one copy per tensor)."""
     overlap_scheduling: bool = True
-    """engine/llm_engine.py: schedule step N+1 on the CPU while the device runs step N."""
+    """engine/llm_engine.py: schedule and launch step N+1 before detokenising step N's tokens, so the host work on
+    outputs runs while the device computes (off: each step waits for its tokens and finishes them first)."""
     msa_topk_reuse: bool = False
     """APPROXIMATION (changes outputs): reuse one MSA layer's block selection in the next layer(s)."""
 

@@ -20,11 +20,6 @@ from nanoserve.config import Optimizations
 
 logger = logging.getLogger(__name__)
 
-NOT_IMPLEMENTED: dict[str, str] = {
-    "overlap_scheduling": "not implemented yet: the engine step is synchronous either way (see docs/optimizations.md)",
-}
-"""Switches that exist in config.py but have no effect yet (measured anyway, and labelled)."""
-
 
 def first_divergence(a: list[list[int]], b: list[list[int]]) -> int | None:
     """Smallest position where some request's tokens differ (None = identical everywhere)."""
@@ -87,7 +82,7 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
             record(_row(f"{name} off", name, None, None,
                         f"off in the base run: {base_notes.get(name, 'turned off on the command line')}"))
             continue
-        note = NOT_IMPLEMENTED.get(name, "")
+        note = ""
         if name == "cuda_graphs" and device != "cuda":
             note = f"not applicable on {device} (decode is eager either way)"
         elif approx:

@@ -5,6 +5,16 @@
     abort_request(id)                 drop a request wherever it is, returning its KV blocks
 
 The offline `LLM` class (engine/llm.py) and the async server bridge (engine/async_engine.py) both drive this loop.
+
+Overlap scheduling (switch `overlap_scheduling`; reference: the synchronous step). The host work on a step's
+tokens is split in two. (a) What the next schedule depends on: wait for the tokens, append them, end the
+sequences that EOS, a stop token id or a length limit ends. (b) The rest: incremental detokenisation, stop
+strings, logprobs, the RequestOutputs. Off, a step runs schedule -> launch -> (a) -> (b). On, step N+1 runs (a)
+for step N's tokens, schedules and launches step N+1 (forward and device-side sampling, no host sync), and does
+(b) for step N's tokens while the device computes step N+1 - so `step()` returns the previous step's outputs, and
+a last call with nothing left to schedule returns the final ones. A sequence that a stop string ends in (b) is
+already in step N+1: it is finished there (its blocks freed: later steps are queued behind N+1 on the device) and
+its N+1 token is dropped when it arrives, as an aborted sequence's is.
 """
 
 from __future__ import annotations
@@ -21,7 +31,7 @@ from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
 from nanoserve.engine.executor import Executor, make_executor
 from nanoserve.engine.model_runner import ModelInput
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
 from nanoserve.engine.tokenizer import load_tokenizer
@@ -64,6 +74,18 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
+@dataclass
+class LaunchedStep:
+    """A step whose forward and device-side sampling are queued: the sampled sequences (in row order) and their
+    draw, not yet on the host (None when the step only ran prefill chunks)."""
+
+    seqs: list[Sequence]
+    sample: DeviceSample | None
+
+
+Received = tuple[Sequence, SampleResult, int]  # a sequence, its step's draw on the host, its row in it
+
+
 class LLMEngine:
     """The engine loop around a scheduler, a block manager, an executor (the model) and a sampler."""
 
@@ -102,6 +124,9 @@ class LLMEngine:
         self.eos_token_id = mcfg.eos_token_id
         self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id)
         self.requests: dict[str, RequestState] = {}
+        # read once: a step in flight must be finished by the path that launched it
+        self.overlap = opts.overlap_scheduling
+        self._in_flight: LaunchedStep | None = None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         logger.info("engine ready: model=%s device=%s blocks=%d x %d tokens, max_model_len=%d, "
@@ -169,7 +194,8 @@ class LLMEngine:
         self.stats.num_prompt_tokens += len(token_ids)
 
     def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop requests wherever they are (waiting, prefilling, decoding) and free their blocks."""
+        """Stop requests wherever they are (waiting, prefilling, decoding) and free their blocks. Freeing them
+        while a step that uses them is in flight is safe: any later use is queued behind it on the device."""
         for rid in [request_id] if isinstance(request_id, str) else request_id:
             state = self.requests.pop(rid, None)
             if state is None:
@@ -193,22 +219,62 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration. Returns an output for every request that produced tokens or finished."""
+        """One engine iteration. Returns an output for every request that produced tokens or finished - with
+        overlap_scheduling, those of the previous call's step (see the module docstring)."""
+        if not self.overlap:
+            launched = self._launch()
+            return self._process(self._receive(launched)) if launched is not None else []
+        previous, self._in_flight = self._in_flight, None
+        received = self._receive(previous) if previous is not None else []
+        self._in_flight = self._launch()
+        return self._process(received)
+
+    def _launch(self) -> LaunchedStep | None:
+        """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
-            return []
+            return None
         self.stats.num_steps += 1
         self._count_admissions(sched)
         inp = self._model_input(sched)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
         logits = self.executor.execute_model(inp)
         sampled = [s.seq for s in sched.scheduled if s.samples]
-        result = self.sampler(logits, sampled) if sampled else None
+        # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
+        sample = self.sampler.sample(logits, sampled) if sampled else None
         self.scheduler.update_after_step(sched)
+        return LaunchedStep(sampled, sample)
+
+    def _receive(self, launched: LaunchedStep) -> list[Received]:
+        """(a): wait for a step's tokens; append them and end the sequences that EOS, a stop id or a length limit
+        ends. A sequence finished since the step was launched (aborted, or ended by a stop string) gets nothing."""
+        if launched.sample is None:
+            return []
+        result = self.sampler.to_host(launched.sample)
+        received = []
+        for i, seq in enumerate(launched.seqs):
+            if not seq.is_finished:
+                self._append_token(seq, result.token_ids[i])
+                received.append((seq, result, i))
+        return received
+
+    def _process(self, received: list[Received]) -> list[RequestOutput]:
+        """(b): logprobs, detokenisation and stop strings for the tokens `_receive` appended; the outputs."""
+        now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        for i, seq in enumerate(sampled):
-            self._append_token(seq, result.token_ids[i], result.logprobs[i], result.chosen_logprob[i])
+        for seq, result, i in received:
+            logprobs = result.logprobs(i)
+            if logprobs is not None:
+                seq.logprobs.append(logprobs)
+                seq.cumulative_logprob += result.chosen_logprob[i]
+            if not seq.is_finished:  # (a) did the text of the sequences it ended
+                stop = self._add_text(seq)
+                if stop is not None:
+                    self._finish(seq, FinishReason.STOP, stop)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.last_token_time = now
             touched[seq.request_id] = self.requests[seq.request_id]
         return [self._finalize(state) for state in touched.values()]
 
@@ -238,41 +304,52 @@ class LLMEngine:
                 sample_rows.append(row)
         return ModelInput(ids, query_lens, seq_lens, tables, sample_rows)
 
-    def _append_token(self, seq: Sequence, token: int, logprobs: dict[int, float] | None,
-                      chosen: float | None) -> None:
-        now = time.monotonic()
+    def _append_token(self, seq: Sequence, token: int) -> None:
+        """Append a token; end seq if EOS, a stop id or a length limit ends it, doing its text now (so the text of
+        the sequences that continue is all that `_process` has left)."""
         seq.output_token_ids.append(token)
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.last_token_time = now
         self.stats.num_generation_tokens += 1
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
-            seq.cumulative_logprob += chosen or 0.0
         p = seq.params
-        reason, stop_reason = None, None
         allowed_to_stop = len(seq.output_token_ids) >= p.min_tokens
         if allowed_to_stop and token == self.eos_token_id and not p.ignore_eos:
-            reason = FinishReason.STOP
+            reason, stop_reason = FinishReason.STOP, None
         elif allowed_to_stop and token in p.stop_token_ids:
             reason, stop_reason = FinishReason.STOP, token
+        else:
+            max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
+            if len(seq.output_token_ids) < max_new and seq.num_tokens < self.max_model_len:
+                return
+            # the last token allowed: a stop string it completes takes precedence over the length limit
+            stop = self._add_text(seq)
+            if stop is not None:
+                self._finish(seq, FinishReason.STOP, stop)
+            else:
+                self._finish(seq, FinishReason.LENGTH, None)
+            return
         # as in vLLM, the text of the token that stopped generation (EOS, a stop id) is left out of the output
         # unless include_stop_str_in_output; the token itself stays in token_ids
-        delta = detokenize_step(self.tokenizer, seq) if reason is None or p.include_stop_str_in_output else ""
-        if reason is None and p.stop_list and delta and allowed_to_stop:
-            hit = find_stop_string(seq.text, len(delta), p.stop_list)
-            if hit is not None:
-                idx, stop = hit
-                seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
-                reason, stop_reason = FinishReason.STOP, stop
-        max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
-        if reason is None and (len(seq.output_token_ids) >= max_new or seq.num_tokens >= self.max_model_len):
-            reason = FinishReason.LENGTH
-        if reason is not None:
-            seq.stop_reason = stop_reason
-            self.scheduler.finish(seq, reason)
-            self.sampler.forget(seq.seq_id)
-            self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
+        if p.include_stop_str_in_output:
+            detokenize_step(self.tokenizer, seq)
+        self._finish(seq, reason, stop_reason)
+
+    def _add_text(self, seq: Sequence) -> str | None:
+        """Detokenise seq's newest token; returns the stop string it completed, if any (seq.text is cut there)."""
+        p = seq.params
+        delta = detokenize_step(self.tokenizer, seq)
+        if not (p.stop_list and delta and len(seq.output_token_ids) >= p.min_tokens):
+            return None
+        hit = find_stop_string(seq.text, len(delta), p.stop_list)
+        if hit is None:
+            return None
+        idx, stop = hit
+        seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
+        return stop
+
+    def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
+        seq.stop_reason = stop_reason
+        self.scheduler.finish(seq, reason)
+        self.sampler.forget(seq.seq_id)
+        self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
 
     def _finalize(self, state: RequestState) -> RequestOutput:
         out = self.make_output(state)
@@ -303,4 +380,5 @@ class LLMEngine:
                              metrics)
 
     def shutdown(self) -> None:
+        self._in_flight = None
         self.executor.shutdown()

@@ -4,6 +4,10 @@ Order of operations (as vLLM): log-probabilities are taken from the raw logits; 
 frequency penalties, min_tokens suppression of EOS and stop ids, temperature, top-k, top-p, min-p, and a draw.
 Greedy rows (temperature 0) take the argmax of the penalised logits. A request with a seed draws from its own
 generator, so its tokens do not depend on what else is in the batch; other requests share the engine's.
+
+Two halves (for the engine's overlap_scheduling): `sample` queues all of this on the device and returns tensors -
+nothing in it waits for the device (no `.item()`, `.tolist()` or synchronous host-to-device copy), so on a GPU it
+returns while the step's forward is still running; `to_host` then waits and copies the result to the host.
 """
 
 from __future__ import annotations
@@ -16,10 +20,43 @@ from nanoserve.engine.sequence import Sequence
 
 
 @dataclass
+class DeviceSample:
+    """One batch's draw, still on the device (see `Sampler.sample`)."""
+
+    token_ids: torch.Tensor  # [S]
+    num_logprobs: list[int | None]  # per row: how many top alternatives were asked for (None: no logprobs)
+    chosen_logprob: torch.Tensor | None  # [S] raw logprob of the drawn token; None when no row asked
+    top_logprobs: torch.Tensor | None  # [S, k] the k = max(num_logprobs) best raw logprobs and their ids
+    top_ids: torch.Tensor | None
+
+
+@dataclass
 class SampleResult:
+    """One batch's draw on the host."""
+
     token_ids: list[int]
-    logprobs: list[dict[int, float] | None]  # chosen token first, then the top-N alternatives
     chosen_logprob: list[float | None]
+    num_logprobs: list[int | None]
+    top_logprobs: list[list[float]] | None
+    top_ids: list[list[int]] | None
+
+    def logprobs(self, i: int) -> dict[int, float] | None:
+        """Row i's logprobs as returned to the user: the chosen token first, then the top-N alternatives."""
+        n = self.num_logprobs[i]
+        if n is None:
+            return None
+        d = {self.token_ids[i]: self.chosen_logprob[i]}
+        for j in range(n):
+            d.setdefault(self.top_ids[i][j], self.top_logprobs[i][j])
+        return d
+
+
+def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One draw per row of `probs` (or from a 1-D `probs`): torch.multinomial(probs, 1)'s own algorithm, argmax of
+    p / q with q ~ Exp(1) - the same tokens from the same generator state - without the validity checks it runs on
+    the host, which wait for the device."""
+    q = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / q).argmax(dim=-1)
 
 
 class Sampler:
@@ -40,9 +77,21 @@ class Sampler:
             self._seq_generators[seq.seq_id] = g
         return g
 
-    @torch.inference_mode()
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A small host list on the device without waiting for it: torch.tensor(..., device=cuda) copies
+        synchronously, a copy from pinned memory is queued behind the work already on the stream."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
-        """logits [S, V] (fp32, one row per sequence in `seqs`) -> one token per sequence."""
+        """logits [S, V] (one row per sequence in `seqs`) -> one token per sequence, on the host."""
+        return self.to_host(self.sample(logits, seqs))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+        """The device half: queue the draw and the logprobs of the raw logits. Reads `logits` only through work
+        queued here, so a static CUDA-graph output may be overwritten by a later replay once this returns."""
         logits = logits.to(torch.float32, copy=True)  # penalties edit it in place; the caller's stays intact
         num_logprobs = [s.params.logprobs for s in seqs]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
@@ -52,27 +101,26 @@ class Sampler:
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if rows:
-            idx = torch.tensor(rows, device=logits.device)
+            idx = self._tensor(rows, torch.long)
             tokens[idx] = self._draw(logits[idx], [seqs[i] for i in rows])
 
-        token_list = tokens.tolist()
-        lp_out: list[dict[int, float] | None] = [None] * len(seqs)
-        chosen: list[float | None] = [None] * len(seqs)
+        chosen = top_vals = top_ids = None
         if raw_logprobs is not None:
+            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
             k = max(n or 0 for n in num_logprobs)
-            top_vals, top_ids = raw_logprobs.topk(k, dim=-1) if k else (None, None)
-            picked = raw_logprobs.gather(1, tokens[:, None])[:, 0].tolist()
-            top_vals = top_vals.tolist() if k else None
-            top_ids = top_ids.tolist() if k else None
-            for i, n in enumerate(num_logprobs):
-                if n is None:
-                    continue
-                d = {token_list[i]: picked[i]}
-                for j in range(n):
-                    d.setdefault(top_ids[i][j], top_vals[i][j])
-                lp_out[i] = d
-                chosen[i] = picked[i]
-        return SampleResult(token_list, lp_out, chosen)
+            if k:
+                top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+        return DeviceSample(tokens, num_logprobs, chosen, top_vals, top_ids)
+
+    @staticmethod
+    def to_host(sample: DeviceSample) -> SampleResult:
+        """The host half: wait for the draw and copy it to the host."""
+        tokens = sample.token_ids.tolist()
+        picked = sample.chosen_logprob.tolist() if sample.chosen_logprob is not None else [None] * len(tokens)
+        chosen = [c if n is not None else None for c, n in zip(picked, sample.num_logprobs)]
+        top_vals = sample.top_logprobs.tolist() if sample.top_logprobs is not None else None
+        top_ids = sample.top_ids.tolist() if sample.top_ids is not None else None
+        return SampleResult(tokens, chosen, sample.num_logprobs, top_vals, top_ids)
 
     # -- logit processing ---------------------------------------------------------------------------------
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -83,13 +131,14 @@ class Sampler:
         vocab = logits.shape[-1]
         for i in rows:
             p = seqs[i].params
-            out_ids = torch.tensor(seqs[i].output_token_ids, dtype=torch.long, device=logits.device)
-            counts = torch.bincount(out_ids[out_ids < vocab], minlength=vocab).float()
+            # ids filtered on the host and counted with index_add_: a boolean mask or bincount waits for the device
+            out_ids = [t for t in seqs[i].output_token_ids if t < vocab]
+            counts = torch.zeros(vocab, device=logits.device).index_add_(
+                0, self._tensor(out_ids, torch.long), torch.ones(len(out_ids), device=logits.device))
             if p.repetition_penalty != 1.0:
                 # HF/vLLM semantics: prompt and output tokens; divide positive logits, multiply negative ones
-                seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device)
-                all_ids = torch.tensor(seqs[i].token_ids, dtype=torch.long, device=logits.device)
-                seen[all_ids[all_ids < vocab]] = True
+                all_ids = self._tensor([t for t in seqs[i].token_ids if t < vocab], torch.long)
+                seen = torch.zeros(vocab, dtype=torch.bool, device=logits.device).index_fill_(0, all_ids, True)
                 row = logits[i]
                 logits[i] = torch.where(seen, torch.where(row > 0, row / p.repetition_penalty,
                                                           row * p.repetition_penalty), row)
@@ -105,17 +154,17 @@ class Sampler:
                     stop_ids.append(self.eos_token_id)
                 stop_ids = [t for t in stop_ids if t < logits.shape[-1]]
                 if stop_ids:
-                    logits[i, stop_ids] = float("-inf")
+                    logits[i].index_fill_(0, self._tensor(stop_ids, torch.long), float("-inf"))
         return logits
 
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then one draw per row (all rows here have temperature > 0)."""
-        temps = torch.tensor([s.params.temperature for s in seqs], device=logits.device)
+        temps = self._tensor([s.params.temperature for s in seqs], torch.float32)
         logits = logits / temps[:, None]
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=logits.device)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=logits.device)
-        min_p = torch.tensor([s.params.min_p for s in seqs], device=logits.device)
-        if bool((top_k > 0).any() | (top_p < 1).any() | (min_p > 0).any()):
+        top_k = self._tensor([s.params.top_k for s in seqs], torch.long)
+        top_p = self._tensor([s.params.top_p for s in seqs], torch.float32)
+        min_p = self._tensor([s.params.min_p for s in seqs], torch.float32)
+        if any(s.params.top_k > 0 or s.params.top_p < 1 or s.params.min_p > 0 for s in seqs):
             sorted_logits, order = logits.sort(dim=-1, descending=True)
             vocab = logits.shape[-1]
             ranks = torch.arange(vocab, device=logits.device)[None, :]
@@ -131,9 +180,9 @@ class Sampler:
         out = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
         seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
         for i in seeded:
-            out[i] = torch.multinomial(probs[i], 1, generator=self._generator(seqs[i]))[0]
+            out[i] = exponential_race(probs[i], self._generator(seqs[i]))
         if len(seeded) < len(seqs):
             rest = [i for i in range(len(seqs)) if seqs[i].params.seed is None]
-            idx = torch.tensor(rest, device=logits.device)
-            out[idx] = torch.multinomial(probs[idx], 1, generator=self.generator)[:, 0]
+            idx = self._tensor(rest, torch.long)
+            out[idx] = exponential_race(probs[idx], self.generator)
         return out
