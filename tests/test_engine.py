@@ -275,3 +275,18 @@ def test_progress_bar_shows_prefill_and_decode_rates(llm, capsys):
     assert "Processed prompts" in final and "3/3" in final
     rates = re.search(r"prefill ([\d,]+) tok/s, decode ([\d,]+) tok/s", final)
     assert rates and all(int(r.replace(",", "")) > 0 for r in rates.groups()), final
+
+
+def test_failed_engine_construction_releases_its_executor(tiny_dir, monkeypatch):
+    """A bad limit found after the model is built (here a KV pool smaller than max_model_len) raises a ValueError
+    naming the problem and shuts the executor down (TP workers and device memory are not left behind)."""
+    from nanoserve import EngineConfig, LLMEngine
+    from nanoserve.engine import executor as executor_mod
+
+    shut = []
+    real = executor_mod.LocalExecutor.shutdown
+    monkeypatch.setattr(executor_mod.LocalExecutor, "shutdown", lambda self: (shut.append(True), real(self)))
+    with pytest.raises(ValueError, match="fewer than max_model_len"):
+        LLMEngine(EngineConfig.from_kwargs(model=tiny_dir, max_model_len=512, num_gpu_blocks_override=4,
+                                           optimizations=engine_opts()))
+    assert shut == [True]

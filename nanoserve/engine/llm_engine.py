@@ -94,6 +94,15 @@ class LLMEngine:
         switch setting around one model); None builds them from `config`."""
         self.config = config
         self.executor: Executor = executor or make_executor(config)
+        try:
+            self._build(config, reuse_pool=executor is not None)
+        except BaseException:
+            if executor is None:  # ours: do not leave tensor-parallel workers or device memory behind
+                self.executor.shutdown()
+            raise
+
+    def _build(self, config: EngineConfig, reuse_pool: bool) -> None:
+        """Everything around the executor: limits, the KV pool, block manager, scheduler, tokenizer, sampler."""
         self.model_config = self.executor.model_config
         mcfg = self.model_config
         self.block_size = self._resolve_block_size()
@@ -111,7 +120,7 @@ class LLMEngine:
             budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if opts.chunked_prefill else \
                 max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
         self.max_num_batched_tokens = budget
-        num_blocks = self.executor.num_blocks if executor is not None and self.executor.num_blocks else \
+        num_blocks = self.executor.num_blocks if reuse_pool and self.executor.num_blocks else \
             self.executor.initialize_cache(self.max_model_len, budget, config.max_num_seqs)
         if num_blocks * self.block_size < self.max_model_len:
             raise ValueError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len="
