@@ -112,9 +112,11 @@ class M3MoE(nn.Module):
         hidden, inter, shared = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
         inter_local = self.inter_end - self.inter_start
         out: dict[str, Callable[[WeightSource], None]] = {
-            f"{prefix}.gate.weight": lambda s, n=f"{prefix}.gate.weight": _replicated(self.gate, s, n),
+            f"{prefix}.gate.weight":
+                lambda s, n=f"{prefix}.gate.weight": self.gate.weight_loader(self.gate.data, s, "", n),
             f"{prefix}.e_score_correction_bias":
-                lambda s, n=f"{prefix}.e_score_correction_bias": _replicated(self.e_score_correction_bias, s, n),
+                lambda s, n=f"{prefix}.e_score_correction_bias": self.e_score_correction_bias.weight_loader(
+                    self.e_score_correction_bias.data, s, "", n),
         }
 
         def up_rows(slot: int, which: str, rng: tuple[int, int], rows: int):
@@ -157,7 +159,3 @@ class M3MoE(nn.Module):
                 out[f"{sp}.{name}.weight"] = lambda s, fn=fn, n=f"{sp}.{name}.weight": fn(s, n)
         return out
 
-
-def _replicated(param: torch.Tensor, src: WeightSource, name: str) -> None:
-    check_shape(name, src.shape, tuple(param.shape))
-    copy_into(param.data, src[:])
