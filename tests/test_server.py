@@ -170,6 +170,32 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+def test_openapi_lists_every_post_body(server):
+    """/openapi.json describes the request body of every POST route: its fields, which are required, and the
+    nested models written out (no reference left dangling)."""
+    from nanoserve.server import protocol as P
+    from nanoserve.server.routes import ROUTERS
+
+    doc = httpx.get(f"{server.url}/openapi.json").json()
+    posts = {r.path for router in ROUTERS for r in router.routes if "POST" in r.methods}
+    assert posts == {p for p, ops in doc["paths"].items() if "post" in ops} >= {"/v1/completions",
+                                                                               "/v1/chat/completions"}
+    models = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest}
+    for path in posts:
+        body = doc["paths"][path]["post"]["requestBody"]
+        schema = body["content"]["application/json"]["schema"]
+        assert body["required"] is True and schema["type"] == "object", path
+        if path in models:
+            assert set(schema["properties"]) == set(models[path].model_fields), path
+        assert "$ref" not in json.dumps(schema), path
+    chat = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(chat["required"]) == {"model", "messages"}
+    assert "robot" not in chat["properties"]["messages"]["items"]["properties"]["role"]["enum"]
+    assert "assistant" in chat["properties"]["messages"]["items"]["properties"]["role"]["enum"]
+    completion = doc["paths"]["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(completion["required"]) == {"model", "prompt"}
+
+
 # -- concurrency, disconnects, KV blocks -------------------------------------------------------------------
 def test_32_concurrent_streams_then_pool_free(server, engine):
     async def one(aclient: openai.AsyncOpenAI, i: int) -> tuple[str, str | None, int]:

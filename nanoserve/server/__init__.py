@@ -1,8 +1,16 @@
 """The OpenAI-compatible HTTP server: `python -m nanoserve.server` (see __main__.py).
 
-    protocol.py   request / response bodies (pydantic)
-    app.py        the routes: completions, chat completions, models, health, metrics
-    metrics.py    Prometheus metrics in vLLM's names
+    app.py          build_app: assembles the app (lifespan, exception handlers, routers, shared state);
+                    its docstring follows one request through the files below
+    routes/         one router per route family: completions, chat, system (/health, /metrics, /v1/models)
+    protocol/       request / response bodies (pydantic), one module per endpoint
+    state.py        OpenAIServer: what the routes share (engine, tokenizer, model name, metrics, API key)
+    convert.py      request -> prompts + SamplingParams: chat template, tokenize, length checks
+    submit.py       prepared requests -> engine streams, and waiting for them (aborts on disconnect)
+    responses.py    engine output -> response bodies: choices, usage, logprobs in the two OpenAI formats
+    streaming.py    Server-Sent Events: the streaming bodies and the response that closes their streams
+    errors.py       APIError, the mapping of pydantic / engine exceptions to HTTP errors, the exception handlers
+    metrics.py      Prometheus metrics in vLLM's names
 
 Only this package imports FastAPI, uvicorn and prometheus-client; the engine runs without them.
 """

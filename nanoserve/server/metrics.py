@@ -23,6 +23,8 @@ FINISH_REASONS = ("stop", "length", "abort")
 
 
 class ServerMetrics:
+    """The Prometheus collectors of one app, and how the engine snapshot and finished requests feed them."""
+
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         self.model_name = model_name

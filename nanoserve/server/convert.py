@@ -1,0 +1,83 @@
+"""Request -> engine input: the model-name check, SamplingParams, the chat template, tokenization and the length
+checks. Each endpoint has one `prepare_*` function returning a Prepared; every failure is a 400 (or 404) that
+names the field."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nanoserve.engine.tokenizer import apply_chat_template
+from nanoserve.sampling import SamplingParams
+from nanoserve.server import protocol as P
+from nanoserve.server.errors import APIError, engine_errors
+from nanoserve.server.state import OpenAIServer
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine: one (text, token ids) per prompt, and the sampling parameters."""
+
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+
+
+# -- the endpoints ------------------------------------------------------------------------------------------
+def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepared:
+    check_model(server, req.model)
+    params = sampling_params(server, req, req.max_tokens, req.logprobs, "prompt")
+    prompts = [tokenize(server, p) for p in req.prompts()]
+    for _, ids in prompts:
+        check_length(server, ids, params, req, "prompt")
+    return Prepared(prompts, params)
+
+
+def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared:
+    check_model(server, req.model)
+    params = sampling_params(server, req, req.max_new_tokens, req.num_logprobs, "messages")
+    messages = [m.to_template_dict() for m in req.messages]
+    try:
+        text = apply_chat_template(server.tokenizer, messages, req.add_generation_prompt, req.chat_template_kwargs)
+    except Exception as exc:  # jinja2 errors, bad chat_template_kwargs: the request's fault
+        raise APIError(400, f"messages: could not render the chat template: {exc}", param="messages") from exc
+    ids = server.tokenizer.encode(text, add_special_tokens=False)
+    check_length(server, ids, params, req, "messages")
+    return Prepared([(text, ids)], params)
+
+
+# -- the steps ------------------------------------------------------------------------------------------------
+def check_model(server: OpenAIServer, name: str) -> None:
+    if name != server.model_name:
+        raise APIError(404, f"the model `{name}` does not exist; this server serves `{server.model_name}`",
+                       param="model", code="model_not_found")
+
+
+def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
+                    prompt_field: str) -> SamplingParams:
+    """The request's SamplingParams, range-checked (a 400 naming the request's field)."""
+    with engine_errors(req, prompt_field):
+        params = req.sampling_params(max_tokens, logprobs)
+        params.validate(server.engine.config.max_logprobs)
+    return params
+
+
+def tokenize(server: OpenAIServer, prompt: str | list[int]) -> tuple[str | None, list[int]]:
+    # add_special_tokens=False, as LLMEngine.tokenize_prompt: the prompt is exactly what the client sent
+    if isinstance(prompt, str):
+        return prompt, server.tokenizer.encode(prompt, add_special_tokens=False)
+    return None, prompt
+
+
+def check_length(server: OpenAIServer, ids: list[int], params: SamplingParams, req: P.SamplingRequest,
+                 prompt_field: str) -> None:
+    n, limit = len(ids), server.max_model_len
+    what = "prompt" if prompt_field == "prompt" else f"{prompt_field} (rendered with the chat template)"
+    if n == 0:
+        raise APIError(400, f"{what} is empty: it must contain at least one token", param=prompt_field)
+    if n >= limit:
+        raise APIError(400, f"{what} is too long: {n} tokens, but max_model_len is {limit} (the prompt and "
+                            f"at least one generated token must fit)", param=prompt_field)
+    if params.max_tokens is not None and n + params.max_tokens > limit:
+        field = req.request_field("max_tokens")
+        raise APIError(400, f"{field}={params.max_tokens} does not fit: the prompt has {n} tokens and "
+                            f"max_model_len is {limit}, so at most {limit - n} tokens can be generated",
+                       param=field)

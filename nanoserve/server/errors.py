@@ -1,0 +1,118 @@
+"""Every error leaves in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: APIError, the mapping
+of pydantic's and the engine's exceptions onto it, and the app's exception handlers (EXCEPTION_HANDLERS)."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Iterator
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from nanoserve.engine.async_engine import EngineDeadError, EngineShutdownError, QueueFullError
+from nanoserve.sampling import SamplingParams
+from nanoserve.server import protocol as P
+
+logger = logging.getLogger(__name__)
+
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+               500: "internal_server_error", 503: "service_unavailable"}
+SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+MAX_ECHOED_INPUT_CHARS = 40  # error messages quote a bad value only when it is short
+
+
+class APIError(Exception):
+    """An error to answer in OpenAI's shape."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+
+    def body(self) -> P.ErrorResponse:
+        info = P.ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "error"), param=self.param,
+                           code=self.code if self.code is not None else self.status)
+        return P.ErrorResponse(error=info)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+
+
+# -- exceptions -> APIError --------------------------------------------------------------------------------
+def describe_validation_error(exc: ValidationError) -> APIError:
+    """pydantic's first error as one sentence that names the field, e.g. "messages[0].role: Input should be
+    'system', 'developer', 'user', 'assistant' or 'tool' (got 'robot')"."""
+    err = exc.errors()[0]
+    if err["type"] == "json_invalid":
+        return APIError(400, f"malformed JSON in the request body: {err['msg'].removeprefix('Invalid JSON: ')}")
+    if err["type"] == "model_type" and not err["loc"]:
+        return APIError(400, "the request body must be a JSON object")
+    # drop pydantic's union-member tags ("str", "list[int]", "TextPart") from the location
+    loc = [x for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x[:1].isupper() or x in
+                                                                  ("str", "int", "float", "bool")))]
+    path = "".join(f"[{x}]" if isinstance(x, int) else f".{x}" for x in loc).lstrip(".")
+    msg = err["msg"].removeprefix("Value error, ")
+    if not path and ": " in msg:  # a model-level check: "field: problem"
+        path, msg = msg.split(": ", 1)
+    if err["type"] == "missing":
+        msg = "this field is required"
+    elif "input" in err and not err["type"].startswith("value_error") and \
+            len(repr(err["input"])) <= MAX_ECHOED_INPUT_CHARS:
+        msg += f" (got {err['input']!r})"
+    param = str(loc[0]) if loc else (path or None)
+    return APIError(400, f"{path}: {msg}" if path else msg, param=param)
+
+
+def invalid_value(exc: ValueError, req: P.SamplingRequest, prompt_field: str) -> APIError:
+    """A 400 for a SamplingParams / engine ValueError. Its message starts with the parameter's name; when the
+    request calls it differently (chat's top_logprobs is SamplingParams.logprobs), the message says the
+    request's name."""
+    message = str(exc)
+    first = message.split(" ", 1)[0].split("=", 1)[0]
+    if first.startswith("prompt"):
+        return APIError(400, message, param=prompt_field)
+    if first not in SAMPLING_FIELDS:
+        return APIError(400, message)
+    param = req.request_field(first)
+    return APIError(400, param + message[len(first):], param=param)
+
+
+@contextlib.contextmanager
+def engine_errors(req: P.SamplingRequest, prompt_field: str) -> Iterator[None]:
+    """Map what the engine (or SamplingParams) raises for a request to its HTTP status."""
+    try:
+        yield
+    except ValueError as exc:
+        raise invalid_value(exc, req, prompt_field) from exc
+    except QueueFullError as exc:
+        raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from exc
+    except EngineShutdownError as exc:
+        raise APIError(503, str(exc), code="shutting_down", headers={"Retry-After": str(exc.retry_after)}) from exc
+    except EngineDeadError as exc:
+        raise APIError(500, str(exc), code="engine_dead") from exc
+
+
+# -- the app's exception handlers ----------------------------------------------------------------------------
+async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+    return exc.response()
+
+
+async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return APIError(400, str(exc)).response()
+
+
+async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unhandled error on %s %s", request.method, request.url.path)
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+
+
+EXCEPTION_HANDLERS = {APIError: on_api_error, StarletteHTTPException: on_http_error,
+                      RequestValidationError: on_validation_error, Exception: on_unexpected}

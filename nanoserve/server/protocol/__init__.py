@@ -1,0 +1,31 @@
+"""The OpenAI API's request and response bodies, as pydantic models (the part of the API nanoserve serves).
+
+    common.py        the strict request base, the sampling fields shared by every generation request, usage,
+                     the model list, OpenAI's error body
+    completions.py   POST /v1/completions: request, choices, response, stream chunk
+    chat.py          POST /v1/chat/completions: messages, request, choices, response, stream chunk
+
+A new endpoint's bodies get a module of their own here, re-exported below.
+
+Requests are parsed strictly - "10" is not an integer, 1.5 is not an integer, true is not a number - so a wrong
+type is a 400 that names the field instead of a silent conversion. Unknown fields are ignored (clients send
+fields such as `store` or `service_tier`), but fields nanoserve cannot honour (`echo`, `suffix`, `logit_bias`)
+are refused rather than ignored. Value ranges are not repeated here: `SamplingParams` checks them, and its
+errors name the parameter. vLLM's extensions are accepted too: top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, chat_template_kwargs.
+"""
+
+from nanoserve.server.protocol.chat import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
+                                            ChatCompletionResponse, ChatLogProb, ChatLogProbs, ChatMessage,
+                                            ChatResponseMessage, ChatStreamChoice, ChatTopLogProb, DeltaMessage,
+                                            TextPart)
+from nanoserve.server.protocol.common import (ErrorInfo, ErrorResponse, ModelCard, ModelList, PromptTokensDetails,
+                                              RequestModel, ResponseModel, SamplingRequest, StreamOptions, UsageInfo)
+from nanoserve.server.protocol.completions import (CompletionChoice, CompletionChunk, CompletionLogProbs,
+                                                   CompletionRequest, CompletionResponse)
+
+__all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatLogProb",
+           "ChatLogProbs", "ChatMessage", "ChatResponseMessage", "ChatStreamChoice", "ChatTopLogProb",
+           "CompletionChoice", "CompletionChunk", "CompletionLogProbs", "CompletionRequest", "CompletionResponse",
+           "DeltaMessage", "ErrorInfo", "ErrorResponse", "ModelCard", "ModelList", "PromptTokensDetails",
+           "RequestModel", "ResponseModel", "SamplingRequest", "StreamOptions", "TextPart", "UsageInfo"]

@@ -1,0 +1,16 @@
+"""The HTTP routes, one router per route family; build_app includes every router in ROUTERS.
+
+    common.py        what the routers share: the Server dependency, v1_router (/v1 + API key), json_body
+    completions.py   POST /v1/completions
+    chat.py          POST /v1/chat/completions
+    system.py        GET /health, GET /metrics, GET /v1/models
+
+A new route family is a new module here with a `router`, added to ROUTERS. Route functions stay thin: parse
+(json_body) -> convert (convert.py) -> the engine (submit.py) -> respond (responses.py / streaming.py).
+"""
+
+from nanoserve.server.routes import chat, completions, system
+
+ROUTERS = [completions.router, chat.router, system.router]
+
+__all__ = ["ROUTERS"]

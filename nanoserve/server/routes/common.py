@@ -1,0 +1,75 @@
+"""What every router uses: `Server` (the shared OpenAIServer, as a dependency), `v1_router` (the /v1 prefix
+behind the API-key check), and `json_body` / `request_body` (parse a body strictly, and describe it in
+/openapi.json).
+
+Bodies are parsed by pydantic straight from the bytes (model_validate_json) rather than by FastAPI's body
+parameter: that keeps JSON-mode strict parsing, accepts any Content-Type as JSON, and lets
+describe_validation_error name the field. `request_body` puts the same model's schema into the OpenAPI
+document, so the API's description still shows every field.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
+from pydantic import ValidationError
+
+from nanoserve.server import protocol as P
+from nanoserve.server.errors import APIError, describe_validation_error
+from nanoserve.server.state import OpenAIServer
+
+
+def get_server(request: Request) -> OpenAIServer:
+    return request.app.state.server
+
+
+Server = Annotated[OpenAIServer, Depends(get_server)]
+
+
+async def check_api_key(request: Request, server: Server) -> None:
+    """401 unless the Bearer token matches --api-key (when one is set)."""
+    if server.api_key is None:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+    if not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
+        raise APIError(401, "invalid API key", code="invalid_api_key")
+
+
+def v1_router() -> APIRouter:
+    """A router for the OpenAI API: under /v1, behind the API key."""
+    return APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+
+def json_body(model: type[P.RequestModel]) -> Any:
+    """A dependency giving the request body parsed as `model`; a bad body is a 400 naming the field. Use it as
+    `req: Annotated[Model, json_body(Model)]`."""
+    async def parse(request: Request) -> P.RequestModel:
+        try:
+            return model.model_validate_json(await request.body())
+        except ValidationError as exc:
+            raise describe_validation_error(exc) from exc
+
+    return Depends(parse)
+
+
+def request_body(model: type[P.RequestModel]) -> dict[str, Any]:
+    """`openapi_extra` for a route whose body json_body parses: `model`'s JSON schema as the request body (nested
+    models inlined, so the schema is complete where it stands)."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "$ref" in node:
+                rest = {k: v for k, v in node.items() if k != "$ref"}
+                return {**inline(defs[node["$ref"].rsplit("/", 1)[-1]]), **inline(rest)}
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}

@@ -1,0 +1,176 @@
+"""Server-Sent Events: the streaming bodies of /v1/completions and /v1/chat/completions.
+
+    StreamedChoice        how much of one choice the client has been sent (holding back a possible stop string)
+    sse / sse_error       one event; an error after the 200 headers went out
+    merge_streams         (prompt index, output) from several engine streams as they come
+    completion_events     the completion stream: a chunk per engine step, usage, [DONE]
+    chat_events           the chat stream: the role first, then content deltas, usage, [DONE]
+    EventStreamResponse   the response that sends the events and closes the engine streams however it ends
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from nanoserve.engine.async_engine import EngineDeadError, EngineShutdownError, RequestStream
+from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.sampling import SamplingParams
+from nanoserve.server import protocol as P
+from nanoserve.server.errors import APIError
+from nanoserve.server.responses import chat_logprobs, completion_logprobs, usage
+from nanoserve.server.state import OpenAIServer
+from nanoserve.server.submit import close_all
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class StreamedChoice:
+    """How much of one choice (one completion) the client has been sent."""
+
+    text_sent: int = 0
+    tokens_sent: int = 0
+    done: bool = False
+
+    def next_piece(self, c: CompletionOutput, holdback: int) -> tuple[str, int, int]:
+        """The text not yet sent and the range of new tokens. Until the completion finishes, the last `holdback`
+        characters stay back: they may be the start of a stop string the engine will cut off."""
+        finished = c.finish_reason is not None
+        end = len(c.text) if finished else max(self.text_sent, len(c.text) - holdback)
+        text, start_tok = c.text[self.text_sent:end], self.tokens_sent
+        self.text_sent, self.tokens_sent, self.done = end, len(c.token_ids), finished
+        return text, start_tok, len(c.token_ids)
+
+
+def stop_holdback(params: SamplingParams) -> int:
+    return max((len(s) for s in params.stop_list), default=1) - 1
+
+
+def sse(payload: BaseModel) -> str:
+    """One Server-Sent Event."""
+    return f"data: {payload.model_dump_json()}\n\n"
+
+
+def sse_error(exc: Exception) -> str:
+    """A failure after the 200 headers went out can only be reported in the stream itself."""
+    return sse(APIError(500 if isinstance(exc, EngineDeadError) else 503, str(exc)).body())
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+            else:
+                yield i, out
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+# -- the event generators -------------------------------------------------------------------------------------
+async def completion_events(server: OpenAIServer, request_id: str, req: P.CompletionRequest,
+                            streams: list[RequestStream], params: SamplingParams) -> AsyncIterator[str]:
+    """The SSE body of a streaming completion: a chunk per engine step with each choice's new text."""
+    sent = [[StreamedChoice() for _ in range(req.n)] for _ in streams]
+    finals: dict[int, RequestOutput] = {}
+    holdback = stop_holdback(params)
+    try:
+        async for i, out in merge_streams(streams):
+            choices = []
+            for c in out.outputs:
+                state = sent[i][c.index]
+                if state.done:
+                    continue
+                offset = state.text_sent
+                text, t0, t1 = state.next_piece(c, holdback)
+                if text or t1 > t0 or state.done:
+                    choices.append(P.CompletionChoice(
+                        index=i * req.n + c.index, text=text,
+                        logprobs=completion_logprobs(server, c, t0, t1, offset),
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            if out.finished:
+                finals[i] = out
+            if choices:
+                yield sse(P.CompletionChunk(id=request_id, model=server.model_name, choices=choices))
+        if req.include_usage:
+            total = usage([finals[i] for i in sorted(finals)])
+            yield sse(P.CompletionChunk(id=request_id, model=server.model_name, choices=[], usage=total))
+    except (EngineDeadError, EngineShutdownError) as exc:
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest,
+                      stream: RequestStream, params: SamplingParams) -> AsyncIterator[str]:
+    """The SSE body of a streaming chat completion: the role first, then content pieces as they come."""
+    def chunk(choices: list[P.ChatStreamChoice], total: P.UsageInfo | None = None) -> str:
+        return sse(P.ChatCompletionChunk(id=request_id, model=server.model_name, choices=choices, usage=total))
+
+    sent = [StreamedChoice() for _ in range(req.n)]
+    holdback, final = stop_holdback(params), None
+    try:
+        yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
+                     for i in range(req.n)])
+        async for out in stream:
+            choices = []
+            for c in out.outputs:
+                state = sent[c.index]
+                if state.done:
+                    continue
+                text, t0, t1 = state.next_piece(c, holdback)
+                if text or t1 > t0 or state.done:
+                    choices.append(P.ChatStreamChoice(
+                        index=c.index, delta=P.DeltaMessage(content=text),
+                        logprobs=chat_logprobs(server, c, t0, t1, req.top_logprobs or 0),
+                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            final = out if out.finished else final
+            if choices:
+                yield chunk(choices)
+        if req.include_usage and final is not None:
+            yield chunk([], usage([final]))
+    except (EngineDeadError, EngineShutdownError) as exc:
+        yield sse_error(exc)
+    yield SSE_DONE
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-Sent Events over the engine's streams. However the response ends - finished, the client gone
+    (Starlette cancels it), the server shutting down - its streams are closed, so unfinished requests are
+    aborted and their KV blocks freed, even if the body never started."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await close_all(self.streams)
