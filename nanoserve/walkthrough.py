@@ -36,7 +36,7 @@ from nanoserve.config import EngineConfig, Optimizations
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels import reference
-from nanoserve.model.presets import get_preset
+from nanoserve.presets.catalog import get_preset
 from nanoserve.sampling import SamplingParams
 
 MODEL = "m3-tiny"

@@ -20,8 +20,8 @@ torch.set_num_threads(1)
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """An m3-tiny checkpoint directory (real key names, bf16, tokenizer), written once per test session."""
-    from nanoserve.model.make_checkpoint import write_checkpoint
-    from nanoserve.model.presets import get_preset
+    from nanoserve.presets.catalog import get_preset
+    from nanoserve.presets.make_checkpoint import write_checkpoint
 
     preset = get_preset("m3-tiny")
     path = str(tmp_path_factory.mktemp("m3-tiny"))

@@ -27,7 +27,7 @@ from nanoserve.bench.offline import NanoBench
 from nanoserve.config import Optimizations
 from nanoserve.engine.input_prep import InputPreparer
 from nanoserve.model.attention_metadata import AttentionMetadata
-from nanoserve.model.presets import get_preset
+from nanoserve.presets.catalog import get_preset
 
 REFERENCE = dict(triton_attention=False, triton_msa=False, fused_moe=False, fold_shared_expert=False,
                  fused_qk_norm_rope=False, fused_add_rmsnorm=False)
@@ -184,7 +184,7 @@ def test_hf_weights_map_to_the_same_model(bench):
 
 def test_hf_name_mapping_covers_every_tensor():
     from nanoserve.bench.hf import hf_name
-    from nanoserve.model.checkpoint_layout import checkpoint_specs
+    from nanoserve.presets.checkpoint_layout import checkpoint_specs
 
     cfg = get_preset("m3-tiny").config
     mapped = {hf_name(n, cfg)[0] for n in checkpoint_specs(cfg)}

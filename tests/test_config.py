@@ -10,7 +10,7 @@ import pytest
 
 from nanoserve.config import SWITCH_ALIASES, EngineConfig, Optimizations
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
-from nanoserve.model.presets import PRESETS, get_preset
+from nanoserve.presets.catalog import PRESETS, get_preset
 
 # The text_config of MiniMaxAI/MiniMax-M3 (BF16), every field of m3_spec.md section 1.1, values as released.
 REAL_TEXT_CONFIG = {

@@ -30,7 +30,7 @@ def test_buckets():
 
 
 def test_not_applicable_on_cpu_or_with_reference_kernels():
-    from nanoserve.model.presets import get_preset
+    from nanoserve.presets.catalog import get_preset
 
     class Fake:
         cfg = get_preset("m3-tiny").config

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 
 from nanoserve import LLM, Optimizations, SamplingParams
-from nanoserve.model.tokenizer_files import BOS_ID
+from nanoserve.presets.tokenizer import BOS_ID
 
 LAYER_SWITCHES = ("paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill")
 MAX_MODEL_LEN = 192

@@ -22,8 +22,8 @@ from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.kv_cache import allocate_kv_caches
 from nanoserve.model.loader import load_model, load_weights, read_config
 from nanoserve.model.m3 import M3ForCausalLM
-from nanoserve.model.make_checkpoint import write_checkpoint
-from nanoserve.model.presets import get_preset
+from nanoserve.presets.catalog import get_preset
+from nanoserve.presets.make_checkpoint import write_checkpoint
 from tests.hf_oracle import load_hf_oracle
 
 FP32_RTOL = 1e-5

@@ -20,7 +20,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sampler import Sampler, exponential_race
 from nanoserve.engine.sequence import Sequence
-from nanoserve.model.tokenizer_files import EOS_ID
+from nanoserve.presets.tokenizer import EOS_ID
 from tests.test_engine import (MAX_MODEL_LEN, MIXED_PARAMS, SMALL_BUDGET, SMALL_POOL_BLOCKS, assert_all_blocks_free,
                                engine_opts, mixed_prompts, random_tokens)
 

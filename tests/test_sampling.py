@@ -17,7 +17,7 @@ from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.model.attention_metadata import AttentionMetadata
-from nanoserve.model.tokenizer_files import EOS_ID
+from nanoserve.presets.tokenizer import EOS_ID
 
 DRAWS = 4000  # rows per distribution check; a frequency's std is <= 0.008, checked to FREQ_TOL
 FREQ_TOL = 0.03

@@ -45,8 +45,8 @@ from nanoserve.engine.model_runner import ModelInput
 from nanoserve.model import loader
 from nanoserve.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from nanoserve.model.m3 import M3ForCausalLM
-from nanoserve.model.make_checkpoint import write_checkpoint
-from nanoserve.model.presets import get_preset
+from nanoserve.presets.catalog import get_preset
+from nanoserve.presets.make_checkpoint import write_checkpoint
 from tests.tp_helpers import CPU_REFERENCE, channel_messages, channel_peer
 
 TP_RTOL = 1e-5

@@ -143,16 +143,10 @@ def _tokenizer(model: str):
     """The served model's tokenizer for W3's text prompts (None: send token ids)."""
     try:
         from nanoserve.engine.tokenizer import load_tokenizer
-        from nanoserve.model.presets import PRESETS
+        from nanoserve.presets.catalog import PRESETS
+        from nanoserve.presets.resolve import preset_tokenizer_dir
 
-        if model in PRESETS:
-            from nanoserve.model.make_checkpoint import preset_cache_dir
-            from nanoserve.model.tokenizer_files import write_tokenizer
-
-            path = preset_cache_dir(model) + "-tokenizer"
-            write_tokenizer(path)
-            return load_tokenizer(path)
-        return load_tokenizer(model)
+        return load_tokenizer(preset_tokenizer_dir(model) if model in PRESETS else model)
     except Exception as e:  # noqa: BLE001
         logging.getLogger(__name__).warning("no tokenizer for W3 text prompts (%s): sending token ids", e)
         return None

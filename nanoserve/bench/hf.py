@@ -32,9 +32,9 @@ import torch
 from nanoserve.bench.floor import H200, Ceilings, ModelCost
 from nanoserve.bench.offline import RunResult, performance, stats
 from nanoserve.bench.workloads import Workload
-from nanoserve.model.checkpoint_layout import random_tensors
 from nanoserve.model.m3_config import M3Config
-from nanoserve.model.presets import Preset
+from nanoserve.presets.catalog import Preset
+from nanoserve.presets.checkpoint_layout import random_tensors
 
 MODES = ("eager", "static")
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
@@ -79,7 +79,7 @@ def hf_text_config(cfg: M3Config, attn_implementation: str = "sdpa"):
     release) parsed from the released config.json dialect; checked field by field either way."""
     from transformers.models.minimax_m3_vl import MiniMaxM3VLConfig, MiniMaxM3VLTextConfig
 
-    from nanoserve.model.make_checkpoint import TINY_VISION_CONFIG
+    from nanoserve.presets.make_checkpoint import TINY_VISION_CONFIG
 
     want = _hf_dialect(cfg)
     try:

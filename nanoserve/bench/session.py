@@ -33,7 +33,7 @@ class PartTimeout(BaseException):
 
 
 def model_config(model: str) -> M3Config:
-    from nanoserve.model.presets import PRESETS, get_preset
+    from nanoserve.presets.catalog import PRESETS, get_preset
 
     if model in PRESETS:
         return get_preset(model).config
@@ -233,7 +233,7 @@ class BenchSession:
     def build_hf(self):
         if self.hf is None:
             from nanoserve.bench.hf import HFBench
-            from nanoserve.model.presets import PRESETS, get_preset
+            from nanoserve.presets.catalog import PRESETS, get_preset
 
             if self.cfg.model not in PRESETS:
                 raise ValueError("the HF baseline draws the preset's random weights in memory: --model must be a "

@@ -17,15 +17,10 @@ from nanoserve.engine import cuda_graphs
 from nanoserve.engine.input_prep import InputPreparer
 from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from nanoserve.model.loader import load_model
 from nanoserve.model.m3_config import M3Config
+from nanoserve.presets.resolve import load_model_or_preset
 
 logger = logging.getLogger(__name__)
-
-# Presets whose weights are drawn directly on the device rather than generated as a checkpoint on disk
-# (m3-slice is 50 GB). m3-tiny goes through a real checkpoint so CPU and GPU runs share its weights.
-DEVICE_INIT_PRESETS = {"m3-slice"}
-
 
 @dataclass
 class ModelInput:
@@ -64,9 +59,8 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
-        random_init = config.model in DEVICE_INIT_PRESETS
-        self.model, self.model_dir = load_model(config.model, config.optimizations, self.dtype, self.device,
-                                                random_init=random_init)
+        self.model, self.model_dir = load_model_or_preset(config.model, config.optimizations, self.dtype,
+                                                          self.device)
         self.model.eval()
         self.cfg: M3Config = self.model.cfg
         self.block_size = self.cfg.index_block_size

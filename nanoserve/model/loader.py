@@ -1,9 +1,10 @@
-"""Load an M3 checkpoint directory (or a preset) into an `M3ForCausalLM`.
+"""Load an M3 checkpoint directory into an `M3ForCausalLM`.
 
 Reads config.json in either dialect, then the safetensors files (one file, or shards listed in
 `model.safetensors.index.json`) by the real key names. Each rank reads only its slice of each tensor through
 safetensors' lazy slices. MXFP8 weights (fp8 e4m3 + per-1x32 E8M0 `weight_scale_inv`) are dequantised on load.
-MTP and vision tensors are skipped with one log line each.
+MTP and vision tensors are skipped with one log line each. Preset names are resolved to a directory (or to
+weights drawn on the device) above this module, in nanoserve/presets/resolve.py.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import torch
 from safetensors import safe_open
 
 from nanoserve.config import Optimizations
-from nanoserve.model.checkpoint_layout import random_tensors
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
-from nanoserve.model.make_checkpoint import MXFP8_BLOCK, dequantize_mxfp8
-from nanoserve.model.presets import PRESETS, get_preset
+from nanoserve.model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8
 
 logger = logging.getLogger(__name__)
 
@@ -70,18 +69,6 @@ class MXFP8Slice:
         s = self.scale[rows, b0:b1]
         w = dequantize_mxfp8(q, s, torch.bfloat16)
         return w[..., c0 - b0 * MXFP8_BLOCK: c1 - b0 * MXFP8_BLOCK]
-
-
-def resolve_model_dir(model: str) -> str:
-    """A preset name becomes its generated cache directory; a path must exist."""
-    if model in PRESETS:
-        from nanoserve.model.make_checkpoint import ensure_preset_checkpoint
-
-        return ensure_preset_checkpoint(model)
-    if not os.path.isdir(model):
-        raise CheckpointError(f"model directory {model!r} does not exist (and is not a preset: "
-                              f"{', '.join(sorted(PRESETS))})")
-    return model
 
 
 def read_config(model_dir: str) -> M3Config:
@@ -183,32 +170,12 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
             logger.info("skipped %d %s tensors (not part of the text model)", n, reason)
 
 
-def init_random_weights(model: M3ForCausalLM, preset: str, device: torch.device | str) -> None:
-    """Fill a model with a preset's random weights drawn directly on `device` (used for m3-slice on the GPU,
-    whose 50 GB checkpoint need not touch disk)."""
-    p = get_preset(preset)
-    loaders = model.load_map()
-    for key, t in random_tensors(model.cfg, p.init_std, p.random_norms, p.seed, device=device):
-        loaders[key](t)
-
-
-def load_model(model: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", random_init: bool = False) -> tuple[M3ForCausalLM, str]:
-    """Build the model for a directory or preset and load its weights. Returns (model, directory holding the
-    tokenizer). With random_init and a preset, weights are drawn on the device instead of read from disk."""
-    if random_init:
-        if model not in PRESETS:
-            raise ValueError(f"random_init needs a preset name, got {model!r}")
-        from nanoserve.model.make_checkpoint import preset_cache_dir
-        from nanoserve.model.tokenizer_files import write_tokenizer
-
-        tok_dir = preset_cache_dir(model) + "-tokenizer"
-        if not os.path.isfile(os.path.join(tok_dir, "tokenizer.json")):
-            write_tokenizer(tok_dir)
-        m = M3ForCausalLM(get_preset(model).config, opts, dtype, device)
-        init_random_weights(m, model, device)
-        return m, tok_dir
-    model_dir = resolve_model_dir(model)
+def load_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu") -> tuple[M3ForCausalLM, str]:
+    """Build the model for a checkpoint directory and load its weights. Returns (model, directory holding the
+    tokenizer - the same directory)."""
+    if not os.path.isdir(model_dir):
+        raise CheckpointError(f"model directory {model_dir!r} does not exist")
     cfg = read_config(model_dir)
     m = M3ForCausalLM(cfg, opts, dtype, device)
     load_weights(m, model_dir)

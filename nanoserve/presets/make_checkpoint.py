@@ -1,10 +1,11 @@
 """Write a preset model as a real-layout checkpoint directory.
 
-    python -m nanoserve.model.make_checkpoint --preset m3-tiny --out DIR [--mxfp8] [--shards N]
+    python -m nanoserve.presets.make_checkpoint --preset m3-tiny --out DIR [--mxfp8] [--shards N]
 
-The directory holds config.json (the released `minimax_m3_vl` layout), safetensors with the real key names
-(m3_spec.md section 3) - optionally MXFP8 (fp8 e4m3 weights + per-1x32 E8M0 `weight_scale_inv`) and optionally
-sharded with `model.safetensors.index.json` - and a tokenizer with M3's special tokens and chat template.
+The directory holds config.json (the released `minimax_m3_vl` layout), safetensors with the released key names -
+optionally MXFP8 (fp8 e4m3 weights + per-1x32 E8M0 `weight_scale_inv`, nanoserve/model/mxfp8.py) and optionally
+sharded with `model.safetensors.index.json` - and a tokenizer with M3's special tokens and chat template
+(presets/tokenizer.py). The engine calls `ensure_preset_checkpoint` to serve a preset by name.
 """
 
 from __future__ import annotations
@@ -21,44 +22,22 @@ from dataclasses import asdict
 import torch
 from safetensors.torch import save_file
 
-from nanoserve.model.checkpoint_layout import PROJ, checkpoint_specs, random_tensors
 from nanoserve.model.m3_config import M3Config
-from nanoserve.model.presets import Preset, get_preset
-from nanoserve.model.tokenizer_files import CHAT_TEMPLATE, build_tokenizer, write_tokenizer
+from nanoserve.model.mxfp8 import MXFP8_BLOCK, quantize_mxfp8
+from nanoserve.presets.catalog import Preset, get_preset
+from nanoserve.presets.checkpoint_layout import PROJ, checkpoint_specs, random_tensors
+from nanoserve.presets.tokenizer import CHAT_TEMPLATE, build_tokenizer, write_tokenizer
 
 CHECKPOINT_FORMAT_VERSION = 1
 """Bump when the maker's output changes in a way the preset fingerprint cannot see (e.g. how weights are drawn)."""
 SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-MXFP8_BLOCK = 32
-E8M0_BIAS = 127
-FP8_E4M3_MAX = 448.0
-
 # A small vision config so Hugging Face's full VL class can build the (unused) vision tower cheaply.
 TINY_VISION_CONFIG = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
                       "model_type": "minimax_m3_vl_vision"}
 
 
-def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """W [out, in] -> (fp8 e4m3 [out, in], uint8 E8M0 exponents [out, in/32]) with W ~= fp8 * 2^(scale - 127).
-    Each 1x32 block's scale is the power of two that brings its max |w| within fp8's range."""
-    out_f, in_f = w.shape
-    if in_f % MXFP8_BLOCK:
-        raise ValueError(f"MXFP8 needs the input dim to be a multiple of {MXFP8_BLOCK}, got {in_f}")
-    blocks = w.float().reshape(out_f, in_f // MXFP8_BLOCK, MXFP8_BLOCK)
-    amax = blocks.abs().amax(-1).clamp(min=2.0 ** -100)
-    exp = torch.ceil(torch.log2(amax / FP8_E4M3_MAX)).clamp(-E8M0_BIAS, 127)
-    q = (blocks / torch.exp2(exp)[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q.reshape(out_f, in_f), (exp + E8M0_BIAS).to(torch.uint8)
-
-
-def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of quantize_mxfp8 (and the checkpoint's rule): W[o, i] = fp8[o, i] * 2^(S[o, i // 32] - 127)."""
-    factor = torch.exp2(scale.float() - E8M0_BIAS).repeat_interleave(MXFP8_BLOCK, dim=-1)[..., : q.shape[-1]]
-    return (q.float() * factor).to(dtype)
-
-
 def _is_quantized(name: str, spec_role: str) -> bool:
-    # MXFP8 checkpoints keep embeddings, lm_head, norms and the router unquantized (m3_spec.md 3.6).
+    # MXFP8 checkpoints keep embeddings, lm_head, norms and the router unquantized, as the released one does.
     return spec_role == PROJ and "embed_tokens" not in name and "lm_head" not in name
 
 

@@ -1,4 +1,4 @@
-"""The tensors of an M3 text checkpoint by their real names (m3_spec.md section 3), and random weights for them.
+"""The tensors of an M3 text checkpoint by their released names, and random weights for them.
 
 `checkpoint_specs(cfg)` lists every text tensor with its shape and role; the checkpoint maker writes them and
 the benchmark draws them straight into device memory, both through `random_tensors`.

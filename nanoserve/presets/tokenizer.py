@@ -1,7 +1,7 @@
 """A small byte-level BPE tokenizer with M3's special tokens and chat format, for the preset models.
 
 The real M3 tokenizer ships with its checkpoint; presets have random weights, so any tokenizer works as long as it
-round-trips any text, has M3's special tokens and renders M3-format chats (m3_spec.md section 4). This one is
+round-trips any text, has M3's special tokens and renders M3-format chats. This one is
 trained deterministically on a short embedded text: ids 0-8 are the special tokens, then the 256 byte symbols
 (so every string is encodable, and a rare character spans several tokens - which the incremental detokeniser
 must handle), then BPE merges up to VOCAB_SIZE, so a random model's output still decodes to word pieces.

@@ -1,12 +1,12 @@
 """Named model presets with random weights: `m3-tiny` for CPU tests and the default server, `m3-slice` for GPU
-benchmarks (../shared/BENCHMARKS.md: the real widths with 4 layers)."""
+benchmarks (the released model's widths with 4 layers; docs/benchmarks.md)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
-from nanoserve.model.tokenizer_files import BOS_ID, EOS_ID, VOCAB_SIZE
+from nanoserve.presets.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -17,6 +17,7 @@ class Preset:
     init_std: float  # normal std for every projection
     random_norms: bool  # draw norm offsets (and the router bias) instead of zeros, to exercise (1 + w)
     seed: int = 0
+    draw_on_device: bool = False  # serve by drawing the weights in device memory, not via a written checkpoint
 
 
 def _tiny() -> Preset:
@@ -40,7 +41,8 @@ def _slice() -> Preset:
         num_hidden_layers=4, attn_layer_types=[DENSE] + [SPARSE] * 3, mlp_layer_types=[DENSE] + [SPARSE] * 3,
         max_position_embeddings=262_144, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
     )
-    return Preset(cfg, init_std=0.02, random_norms=False)
+    # ~50 GB of weights: drawn straight into device memory rather than written to disk and read back.
+    return Preset(cfg, init_std=0.02, random_norms=False, draw_on_device=True)
 
 
 PRESETS = {"m3-tiny": _tiny, "m3-slice": _slice}

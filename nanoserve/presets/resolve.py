@@ -1,0 +1,61 @@
+"""Turn the `model` a user names - a preset or a checkpoint directory - into a loaded model.
+
+A directory goes straight to the loader. A preset is either generated once into the cache as a real checkpoint
+directory (make_checkpoint.ensure_preset_checkpoint) and then loaded like any other, or - for presets too large
+to write (`Preset.draw_on_device`) - built with its random weights drawn directly in device memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanoserve.config import Optimizations
+from nanoserve.model.loader import CheckpointError, load_model
+from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.presets.catalog import PRESETS, get_preset
+from nanoserve.presets.checkpoint_layout import random_tensors
+
+
+def resolve_model_dir(model: str) -> str:
+    """A preset name becomes its generated cache directory; a path must exist."""
+    if model in PRESETS:
+        from nanoserve.presets.make_checkpoint import ensure_preset_checkpoint
+
+        return ensure_preset_checkpoint(model)
+    if not os.path.isdir(model):
+        raise CheckpointError(f"model directory {model!r} does not exist (and is not a preset: "
+                              f"{', '.join(sorted(PRESETS))})")
+    return model
+
+
+def preset_tokenizer_dir(preset: str) -> str:
+    """A directory holding just the preset's tokenizer (written on first use), for presets drawn on the device."""
+    from nanoserve.presets.make_checkpoint import preset_cache_dir
+    from nanoserve.presets.tokenizer import write_tokenizer
+
+    path = preset_cache_dir(preset) + "-tokenizer"
+    if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+        write_tokenizer(path)
+    return path
+
+
+def init_random_weights(model: M3ForCausalLM, preset: str, device: torch.device | str) -> None:
+    """Fill a model with a preset's random weights drawn directly on `device` (m3-slice on the GPU, whose 50 GB
+    checkpoint need not touch disk)."""
+    p = get_preset(preset)
+    loaders = model.load_map()
+    for key, t in random_tensors(model.cfg, p.init_std, p.random_norms, p.seed, device=device):
+        loaders[key](t)
+
+
+def load_model_or_preset(model: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
+                         device: torch.device | str = "cpu") -> tuple[M3ForCausalLM, str]:
+    """Build and fill the model named by `model` (a preset or a directory). Returns (model, directory holding the
+    tokenizer)."""
+    if model in PRESETS and get_preset(model).draw_on_device:
+        m = M3ForCausalLM(get_preset(model).config, opts, dtype, device)
+        init_random_weights(m, model, device)
+        return m, preset_tokenizer_dir(model)
+    return load_model(resolve_model_dir(model), opts, dtype, device)
