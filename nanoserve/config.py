@@ -92,6 +92,7 @@ SWITCH_ALIASES: dict[str, tuple[str, bool]] = {
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_TOKENS = 32768
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
 @dataclass
@@ -118,6 +119,10 @@ class EngineConfig:
     seed: int = 0
     max_waiting_requests: int = 1024
     max_logprobs: int = 20
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs report (vLLM's values): raw_* of the model's logits before any sampling step; processed_* of
+    the logits the draw used (after allowed_token_ids, bad_words, min_tokens, logit_bias, penalties, temperature
+    and top-k/top-p/min-p); *_logprobs as log-softmax, *_logits as the logits themselves."""
     served_model_name: str | None = None
     distributed_init_method: str | None = None
     """torch.distributed rendezvous (tcp://host:port or env://); None picks a free loopback port."""
@@ -180,4 +185,5 @@ class EngineConfig:
         need(is_int(self.seed), "seed", "an integer")
         int_in("max_waiting_requests", 1)
         int_in("max_logprobs", 0, 1000)
+        need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}")
         need(isinstance(self.optimizations, Optimizations), "optimizations", "an Optimizations instance")

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-MAX_SEED = 2**63 - 1
+MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # the int64 range, as vLLM's request models
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: +-100 bans or forces a token
 
 
 @dataclass
@@ -28,7 +29,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     """Subtracted per occurrence in the output."""
     seed: int | None = None
-    """Per-request seed: the same seed gives the same tokens whatever else is in the batch."""
+    """Per-request seed (any int64): the same seed gives the same tokens whatever else is in the batch."""
     max_tokens: int | None = 16
     """Maximum new tokens (None = up to the model's max length)."""
     min_tokens: int = 0
@@ -42,9 +43,22 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     """Keep the stop string or stop token's text at the end of the output text."""
     logprobs: int | None = None
-    """Return the chosen token's log-probability and this many top alternatives (of the raw model logits)."""
+    """Return the chosen token's log-probability and this many top alternatives (-1 = the whole vocabulary).
+    Of the raw model logits unless the engine's logprobs_mode says otherwise."""
+    prompt_logprobs: int | None = None
+    """Return, for every prompt token after the first, its log-probability and this many top alternatives
+    (-1 = the whole vocabulary). The first prompt token has none (None in the output)."""
+    logit_bias: dict[int, float] | None = None
+    """Token id -> value added to its logit before sampling, in [-100, 100] (-100 bans, +100 forces)."""
+    allowed_token_ids: list[int] | None = None
+    """Only these tokens may be generated (a non-empty list)."""
+    bad_words: list[str] | None = None
+    """Words that must not be generated: the word's last token is banned wherever the output ends with the
+    tokens before it (each word is tokenized as written and with a leading space)."""
     skip_special_tokens: bool = True
     stop_list: list[str] = field(init=False, default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(init=False, default_factory=list)
+    """The tokenized bad_words; the engine fills this in when the request arrives."""
 
     def __post_init__(self) -> None:
         if self.top_k == -1:
@@ -61,9 +75,15 @@ class SamplingParams:
             self.stop_token_ids = []
         else:
             raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         self.validate()
 
-    def validate(self, max_logprobs: int | None = None) -> None:
+    def validate(self, max_logprobs: int | None = None, vocab_size: int | None = None) -> None:
+        """Check every value; with an engine's `max_logprobs` and `vocab_size`, also the limits that depend on
+        it (logprobs counts, token ids inside the vocabulary)."""
         def bad(name: str, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {getattr(self, name)!r}")
 
@@ -89,8 +109,8 @@ class SamplingParams:
             raise bad("presence_penalty", "a number in [-2, 2]")
         if not is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "a number in [-2, 2]")
-        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED):
-            raise bad("seed", f"an integer in [0, {MAX_SEED}]")
+        if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
+            raise bad("seed", f"an integer in [{MIN_SEED}, {MAX_SEED}]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
             raise bad("max_tokens", "an integer >= 1")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
@@ -104,10 +124,65 @@ class SamplingParams:
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")
-        # the cap is the engine's (its max_logprobs), so it applies when a request reaches an engine
-        if self.logprobs is not None and (not is_int(self.logprobs) or self.logprobs < 0
-                                          or (max_logprobs is not None and self.logprobs > max_logprobs)):
-            raise bad("logprobs", "an integer >= 0" if max_logprobs is None else f"an integer in [0, {max_logprobs}]")
+        self._validate_token_fields(is_int, is_num)
+        # the caps are the engine's (its max_logprobs and vocabulary), so they apply when a request reaches one
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not is_int(value) or value < -1:
+                raise bad(name, "an integer >= 0, or -1 for the whole vocabulary")
+            if value == -1 and vocab_size is None:
+                continue  # the whole vocabulary: checked against the cap once the vocabulary is known
+            if max_logprobs is not None and (vocab_size if value == -1 else value) > max_logprobs:
+                whole = f" (-1 asks for the whole vocabulary, {vocab_size} tokens)" if value == -1 else ""
+                raise ValueError(f"{name} must be an integer in [0, {max_logprobs}] (this engine's max_logprobs), "
+                                 f"got {value}{whole}")
+        if vocab_size is not None:
+            self._check_vocabulary(vocab_size)
+
+    def _validate_token_fields(self, is_int, is_num) -> None:
+        """Shapes and ranges of logit_bias, allowed_token_ids and bad_words."""
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bad_keys = [k for k in self.logit_bias if not is_int(k) or k < 0]
+            if bad_keys:
+                raise ValueError(f"logit_bias keys must be non-negative token ids, got {bad_keys!r}")
+            bad_values = {k: v for k, v in self.logit_bias.items()
+                          if not is_num(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+            if bad_values:
+                raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {bad_values!r}")
+        if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, list) or not self.allowed_token_ids:
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r}")
+            if not all(is_int(t) and t >= 0 for t in self.allowed_token_ids):
+                raise ValueError("allowed_token_ids must be a list of non-negative integers")
+        if self.bad_words is not None and (not isinstance(self.bad_words, list)
+                                           or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+            raise ValueError(f"bad_words must be a list of non-empty strings, got {self.bad_words!r}")
+
+    def _check_vocabulary(self, vocab_size: int) -> None:
+        """Every token id the request names must be inside the vocabulary."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("allowed_token_ids", self.allowed_token_ids),
+                          ("logit_bias", list(self.logit_bias or ()))):
+            outside = sorted({t for t in ids or () if t >= vocab_size})
+            if outside:
+                raise ValueError(f"{name} contains token ids outside the vocabulary: {outside} (the vocabulary "
+                                 f"has {vocab_size} tokens, ids 0..{vocab_size - 1})")
+
+    def set_bad_words_token_ids(self, encode) -> None:
+        """Tokenize bad_words with `encode(text) -> ids`: each word as written (leading spaces dropped) and, when
+        that tokenizes differently into as many tokens, with one leading space - the form it takes mid-text."""
+        self.bad_words_token_ids = []
+        for word in self.bad_words or ():
+            plain = list(encode(word.lstrip()))
+            spaced = list(encode(" " + word.lstrip()))
+            self.bad_words_token_ids.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self.bad_words_token_ids.append(spaced)
 
     @property
     def greedy(self) -> bool:

@@ -57,13 +57,18 @@ def run(llm: LLM, prompt: list[int], **params):
     ({"repetition_penalty": 0.0}, "repetition_penalty"), ({"repetition_penalty": -1.0}, "repetition_penalty"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"presence_penalty": -3}, "presence_penalty"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"frequency_penalty": None}, "frequency_penalty"),
-    ({"seed": -1}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": 2**63}, "seed"),
+    ({"seed": -(2**63) - 1}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": 2**63}, "seed"),
     ({"max_tokens": 0}, "max_tokens"), ({"max_tokens": 2.0}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"), ({"min_tokens": 5, "max_tokens": 4}, "min_tokens"),
     ({"stop": ""}, "stop"), ({"stop": [""]}, "stop"), ({"stop": 5}, "stop"), ({"stop": ["a", 3]}, "stop"),
     ({"stop_token_ids": [-1]}, "stop_token_ids"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
     ({"stop_token_ids": 5}, "stop_token_ids"),
-    ({"logprobs": -1}, "logprobs"), ({"logprobs": 2.5}, "logprobs"),
+    ({"logprobs": -2}, "logprobs"), ({"logprobs": 2.5}, "logprobs"),
+    ({"prompt_logprobs": -2}, "prompt_logprobs"), ({"prompt_logprobs": 1.0}, "prompt_logprobs"),
+    ({"logit_bias": {"5": 1.0}}, "logit_bias"), ({"logit_bias": {5: 100.5}}, "logit_bias"),
+    ({"logit_bias": {5: float("nan")}}, "logit_bias"), ({"logit_bias": [5]}, "logit_bias"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"bad_words": [""]}, "bad_words"), ({"bad_words": "word"}, "bad_words"), ({"bad_words": [3]}, "bad_words"),
     ({"ignore_eos": "yes"}, "ignore_eos"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": None}, "skip_special_tokens"),
 ])
@@ -79,7 +84,9 @@ def test_sampling_params_normalisation():
     assert SamplingParams(stop=("x", "yz")).stop_list == ["x", "yz"]
     assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
     assert SamplingParams(temperature=0.0).greedy and not SamplingParams().greedy
-    SamplingParams(max_tokens=None, min_tokens=100, seed=2**63 - 1, logprobs=20)  # edges are valid
+    # edges are valid: seeds span int64 as in vLLM; -1 logprobs = the whole vocabulary; +-100 biases
+    SamplingParams(max_tokens=None, min_tokens=100, seed=2**63 - 1, logprobs=20, prompt_logprobs=0)
+    SamplingParams(seed=-(2**63), logprobs=-1, prompt_logprobs=-1, logit_bias={0: -100, 7: 100.0})
 
 
 def test_logprobs_are_capped_by_the_engine_not_the_params(llm):

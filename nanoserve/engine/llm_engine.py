@@ -131,7 +131,7 @@ class LLMEngine:
                                    self.block_manager, self._emit)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
         self.eos_token_id = mcfg.eos_token_id
-        self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id)
+        self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id, config.logprobs_mode)
         self.requests: dict[str, RequestState] = {}
         # read once: a step in flight must be finished by the path that launched it
         self.overlap = opts.overlap_scheduling
@@ -190,7 +190,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
-        params.validate(self.config.max_logprobs)
+        params.validate(self.config.max_logprobs, self.model_config.vocab_size)
+        if params.bad_words:
+            params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
         arrival = arrival_time if arrival_time is not None else time.monotonic()

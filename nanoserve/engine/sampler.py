@@ -1,9 +1,13 @@
 """Turn each sequence's next-token logits into a token, on the device, for a whole batch at once.
 
-Order of operations (as vLLM): log-probabilities are taken from the raw logits; then repetition / presence /
-frequency penalties, min_tokens suppression of EOS and stop ids, temperature, top-k, top-p, min-p, and a draw.
-Greedy rows (temperature 0) take the argmax of the penalised logits. A request with a seed draws from its own
-generator, so its tokens do not depend on what else is in the batch; other requests share the engine's.
+Order of operations (as vLLM's sampler): the logprobs of the raw logits are taken first (logprobs_mode
+"raw_logprobs", the default); then each processing step, one method each, batched over the rows that use it:
+allowed_token_ids (everything else masked), bad_words, min_tokens suppression of EOS and stop ids, logit_bias,
+repetition / presence / frequency penalties; then temperature, top-k, top-p, min-p and a draw. Greedy rows
+(temperature 0) take the argmax of the processed logits. With logprobs_mode "processed_logprobs" the logprobs are
+taken from the logits the draw used instead (after every step above, temperature and filters included). A request
+with a seed draws from its own generator, so its tokens do not depend on what else is in the batch; other
+requests share the engine's.
 
 Two halves (for the engine's overlap_scheduling): `sample` queues all of this on the device and returns tensors -
 nothing in it waits for the device (no `.item()`, `.tolist()` or synchronous host-to-device copy), so on a GPU it
@@ -16,7 +20,21 @@ from dataclasses import dataclass
 
 import torch
 
+from nanoserve.config import LOGPROBS_MODES
 from nanoserve.engine.sequence import Sequence
+
+MASK64 = 2**64 - 1
+
+
+def generator_seed(seed: int, index: int) -> int:
+    """The generator seed of completion `index` of a request seeded with `seed` (any int64). n > 1 completions
+    must differ yet be reproducible, so the index is added; the sum goes through splitmix64's finaliser because
+    torch's CPU generator keeps only the low 32 bits of its seed, and seeds that differ only in their high bits
+    (-1 and 2**63 - 1) must still draw differently."""
+    z = (seed + index + 0x9E3779B97F4A7C15) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass
@@ -60,9 +78,13 @@ def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.T
 
 
 class Sampler:
-    def __init__(self, device: torch.device, seed: int, eos_token_id: int | None):
+    def __init__(self, device: torch.device, seed: int, eos_token_id: int | None,
+                 logprobs_mode: str = "raw_logprobs"):
+        if logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(LOGPROBS_MODES)}, got {logprobs_mode!r}")
         self.device = device
         self.eos_token_id = eos_token_id
+        self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self._seq_generators: dict[int, torch.Generator] = {}
 
@@ -72,8 +94,7 @@ class Sampler:
     def _generator(self, seq: Sequence) -> torch.Generator:
         g = self._seq_generators.get(seq.seq_id)
         if g is None:
-            # n > 1 completions of a seeded request must differ, yet be reproducible: offset by the index
-            g = torch.Generator(device=self.device).manual_seed((seq.params.seed + seq.index) % (2**63))
+            g = torch.Generator(device=self.device).manual_seed(generator_seed(seq.params.seed, seq.index))
             self._seq_generators[seq.seq_id] = g
         return g
 
@@ -90,27 +111,44 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
-        """The device half: queue the draw and the logprobs of the raw logits. Reads `logits` only through work
-        queued here, so a static CUDA-graph output may be overwritten by a later replay once this returns."""
-        logits = logits.to(torch.float32, copy=True)  # penalties edit it in place; the caller's stays intact
+        """The device half: queue the draw and the logprobs. Reads `logits` only through work queued here, so a
+        static CUDA-graph output may be overwritten by a later replay once this returns."""
+        logits = logits.to(torch.float32, copy=True)  # the steps edit it in place; the caller's stays intact
         num_logprobs = [s.params.logprobs for s in seqs]
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if any(n is not None for n in num_logprobs) else None
-        logits = self._apply_penalties(logits, seqs)
+        wanted = any(n is not None for n in num_logprobs)
+        raw = self.logprobs_mode.startswith("raw")
+        source = self._logprob_values(logits) if wanted and raw else None
+        logits = self._restrict_to_allowed(logits, seqs)
+        logits = self._ban_bad_words(logits, seqs)
         logits = self._suppress_early_stop(logits, seqs)
+        logits = self._apply_logit_bias(logits, seqs)
+        logits = self._apply_penalties(logits, seqs)
 
         tokens = logits.argmax(dim=-1)
         rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        processed = logits
         if rows:
             idx = self._tensor(rows, torch.long)
-            tokens[idx] = self._draw(logits[idx], [seqs[i] for i in rows])
+            drawn, filtered = self._draw(logits[idx], [seqs[i] for i in rows])
+            tokens[idx] = drawn
+            if wanted and not raw:
+                processed = logits.index_copy(0, idx, filtered)
+        if wanted and not raw:
+            source = self._logprob_values(processed)
 
         chosen = top_vals = top_ids = None
-        if raw_logprobs is not None:
-            chosen = raw_logprobs.gather(1, tokens[:, None])[:, 0]
-            k = max(n or 0 for n in num_logprobs)
+        if source is not None:
+            chosen = source.gather(1, tokens[:, None])[:, 0]
+            vocab = logits.shape[-1]
+            k = min(max(vocab if n == -1 else (n or 0) for n in num_logprobs), vocab)
             if k:
-                top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+                top_vals, top_ids = source.topk(k, dim=-1)
+        num_logprobs = [logits.shape[-1] if n == -1 else n for n in num_logprobs]
         return DeviceSample(tokens, num_logprobs, chosen, top_vals, top_ids)
+
+    def _logprob_values(self, logits: torch.Tensor) -> torch.Tensor:
+        """What logprobs report, by logprobs_mode: log-softmax of `logits`, or the logits themselves."""
+        return logits.clone() if self.logprobs_mode.endswith("logits") else torch.log_softmax(logits, dim=-1)
 
     @staticmethod
     def to_host(sample: DeviceSample) -> SampleResult:
@@ -122,7 +160,58 @@ class Sampler:
         top_ids = sample.top_ids.tolist() if sample.top_ids is not None else None
         return SampleResult(tokens, chosen, sample.num_logprobs, top_vals, top_ids)
 
-    # -- logit processing ---------------------------------------------------------------------------------
+    # -- logit processing (each step touches only the rows whose request uses it) ---------------------------
+    def _restrict_to_allowed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """allowed_token_ids: every other token of the row is masked out."""
+        vocab = logits.shape[-1]
+        rows, ids = [], []
+        for i, s in enumerate(seqs):
+            if s.params.allowed_token_ids is not None:
+                allowed = [t for t in s.params.allowed_token_ids if t < vocab]
+                rows.extend([i] * len(allowed))
+                ids.extend(allowed)
+        if not rows:
+            return logits
+        r, t = self._tensor(rows, torch.long), self._tensor(ids, torch.long)
+        keep = torch.zeros_like(logits, dtype=torch.bool).index_put_((r, t), torch.ones_like(r, dtype=torch.bool))
+        restricted = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device).index_fill_(0, r, True)
+        return logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
+
+    def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """bad_words: a word's last token is banned where the output already ends with the tokens before it (a
+        one-token word is always banned)."""
+        rows, ids = [], []
+        for i, s in enumerate(seqs):
+            out = s.output_token_ids
+            for word in s.params.bad_words_token_ids:
+                prefix = word[:-1]
+                if len(out) >= len(prefix) and out[len(out) - len(prefix):] == prefix and word[-1] < logits.shape[-1]:
+                    rows.append(i)
+                    ids.append(word[-1])
+        return self._fill(logits, rows, ids, float("-inf"))
+
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """logit_bias: the request's value added to each named token's logit."""
+        rows, ids, values = [], [], []
+        for i, s in enumerate(seqs):
+            for t, v in (s.params.logit_bias or {}).items():
+                if t < logits.shape[-1]:
+                    rows.append(i)
+                    ids.append(t)
+                    values.append(float(v))
+        if rows:
+            logits.index_put_((self._tensor(rows, torch.long), self._tensor(ids, torch.long)),
+                              self._tensor(values, torch.float32), accumulate=True)
+        return logits
+
+    def _fill(self, logits: torch.Tensor, rows: list[int], ids: list[int], value: float) -> torch.Tensor:
+        """Set logits[rows[j], ids[j]] = value for every j, in one indexed write."""
+        if rows:
+            r = self._tensor(rows, torch.long)
+            logits.index_put_((r, self._tensor(ids, torch.long)),
+                              torch.full((), value, dtype=logits.dtype, device=logits.device))
+        return logits
+
     def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
                 or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
@@ -147,18 +236,21 @@ class Sampler:
         return logits
 
     def _suppress_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """min_tokens: EOS (unless ignored) and the stop token ids are masked until that many tokens exist."""
+        rows, ids = [], []
         for i, s in enumerate(seqs):
             if len(s.output_token_ids) < s.params.min_tokens:
                 stop_ids = list(s.params.stop_token_ids or [])
                 if self.eos_token_id is not None and not s.params.ignore_eos:
                     stop_ids.append(self.eos_token_id)
                 stop_ids = [t for t in stop_ids if t < logits.shape[-1]]
-                if stop_ids:
-                    logits[i].index_fill_(0, self._tensor(stop_ids, torch.long), float("-inf"))
-        return logits
+                rows.extend([i] * len(stop_ids))
+                ids.extend(stop_ids)
+        return self._fill(logits, rows, ids, float("-inf"))
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-        """Temperature, top-k, top-p, min-p, then one draw per row (all rows here have temperature > 0)."""
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Temperature, top-k, top-p, min-p, then one draw per row (all rows here have temperature > 0).
+        Returns the tokens and the logits they were drawn from (filtered-out tokens at -inf)."""
         temps = self._tensor([s.params.temperature for s in seqs], torch.float32)
         logits = logits / temps[:, None]
         top_k = self._tensor([s.params.top_k for s in seqs], torch.long)
@@ -185,4 +277,4 @@ class Sampler:
             rest = [i for i in range(len(seqs)) if seqs[i].params.seed is None]
             idx = self._tensor(rest, torch.long)
             out[idx] = exponential_race(probs[idx], self.generator)
-        return out
+        return out, logits
