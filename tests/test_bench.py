@@ -212,9 +212,12 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    logprobs_seen: list = []
+
     def do_POST(self) -> None:
         req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         assert req["stream"] and req["ignore_eos"] and req["model"] == "fake"
+        self.logprobs_seen.append(req.get("logprobs", "absent"))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -228,19 +231,22 @@ class _FakeOpenAI(BaseHTTPRequestHandler):
         self.wfile.flush()
 
 
-@pytest.mark.parametrize("client", ["httpx", "aiohttp"])
-def test_serve_client_metrics(client):
+@pytest.mark.parametrize("client, logprobs", [("httpx", None), ("aiohttp", None), ("httpx", 2)])
+def test_serve_client_metrics(client, logprobs):
     pytest.importorskip(client)
     from nanoserve.bench.serve import run_sweep, sweep_table
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), _FakeOpenAI)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    _FakeOpenAI.logprobs_seen = []
     try:
         sweep = run_sweep(f"http://127.0.0.1:{server.server_port}", None, [1, 3], 2, prompt_len=8, output_len=5,
-                          client=client)
+                          client=client, logprobs=logprobs)
     finally:
         server.shutdown()
-    assert sweep["model"] == "fake" and sweep["client"] == client
+    assert sweep["model"] == "fake" and sweep["client"] == client and sweep["logprobs"] == logprobs
+    # warm-up and timed requests alike carry the logprobs field only when asked
+    assert _FakeOpenAI.logprobs_seen == ["absent" if logprobs is None else logprobs] * (3 * 1 + 3 * 3)
     for lv, c in zip(sweep["levels"], (1, 3)):
         assert lv["concurrency"] == c and lv["completed"] == 2 * c and lv["failed"] == 0
         assert lv["output_tokens"] == 5 * 2 * c and lv["prompt_tokens"] == 8 * 2 * c
@@ -287,10 +293,11 @@ def test_w3_against_nanoserve_server(tmp_path):
         out = tmp_path / "w3"
         rc = main(["--serve", f"http://127.0.0.1:{port}", "--model", "m3-tiny", "--scale", "small",
                    "--concurrency", "1,2", "--requests-per-concurrency", "1", "--prompt-len", "16",
-                   "--output-len", "4", "--out", str(out)])
+                   "--output-len", "4", "--serve-logprobs", "1", "--out", str(out)])
         assert rc == 0
         sweep = json.loads((out / "results.json").read_text())["serve"][0]
         assert sweep["model"] == "tiny" and [lv["concurrency"] for lv in sweep["levels"]] == [1, 2]
+        assert sweep["logprobs"] == 1
         for lv in sweep["levels"]:
             assert lv["failed"] == 0 and lv["completed"] == lv["concurrency"]
             assert lv["output_tokens"] == 4 * lv["concurrency"] and lv["tpot_ms"]["mean"] > 0

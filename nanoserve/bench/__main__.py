@@ -57,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--concurrency", default=None, help="W3 concurrency levels (default 1,4,16,64)")
     ap.add_argument("--requests-per-concurrency", type=int, default=None, help="W3: requests = this x C (10)")
+    ap.add_argument("--serve-logprobs", type=int, default=None, metavar="N",
+                    help="W3: every request asks for logprobs=N (the chosen token's logprob and N alternatives per "
+                         "token; 0 = the chosen token's only); default: no logprobs")
     ap.add_argument("--out", default=None, help="directory for results.json, tables and PNG plots")
     ap.add_argument("--switch", action="append", default=[], metavar="NAME=on|off",
                     help="set an optimization switch (repeatable)")
@@ -112,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.serve:
         spec = W.serve_spec(scale, args.prompt_len, args.output_len, _ints(args.concurrency),
-                            args.requests_per_concurrency)
+                            args.requests_per_concurrency, args.serve_logprobs)
         tok = _tokenizer(model)
         session.part("W3 serve sweep", lambda: session.serve(args.serve, spec, args.served_model_name, tok))
     elif "W3" in names:

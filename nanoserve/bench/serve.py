@@ -205,10 +205,13 @@ def make_prompts(n: int, prompt_len: int, tokenizer=None, seed: int = 0) -> list
 
 
 async def _level(client: _Client, url: str, model: str, warm: list, prompts: list, output_len: int,
-                 concurrency: int) -> dict:
+                 concurrency: int, logprobs: int | None = None) -> dict:
     def body(prompt, max_tokens: int) -> dict:
-        return {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        b = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+             "stream": True, "stream_options": {"include_usage": True}}
+        if logprobs is not None:  # the chosen token's logprob and `logprobs` alternatives with every token
+            b["logprobs"] = logprobs
+        return b
 
     # warm-up prompts are distinct from the timed ones, so they seed no prefix-cache hits
     await asyncio.gather(*(client.stream(url, body(p, WARMUP_MAX_TOKENS), n) for p, n in warm))
@@ -232,7 +235,7 @@ async def _level(client: _Client, url: str, model: str, warm: list, prompts: lis
 
 async def _sweep(base_url: str, model: str | None, concurrency: list[int], requests_per_concurrency: int,
                  prompt_len: int, output_len: int, tokenizer, seed: int, timeout_s: float, on_level=None,
-                 client_kind: str = "auto") -> dict:
+                 client_kind: str = "auto", logprobs: int | None = None) -> dict:
     base = base_url.rstrip("/")
     if base.endswith("/v1"):
         base = base[: -len("/v1")]
@@ -243,21 +246,25 @@ async def _sweep(base_url: str, model: str | None, concurrency: list[int], reque
         levels = []
         for c in concurrency:
             prompts = make_prompts(requests_per_concurrency * c + c, prompt_len, tokenizer, seed + c)
-            lv = await _level(client, f"{base}/v1/completions", model, prompts[:c], prompts[c:], output_len, c)
+            lv = await _level(client, f"{base}/v1/completions", model, prompts[:c], prompts[c:], output_len, c,
+                              logprobs)
             levels.append(lv)
             if on_level is not None:
                 on_level(lv)
     return {"url": base_url, "model": model, "client": client.kind, "prompt_len": prompt_len, "output_len": output_len,
-            "requests_per_concurrency": requests_per_concurrency, "levels": levels}
+            "requests_per_concurrency": requests_per_concurrency, "logprobs": logprobs, "levels": levels}
 
 
 def run_sweep(base_url: str, model: str | None = None, concurrency: list[int] = (1, 4, 16, 64),
               requests_per_concurrency: int = 10, prompt_len: int = 1024, output_len: int = 256, tokenizer=None,
-              seed: int = 0, timeout_s: float = 3600.0, on_level=None, client: str = "auto") -> dict:
+              seed: int = 0, timeout_s: float = 3600.0, on_level=None, client: str = "auto",
+              logprobs: int | None = None) -> dict:
     """The W3 sweep against `base_url` (http://host:port). `model`: the served name (None = the first listed).
-    `client`: "aiohttp", "httpx" or "auto" (the first of those importable)."""
+    `client`: "aiohttp", "httpx" or "auto" (the first of those importable). `logprobs`: None sends no logprobs
+    field; N asks every request for the chosen token's logprob and N alternatives per token (what logprobs cost
+    is the sweep with N against the sweep without)."""
     return asyncio.run(_sweep(base_url, model, list(concurrency), requests_per_concurrency, prompt_len, output_len,
-                              tokenizer, seed, timeout_s, on_level, client))
+                              tokenizer, seed, timeout_s, on_level, client, logprobs))
 
 
 def sweep_table(sweep: dict) -> str:
@@ -270,6 +277,7 @@ def sweep_table(sweep: dict) -> str:
                      lv["tpot_ms"]["p50"], lv["tpot_ms"]["p99"], lv["itl_ms"]["p50"], lv["itl_ms"]["p99"],
                      lv["e2el_ms"]["p50"], lv["e2el_ms"]["p99"]])
     title = (f"W3 closed loop: {sweep['url']} model {sweep['model']}, {sweep['prompt_len']} in / "
-             f"{sweep['output_len']} out, {sweep['requests_per_concurrency']} x C requests, client {sweep['client']}")
+             f"{sweep['output_len']} out, {sweep['requests_per_concurrency']} x C requests, client {sweep['client']}"
+             + (f", logprobs={sweep['logprobs']}" if sweep.get("logprobs") is not None else ""))
     return table(("C", "ok", "fail", "out tok/s", "TTFT mean", "TTFT p50", "TTFT p99", "TPOT mean", "TPOT p50",
                   "TPOT p99", "ITL p50", "ITL p99", "E2E p50", "E2E p99"), rows, title)

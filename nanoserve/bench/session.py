@@ -272,7 +272,7 @@ class BenchSession:
         from nanoserve.bench.serve import run_sweep, sweep_table
 
         sweep = run_sweep(url, model_name, spec["concurrency"], spec["requests_per_concurrency"], spec["prompt_len"],
-                          spec["output_len"], tokenizer, self.cfg.seed,
+                          spec["output_len"], tokenizer, self.cfg.seed, logprobs=spec.get("logprobs"),
                           on_level=lambda lv: print(f"[bench] W3 C={lv['concurrency']}: "
                                                     f"{lv['output_throughput']:.1f} out tok/s", flush=True))
         self.results.add("serve", sweep)

@@ -160,8 +160,10 @@ def build(names: list[str], vocab: int, scale: str = "full", prompt_len: int | N
 
 
 def serve_spec(scale: str = "full", prompt_len: int | None = None, output_len: int | None = None,
-               concurrency: list[int] | None = None, requests_per_concurrency: int | None = None) -> dict:
+               concurrency: list[int] | None = None, requests_per_concurrency: int | None = None,
+               logprobs: int | None = None) -> dict:
     p = dict(SCALES[scale]["W3"])
+    p["logprobs"] = logprobs
     if prompt_len:
         p["prompt_len"] = prompt_len
     if output_len:
