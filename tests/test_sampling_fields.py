@@ -12,7 +12,7 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.model.tokenizer_files import EOS_ID
+from nanoserve.presets.tokenizer import EOS_ID
 from tests.server_utils import FAST_CPU
 from tests.test_sampling import LOGPROB_ATOL, direct_logprobs
 
