@@ -153,6 +153,32 @@ def test_profile_table(bench):
     assert not bench.engine_for(tiny_workload()).has_unfinished_requests()
 
 
+def test_prefill_packing_and_cost_model():
+    """The prefill profile's packing model is FCFS chunking, and its per-kernel FLOPs add up to the floor's."""
+    from nanoserve.bench.prefill_profile import Piece, kernel_costs, prefill_steps
+
+    assert prefill_steps([48, 48, 10], 64) == [[Piece(48, 48, True), Piece(16, 16)], [Piece(32, 48, True),
+                                                                                      Piece(10, 10, True)]]
+    assert prefill_steps([130], 64) == [[Piece(64, 64)], [Piece(64, 128)], [Piece(2, 130, True)]]
+    cost = ModelCost(get_preset("m3-tiny").config, weight_bytes=4, kv_bytes=4)
+    for prompt, chunk in ((100, 32), (300, 128), (47, 1000)):
+        costs = kernel_costs(cost, prefill_steps([prompt], chunk))
+        total = sum(f for f, _ in costs.values())
+        assert total == pytest.approx(cost.prefill_flops(prompt), rel=1e-9)
+        assert all(b > 0 for _, b in costs.values())
+
+
+def test_prefill_profile_table(bench):
+    from nanoserve.bench.prefill_profile import profile_prefill
+
+    wl = tiny_workload("W2", prompt_len=24, num_requests=3)
+    prof = profile_prefill(bench, wl, chunk=32, warm=False)
+    assert (prof["steps"], prof["tokens"], prof["chunk"]) == (3, 72, 32)
+    assert prof["wall_ms"] > 0 and prof["kernel_ms"] > 0 and prof["top_kernels"]
+    assert abs(sum(g["share"] for g in prof["groups"].values()) - 1.0) < 1e-6
+    assert "Prefill profile" in prof["table"] and "host gaps" in prof["table"]
+
+
 # -- the Hugging Face baseline ------------------------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@
     python -m nanoserve.bench --workloads W1,W2 --engine both --hf-modes eager,static --out results/
     python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table
     python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile
+    python -m nanoserve.bench --profile W4 --w4-lens 131072     # W4: the prefill profile too (TTFT)
+    python -m nanoserve.bench --profile-prefill W2 --prefill-chunk 4096   # prefill steps of 4096 tokens
     python -m nanoserve.bench --serve http://127.0.0.1:8000     # W3 against a running server
     python -m nanoserve.bench --scale small                     # CPU-sized workloads (m3-tiny)
 
@@ -53,6 +55,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ablate", action="store_true", help="ablation table for the selected workloads (default W1)")
     ap.add_argument("--profile", default=None, help="profile decode steps of these workloads, e.g. W1,W2")
     ap.add_argument("--profile-steps", type=int, default=5)
+    ap.add_argument("--profile-prefill", default=None, help="profile the whole prefill of these workloads (per "
+                    "kernel, with FLOPs, bytes and roofs); --profile W4 does this too")
+    ap.add_argument("--prefill-chunk", type=int, default=None, help="tokens per prefill step for the prefill "
+                    "profiles (default: the engine's max_num_batched_tokens)")
     ap.add_argument("--serve", default=None, metavar="URL", help="run W3 against this server")
     ap.add_argument("--served-model-name", default=None)
     ap.add_argument("--concurrency", default=None, help="W3 concurrency levels (default 1,4,16,64)")
@@ -100,11 +106,12 @@ def main(argv: list[str] | None = None) -> int:
                                          max_num_batched_tokens=args.max_num_batched_tokens, hw=hw))
     names = _names(args.workloads)
     profile_names = _names(args.profile)
+    prefill_names = _names(args.profile_prefill) + [n for n in profile_names if n == "W4"]
     if args.ablate and not names:
         names = ["W1"]
-    elif not names and not profile_names and not args.serve:
+    elif not names and not profile_names and not prefill_names and not args.serve:
         names = list(W.OFFLINE)
-    for n in names + profile_names:
+    for n in names + profile_names + prefill_names:
         if n not in W.ALL:
             raise SystemExit(f"unknown workload {n}; choose from {', '.join(W.ALL)}")
     vocab = session.model_cfg.vocab_size
@@ -112,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                  num_requests=args.num_requests, w4_lens=_ints(args.w4_lens), seed=args.seed)
     wls = W.build([n for n in names if n != "W3"], **build)
     prof_wls = W.build([n for n in profile_names if n != "W3"], **build)
+    prefill_wls = W.build([n for n in dict.fromkeys(prefill_names) if n != "W3"], **build)
 
     if args.serve:
         spec = W.serve_spec(scale, args.prompt_len, args.output_len, _ints(args.concurrency),
@@ -121,8 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     elif "W3" in names:
         session.results.add("notes", "W3 needs a running server: pass --serve URL")
 
-    if args.engine in ("nanoserve", "both") and (wls or prof_wls):
-        if session.part("build nanoserve", lambda: session.build_nano(wls + prof_wls)) is not None:
+    if args.engine in ("nanoserve", "both") and (wls or prof_wls or prefill_wls):
+        if session.part("build nanoserve", lambda: session.build_nano(wls + prof_wls + prefill_wls)) is not None:
             for wl in wls:
                 if args.ablate:
                     session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl))
@@ -130,6 +138,9 @@ def main(argv: list[str] | None = None) -> int:
                     session.part(f"nanoserve {wl.name}", lambda wl=wl: session.run_nano(wl))
             for wl in prof_wls:
                 session.part(f"profile {wl.name}", lambda wl=wl: session.profile(wl, args.profile_steps))
+            for wl in prefill_wls:
+                session.part(f"prefill profile {wl.name}",
+                             lambda wl=wl: session.profile_prefill(wl, args.prefill_chunk))
         session.close_nano()
     if args.engine in ("hf", "both") and not args.ablate:
         for mode in [m.strip() for m in args.hf_modes.split(",") if m.strip()]:

@@ -174,18 +174,22 @@ class NanoBench:
                 blocks = cap
         return blocks
 
-    def engine(self, max_model_len: int, max_num_seqs: int) -> LLMEngine:
+    def engine(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int | None = None) -> LLMEngine:
         """A fresh engine (empty prefix cache, zeroed stats) around the shared model; engine-side switches are
-        read from the shared Optimizations now."""
+        read from the shared Optimizations now. `max_num_batched_tokens` overrides the build's step budget (the
+        prefill chunk size) for this engine only."""
         cfg = dataclasses.replace(self.config, max_model_len=max_model_len, num_gpu_blocks_override=None,
                                   max_num_seqs=min(max_num_seqs, self.config.max_num_seqs))
+        if max_num_batched_tokens is not None:
+            cfg.max_num_batched_tokens = max_num_batched_tokens
         cfg.optimizations = self.opts
         return LLMEngine(cfg, executor=self.executor)
 
-    def engine_for(self, wl: Workload) -> LLMEngine:
+    def engine_for(self, wl: Workload, max_num_batched_tokens: int | None = None) -> LLMEngine:
         bs = self.block_size
         need = -(-wl.max_total_len // bs) * bs
-        return self.engine(min(max(need, bs), self.config.max_model_len), max(wl.num_requests, 1))
+        return self.engine(min(max(need, bs), self.config.max_model_len), max(wl.num_requests, 1),
+                           max_num_batched_tokens)
 
     def sync(self) -> None:
         if self.device.type == "cuda":

@@ -57,7 +57,8 @@ class Results:
 
     def __init__(self, out_dir: str | None, meta: dict):
         self.out_dir = out_dir
-        self.data: dict[str, Any] = {"meta": meta, "runs": [], "ablations": [], "profiles": [], "serve": [],
+        self.data: dict[str, Any] = {"meta": meta, "runs": [], "ablations": [], "profiles": [], "prefill_profiles": [],
+                                     "serve": [],
                                      "errors": [], "notes": []}
         if out_dir:
             os.makedirs(out_dir, exist_ok=True)

@@ -229,6 +229,15 @@ class BenchSession:
         self.results.write_text(f"profile_{wl.name}.txt", prof["table"])
         return prof
 
+    def profile_prefill(self, wl: Workload, chunk: int | None = None) -> dict:
+        from nanoserve.bench.prefill_profile import profile_prefill
+
+        prof = profile_prefill(self.nano, wl, chunk)
+        self.results.add("prefill_profiles", prof)
+        self.say(prof["table"])
+        self.results.write_text(f"prefill_profile_{wl.name}_{prof['chunk']}.txt", prof["table"])
+        return prof
+
     # -- Hugging Face ---------------------------------------------------------------------------------------
     def build_hf(self):
         if self.hf is None:
@@ -305,7 +314,7 @@ class BenchSession:
         for a in d["ablations"]:
             if "table" in a:
                 lines += ["", a["table"]]
-        for p in d["profiles"]:
+        for p in d["profiles"] + d["prefill_profiles"]:
             lines += ["", p["table"]]
         if d["serve"]:
             from nanoserve.bench.serve import sweep_table
