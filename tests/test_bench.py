@@ -168,6 +168,29 @@ def test_prefill_packing_and_cost_model():
         assert all(b > 0 for _, b in costs.values())
 
 
+def test_prefill_attribution_rates_and_roofs():
+    """GPU kernel names map to their cost entries; rates = work / time; roof = the slower of the two ceilings."""
+    from nanoserve.bench.floor import Ceilings
+    from nanoserve.bench.prefill_profile import attribute
+
+    hw = Ceilings("test", 1e12, 1e15)  # 1 TB/s, 1 PFLOP/s
+    kernels = {"_paged_prefill_kernel": (2000.0, 4), "_up_swiglu_kernel": (500.0, 3), "_down_weighted_kernel":
+               (300.0, 3), "nvjet_tst_256x128_64x4_1x2_h_bz_coopA_NTN": (1000.0, 20), "Memcpy HtoD": (10.0, 5)}
+    costs = {"dense attention": (1e12, 1e6), "MoE GEMM 1 (up + SwiGLU)": (2e11, 1e9),
+             "MoE GEMM 2 (down, weighted)": (1e11, 3e8), "GEMMs": (5e11, 2e8)}
+    groups, by_key, rows = attribute(kernels, costs, hw)
+    assert list(groups)[0] == "attention" and groups["attention"]["us"] == 2000.0
+    assert groups["MoE"]["us"] == 800.0 and groups["MoE"]["flops"] == 3e11
+    dense = by_key["dense attention"]
+    assert dense["tflop_s"] == pytest.approx(1e12 / 2e-3 / 1e12) and dense["bound"] == "compute"
+    assert dense["roof_us"] == pytest.approx(1000.0) and dense["of_roof"] == pytest.approx(0.5)
+    up = by_key["MoE GEMM 1 (up + SwiGLU)"]
+    assert up["bound"] == "memory" and up["roof_us"] == pytest.approx(1000.0) and up["gb_s"] == pytest.approx(2000.0)
+    assert by_key["GEMMs"]["us"] == 1000.0  # every cuBLAS kernel together
+    assert rows[0]["name"] == "_paged_prefill_kernel" and rows[0]["cost_key"] == "dense attention"
+    assert abs(sum(g["share"] for g in groups.values()) - 1.0) < 1e-9
+
+
 def test_prefill_profile_table(bench):
     from nanoserve.bench.prefill_profile import profile_prefill
 

@@ -209,8 +209,9 @@ class NanoBench:
         self.run(small, tag="warmup")
         self.capture_graphs(wl)
 
-    def run(self, wl: Workload, mode: str = "default", tag: str = "run", keep_tokens: bool = True) -> RunResult:
-        engine = self.engine_for(wl)
+    def run(self, wl: Workload, mode: str = "default", tag: str = "run", keep_tokens: bool = True,
+            max_num_batched_tokens: int | None = None) -> RunResult:
+        engine = self.engine_for(wl, max_num_batched_tokens)
         self.sync()
         outputs, wall = drive(engine, wl, tag)
         return result_from_outputs(wl, outputs, wall, "nanoserve", mode, self.opts, self.cost, self.hw,

@@ -172,6 +172,36 @@ def _rates(flops: float, bytes_: float, us: float, hw: Ceilings) -> dict:
             "bound": "compute" if flops / hw.flops_per_s >= bytes_ / hw.bytes_per_s else "memory"}
 
 
+def attribute(kernels: dict[str, tuple[float, int]], costs: dict[str, tuple[float, float]], hw: Ceilings
+              ) -> tuple[dict, dict, list]:
+    """Measured kernel times (name -> (us, calls)) against the cost model: (per group: time, share, FLOPs, bytes,
+    rates, roof; per cost key: the same; the kernel rows, slowest first). With no costs (CPU), times only."""
+    kernel_us = sum(v[0] for v in kernels.values())
+    key_us: dict[str, float] = {}
+    rows = []
+    for name, (us, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
+        key = _match(name) if costs else None
+        if key is not None:
+            key_us[key] = key_us.get(key, 0.0) + us
+        rows.append({"name": name, "group": group_of(name), "cost_key": key, "us": us, "calls": calls})
+    groups: dict[str, dict] = {}
+    for r in rows:
+        groups.setdefault(r["group"], {"us": 0.0, "flops": 0.0, "bytes": 0.0})["us"] += r["us"]
+    for key, (f, b) in costs.items():
+        gd = groups.setdefault("GEMMs" if key == "GEMMs" else KERNELS[key][1], {"us": 0.0, "flops": 0.0, "bytes": 0.0})
+        gd["flops"] += f
+        gd["bytes"] += b
+    for gd in groups.values():
+        if costs:
+            gd.update(_rates(gd["flops"], gd["bytes"], gd["us"], hw))
+        gd["share"] = gd["us"] / kernel_us if kernel_us else 0.0
+    by_key = {}
+    for key, (f, b) in costs.items():
+        us = groups.get("GEMMs", {}).get("us", 0.0) if key == "GEMMs" else key_us.get(key, 0.0)
+        by_key[key] = {"us": us, "flops": f, "bytes": b, **_rates(f, b, us, hw)}
+    return dict(sorted(groups.items(), key=lambda kv: -kv[1]["us"])), by_key, rows
+
+
 def profile_prefill(bench: NanoBench, wl: Workload, chunk: int | None = None, warm: bool = True,
                     top: int = 18) -> dict:
     """Profile the whole prefill of the workload's prompts at `chunk` tokens per step (None: the engine's
@@ -224,31 +254,7 @@ def profile_prefill(bench: NanoBench, wl: Workload, chunk: int | None = None, wa
     kernel_us = sum(v[0] for v in kernels.values())
     costs = kernel_costs(bench.cost, steps) if cuda else {}
     hw = bench.hw
-    # per cost key: the measured time of the kernels that match it
-    key_us: dict[str, float] = {}
-    rows = []
-    for name, (us, calls) in sorted(kernels.items(), key=lambda kv: -kv[1][0]):
-        key = _match(name) if cuda else None
-        grp = group_of(name)
-        if key is not None:
-            key_us[key] = key_us.get(key, 0.0) + us
-        rows.append({"name": name, "group": grp, "cost_key": key, "us": us, "calls": calls})
-    groups: dict[str, dict] = {}
-    for r in rows:
-        gd = groups.setdefault(r["group"], {"us": 0.0, "flops": 0.0, "bytes": 0.0})
-        gd["us"] += r["us"]
-    for key, (f, b) in costs.items():
-        grp = "GEMMs" if key == "GEMMs" else KERNELS[key][1]
-        gd = groups.setdefault(grp, {"us": 0.0, "flops": 0.0, "bytes": 0.0})
-        gd["flops"] += f
-        gd["bytes"] += b
-    for gd in groups.values():
-        gd.update(_rates(gd["flops"], gd["bytes"], gd["us"], hw) if cuda else {})
-        gd["share"] = gd["us"] / kernel_us if kernel_us else 0.0
-    by_key = {}
-    for key, (f, b) in costs.items():
-        us = key_us.get(key, groups.get("GEMMs", {}).get("us", 0.0) if key == "GEMMs" else 0.0)
-        by_key[key] = {"us": us, "flops": f, "bytes": b, **_rates(f, b, us, hw)}
+    groups, by_key, rows = attribute(kernels, costs, hw)
     tokens = sum(p.tokens for s in steps for p in s)
     flops_total = sum(f for f, _ in costs.values())
     out = {
@@ -257,7 +263,7 @@ def profile_prefill(bench: NanoBench, wl: Workload, chunk: int | None = None, wa
         "flops": flops_total, "roof_ms": sum(v["roof_us"] for v in by_key.values()) / 1e3 if cuda else None,
         "floor_ms": bench.cost.prefill_flops(len(reqs[0].prompt_ids)) / hw.flops_per_s * 1e3 * len(reqs)
         if len(reqs) == 1 else None,
-        "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["us"])), "by_kernel": by_key,
+        "groups": groups, "by_kernel": by_key,
         "top_kernels": rows[:top], "switches": bench.opts.as_dict(), "ceilings": hw.name,
     }
     out["table"] = prefill_table(out)

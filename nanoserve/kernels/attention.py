@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.configs import sm_count, tiles
+from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
 from nanoserve.model.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
@@ -302,7 +302,7 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
     num_kv = kv_cache.shape[3]
     first = meta.num_decode_seqs
     max_q = max(meta.query_lens_cpu[first:])
-    cfg = tiles("paged_prefill", q.device)
+    cfg = tiles(prefill_kernel("paged_prefill", max(meta.seq_lens_cpu[first:])), q.device)
     grid = (meta.num_seqs - first, triton.cdiv(max_q, cfg.block_m), num_heads)
     _paged_prefill_kernel[grid](
         q, kv_cache, meta.block_tables, meta.seq_lens, meta.positions, meta.query_start_loc, out,

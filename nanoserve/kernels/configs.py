@@ -14,6 +14,10 @@ One table per kernel, keyed by backend:
 - "interpret": the CPU interpreter used by the tests. No autotuning anywhere: the interpreter runs a program per
   grid cell in Python, so a few large-ish tiles are what keep it quick; warps and stages are ignored there.
 
+Prefill kernels have a second entry, `<kernel>_long`, for steps whose longest sequence reaches
+LONG_PREFILL_CONTEXT tokens (a chunk of a long prompt attends to far more keys than it has queries, and the best
+tile moves with that ratio): `prefill_kernel` picks the name.
+
 Tiles that depend on the problem (the query-head group of a decode program, the padded head dim, a tile holding a
 whole KV block) are derived in the kernel wrappers; these tables hold only the free choices.
 """
@@ -56,10 +60,40 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # block_n = keys per tile of a KV block. Decode: one token, split-K over its selected blocks.
     "sparse_decode": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
     "sparse_prefill": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
+    # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step).
+    "paged_prefill_long": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 64, 4, 2),
+                           "interpret": Tiles(32, 32, 1, 1)},
+    "msa_score_prefill_long": {"cuda": Tiles(128, 0, 8, 3), "hip": Tiles(64, 0, 4, 2),
+                               "interpret": Tiles(64, 0, 1, 1)},
+    "sparse_prefill_long": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
     # QK-norm + RoPE + cache insert: block_m tokens per program, block_n (token, head) rows per step.
     "qk_norm_rope": {"cuda": Tiles(1, 32, 4, 1), "hip": Tiles(1, 32, 4, 1), "interpret": Tiles(16, 128, 1, 1)},
     # Residual add + RMSNorm, block_m rows per program.
     "add_rmsnorm": {"cuda": Tiles(1, 0, 8, 1), "hip": Tiles(1, 0, 4, 1), "interpret": Tiles(16, 0, 1, 1)},
+}
+
+LONG_PREFILL_CONTEXT = 32768
+"""A prefill step whose longest sequence has at least this many tokens uses the `_long` prefill tiles."""
+
+MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
+    # Fused MoE (kernels/moe.py): backend -> (hidden, intermediate, routed experts) -> {token bucket:
+    # (block_m, group_m, GEMM 1 (block_n, block_k, warps, stages), GEMM 2 (block_n, block_k, warps, stages))}.
+    # A batch of T tokens uses the smallest bucket >= T (the largest one beyond). NVIDIA H200, bf16, top-4 +
+    # the folded shared expert. Buckets 1-256: hand-picked (small BLOCK_M, narrow BLOCK_N and long BLOCK_K while
+    # memory-bound), measured at 77-102% of the 4.26 TB/s copy ceiling (2026-12-02, `scripts/gpu_moe_bench.py`).
+    # Buckets 1024-8192: the best of a coordinate-descent sweep (`scripts/gpu_moe_bench.py --sweep-only --tokens
+    # 4096,1024,8192`, 2026-12-02, H200, Triton 3.6).
+    "cuda": {
+        (6144, 3072, 128): {
+            1: (16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
+            16: (16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
+            64: (16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
+            256: (32, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
+            1024: (64, 1, (256, 64, 8, 3), (128, 64, 4, 3)),  # 3.919 ms
+            4096: (128, 16, (64, 64, 4, 4), (128, 64, 4, 4)),  # 6.675 ms
+            8192: (128, 16, (128, 64, 8, 3), (128, 64, 8, 3)),  # 10.947 ms
+        },
+    },
 }
 
 INTERPRETER_SM_COUNT = 4
@@ -75,6 +109,11 @@ def backend(device: torch.device) -> str:
 
 def tiles(kernel: str, device: torch.device) -> Tiles:
     return TABLES[kernel][backend(device)]
+
+
+def prefill_kernel(kernel: str, longest_context: int) -> str:
+    """The table entry of a prefill kernel for a step whose longest sequence has `longest_context` tokens."""
+    return f"{kernel}_long" if longest_context >= LONG_PREFILL_CONTEXT else kernel
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,10 +31,10 @@ Expert parallel: `expert_map` [E_global] sends a global expert id to a local slo
 skipped, contributes 0). Tensor parallel experts just arrive with a smaller intermediate size. Both reuse the
 kernels unchanged; the caller's all-reduce sums the ranks.
 
-Tile configurations live in one table below (H200, bf16), keyed by (hidden, intermediate, routed experts) and a
-token bucket; other shapes and AMD GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm,
-BLOCK sizes multiples of 16); the CPU interpreter gets a small fixed tile. `scripts/gpu_moe_bench.py --sweep`
-measures candidates per bucket and prints table entries.
+Tile configurations come from kernels/configs.py's MOE_TILES (H200, bf16), keyed by (hidden, intermediate, routed
+experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on another card); other shapes and AMD
+GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU
+interpreter gets a small fixed tile.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.configs import backend
+from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.moe_align import moe_align, pair_expert
 
 MAX_TOKENS_PER_CALL = 16384
@@ -81,30 +81,19 @@ class MoEConfig:
     """GEMM 2: act @ w2^T with the routing-weight epilogue."""
 
 
-TOKEN_BUCKETS = (1, 16, 64, 256, 1024, 4096, 8192)
-"""A batch of T tokens uses the entry of the smallest bucket >= T (the largest bucket beyond that)."""
-
-
 def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> MoEConfig:
     return MoEConfig(block_m, group_m, GemmTiles(*up), GemmTiles(*down))
 
 
 H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
-    # (hidden, intermediate, routed experts) -> {token bucket: config}. NVIDIA H200, bf16, top-4 (+ shared).
-    # up/down = (block_n, block_k, num_warps, num_stages). Buckets 1-256: hand-picked starting points (small
-    # BLOCK_M, narrow BLOCK_N and long BLOCK_K while memory-bound), measured at 77-102% of the 4.26 TB/s copy
-    # ceiling (2026-12-02, H200, `scripts/gpu_moe_bench.py`). Buckets 1024-8192: the best of a coordinate-descent
-    # sweep (`scripts/gpu_moe_bench.py --sweep-only --tokens 4096,1024,8192`, 2026-12-02, H200, Triton 3.6).
-    (6144, 3072, 128): {
-        1: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
-        16: _cfg(16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
-        64: _cfg(16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
-        256: _cfg(32, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
-        1024: _cfg(64, 1, (256, 64, 8, 3), (128, 64, 4, 3)),  # 3.919 ms
-        4096: _cfg(128, 16, (64, 64, 4, 4), (128, 64, 4, 4)),  # 6.675 ms (was 7.54 ms)
-        8192: _cfg(128, 16, (128, 64, 8, 3), (128, 64, 8, 3)),  # 10.947 ms
-    },
+    # (hidden, intermediate, routed experts) -> {token bucket: config}; the numbers, and how they were measured,
+    # are in kernels/configs.py (MOE_TILES, written by scripts/tune_moe.py)
+    shape: {bucket: _cfg(*entry) for bucket, entry in buckets.items()}
+    for shape, buckets in MOE_TILES["cuda"].items()
 }
+TOKEN_BUCKETS = tuple(sorted({b for buckets in H200_CONFIGS.values() for b in buckets}))
+"""A batch of T tokens uses the entry of the smallest bucket >= T (the largest bucket beyond that)."""
+
 
 INTERPRETER_CONFIG = _cfg(16, 1, (32, 32, 4, 1), (32, 32, 4, 1))
 """CPU interpreter (tests): small tiles so that test shapes still span several tiles in every dimension."""

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, MIN_DOT_ROWS, _softmax_step, _store_partial,
                                          combine_splits, num_decode_splits, split_buffers)
-from nanoserve.kernels.configs import sm_count, tiles
+from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
 from nanoserve.model.attention_metadata import AttentionMetadata
 
 MAX_SCORE_WORKSPACE_BYTES = 512 * 2**20
@@ -227,7 +227,7 @@ def msa_select(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Attention
         for lo in range(first_tok, last_tok, rows_per_pass):
             hi = min(lo + rows_per_pass, last_tok)
             _launch_scores(index_q, index_cache, meta, scores, nd, meta.num_seqs - nd, max(q_lens), lo, hi, 1,
-                           "msa_score_prefill")
+                           prefill_kernel("msa_score_prefill", max(seq_lens)))
             _launch_topk(scores, meta, selected, lo, hi - lo, page, topk, local_blocks)
     return selected
 
@@ -367,7 +367,7 @@ def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
         n_splits = num_decode_splits(nd * kv_cache.shape[3], topk, q.device)
         _launch_sparse(q, kv_cache, meta, selected, scale, out, 0, nd, 1, 1, n_splits, "sparse_decode")
     if meta.num_seqs > nd:
-        cfg = tiles("sparse_prefill", q.device)
+        name = prefill_kernel("sparse_prefill", max(meta.seq_lens_cpu[nd:]))
         _launch_sparse(q, kv_cache, meta, selected, scale, out, nd, meta.num_seqs - nd,
-                       max(meta.query_lens_cpu[nd:]), cfg.block_m, 1, "sparse_prefill")
+                       max(meta.query_lens_cpu[nd:]), tiles(name, q.device).block_m, 1, name)
     return out

@@ -1,0 +1,152 @@
+"""Offline autotuner for the fused MoE's tile table (kernels/configs.py MOE_TILES): nothing is tuned at serve time.
+
+    python scripts/tune_moe.py --tokens 4096,16384 [--budget 90] [--write-configs] [--out DIR]
+
+For each token count: coordinate descent from the table's current entry (BLOCK_M, then GEMM 1 tiles, GEMM 2 tiles,
+GROUP_M, BLOCK_M again), each candidate timed as the median of triton.testing.do_bench over the whole fused MoE
+(alignment + both GEMMs + reduction, the shared expert folded in, as the model runs it) on random bf16 weights and
+a uniform random routing at the model's shapes (default m3-slice: hidden 6144, 128 experts of 3072, top-4). The
+winner is checked against an fp32 per-expert computation before it is accepted (a config that fails the check
+keeps the old entry). Candidates are limited to tiles that fit Hopper's shared memory; one that fails to compile
+or launch is skipped. Bounded by --budget seconds in all (a token count still running when it ends keeps its best
+so far).
+
+Results: `$OUT/tune_moe.json` (every candidate's time), the MOE_TILES lines printed last, and with
+--write-configs the shape's entries rewritten in place in nanoserve/kernels/configs.py (the token buckets are the
+tuned token counts merged with the existing ones). Run it on the card the table is for; the entries name no card,
+so note the card in the comment above the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from gpu_moe_bench import BF16_REL_TOL, PEAK_TFLOPS, Problem, bench_ms, rel_err  # noqa: E402
+from nanoserve.kernels import configs, moe  # noqa: E402
+from nanoserve.kernels.moe import GemmTiles, MoEConfig  # noqa: E402
+
+UP_TILES = [GemmTiles(*t) for t in [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4),
+                                    (128, 64, 4, 4), (64, 128, 4, 3), (256, 64, 8, 3), (128, 32, 4, 5)]]
+DOWN_TILES = [GemmTiles(*t) for t in [(128, 64, 4, 4), (128, 64, 8, 3), (128, 64, 8, 4), (256, 64, 8, 3),
+                                      (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 4), (128, 32, 4, 5)]]
+BLOCK_M = (64, 128)
+GROUP_M = (8, 16, 32)
+CONFIGS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanoserve", "kernels",
+                          "configs.py")
+
+
+def entry(cfg: MoEConfig) -> tuple:
+    return (cfg.block_m, cfg.group_m, dataclasses.astuple(cfg.up), dataclasses.astuple(cfg.down))
+
+
+def tune(p: Problem, tokens: int, deadline: float, log=print) -> dict:
+    x, weights, ids = p.inputs(tokens)
+    start = moe.select_config(tokens, p.hidden, p.inter, p.experts, p.top_k, x.device, x.dtype)
+    timed: dict[MoEConfig, float] = {}
+
+    def measure(cfg: MoEConfig) -> float:
+        if cfg not in timed:
+            if time.perf_counter() > deadline:
+                return float("inf")
+            try:
+                p.fused(x, weights, ids, fold=True, config=cfg)
+                timed[cfg] = bench_ms(lambda: p.fused(x, weights, ids, fold=True, config=cfg), rep=40)
+            except Exception as e:  # noqa: BLE001 - out of shared memory, a compile error: skip the candidate
+                log(f"  T={tokens} {entry(cfg)}: skipped ({type(e).__name__}: {str(e).splitlines()[0][:120]})")
+                timed[cfg] = float("inf")
+        return timed[cfg]
+
+    best = start
+    steps = ([dict(block_m=m) for m in BLOCK_M] + [dict(up=t) for t in UP_TILES] + [dict(down=t) for t in DOWN_TILES]
+             + [dict(group_m=g) for g in GROUP_M] + [dict(block_m=m) for m in BLOCK_M])
+    for change in steps:
+        cand = dataclasses.replace(best, **change)
+        if measure(cand) < measure(best):
+            best = cand
+    ok, err = True, 0.0
+    if best != start:
+        exact = p.exact(x, weights, ids, fold=True)
+        out = p.fused(x, weights, ids, fold=True, config=best)
+        err = rel_err(out, exact)
+        ok = bool(torch.isfinite(out).all()) and err <= BF16_REL_TOL
+        if not ok:
+            log(f"  T={tokens}: best {entry(best)} FAILED the fp32 check (rel err {err:.2e}): keeping the old entry")
+            best = start
+    ms = measure(best)
+    tflops = p.flops(tokens, True) / ms / 1e9
+    row = {"tokens": tokens, "bucket": tokens, "best": entry(best), "ms": ms, "tflop_s": tflops,
+           "of_peak": tflops / PEAK_TFLOPS, "start": entry(start), "start_ms": measure(start),
+           "checked_rel_err": err, "check_ok": ok, "candidates": {repr(entry(c)): t for c, t in timed.items()}}
+    log(f"  T={tokens:5d}: {len(timed)} configs, best {ms:.3f} ms = {tflops:.0f} TFLOP/s "
+        f"({row['start_ms'] / ms:.2f}x the old entry {row['start_ms']:.3f} ms): {entry(best)}")
+    return row
+
+
+def table_lines(shape: tuple[int, int, int], rows: list[dict], date: str) -> dict[int, str]:
+    """bucket -> the MOE_TILES line for it."""
+    out = {}
+    for r in rows:
+        b = r["bucket"]
+        out[b] = f"            {b}: {r['best']},  # {r['ms']:.3f} ms, {r['tflop_s']:.0f} TFLOP/s ({date})"
+    return out
+
+
+def write_configs(shape: tuple[int, int, int], lines: dict[int, str], path: str = CONFIGS_PY) -> None:
+    """Rewrite the shape's bucket entries of MOE_TILES["cuda"] in configs.py: tuned buckets replaced or added,
+    the others kept, in bucket order."""
+    text = open(path).read()
+    head = f"        {shape}: {{\n"
+    i = text.index(head) + len(head)
+    j = text.index("        },\n", i)
+    current = {}
+    for line in text[i:j].splitlines():
+        m = re.match(r"\s+(\d+): ", line)
+        if m:
+            current[int(m.group(1))] = line
+    current.update(lines)
+    body = "".join(current[b] + "\n" for b in sorted(current))
+    with open(path, "w") as f:
+        f.write(text[:i] + body + text[j:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="4096,16384")
+    ap.add_argument("--budget", type=float, default=120.0, help="seconds for the whole sweep")
+    ap.add_argument("--hidden", type=int, default=6144)
+    ap.add_argument("--inter", type=int, default=3072)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=4)
+    ap.add_argument("--write-configs", action="store_true", help="rewrite the entries in kernels/configs.py")
+    ap.add_argument("--out", default=os.environ.get("OUT"))
+    args = ap.parse_args()
+    tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
+    p = Problem(args.hidden, args.inter, args.experts, args.top_k, "cuda", seed=0)
+    deadline = time.perf_counter() + args.budget
+    rows = [tune(p, t, deadline) for t in tokens]
+    shape = (args.hidden, args.inter, args.experts)
+    lines = table_lines(shape, rows, time.strftime("%Y-%m-%d"))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "tune_moe.json"), "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "rows": rows}, f, indent=1)
+    if args.write_configs:
+        write_configs(shape, lines)
+    print(f"MOE_TILES['cuda'][{shape}] entries ({torch.cuda.get_device_name()}):")
+    print("\n".join(lines[b] for b in sorted(lines)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
