@@ -103,3 +103,28 @@ def test_sparse_attention_unordered_selection_with_holes():
     with poisoned_outputs():
         out = sparse_attention(q, kv, meta, selected, scale)
     torch.testing.assert_close(out, reference.sparse_attention(q, kv, meta, selected, scale), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_long_context_prefill_tiles_match_reference(monkeypatch, dtype):
+    """The `_long` prefill entries (one query token per sparse program, the walk over each token's own selection
+    list) on a mixed batch whose longest sequence crosses a lowered LONG_PREFILL_CONTEXT: dense attention, block
+    scores + top-k, and block-sparse attention against the reference."""
+    from nanoserve.kernels.attention import paged_attention
+
+    monkeypatch.setattr(configs, "LONG_PREFILL_CONTEXT", 100)
+    monkeypatch.setitem(configs.TABLES["sparse_prefill_long"], "interpret", configs.Tiles(1, 64, 1, 1))
+    monkeypatch.setitem(configs.TABLES["paged_prefill_long"], "interpret", configs.Tiles(16, 16, 1, 1))
+    meta, kv, q, index_q, index_cache, topk, local = make_msa_batch("mixed_chunks_mid_block", dtype, True, seed=3)
+    assert configs.prefill_kernel("sparse_prefill", max(meta.seq_lens_cpu)) == "sparse_prefill_long"
+    assert torch.equal(msa_select(index_q, index_cache, meta, topk, local),
+                       reference.msa_select(index_q, index_cache, meta, topk, local))
+    selected = reference.msa_select(index_q, index_cache, meta, topk, local)
+    scale = q.shape[-1] ** -0.5
+    rtol, atol = TOLERANCE[dtype]
+    with poisoned_outputs():
+        out = sparse_attention(q, kv, meta, selected, scale)
+        dense = paged_attention(q, kv, meta, scale)
+    assert not out.isnan().any() and not dense.isnan().any(), "some output element was never written"
+    torch.testing.assert_close(out, reference.sparse_attention(q, kv, meta, selected, scale), rtol=rtol, atol=atol)
+    torch.testing.assert_close(dense, reference.paged_attention(q, kv, meta, scale), rtol=rtol, atol=atol)

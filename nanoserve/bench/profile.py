@@ -22,7 +22,7 @@ GROUPS = [
     # (group, pattern on the lower-cased kernel name), first match wins
     ("MSA", r"msa|index_score|block_topk|sparse_attention"),
     ("attention", r"paged|attention|attn|flash|combine_splits|sdpa"),
-    ("MoE", r"moe|swiglu|down_weighted|sum_copies|_count_kernel|_place_kernel|align|expert"),
+    ("MoE", r"moe|swiglu|down_weighted|sum_copies|_count_kernel|_place_kernel|expert"),
     ("norms / rope", r"norm|rope|rms"),
     ("GEMMs", r"gemm|cutlass|sm90|nvjet|cublas|xmma|matmul|ampere|hopper|splitk|aten::mm|aten::addmm|aten::bmm|"
               r"aten::linear|cijk|wvsplitk|_mm_|::mm"),

@@ -60,12 +60,20 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # block_n = keys per tile of a KV block. Decode: one token, split-K over its selected blocks.
     "sparse_decode": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
     "sparse_prefill": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
-    # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step).
-    "paged_prefill_long": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 64, 4, 2),
+    # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step). "cuda": measured by
+    # `scripts/gpu_prefill.py` (2026-12-03, H200, Triton 3.6) on one chunk of 8,192 queries at the end of a
+    # 131,072-token context, each against the short-context entry above:
+    # - dense: 128 x 128 tiles 85.9 ms (397 TFLOP/s) vs 128 x 64 106.0 ms (322); 64-wide query tiles and 4 warps
+    #   were slower, 2 stages within 3%.
+    # - MSA scores (+ top-k): 4 warps 3.69 ms vs 8 warps 4.09 ms; 256-row tiles 4.5 ms.
+    # - sparse: one query token per program 5.9 ms (random index queries) / 5.6 ms (drifting ones) vs 8 tokens
+    #   22.4 / 11.4 ms: at 1,024 candidate blocks the union of several tokens' selections is mostly blocks a
+    #   given row does not use, so wider query tiles compute masked rows (2-16 tokens: 10-43 ms).
+    "paged_prefill_long": {"cuda": Tiles(128, 128, 8, 3), "hip": Tiles(128, 64, 4, 2),
                            "interpret": Tiles(32, 32, 1, 1)},
-    "msa_score_prefill_long": {"cuda": Tiles(128, 0, 8, 3), "hip": Tiles(64, 0, 4, 2),
+    "msa_score_prefill_long": {"cuda": Tiles(128, 0, 4, 3), "hip": Tiles(64, 0, 4, 2),
                                "interpret": Tiles(64, 0, 1, 1)},
-    "sparse_prefill_long": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
+    "sparse_prefill_long": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
     # QK-norm + RoPE + cache insert: block_m tokens per program, block_n (token, head) rows per step.
     "qk_norm_rope": {"cuda": Tiles(1, 32, 4, 1), "hip": Tiles(1, 32, 4, 1), "interpret": Tiles(16, 128, 1, 1)},
     # Residual add + RMSNorm, block_m rows per program.
@@ -73,7 +81,9 @@ TABLES: dict[str, dict[str, Tiles]] = {
 }
 
 LONG_PREFILL_CONTEXT = 32768
-"""A prefill step whose longest sequence has at least this many tokens uses the `_long` prefill tiles."""
+"""A prefill step whose longest sequence has at least this many tokens uses the `_long` prefill tiles. The long
+entries were measured at 128k; at 32k-64k they are the choice of the end-to-end W4-128k run (its chunks past 32k
+used them), not of a sweep at those lengths."""
 
 MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
     # Fused MoE (kernels/moe.py): backend -> (hidden, intermediate, routed experts) -> {token bucket:
@@ -81,8 +91,9 @@ MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
     # A batch of T tokens uses the smallest bucket >= T (the largest one beyond). NVIDIA H200, bf16, top-4 +
     # the folded shared expert. Buckets 1-256: hand-picked (small BLOCK_M, narrow BLOCK_N and long BLOCK_K while
     # memory-bound), measured at 77-102% of the 4.26 TB/s copy ceiling (2026-12-02, `scripts/gpu_moe_bench.py`).
-    # Buckets 1024-8192: the best of a coordinate-descent sweep (`scripts/gpu_moe_bench.py --sweep-only --tokens
-    # 4096,1024,8192`, 2026-12-02, H200, Triton 3.6).
+    # Bucket 1024: coordinate-descent sweep of `scripts/gpu_moe_bench.py --sweep-only` (2026-12-02). Buckets
+    # 4096-16384: `scripts/tune_moe.py --tokens 4096,16384,8192` (run by `scripts/gpu_prefill.py`, 2026-12-03,
+    # H200, Triton 3.6; times of the whole fused MoE with the shared expert, random routing).
     "cuda": {
         (6144, 3072, 128): {
             1: (16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
@@ -90,8 +101,9 @@ MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
             64: (16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
             256: (32, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
             1024: (64, 1, (256, 64, 8, 3), (128, 64, 4, 3)),  # 3.919 ms
-            4096: (128, 16, (64, 64, 4, 4), (128, 64, 4, 4)),  # 6.675 ms
-            8192: (128, 16, (128, 64, 8, 3), (128, 64, 8, 3)),  # 10.947 ms
+            4096: (64, 16, (256, 64, 8, 3), (128, 64, 8, 4)),  # 6.572 ms, 353 TFLOP/s (old entry 7.560 ms)
+            8192: (128, 32, (128, 64, 8, 4), (256, 64, 8, 3)),  # 10.966 ms, 423 TFLOP/s (old 11.994 ms)
+            16384: (128, 16, (128, 64, 8, 4), (256, 64, 8, 4)),  # 19.079 ms, 486 TFLOP/s (8192's entry 20.171)
         },
     },
 }
