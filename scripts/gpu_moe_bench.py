@@ -23,7 +23,8 @@ random bf16 weights (std 0.02, as m3-slice), uniform random routing (reference.r
    BENCHMARKS.md convention; activations are < 1% at these sizes). Fractions are of 772 TFLOP/s and 4.26 TB/s.
 3. --sweep: per token count, coordinate descent from the table's entry (fold on): BLOCK_M, GEMM 1 tiles, GEMM 2
    tiles, GROUP_M, BLOCK_M again (about 20 configurations), printing the best as a line for
-   nanoserve/kernels/moe.py's H200_CONFIGS. About 30 s per token count: use --tokens to split long sweeps.
+   kernels/configs.py's MOE_TILES (scripts/tune_moe.py is the re-runnable tuner that writes them). About 30 s
+   per token count: use --tokens to split long sweeps.
 
 Prints a compact table last; writes $OUT/moe_bench.json when OUT is set. Every case catches and reports its own
 exception. Needs about 16 GB of GPU memory (the expert weights are 14.6 GB).
@@ -342,7 +343,7 @@ def run_sweep(p: Problem, token_counts) -> None:
                 best = cand
         ms = measure(best)
         gain = measure(start) / ms if ms > 0 else float("nan")
-        line = (f"{moe.token_bucket(tokens)}: _cfg({best.block_m}, {best.group_m}, "
+        line = (f"{moe.token_bucket(tokens)}: ({best.block_m}, {best.group_m}, "
                 f"({best.up.block_n}, {best.up.block_k}, {best.up.num_warps}, {best.up.num_stages}), "
                 f"({best.down.block_n}, {best.down.block_k}, {best.down.num_warps}, {best.down.num_stages})),")
         best_lines.append(f"        {line}  # {ms:.3f} ms at {tokens} tokens")
@@ -351,7 +352,7 @@ def run_sweep(p: Problem, token_counts) -> None:
                                  "candidates": len(timed)})
         log(f"  T={tokens:5d}: {len(timed)} configs, best {ms:.3f} ms ({gain:.2f}x the table's entry): {line}")
     if best_lines:
-        log(f"  H200_CONFIGS[({p.hidden}, {p.inter}, {p.experts})] entries:\n" + "\n".join(best_lines))
+        log(f"  MOE_TILES['cuda'][({p.hidden}, {p.inter}, {p.experts})] entries:\n" + "\n".join(best_lines))
 
 
 # -- report --------------------------------------------------------------------------------------------------------
