@@ -26,7 +26,7 @@ class Optimizations:
     chunked_prefill: bool = True
     """engine/scheduler.py: split long prompts across steps to fit the token budget beside running decodes."""
     cuda_graphs: bool = True
-    """engine/cuda_graphs.py: capture decode steps as CUDA/HIP graphs per batch-size bucket (GPU only)."""
+    """runner/cuda_graphs.py: capture decode steps as CUDA/HIP graphs per batch-size bucket (GPU only)."""
     triton_attention: bool = True
     """kernels/attention.py: Triton paged attention for the dense layers (prefill + split-K decode)."""
     triton_msa: bool = True
@@ -40,7 +40,7 @@ class Optimizations:
     fused_add_rmsnorm: bool = True
     """kernels/norm_rope.py: Gemma RMSNorm fused with the residual add."""
     fast_input_prep: bool = True
-    """engine/model_runner.py: build a step's input tensors with numpy into pinned buffers, one host-to-device copy
+    """runner/model_runner.py: build a step's input tensors with numpy into pinned buffers, one host-to-device copy
     per dtype (off: AttentionMetadata.build, a Python loop per token, and one copy per tensor)."""
     overlap_scheduling: bool = True
     """engine/llm_engine.py: schedule and launch step N+1 before detokenising step N's tokens, so the host work on

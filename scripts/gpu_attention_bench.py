@@ -28,11 +28,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from nanoserve.batch import AttentionMetadata  # noqa: E402
 from nanoserve.kernels import configs, reference  # noqa: E402
 from nanoserve.kernels.attention import paged_attention  # noqa: E402
 from nanoserve.kernels.msa import msa_select, sparse_attention  # noqa: E402
 from nanoserve.kernels.norm_rope import fused_add_rmsnorm, qk_norm_rope_insert  # noqa: E402
-from nanoserve.model.attention_metadata import AttentionMetadata  # noqa: E402
 
 # m3-slice attention shapes (BENCHMARKS.md): 64 q heads, 4 KV heads of 128, index 4 x 128 + one key head
 HQ, HKV, D, G, DI, BLOCK, TOPK, LOCAL, ROTARY, HIDDEN = 64, 4, 128, 4, 128, 128, 16, 1, 64, 6144

@@ -20,14 +20,14 @@ import numpy as np
 import pytest
 import torch
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.bench import workloads as W
 from nanoserve.bench.ablation import ablate, first_divergence
 from nanoserve.bench.floor import ModelCost, workload_floor
 from nanoserve.bench.offline import NanoBench
 from nanoserve.config import Optimizations
-from nanoserve.engine.input_prep import InputPreparer
-from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.presets.catalog import get_preset
+from nanoserve.runner.input_prep import InputPreparer
 
 REFERENCE = dict(triton_attention=False, triton_msa=False, fused_moe=False, fold_shared_expert=False,
                  fused_qk_norm_rope=False, fused_add_rmsnorm=False)
@@ -213,7 +213,7 @@ def test_hf_weights_map_to_the_same_model(bench):
     hf = HFBench(preset.config, preset, torch.device("cpu"), torch.float32)
     ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(0)).tolist()  # > 3 MSA blocks x 16
     runner = bench.runner
-    from nanoserve.engine.model_runner import ModelInput
+    from nanoserve.batch import ModelInput
 
     bs = runner.block_size
     table = list(range(-(-len(ids) // bs)))

@@ -1,4 +1,4 @@
-"""Decode CUDA/HIP graphs (engine/cuda_graphs.py): replayed logits equal the eager forward's, at several batch
+"""Decode CUDA/HIP graphs (runner/cuda_graphs.py): replayed logits equal the eager forward's, at several batch
 sizes including padded ones, and greedy generation is unchanged. The capture tests need a GPU and the Triton
 kernels (skipped otherwise); the bucket logic and the applicability rules are checked everywhere. The graph
 plumbing itself is also exercised on the CPU with an emulated capture (tests/test_bench.py).
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from nanoserve.config import EngineConfig, Optimizations
-from nanoserve.engine import cuda_graphs
-from nanoserve.engine.cuda_graphs import batch_buckets, seq_len_buckets, unsupported_reason
+from nanoserve.runner import cuda_graphs
+from nanoserve.runner.cuda_graphs import batch_buckets, seq_len_buckets, unsupported_reason
 
 FP32_RTOL, BF16_RTOL, BF16_MIN_ARGMAX = 1e-4, 5e-2, 0.9
 
@@ -56,7 +56,7 @@ gpu = pytest.mark.skipif(_gpu_skip_reason() is not None, reason=str(_gpu_skip_re
 
 
 def _runner(tiny_dir: str, dtype: str):
-    from nanoserve.engine.model_runner import ModelRunner
+    from nanoserve.runner.model_runner import ModelRunner
 
     cfg = EngineConfig(model=tiny_dir, device="cuda", dtype=dtype, max_model_len=512, max_num_seqs=32,
                        num_gpu_blocks_override=400, optimizations=Optimizations())

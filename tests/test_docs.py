@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 BEGIN, END = "<!-- switch-table:begin (generated: python tests/test_docs.py --write) -->", "<!-- switch-table:end -->"
-MODULE = re.compile(r"^((?:engine|kernels|model|server|distributed|bench)/[\w/]+\.py): *")
+MODULE = re.compile(r"^((?:engine|runner|executor|kernels|model|server|distributed|bench)/[\w/]+\.py): *")
 
 
 def switch_docstrings() -> dict[str, str]:
@@ -43,7 +43,8 @@ def switch_docstrings() -> dict[str, str]:
     return docs
 
 
-DATA_PATH = ("engine", "model", "kernels", "distributed")  # where a switch changes what runs (not bench/, server/)
+# where a switch changes what runs (not bench/, server/)
+DATA_PATH = ("engine", "executor", "runner", "model", "kernels", "distributed")
 
 
 def readers(switch: str) -> list[str]:

@@ -281,7 +281,7 @@ def test_failed_engine_construction_releases_its_executor(tiny_dir, monkeypatch)
     """A bad limit found after the model is built (here a KV pool smaller than max_model_len) raises a ValueError
     naming the problem and shuts the executor down (TP workers and device memory are not left behind)."""
     from nanoserve import EngineConfig, LLMEngine
-    from nanoserve.engine import executor as executor_mod
+    from nanoserve.executor import local as executor_mod
 
     shut = []
     real = executor_mod.LocalExecutor.shutdown

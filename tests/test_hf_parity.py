@@ -17,13 +17,13 @@ import copy
 import pytest
 import torch
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
-from nanoserve.model.attention_metadata import AttentionMetadata
-from nanoserve.model.kv_cache import allocate_kv_caches
 from nanoserve.model.loader import load_model, load_weights, read_config
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.presets.catalog import get_preset
 from nanoserve.presets.make_checkpoint import write_checkpoint
+from nanoserve.runner.kv_cache import allocate_kv_caches
 from tests.hf_oracle import load_hf_oracle
 
 FP32_RTOL = 1e-5

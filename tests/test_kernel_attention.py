@@ -14,9 +14,9 @@ import contextlib
 import pytest
 import torch
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.kernels import reference
 from nanoserve.kernels.attention import paged_attention
-from nanoserve.model.attention_metadata import AttentionMetadata
 
 TOLERANCE = {  # (rtol, atol) next to the dtype
     torch.float32: (1e-5, 1e-5),
@@ -102,8 +102,8 @@ class TinyRunner:
     """An m3-tiny model with its own paged caches, fed step by step like the model runner would."""
 
     def __init__(self, tiny_dir: str, opts, num_blocks: int = 24):
-        from nanoserve.model.kv_cache import allocate_kv_caches
         from nanoserve.model.loader import load_model
+        from nanoserve.runner.kv_cache import allocate_kv_caches
 
         self.model, _ = load_model(tiny_dir, opts, torch.float32)
         self.block_size = self.model.cfg.index_block_size

@@ -22,14 +22,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.kernels import moe as moe_mod
 from nanoserve.kernels import reference
 from nanoserve.kernels.moe import GemmTiles, MoEConfig, fused_moe
 from nanoserve.kernels.moe_align import max_tiles, moe_align
-from nanoserve.model.attention_metadata import AttentionMetadata
-from nanoserve.model.kv_cache import allocate_kv_caches
 from nanoserve.model.loader import load_model
+from nanoserve.runner.kv_cache import allocate_kv_caches
 
 FP32_RTOL = 1e-5
 FP16_RTOL = 1e-2

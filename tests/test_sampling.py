@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from nanoserve import LLM, Optimizations, SamplingParams
+from nanoserve.batch import AttentionMetadata
 from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.presets.tokenizer import EOS_ID
 
 DRAWS = 4000  # rows per distribution check; a frequency's std is <= 0.008, checked to FREQ_TOL

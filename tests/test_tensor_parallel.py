@@ -37,16 +37,18 @@ import torch
 import torch.distributed as dist
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
-from nanoserve.distributed.executor import MultiprocExecutor, WorkerFailure, free_loopback_port
+from nanoserve.distributed.executor import MultiprocExecutor, free_loopback_port
 from nanoserve.distributed.parallel_state import get_tp, kv_head_range, set_tp
-from nanoserve.engine.executor import Executor, LocalExecutor
-from nanoserve.engine.model_runner import ModelInput
+from nanoserve.distributed.watchdog import WorkerFailure
+from nanoserve.executor.base import Executor
+from nanoserve.executor.local import LocalExecutor
 from nanoserve.model import loader
-from nanoserve.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.presets.catalog import get_preset
 from nanoserve.presets.make_checkpoint import write_checkpoint
+from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from tests.tp_helpers import CPU_REFERENCE, channel_messages, channel_peer
 
 TP_RTOL = 1e-5

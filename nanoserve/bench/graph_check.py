@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.engine.model_runner import ModelInput, ModelRunner
+from nanoserve.batch import ModelInput
+from nanoserve.runner.model_runner import ModelRunner
 
 
 def compare_decode_logits(runner: ModelRunner, batch_sizes: tuple[int, ...] = (1, 3, 8), prompt_len: int = 40,

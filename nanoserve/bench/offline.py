@@ -21,11 +21,11 @@ import torch
 from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
 from nanoserve.bench.workloads import Workload
 from nanoserve.config import EngineConfig, Optimizations
-from nanoserve.engine.executor import make_executor
+from nanoserve.engine.builder import make_executor
 from nanoserve.engine.llm_engine import LLMEngine
-from nanoserve.engine.model_runner import resolve_device
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.model.kv_cache import kv_cache_bytes_per_block
+from nanoserve.runner.kv_cache import kv_cache_bytes_per_block
+from nanoserve.runner.model_runner import resolve_device
 from nanoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

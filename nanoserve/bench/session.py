@@ -21,8 +21,8 @@ from nanoserve.bench.floor import H200, Ceilings
 from nanoserve.bench.offline import KERNEL_SWITCHES, NanoBench, RunResult, unavailable_kernel_switches
 from nanoserve.bench.workloads import Workload
 from nanoserve.config import SWITCH_ALIASES, Optimizations
-from nanoserve.engine.model_runner import resolve_device, resolve_dtype
 from nanoserve.model.m3_config import M3Config
+from nanoserve.runner.model_runner import resolve_device, resolve_dtype
 
 logger = logging.getLogger(__name__)
 

@@ -9,20 +9,10 @@ the ModelInput over the control group and every rank runs `runner.execute` on it
 Rendezvous: EngineConfig.distributed_init_method (tcp://host:port or env://), by default a free loopback port;
 under torchrun always env://.
 
-Failure handling - a dead worker must fail the engine promptly with a clear error, never hang it:
-
-- A monitor thread waits on every spawned worker's process sentinel and on its pipe (which carries the traceback
-  when a worker fails with an exception). When a worker dies it records "tensor-parallel worker R died (exit code
-  X)" and, on GPUs, aborts the NCCL communicators so nothing keeps waiting on the dead peer.
-- Before each step (and in `check_health`) rank 0 checks that verdict and each worker's exit code (a waitpid).
-- During a step, gloo fails at once on the dead peer's closed socket; on a GPU rank 0 waits for the step by polling
-  a CUDA event while watching the verdict, rather than in a synchronize that a dead peer could hang.
-- Any error inside a step leaves the ranks out of step, so the executor is then failed for good: every later
-  call raises the same error.
-- Start-up: the rendezvous runs in a helper thread while the main thread watches the workers, so a worker that
-  dies before joining fails the engine at once rather than after the rendezvous timeout.
-- Under torchrun rank 0 cannot see remote processes: torchrun tears the job down when a rank dies, and the model
-  group's bounded timeout (NANOSERVE_DIST_TIMEOUT) covers a rank that hangs.
+Failure handling lives in distributed/watchdog.py: a dead worker fails the engine promptly with a clear error
+(`WorkerFailure`), never hangs it; after any error inside a step the executor is failed for good. Start-up: the
+rendezvous runs in a helper thread while the main thread watches the workers, so a worker that dies before joining
+fails the engine at once rather than after the rendezvous timeout.
 """
 
 from __future__ import annotations
@@ -34,38 +24,28 @@ import os
 import signal
 import socket
 import threading
-import time
 import traceback
-from multiprocessing.process import BaseProcess
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
+from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.commands import Configure, InitCache, Step, Stop
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
 from nanoserve.distributed.parallel_state import get_tp, set_tp
-from nanoserve.distributed.worker import (CONFIG, INIT_CACHE, MULTICAST_OFF_ENV, STEP, STOP, ControlChannel, RankInfo,
-                                          build_runner, initialize_cache, join_process_groups, leave_process_groups,
-                                          rank_device, run_worker)
-from nanoserve.engine.executor import Executor
-from nanoserve.engine.model_runner import ModelInput, ModelRunner
+from nanoserve.distributed.watchdog import WATCH_INTERVAL_S, WorkerFailure, WorkerWatchdog, report_error
+from nanoserve.distributed.worker import (MULTICAST_OFF_ENV, ControlChannel, RankInfo, build_runner, initialize_cache,
+                                          join_process_groups, leave_process_groups, rank_device, run_worker)
+from nanoserve.executor.base import Executor
+from nanoserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-
-FAILURE_GRACE_S = 5.0
-"""After a collective fails, how long to wait for a worker's death to show before blaming rank 0's own error."""
-WATCH_INTERVAL_S = 0.05
-"""How often rank 0 re-checks the workers while it waits for the rendezvous or a failure verdict."""
 SHUTDOWN_JOIN_S = 30.0
 """How long a worker gets to leave after the stop command before it is killed."""
-
-
-class WorkerFailure(RuntimeError):
-    """A tensor-parallel rank died or a collective failed; the executor cannot run any further step."""
 
 
 def free_loopback_port() -> int:
@@ -92,10 +72,7 @@ def _spawned_worker_main(config: EngineConfig, info: RankInfo, conn: multiproces
     try:
         run_worker(config, info)
     except BaseException:
-        try:
-            conn.send(("error", traceback.format_exc()))
-        except OSError:
-            pass
+        report_error(conn, traceback.format_exc())
         raise
 
 
@@ -107,13 +84,8 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("torch.distributed is already initialised in this process (another tensor-parallel "
                                "engine still running?): shut it down first")
         self.config = config
-        self.workers: list[BaseProcess] = []  # index i holds rank i + 1 (empty under torchrun)
-        self._pipes: dict[Any, int] = {}  # rank 0's end of each worker's pipe -> its rank
-        self._errors: dict[int, str] = {}  # rank -> traceback a worker sent before dying
-        self._failure: str | None = None
+        self.watchdog = WorkerWatchdog()  # the spawned workers (none under torchrun) and the failure verdict
         self._closed = False
-        self._monitor: threading.Thread | None = None
-        self._stop_monitor_r, self._stop_monitor_w = multiprocessing.Pipe(duplex=False)
         self.channel: ControlChannel | None = None
         self.runner: ModelRunner | None = None
         self.num_blocks = 0
@@ -141,9 +113,9 @@ class MultiprocExecutor(Executor):
             if spawn:
                 self._spawn_workers(config, info)
             self.channel = self._rendezvous(config, info)
-            self._guarded(self.channel.send, (CONFIG, config))
+            self.watchdog.guarded(self.channel.send, Configure(config))
             self.runner = build_runner(config, info)
-            self._guarded(self.channel.barrier)  # every shard is loaded
+            self.watchdog.guarded(self.channel.barrier)  # every shard is loaded
         except BaseException:
             self.shutdown()
             raise
@@ -158,27 +130,29 @@ class MultiprocExecutor(Executor):
     # -- the Executor interface ---------------------------------------------------------------------------
     def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         def init() -> int:
-            self.channel.send((INIT_CACHE, max_model_len, max_num_batched_tokens, max_num_seqs))
+            self.channel.send(InitCache(max_model_len, max_num_batched_tokens, max_num_seqs))
             return initialize_cache(self.runner, self.channel, max_model_len, max_num_batched_tokens, max_num_seqs)
 
-        self.num_blocks = self._guarded(init)
+        self.num_blocks = self.watchdog.guarded(init)
         return self.num_blocks
 
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
         def step() -> torch.Tensor:
             switches = self.runner.config.optimizations.as_dict()
             changed = switches if switches != self._sent_switches else None
-            self.channel.send((STEP, inp, changed))
+            self.channel.send(Step(inp, changed))
             self._sent_switches = switches
             logits = self.runner.execute(inp)
             if self.device.type == "cuda":
-                self._wait_for_device()
+                done = torch.cuda.Event()
+                done.record()
+                self.watchdog.wait_for_event(done)
             return logits
 
-        return self._guarded(step)
+        return self.watchdog.guarded(step)
 
     def check_health(self) -> None:
-        self._raise_if_failed()
+        self.watchdog.raise_if_failed()
 
     def shutdown(self) -> None:
         """Stop the workers (politely if they are healthy), leave the process groups, free the shard."""
@@ -186,15 +160,13 @@ class MultiprocExecutor(Executor):
             return
         self._closed = True
         atexit.unregister(self.shutdown)
-        self._stop_monitor_w.close()
-        if self._monitor is not None:
-            self._monitor.join()
+        self.watchdog.stop()
         # The stop command only makes sense to workers waiting in their loop; after a failure, or a start-up
         # that did not finish, they may be inside a collective, so they are killed instead.
         stopped = False
-        if self._ready and self._failure is None:
+        if self._ready and self.watchdog.failure is None:
             try:
-                self.channel.send((STOP,))
+                self.channel.send(Stop())
                 stopped = True
             except Exception as e:  # a worker went away during shutdown: it is being stopped anyway
                 logger.warning("tensor parallel: could not send the stop command (%s)", e)
@@ -203,15 +175,19 @@ class MultiprocExecutor(Executor):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-        for pipe in self._pipes:
-            pipe.close()
+        self.watchdog.close()
         if self.runner is not None:
             self.runner.shutdown()
             self.runner = None
-        if self._failure is None or not dist.is_initialized() or dist.get_backend() == "gloo":
+        if self.watchdog.failure is None or not dist.is_initialized() or dist.get_backend() == "gloo":
             leave_process_groups()
         else:  # a failed NCCL group may still hold a kernel waiting on the dead peer: do not wait for it
             set_tp(0, 1)
+
+    @property
+    def workers(self) -> list[Any]:
+        """The spawned worker processes, rank 1 first (empty under torchrun)."""
+        return list(self.watchdog.workers.values())
 
     @property
     def worker_pids(self) -> list[int]:
@@ -227,10 +203,8 @@ class MultiprocExecutor(Executor):
                                name=f"nanoserve-tp-worker-{rank}")
             proc.start()
             child_end.close()
-            self.workers.append(proc)
-            self._pipes[parent_end] = rank
-        self._monitor = threading.Thread(target=self._watch_workers, daemon=True, name="nanoserve-tp-monitor")
-        self._monitor.start()
+            self.watchdog.watch(rank, proc, parent_end)
+        self.watchdog.start()
 
     def _rendezvous(self, config: EngineConfig, info: RankInfo) -> ControlChannel:
         """Join the process groups; with spawned workers, in a helper thread while this one watches them (a
@@ -249,101 +223,7 @@ class MultiprocExecutor(Executor):
         thread.start()
         while thread.is_alive():
             thread.join(WATCH_INTERVAL_S)
-            self._raise_if_failed()
+            self.watchdog.raise_if_failed()
         if "error" in result:
             raise result["error"]
         return result["channel"]
-
-    # -- failure detection --------------------------------------------------------------------------------
-    def _watch_workers(self) -> None:
-        """Monitor thread: wait on the workers' pipes and sentinels; the first death is the verdict."""
-        sentinels = {proc.sentinel: rank for rank, proc in enumerate(self.workers, start=1)}
-        pipes = dict(self._pipes)
-        while True:
-            ready = multiprocessing.connection.wait([self._stop_monitor_r, *pipes, *sentinels])
-            if self._stop_monitor_r in ready:
-                return
-            for pipe in [r for r in ready if r in pipes]:
-                self._read_pipe(pipe, pipes)
-            dead = [sentinels[r] for r in ready if r in sentinels]
-            if dead:
-                rank = min(dead)
-                for pipe in [p for p, r in pipes.items() if r == rank]:
-                    self._read_pipe(pipe, pipes)  # its last words, if they are still in flight
-                self._fail(self._death_message(rank))
-                self._abort_collectives()
-                return
-
-    def _read_pipe(self, pipe: Any, pipes: dict[Any, int]) -> None:
-        try:
-            while pipe.poll():
-                kind, payload = pipe.recv()
-                if kind == "error":
-                    self._errors[pipes[pipe]] = payload
-        except (EOFError, OSError):
-            del pipes[pipe]
-
-    def _death_message(self, rank: int) -> str:
-        proc = self.workers[rank - 1]
-        proc.join(WATCH_INTERVAL_S)
-        msg = f"tensor-parallel worker {rank} died (exit code {proc.exitcode})"
-        if rank in self._errors:
-            lines = self._errors[rank].strip().splitlines()
-            msg += f": {lines[-1]}" if lines else ""
-            logger.error("tensor-parallel worker %d failed:\n%s", rank, self._errors[rank])
-        return msg
-
-    def _fail(self, message: str) -> None:
-        if self._failure is None:
-            self._failure = message
-            logger.error("%s; the engine cannot continue", message)
-
-    def _abort_collectives(self) -> None:
-        """On GPUs, abort the NCCL communicators so no kernel keeps waiting on the dead peer (gloo needs nothing:
-        its sockets to the peer are closed)."""
-        if not dist.is_initialized() or dist.get_backend() != "nccl":
-            return
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except Exception:
-            logger.exception("tensor parallel: aborting the NCCL communicators failed")
-
-    def _raise_if_failed(self) -> None:
-        """Raise the verdict, or, if a worker has exited and the monitor has not yet spoken, wait for it."""
-        if self._failure is None and any(p.exitcode is not None for p in self.workers):
-            self._await_verdict(FAILURE_GRACE_S)
-        if self._failure is not None:
-            raise WorkerFailure(self._failure)
-
-    def _await_verdict(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while self._failure is None and self._monitor is not None and self._monitor.is_alive() \
-                and time.monotonic() < deadline:
-            time.sleep(WATCH_INTERVAL_S)
-
-    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run a collective step on rank 0. On any error the ranks are out of step, so the executor fails for
-        good; if a worker died, that is the error reported (its socket may close a moment before it is reaped)."""
-        self._raise_if_failed()
-        try:
-            return fn(*args)
-        except WorkerFailure:
-            raise
-        except Exception as e:
-            if self.workers:
-                self._await_verdict(FAILURE_GRACE_S)
-            self._fail(f"tensor-parallel step failed on rank 0: {type(e).__name__}: {e}")
-            raise WorkerFailure(self._failure) from e
-        except BaseException:  # KeyboardInterrupt mid-step: the workers may be inside a collective
-            self._fail("tensor-parallel step interrupted on rank 0")
-            raise
-
-    def _wait_for_device(self) -> None:
-        """Wait for this step's kernels while watching the workers: a collective whose peer died never
-        completes, and a plain synchronize would wait on it until the NCCL timeout."""
-        done = torch.cuda.Event()
-        done.record()
-        while not done.query():
-            if self._failure is not None:
-                raise WorkerFailure(self._failure)
-            time.sleep(0)  # yield the GIL (the server's event loop shares it) without adding latency

@@ -13,10 +13,10 @@ Two process groups join the same N processes:
 - the model group (the default group): nccl on GPUs (RCCL on ROCm builds), gloo on the CPU. The layers'
   all-reduces and the LM head's all-gather run here. Its timeout is bounded (`NANOSERVE_DIST_TIMEOUT`, seconds)
   so a peer that stops answering turns into an error, never a hang.
-- the control group: gloo, always on the CPU. Rank 0 broadcasts each command over it (a pickled ModelInput for a
-  step), so sending a step never touches the GPU stream. Its timeout is effectively infinite because an idle
-  worker (a server with no requests) waits here for the next step; a dead peer still fails it at once, because
-  gloo sees the closed socket.
+- the control group: gloo, always on the CPU. Rank 0 broadcasts each command over it (distributed/commands.py;
+  a step carries its pickled ModelInput), so sending a step never touches the GPU stream. Its timeout is
+  effectively infinite because an idle worker (a server with no requests) waits here for the next step; a dead
+  peer still fails it at once, because gloo sees the closed socket.
 
 Every rank takes the EngineConfig from rank 0 (the first command), so all shards are built from one config even
 when torchrun started each rank with its own command line; the rank's own config only picks backend and device.
@@ -29,15 +29,15 @@ import os
 import pickle
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
+from nanoserve.distributed.commands import Command, Configure, InitCache, Step, Stop
 from nanoserve.distributed.parallel_state import set_tp
-from nanoserve.engine.model_runner import ModelRunner, resolve_device
+from nanoserve.runner.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)
 
@@ -48,13 +48,6 @@ IDLE_TIMEOUT = timedelta(days=365)
 """Control group: how long an idle worker waits for rank 0's next command (a server may idle for days)."""
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 """NVLink multicast off in every rank, set before the process group exists (the lent multi-GPU hosts need it)."""
-
-# Commands rank 0 sends, each a tuple whose first item is one of these:
-#   (CONFIG, EngineConfig)   (INIT_CACHE, max_model_len, max_num_batched_tokens, max_num_seqs)
-#   (STEP, ModelInput, switches: dict | None - the optimization switches when they changed since the last step)
-#   (STOP,)
-CONFIG, INIT_CACHE, STEP, STOP = "config", "init_cache", "step", "stop"
-
 
 def dist_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get(DIST_TIMEOUT_ENV, DEFAULT_DIST_TIMEOUT_S)))
@@ -77,7 +70,7 @@ def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
 
 
 class ControlChannel:
-    """Rank 0 -> every rank: one pickled command per `send`, over the gloo control group.
+    """Rank 0 -> every rank: one pickled command (distributed/commands.py) per `send`, over the gloo control group.
 
     A command travels in a fixed-size frame (8-byte length, then the pickle) so the common case - a decode step's
     few hundred ids - is a single broadcast; a longer pickle (a big prefill) sends its remainder in a second one.
@@ -91,7 +84,7 @@ class ControlChannel:
         self.rank = rank
         self._frame = torch.zeros(self.FRAME_BYTES, dtype=torch.uint8)
 
-    def send(self, command: tuple[Any, ...]) -> None:
+    def send(self, command: Command) -> None:
         assert self.rank == 0, "only rank 0 sends commands"
         data = pickle.dumps(command, protocol=pickle.HIGHEST_PROTOCOL)
         first = min(len(data), self.FRAME_BYTES - self.HEADER_BYTES)
@@ -103,7 +96,7 @@ class ControlChannel:
             rest = torch.from_numpy(np.frombuffer(data, np.uint8, offset=first).copy())
             dist.broadcast(rest, src=0, group=self.group)
 
-    def recv(self) -> tuple[Any, ...]:
+    def recv(self) -> Command:
         dist.broadcast(self._frame, src=0, group=self.group)
         frame = self._frame.numpy()
         length = int.from_bytes(frame[: self.HEADER_BYTES].tobytes(), "little")
@@ -168,18 +161,17 @@ def worker_loop(runner: ModelRunner, channel: ControlChannel) -> None:
     """Ranks > 0: run rank 0's commands until it says stop. Logits stay here; only rank 0 samples."""
     while True:
         command = channel.recv()
-        kind = command[0]
-        if kind == STEP:
-            _, inp, switches = command
-            if switches is not None:
-                apply_switches(runner, switches)
-            runner.execute(inp)
-        elif kind == INIT_CACHE:
-            initialize_cache(runner, channel, *command[1:])
-        elif kind == STOP:
+        if isinstance(command, Step):
+            if command.switches is not None:
+                apply_switches(runner, command.switches)
+            runner.execute(command.inp)
+        elif isinstance(command, InitCache):
+            initialize_cache(runner, channel, command.max_model_len, command.max_num_batched_tokens,
+                             command.max_num_seqs)
+        elif isinstance(command, Stop):
             return
         else:
-            raise RuntimeError(f"unknown tensor-parallel command {kind!r}")
+            raise RuntimeError(f"unknown tensor-parallel command {command!r}")
 
 
 def run_worker(config: EngineConfig, info: RankInfo) -> None:
@@ -187,9 +179,10 @@ def run_worker(config: EngineConfig, info: RankInfo) -> None:
     if rank_device(config, info.local_rank).type == "cpu":
         torch.set_num_threads(1)  # N ranks share the host's cores; one thread each avoids oversubscription
     channel = join_process_groups(config, info)
-    kind, engine_config = channel.recv()
-    if kind != CONFIG:
-        raise RuntimeError(f"expected the engine config from rank 0, got {kind!r}")
+    command = channel.recv()
+    if not isinstance(command, Configure):
+        raise RuntimeError(f"expected the engine config from rank 0, got {type(command).__name__}")
+    engine_config = command.config
     if engine_config.tensor_parallel_size != info.world_size:
         raise RuntimeError(f"rank 0 runs tensor_parallel_size={engine_config.tensor_parallel_size} but "
                            f"{info.world_size} ranks joined")

@@ -25,16 +25,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.builder import make_executor
 from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
-from nanoserve.engine.executor import Executor, make_executor
-from nanoserve.engine.model_runner import ModelInput
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
 from nanoserve.engine.tokenizer import load_tokenizer
+from nanoserve.executor.base import Executor
 from nanoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)

@@ -35,8 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
-from nanoserve.model.attention_metadata import AttentionMetadata
 
 LOG2E = 1.4426950408889634
 MASKED_SCORE = tl.constexpr(-1.0e30)

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, MIN_DOT_ROWS, _softmax_step, _store_partial,
                                          combine_splits, num_decode_splits, split_buffers)
 from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
-from nanoserve.model.attention_metadata import AttentionMetadata
 
 MAX_SCORE_WORKSPACE_BYTES = 512 * 2**20
 """Prefill block scores are computed for at most this many bytes of [rows, G, n_blocks] fp32 at a time."""

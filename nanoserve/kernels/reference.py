@@ -16,7 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.batch import AttentionMetadata
 
 # --------------------------------------------------------------------------------------------------------------
 # Norms, RoPE, activation

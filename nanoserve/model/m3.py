@@ -15,9 +15,9 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference
-from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.layers.attention import M3Attention
 from nanoserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.model.layers.linear import WeightSource

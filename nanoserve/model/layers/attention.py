@@ -13,10 +13,10 @@ from typing import Callable
 import torch
 import torch.nn as nn
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.distributed.parallel_state import get_tp, kv_head_range, shard_range
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.attention_metadata import AttentionMetadata
 from nanoserve.model.layers.linear import (MergedColumnParallelLinear, OutputPart, RowParallelLinear, WeightSource,
                                            replicated_parameter)
 from nanoserve.model.m3_config import M3Config

@@ -1,4 +1,9 @@
-"""What the attention layers need to know about a flat batch of tokens from many sequences.
+"""The types that describe one step's batch, shared by every layer that touches it.
+
+    ModelInput          the engine -> runner description: plain lists (picklable, broadcast to tensor-parallel ranks)
+    AttentionMetadata   what the attention layers and kernels need about the flat batch, as device tensors
+
+This module imports nothing of nanoserve, so the engine, the runner, the model and the kernels may all use it.
 
 A step's batch is one flat run of T tokens: sequence 0's new tokens, then sequence 1's, and so on. Decodes
 (one new token each) come first, then prefills (a whole prompt, or a chunk of one). Each sequence's KV lives in
@@ -12,6 +17,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+
+@dataclass
+class ModelInput:
+    """One step's batch, as plain lists (picklable, cheap to broadcast under tensor parallelism)."""
+
+    input_ids: list[int]  # the new tokens of every sequence, concatenated
+    query_lens: list[int]  # new tokens per sequence
+    seq_lens: list[int]  # context length per sequence after this step
+    block_tables: list[list[int]]
+    sample_rows: list[int]  # sequences (by batch index) whose last token's logits are wanted
 
 
 @dataclass

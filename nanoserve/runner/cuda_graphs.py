@@ -32,10 +32,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.distributed.parallel_state import get_tp
 from nanoserve.kernels import triton_usable
-from nanoserve.model.attention_metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

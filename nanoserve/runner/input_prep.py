@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.model.attention_metadata import AttentionMetadata
+from nanoserve.batch import AttentionMetadata
 
 
 class _Staging:

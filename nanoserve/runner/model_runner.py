@@ -8,29 +8,18 @@ returns the logits of the sequences that need a next token.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
+from nanoserve.batch import AttentionMetadata, ModelInput
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from nanoserve.engine import cuda_graphs
-from nanoserve.engine.input_prep import InputPreparer
-from nanoserve.model.attention_metadata import AttentionMetadata
-from nanoserve.model.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from nanoserve.model.m3_config import M3Config
 from nanoserve.presets.resolve import load_model_or_preset
+from nanoserve.runner import cuda_graphs
+from nanoserve.runner.input_prep import InputPreparer
+from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
-
-@dataclass
-class ModelInput:
-    """One step's batch, as plain lists (picklable, cheap to broadcast under tensor parallelism)."""
-
-    input_ids: list[int]  # the new tokens of every sequence, concatenated
-    query_lens: list[int]  # new tokens per sequence
-    seq_lens: list[int]  # context length per sequence after this step
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # sequences (by batch index) whose last token's logits are wanted
 
 
 def resolve_device(device: str) -> torch.device:
@@ -66,7 +55,7 @@ class ModelRunner:
         self.block_size = self.cfg.index_block_size
         self.num_blocks = 0
         self.inputs = InputPreparer(self.block_size, self.device)
-        # decode graphs (engine/cuda_graphs.py): sized by the limits determine_num_blocks was given, rebuilt when
+        # decode graphs (runner/cuda_graphs.py): sized by the limits determine_num_blocks was given, rebuilt when
         # the KV pool or a model-side switch changes. graph_capture: a test seam (None = real CUDA graphs).
         self.max_model_len: int | None = None
         self.max_num_seqs: int | None = None

@@ -1,0 +1,37 @@
+"""The executor interface: where the model runs, as the engine sees it.
+
+The engine talks to an executor only through `initialize_cache` and `execute_model(ModelInput) -> logits`, so
+tensor parallelism is a different executor (distributed/executor.py), not a different engine. Both executors
+build on this module; it imports neither.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.batch import ModelInput
+from nanoserve.model.m3_config import M3Config
+
+
+class Executor:
+    """Interface: a model (config), a KV pool of `num_blocks`, and one forward step at a time."""
+
+    model_config: M3Config
+    model_dir: str
+    device: torch.device
+    num_blocks: int
+    block_size: int
+
+    def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        """Size the KV pool for these limits, allocate it, and return its number of blocks."""
+        raise NotImplementedError
+
+    def execute_model(self, inp: ModelInput) -> torch.Tensor:
+        """Run one step; fp32 logits [len(inp.sample_rows), vocab] on this process's device."""
+        raise NotImplementedError
+
+    def check_health(self) -> None:
+        """Raise if a worker is gone."""
+
+    def shutdown(self) -> None:
+        raise NotImplementedError

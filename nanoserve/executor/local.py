@@ -1,0 +1,36 @@
+"""LocalExecutor: tensor_parallel_size 1, the model runner lives in the engine's process."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.batch import ModelInput
+from nanoserve.config import EngineConfig
+from nanoserve.distributed.parallel_state import get_tp
+from nanoserve.executor.base import Executor
+from nanoserve.runner.model_runner import ModelRunner
+
+
+class LocalExecutor(Executor):
+    """tensor_parallel_size == 1: the runner lives in this process."""
+
+    def __init__(self, config: EngineConfig):
+        if get_tp().size > 1:  # the layers would read that state and build a shard, not the whole model
+            raise RuntimeError("a tensor-parallel engine is running in this process: shut it down first")
+        self.runner = ModelRunner(config)
+        self.model_config = self.runner.cfg
+        self.model_dir = self.runner.model_dir
+        self.device = self.runner.device
+        self.block_size = self.runner.block_size
+        self.num_blocks = 0
+
+    def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
+        self.num_blocks = self.runner.determine_num_blocks(max_model_len, max_num_batched_tokens, max_num_seqs)
+        self.runner.allocate_kv_cache(self.num_blocks)
+        return self.num_blocks
+
+    def execute_model(self, inp: ModelInput) -> torch.Tensor:
+        return self.runner.execute(inp)
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
