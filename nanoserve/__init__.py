@@ -6,9 +6,9 @@
 """
 
 from nanoserve.config import EngineConfig, Optimizations
-from nanoserve.engine.llm import LLM
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.entrypoints.llm import LLM
 from nanoserve.sampling import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "Optimizations", "SamplingParams", "RequestOutput",

@@ -15,11 +15,11 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
 from nanoserve.engine import llm_engine
-from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sampler import Sampler, exponential_race
 from nanoserve.engine.sequence import Sequence
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.presets.tokenizer import EOS_ID
 from tests.test_engine import (MAX_MODEL_LEN, MIXED_PARAMS, SMALL_BUDGET, SMALL_POOL_BLOCKS, assert_all_blocks_free,
                                engine_opts, mixed_prompts, random_tokens)

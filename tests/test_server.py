@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.async_engine import AsyncLLMEngine
 from nanoserve.engine.tokenizer import apply_chat_template
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
 from tests.server_utils import FAST_CPU, KV_CACHE_TOKENS, MAX_MODEL_LEN, ServerThread, engine_config, metric, \
     wait_until

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from nanoserve.config import Optimizations
-from nanoserve.engine.async_engine import AsyncLLMEngine, EngineShutdownError
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine, EngineShutdownError
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import build_app
 from tests.server_utils import MAX_MODEL_LEN, SWITCH_FLAGS, ServerThread, engine_config, free_port, wait_until
@@ -211,7 +211,7 @@ def test_cli_has_a_flag_pair_per_switch_and_vllm_aliases():
 
 def test_engine_imports_no_web_stack():
     """The GPU benchmark machine has no FastAPI / uvicorn / prometheus-client: only nanoserve.server needs them."""
-    code = ("import sys, nanoserve, nanoserve.engine.async_engine, nanoserve.engine.llm_engine; "
+    code = ("import sys, nanoserve, nanoserve.entrypoints.async_engine, nanoserve.engine.llm_engine; "
             "bad = [m for m in ('fastapi', 'uvicorn', 'starlette', 'prometheus_client') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

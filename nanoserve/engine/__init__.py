@@ -1,2 +1,15 @@
-"""The engine: request state, paged KV blocks, the scheduler, the model runner, sampling, and the offline and
-async front ends."""
+"""The engine core, on rank 0: requests in, one `step()` at a time, outputs out.
+
+    llm_engine       LLMEngine: the step loop
+    builder          the executor and the limits an engine is built with
+    scheduler        who runs this step and how many tokens
+    block_manager    the KV block pool and the prefix cache
+    sampler          logits -> tokens and logprobs, on the device
+    stop_checker     EOS, stop ids, length limits, stop strings
+    output_processor logprob lists and RequestOutputs
+    detokenizer      incremental text
+    sequence         one sequence's state; outputs: what the caller gets back; tokenizer: loading, chat templates
+
+The front ends that drive it are in nanoserve/entrypoints/; the model runs behind an executor (nanoserve/executor/,
+distributed/) on the per-rank side (nanoserve/runner/).
+"""

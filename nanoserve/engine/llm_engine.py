@@ -4,7 +4,8 @@
     step()                            schedule -> run the model -> sample -> detokenise -> check stops
     abort_request(id)                 drop a request wherever it is, returning its KV blocks
 
-The offline `LLM` class (engine/llm.py) and the async server bridge (engine/async_engine.py) both drive this loop.
+The offline `LLM` class (entrypoints/llm.py) and the async server bridge (entrypoints/async_engine.py) both drive
+this loop.
 
 Overlap scheduling (switch `overlap_scheduling`; reference: the synchronous step). The host work on a step's
 tokens is split in two. (a) What the next schedule depends on: wait for the tokens, append them, end the

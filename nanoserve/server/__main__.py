@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from nanoserve.engine.async_engine import AsyncLLMEngine
+    from nanoserve.entrypoints.async_engine import AsyncLLMEngine
     from nanoserve.server.app import build_app
 
     try:

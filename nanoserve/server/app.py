@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 from fastapi import FastAPI
 
-from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server.errors import EXCEPTION_HANDLERS
 from nanoserve.server.routes import ROUTERS
 from nanoserve.server.state import OpenAIServer

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from nanoserve.engine.async_engine import EngineDeadError, EngineShutdownError, QueueFullError
+from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, QueueFullError
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import functools
 
-from nanoserve.engine.async_engine import AsyncLLMEngine
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server.metrics import ServerMetrics
 
 

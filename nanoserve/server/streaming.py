@@ -17,8 +17,8 @@ from typing import AsyncIterator
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from nanoserve.engine.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError

@@ -10,8 +10,8 @@ from typing import Awaitable, TypeVar
 
 from fastapi import Request
 
-from nanoserve.engine.async_engine import RequestStream
 from nanoserve.engine.outputs import RequestOutput
+from nanoserve.entrypoints.async_engine import RequestStream
 from nanoserve.server import protocol as P
 from nanoserve.server.convert import Prepared
 from nanoserve.server.errors import APIError, engine_errors
