@@ -14,7 +14,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import EngineConfig
-from nanoserve.engine import llm_engine
+from nanoserve.engine import stop_checker
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sampler import Sampler, exponential_race
@@ -115,13 +115,13 @@ def test_outputs_are_detokenised_while_the_next_step_runs(llms, monkeypatch):
     """The order of the host work: with the switch on, a token's text is made after the next step's forward
     was launched; off, before."""
     events: list[str] = []
-    real_detokenize = llm_engine.detokenize_step
+    real_detokenize = stop_checker.detokenize_step
 
     def detokenize(tokenizer, seq):
         events.append("text")
         return real_detokenize(tokenizer, seq)
 
-    monkeypatch.setattr(llm_engine, "detokenize_step", detokenize)
+    monkeypatch.setattr(stop_checker, "detokenize_step", detokenize)
     for on, llm in llms.items():
         executor = llm.engine.executor
         real_execute = executor.execute_model

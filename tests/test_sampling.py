@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from nanoserve import LLM, Optimizations, SamplingParams
 from nanoserve.batch import AttentionMetadata
-from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
+from nanoserve.engine.detokenizer import detokenize_step
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.stop_checker import find_stop_string
 from nanoserve.presets.tokenizer import EOS_ID
 
 DRAWS = 4000  # rows per distribution check; a frequency's std is <= 0.008, checked to FREQ_TOL

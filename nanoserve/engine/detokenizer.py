@@ -27,13 +27,3 @@ def detokenize_step(tokenizer, seq: Sequence) -> str:
     seq.text += delta
     return delta
 
-
-def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[int, str] | None:
-    """The earliest stop string that the last `delta_len` characters completed: (start index, the string)."""
-    best = None
-    for stop in stops:
-        start = max(0, len(text) - delta_len - len(stop) + 1)
-        i = text.find(stop, start)
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, stop)
-    return best

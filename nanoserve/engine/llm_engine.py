@@ -29,19 +29,18 @@ from typing import Any, Callable
 from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.builder import make_executor
-from nanoserve.engine.detokenizer import detokenize_step, find_stop_string
-from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
+from nanoserve.engine.output_processor import RequestState, make_output, record_token
+from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
+from nanoserve.engine.stop_checker import Stop, StopChecker
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
 from nanoserve.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -60,20 +59,6 @@ class EngineStats:
     num_steps: int = 0
     num_aborted: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
-
-
-@dataclass
-class RequestState:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    arrival_time: float
-
-    @property
-    def finished(self) -> bool:
-        return all(s.is_finished for s in self.seqs)
 
 
 @dataclass
@@ -106,33 +91,20 @@ class LLMEngine:
     def _build(self, config: EngineConfig, reuse_pool: bool) -> None:
         """Everything around the executor: limits, the KV pool, block manager, scheduler, tokenizer, sampler."""
         self.model_config = self.executor.model_config
-        mcfg = self.model_config
-        self.block_size = self._resolve_block_size()
-        self.max_model_len = config.max_model_len or mcfg.max_position_embeddings
-        if self.max_model_len > mcfg.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings="
-                             f"{mcfg.max_position_embeddings}")
-        opts = config.optimizations
-        if config.max_num_batched_tokens is not None:
-            budget = config.max_num_batched_tokens
-            if not opts.chunked_prefill and budget < self.max_model_len:
-                raise ValueError(f"max_num_batched_tokens={budget} is smaller than max_model_len="
-                                 f"{self.max_model_len}; without chunked prefill a whole prompt must fit one step")
-        else:
-            budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if opts.chunked_prefill else \
-                max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
-        self.max_num_batched_tokens = budget
+        limits = resolve_limits(config, self.model_config)
+        self.block_size, self.max_model_len = limits.block_size, limits.max_model_len
+        self.max_num_batched_tokens = budget = limits.max_num_batched_tokens
         num_blocks = self.executor.num_blocks if reuse_pool and self.executor.num_blocks else \
             self.executor.initialize_cache(self.max_model_len, budget, config.max_num_seqs)
-        if num_blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"the KV cache holds {num_blocks * self.block_size} tokens, fewer than max_model_len="
-                             f"{self.max_model_len}: lower --max-model-len or give the cache more memory")
+        check_kv_capacity(num_blocks, limits)
+        opts = config.optimizations
         self.observers: list[Callable[..., None]] = []
         self.block_manager = BlockManager(num_blocks, self.block_size, opts.prefix_caching, self._emit)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, opts),
                                    self.block_manager, self._emit)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
-        self.eos_token_id = mcfg.eos_token_id
+        self.eos_token_id = self.model_config.eos_token_id
+        self.stop_checker = StopChecker(self.tokenizer, self.eos_token_id, self.max_model_len)
         self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id, config.logprobs_mode)
         self.requests: dict[str, RequestState] = {}
         # read once: a step in flight must be finished by the path that launched it
@@ -143,13 +115,6 @@ class LLMEngine:
         logger.info("engine ready: model=%s device=%s blocks=%d x %d tokens, max_model_len=%d, "
                     "max_num_batched_tokens=%d, max_num_seqs=%d; switches %s", config.model, self.executor.device,
                     num_blocks, self.block_size, self.max_model_len, budget, config.max_num_seqs, opts.describe())
-
-    def _resolve_block_size(self) -> int:
-        msa_block = self.model_config.index_block_size
-        if self.config.block_size is not None and self.config.block_size != msa_block:
-            raise ValueError(f"block_size={self.config.block_size} is invalid: it must equal the model's MSA block "
-                             f"size ({msa_block}), since MSA selects KV blocks by block-table entry")
-        return msa_block
 
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
@@ -248,9 +213,8 @@ class LLMEngine:
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             return None
-        self.stats.num_steps += 1
-        self._count_admissions(sched)
-        inp = self._model_input(sched)
+        self._count_step(sched)
+        inp = model_input(sched)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
         logits = self.executor.execute_model(inp)
         sampled = [s.seq for s in sched.scheduled if s.samples]
@@ -267,9 +231,12 @@ class LLMEngine:
         result = self.sampler.to_host(launched.sample)
         received = []
         for i, seq in enumerate(launched.seqs):
-            if not seq.is_finished:
-                self._append_token(seq, result.token_ids[i])
-                received.append((seq, result, i))
+            if seq.is_finished:
+                continue
+            seq.output_token_ids.append(result.token_ids[i])
+            self.stats.num_generation_tokens += 1
+            self._finish_if(seq, self.stop_checker.check_token(seq))  # a sequence it ends has its text done
+            received.append((seq, result, i))
         return received
 
     def _process(self, received: list[Received]) -> list[RequestOutput]:
@@ -277,86 +244,16 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         for seq, result, i in received:
-            logprobs = result.logprobs(i)
-            if logprobs is not None:
-                seq.logprobs.append(logprobs)
-                seq.cumulative_logprob += result.chosen_logprob[i]
-            if not seq.is_finished:  # (a) did the text of the sequences it ended
-                stop = self._add_text(seq)
-                if stop is not None:
-                    self._finish(seq, FinishReason.STOP, stop)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.last_token_time = now
+            record_token(seq, result, i, now)
+            if not seq.is_finished:
+                self._finish_if(seq, self.stop_checker.check_text(seq))
             touched[seq.request_id] = self.requests[seq.request_id]
-        return [self._finalize(state) for state in touched.values()]
+        return [self._output(state) for state in touched.values()]
 
-    def _count_admissions(self, sched: SchedulerOutput) -> None:
-        for seq in sched.admitted:
-            self.stats.prefix_cache_queries += seq.num_tokens
-            self.stats.prefix_cache_hits += seq.num_cached_tokens
-        self.stats.num_computed_prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
-
-    def _model_input(self, sched: SchedulerOutput) -> ModelInput:
-        ids: list[int] = []
-        query_lens, seq_lens, tables, sample_rows = [], [], [], []
-        for row, s in enumerate(sched.scheduled):
-            seq, start = s.seq, s.seq.num_computed_tokens
-            end, prompt_len = start + s.num_new_tokens, seq.num_prompt_tokens
-            # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
-            if start >= prompt_len:
-                ids.extend(seq.output_token_ids[start - prompt_len: end - prompt_len])
-            elif end <= prompt_len:
-                ids.extend(seq.prompt_token_ids[start:end])
-            else:
-                ids.extend(seq.token_ids[start:end])
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(start + s.num_new_tokens)
-            tables.append(list(seq.block_table))
-            if s.samples:
-                sample_rows.append(row)
-        return ModelInput(ids, query_lens, seq_lens, tables, sample_rows)
-
-    def _append_token(self, seq: Sequence, token: int) -> None:
-        """Append a token; end seq if EOS, a stop id or a length limit ends it, doing its text now (so the text of
-        the sequences that continue is all that `_process` has left)."""
-        seq.output_token_ids.append(token)
-        self.stats.num_generation_tokens += 1
-        p = seq.params
-        allowed_to_stop = len(seq.output_token_ids) >= p.min_tokens
-        if allowed_to_stop and token == self.eos_token_id and not p.ignore_eos:
-            reason, stop_reason = FinishReason.STOP, None
-        elif allowed_to_stop and token in p.stop_token_ids:
-            reason, stop_reason = FinishReason.STOP, token
-        else:
-            max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
-            if len(seq.output_token_ids) < max_new and seq.num_tokens < self.max_model_len:
-                return
-            # the last token allowed: a stop string it completes takes precedence over the length limit
-            stop = self._add_text(seq)
-            if stop is not None:
-                self._finish(seq, FinishReason.STOP, stop)
-            else:
-                self._finish(seq, FinishReason.LENGTH, None)
-            return
-        # as in vLLM, the text of the token that stopped generation (EOS, a stop id) is left out of the output
-        # unless include_stop_str_in_output; the token itself stays in token_ids
-        if p.include_stop_str_in_output:
-            detokenize_step(self.tokenizer, seq)
-        self._finish(seq, reason, stop_reason)
-
-    def _add_text(self, seq: Sequence) -> str | None:
-        """Detokenise seq's newest token; returns the stop string it completed, if any (seq.text is cut there)."""
-        p = seq.params
-        delta = detokenize_step(self.tokenizer, seq)
-        if not (p.stop_list and delta and len(seq.output_token_ids) >= p.min_tokens):
-            return None
-        hit = find_stop_string(seq.text, len(delta), p.stop_list)
-        if hit is None:
-            return None
-        idx, stop = hit
-        seq.text = seq.text[: idx + len(stop)] if p.include_stop_str_in_output else seq.text[:idx]
-        return stop
+    # -- the loop's helpers ---------------------------------------------------------------------------------
+    def _finish_if(self, seq: Sequence, stop: Stop | None) -> None:
+        if stop is not None:
+            self._finish(seq, stop.reason, stop.stop_reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
         seq.stop_reason = stop_reason
@@ -364,34 +261,41 @@ class LLMEngine:
         self.sampler.forget(seq.seq_id)
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
 
-    def _finalize(self, state: RequestState) -> RequestOutput:
-        out = self.make_output(state)
+    def _output(self, state: RequestState) -> RequestOutput:
+        out = make_output(state)
         if out.finished:
             self.requests.pop(state.request_id, None)
         return out
 
-    @staticmethod
-    def make_output(state: RequestState) -> RequestOutput:
-        completions = [
-            CompletionOutput(
-                index=s.index, text=s.text, token_ids=list(s.output_token_ids),
-                cumulative_logprob=s.cumulative_logprob if s.params.logprobs is not None else None,
-                logprobs=list(s.logprobs) if s.params.logprobs is not None else None,
-                finish_reason=s.finish_reason.value if s.finish_reason else None, stop_reason=s.stop_reason)
-            for s in state.seqs
-        ]
-        first = state.seqs[0]
-        metrics = RequestMetrics(
-            arrival_time=state.arrival_time,
-            first_scheduled_time=min((s.first_scheduled_time for s in state.seqs if s.first_scheduled_time),
-                                     default=None),
-            first_token_time=min((s.first_token_time for s in state.seqs if s.first_token_time), default=None),
-            last_token_time=max((s.last_token_time for s in state.seqs if s.last_token_time), default=None),
-            finished_time=max((s.finished_time for s in state.seqs if s.finished_time), default=None),
-            num_cached_tokens=first.num_cached_tokens, num_preemptions=sum(s.num_preemptions for s in state.seqs))
-        return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                             metrics)
+    def _count_step(self, sched: SchedulerOutput) -> None:
+        self.stats.num_steps += 1
+        for seq in sched.admitted:
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += seq.num_cached_tokens
+        self.stats.num_computed_prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
 
     def shutdown(self) -> None:
         self._in_flight = None
         self.executor.shutdown()
+
+
+def model_input(sched: SchedulerOutput) -> ModelInput:
+    """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table."""
+    ids: list[int] = []
+    query_lens, seq_lens, tables, sample_rows = [], [], [], []
+    for row, s in enumerate(sched.scheduled):
+        seq, start = s.seq, s.seq.num_computed_tokens
+        end, prompt_len = start + s.num_new_tokens, seq.num_prompt_tokens
+        # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
+        if start >= prompt_len:
+            ids.extend(seq.output_token_ids[start - prompt_len: end - prompt_len])
+        elif end <= prompt_len:
+            ids.extend(seq.prompt_token_ids[start:end])
+        else:
+            ids.extend(seq.token_ids[start:end])
+        query_lens.append(s.num_new_tokens)
+        seq_lens.append(start + s.num_new_tokens)
+        tables.append(list(seq.block_table))
+        if s.samples:
+            sample_rows.append(row)
+    return ModelInput(ids, query_lens, seq_lens, tables, sample_rows)
