@@ -404,6 +404,39 @@ def test_fast_input_prep_matches_reference():
         prep.prepare([1], [1], [40], [[0, 1]], [0])
 
 
+def test_graph_staging_matches_reference(bench):
+    """The decode graphs' static buffers, staged for random decode batches, hold what the reference preparation
+    builds for the real rows, and inert padding (token 0 at position 0, seq_len 1, zero tables, slot -1) for the
+    rest of the bucket. Integers: exact."""
+    from nanoserve.runner.cuda_graphs import GraphRunner
+
+    page, max_len = 16, 96
+    graphs = GraphRunner(bench.runner.model, 8, max_len, page, torch.device("cpu"), capture=lambda fn: fn)
+    rng = np.random.default_rng(1)
+    for _ in range(30):
+        n = int(rng.integers(1, 9))
+        seq = rng.integers(1, max_len + 1, n).tolist()
+        free = rng.permutation(300).tolist()
+        tables = [[free.pop() for _ in range(min(-(-s // page) + int(rng.integers(0, 2)), graphs.max_blocks))]
+                  for s in seq]
+        ids = rng.integers(0, 500, n).tolist()
+        assert graphs.fits(n, max(seq), max(len(t) for t in tables))
+        bs, length = graphs.key(n, max(seq))
+        graphs.stage(ids, seq, tables, bs)
+        got_ids, meta = graphs.static_inputs(bs, length)
+        ref = AttentionMetadata.build([1] * n, seq, tables, page)
+        assert got_ids[:n].tolist() == ids and not got_ids[n:].any()
+        assert torch.equal(meta.positions[:n], ref.positions) and not meta.positions[n:].any()
+        assert torch.equal(meta.slot_mapping[:n], ref.slot_mapping) and (meta.slot_mapping[n:] == -1).all()
+        assert torch.equal(meta.seq_lens[:n], ref.seq_lens) and (meta.seq_lens[n:] == 1).all()
+        assert torch.equal(meta.query_start_loc, torch.arange(bs + 1, dtype=torch.int32))
+        width = ref.block_tables.shape[1]
+        assert torch.equal(meta.block_tables[:n, :width], ref.block_tables)
+        assert not meta.block_tables[:n, width:].any() and not meta.block_tables[n:].any()
+        assert meta.positions.dtype == ref.positions.dtype and meta.slot_mapping.dtype == ref.slot_mapping.dtype
+        assert meta.block_tables.dtype == ref.block_tables.dtype and meta.seq_lens.dtype == ref.seq_lens.dtype
+
+
 def test_fast_input_prep_switch_gives_same_tokens(bench):
     wl = tiny_workload("W2", num_requests=3, output_len=4)
     on = bench.run(wl)

@@ -1,4 +1,4 @@
-"""Decode steps replayed as CUDA/HIP graphs (switch `cuda_graphs`; reference: the eager forward in
+"""GraphRunner: decode steps replayed as CUDA/HIP graphs (switch `cuda_graphs`; reference: the eager forward in
 `ModelRunner.execute`).
 
 A decode step launches a few hundred small kernels; at batch size 1 their launch cost alone is a large share of a
@@ -13,7 +13,8 @@ so the runner keeps static input buffers sized for the largest batch and capture
   max_seq_len = the bucket, so the decode kernels' grids (which depend only on the batch size, the head counts
   and meta.max_seq_len) are fixed; a short context does not pay for a grid sized for max_model_len.
 
-Each step copies its inputs into the static buffers (pinned host staging, one asynchronous copy per buffer),
+Each step copies its inputs into the static buffers (pinned host staging, one asynchronous copy per buffer; the
+block tables and slots are computed by the same functions as an eager step's, runner/input_prep.py),
 replays the graph, and returns a view of the static logits [n, vocab] (valid until the next replay). A graph is
 captured the first time its key is needed, after one eager warm-up run of the same padded batch (which compiles
 the Triton kernels outside the capture); `capture_all` captures every batch bucket ahead of time. All graphs share
@@ -36,6 +37,7 @@ from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.distributed.parallel_state import get_tp
 from nanoserve.kernels import triton_usable
+from nanoserve.runner.input_prep import fill_block_tables, slot_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -107,8 +109,9 @@ def cuda_graph_capture(pool) -> CaptureFn:
     return capture
 
 
-class DecodeGraphs:
-    """Static decode buffers and the graphs captured over them, for one model and one KV pool.
+class GraphRunner:
+    """The capture buckets, the static decode buffers and the graphs captured over them, for one model and one KV
+    pool.
 
     `capture` turns a function into a replayable callable; the default records a CUDA graph. Tests on the CPU pass
     `lambda fn: fn`, which re-runs the function at every replay over the same static buffers - it checks the
@@ -158,7 +161,7 @@ class DecodeGraphs:
         static output, valid until the next replay), or None if the graph could not be captured."""
         n = len(seq_lens)
         key = self.key(n, max(seq_lens))
-        self._stage(input_ids, seq_lens, block_tables, key[0])
+        self.stage(input_ids, seq_lens, block_tables, key[0])
         replay = self.graphs.get(key)
         if replay is None:
             replay = self._capture_key(key)
@@ -167,7 +170,7 @@ class DecodeGraphs:
         replay()
         return self.logits[:n]
 
-    def _stage(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], bs: int) -> None:
+    def stage(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], bs: int) -> None:
         """Write the padded batch into the host staging buffers and copy them to the device buffers."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
@@ -181,9 +184,8 @@ class DecodeGraphs:
         h[2, :bs] = -1
         tables = self.n_tables
         tables[:bs] = 0
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
-        h[2, :n] = tables[np.arange(n), pos // page].astype(np.int64) * page + pos % page
+        fill_block_tables(tables, block_tables)
+        h[2, :n] = slot_mapping(tables, np.arange(n), pos, page)  # a decode's one token sits at seq_len - 1
         seq = self.n_i32[self.max_bs + 1:]
         seq[:bs] = 1
         seq[:n] = lens
@@ -195,8 +197,9 @@ class DecodeGraphs:
             self._copied.record()
 
     # -- capture ----------------------------------------------------------------------------------------------
-    def _forward(self, bs: int, max_seq_len: int) -> Callable[[], None]:
-        """The step a graph records: the model over the first bs static rows, logits into the static output."""
+    def static_inputs(self, bs: int, max_seq_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The input ids and AttentionMetadata of the first bs static rows, as a graph of context bucket
+        max_seq_len reads them."""
         n = self.max_bs
         meta = AttentionMetadata(
             positions=self.i64[1, :bs], query_start_loc=self.i32[: bs + 1], seq_lens=self.i32[n + 1: n + 1 + bs],
@@ -205,7 +208,11 @@ class DecodeGraphs:
             # host lengths = the bucket: only the reference paths read them (CPU tests), and a key past a query's
             # position is masked there anyway
             seq_lens_cpu=[max_seq_len] * bs)
-        input_ids = self.i64[0, :bs]
+        return self.i64[0, :bs], meta
+
+    def _forward(self, bs: int, max_seq_len: int) -> Callable[[], None]:
+        """The step a graph records: the model over the first bs static rows, logits into the static output."""
+        input_ids, meta = self.static_inputs(bs, max_seq_len)
         model, logits = self.model, self.logits[:bs]
 
         def forward() -> None:
@@ -241,7 +248,7 @@ class DecodeGraphs:
         for bs in sorted((b for b in self.buckets if b <= top), reverse=True):
             if (bs, length) in self.graphs:
                 continue
-            self._stage([0] * bs, [1] * bs, [[0]] * bs, bs)
+            self.stage([0] * bs, [1] * bs, [[0]] * bs, bs)
             self.i64[2, :bs].fill_(-1)  # dummy rows write nothing into the cache
             if self._capture_key((bs, length)) is None:
                 break

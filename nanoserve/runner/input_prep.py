@@ -1,11 +1,14 @@
 """A step's batch -> device tensors, vectorised (switch `fast_input_prep`; reference: `AttentionMetadata.build`
-plus one `torch.tensor(...)` per input in `ModelRunner.prepare`).
+plus one `torch.tensor(...)` per input, `reference_prepare`).
 
 The reference builds positions and slots with a Python loop over every token and copies each tensor to the device
 on its own: fine for a decode step of a few sequences, ~5 ms for an 8192-token prefill chunk, and a handful of
 synchronous copies per step. Here numpy computes positions and slots for the whole batch at once, everything is
 packed into two host buffers (one int64, one int32) and each goes to the device in one copy. On a GPU the host
 buffers are pinned and reused, so the copies are asynchronous; an event guards a buffer until its copy is done.
+
+`fill_block_tables` and `slot_mapping` are the two steps every preparation shares: `InputPreparer` (eager steps)
+and the decode graphs' staging (runner/cuda_graphs.py, which writes into its static buffers) both call them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,29 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.batch import AttentionMetadata
+from nanoserve.batch import AttentionMetadata, ModelInput
+
+
+def reference_prepare(inp: ModelInput, block_size: int, device: torch.device
+                      ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """The plain path (`fast_input_prep` off): the Python loop of `AttentionMetadata.build`, one copy per tensor."""
+    meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, block_size, device)
+    input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=device)
+    ends = meta.query_start_loc[1:].long() - 1
+    logits_index = ends[torch.tensor(inp.sample_rows, dtype=torch.long, device=device)]
+    return input_ids, meta, logits_index
+
+
+def fill_block_tables(out: np.ndarray, block_tables: list[list[int]]) -> None:
+    """Row i of `out` (already zero) gets sequence i's block table; the entries past its end stay 0."""
+    for i, t in enumerate(block_tables):
+        out[i, : len(t)] = t
+
+
+def slot_mapping(tables: np.ndarray, rows: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Where each token's K/V goes: block_table[p // block_size] * block_size + p % block_size, for the token at
+    position `positions[j]` of sequence `rows[j]` (int64)."""
+    return tables[rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
 
 
 class _Staging:
@@ -45,8 +70,8 @@ class _Staging:
 
 
 class InputPreparer:
-    """Builds (input_ids, AttentionMetadata, logits_index) for one step, like `ModelRunner.prepare` does on the
-    reference path, with the same validation."""
+    """Builds (input_ids, AttentionMetadata, logits_index) for one step, like `reference_prepare`, with the same
+    validation."""
 
     def __init__(self, block_size: int, device: torch.device):
         self.block_size = block_size
@@ -76,13 +101,12 @@ class InputPreparer:
 
         width = max(int(table_lens.max(initial=0)), 1)
         tables = np.zeros((num_seqs, width), dtype=np.int32)
-        for i, t in enumerate(block_tables):
-            tables[i, : len(t)] = t
+        fill_block_tables(tables, block_tables)
         starts = np.zeros(num_seqs + 1, dtype=np.int64)
         np.cumsum(q, out=starts[1:])
         row = np.repeat(np.arange(num_seqs), q)
         positions = np.arange(num_tokens, dtype=np.int64) - starts[row] + (s - q)[row]
-        slots = tables[row, positions // page].astype(np.int64) * page + positions % page
+        slots = slot_mapping(tables, row, positions, page)
         logits_index = starts[1:][np.asarray(sample_rows, dtype=np.int64)] - 1
         not_decode = np.flatnonzero(q != 1)
         num_decode = int(not_decode[0]) if not_decode.size else num_seqs

@@ -16,7 +16,7 @@ from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from nanoserve.model.m3_config import M3Config
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
-from nanoserve.runner.input_prep import InputPreparer
+from nanoserve.runner.input_prep import InputPreparer, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ModelRunner:
         # the KV pool or a model-side switch changes. graph_capture: a test seam (None = real CUDA graphs).
         self.max_model_len: int | None = None
         self.max_num_seqs: int | None = None
-        self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self.graphs: cuda_graphs.GraphRunner | None = None
         self.graph_capture: cuda_graphs.CaptureFn | None = None
         self._graph_switches: tuple[bool, ...] | None = None
         self._graph_notice: str | None = None
@@ -116,14 +116,11 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------------------------------------
     def prepare(self, inp: ModelInput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """input_ids, AttentionMetadata and the rows whose logits are wanted, for an eager step."""
         if self.config.optimizations.fast_input_prep:
             return self.inputs.prepare(inp.input_ids, inp.query_lens, inp.seq_lens, inp.block_tables,
                                        inp.sample_rows)
-        meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size, self.device)
-        input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=self.device)
-        ends = meta.query_start_loc[1:].long() - 1
-        logits_index = ends[torch.tensor(inp.sample_rows, dtype=torch.long, device=self.device)]
-        return input_ids, meta, logits_index
+        return reference_prepare(inp, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
@@ -137,7 +134,7 @@ class ModelRunner:
         hidden = self.model(input_ids, meta.positions, meta)
         return self.model.compute_logits(hidden[logits_index])
 
-    def _decode_graphs(self, inp: ModelInput) -> cuda_graphs.DecodeGraphs | None:
+    def _decode_graphs(self, inp: ModelInput) -> cuda_graphs.GraphRunner | None:
         """The decode graphs if this step can replay one: a decode-only batch (every sequence one new token, all
         sampled), graphs on and applicable, the batch within the captured sizes."""
         n = len(inp.query_lens)
@@ -148,8 +145,8 @@ class ModelRunner:
             return None
         return graphs
 
-    def _graphs(self) -> cuda_graphs.DecodeGraphs | None:
-        """The DecodeGraphs for the current pool and switches (rebuilt if a model-side switch changed), or None
+    def _graphs(self) -> cuda_graphs.GraphRunner | None:
+        """The GraphRunner for the current pool and switches (rebuilt if a model-side switch changed), or None
         when graphs are off or not applicable (the reason is logged once)."""
         opts = self.config.optimizations
         if not opts.cuda_graphs or not self.num_blocks or self.max_model_len is None:
@@ -164,8 +161,8 @@ class ModelRunner:
                     logger.info("CUDA graphs not applicable, decode runs eagerly: %s", reason)
                     self._graph_notice = reason
                 return None
-            self.graphs = cuda_graphs.DecodeGraphs(self.model, self.max_num_seqs, self.max_model_len,
-                                                   self.block_size, self.device, self.graph_capture)
+            self.graphs = cuda_graphs.GraphRunner(self.model, self.max_num_seqs, self.max_model_len,
+                                                  self.block_size, self.device, self.graph_capture)
             self._graph_switches = state
         return self.graphs
 
