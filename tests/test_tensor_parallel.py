@@ -40,12 +40,12 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.executor import MultiprocExecutor, free_loopback_port
-from nanoserve.distributed.parallel_state import get_tp, kv_head_range, set_tp
 from nanoserve.distributed.watchdog import WorkerFailure
 from nanoserve.executor.base import Executor
 from nanoserve.executor.local import LocalExecutor
 from nanoserve.model import loader
 from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.parallel_state import get_tp, kv_head_range, set_tp
 from nanoserve.presets.catalog import get_preset
 from nanoserve.presets.make_checkpoint import write_checkpoint
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block

@@ -1,6 +1,5 @@
 """Tensor parallelism.
 
-    parallel_state   this rank's place in the group, and the collectives the sharded layers call
     worker           what every rank runs: join the process groups, build its shard, follow rank 0's commands
     commands         the typed commands rank 0 sends every rank (Configure, InitCache, Step, Stop)
     executor         MultiprocExecutor, rank 0's side: spawns the workers, broadcasts each step

@@ -25,6 +25,7 @@ import signal
 import socket
 import threading
 import traceback
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import torch
@@ -35,11 +36,11 @@ from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.commands import Configure, InitCache, Step, Stop
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
-from nanoserve.distributed.parallel_state import get_tp, set_tp
-from nanoserve.distributed.watchdog import WATCH_INTERVAL_S, WorkerFailure, WorkerWatchdog, report_error
+from nanoserve.distributed.watchdog import WATCH_INTERVAL_S, WorkerWatchdog, report_error
 from nanoserve.distributed.worker import (MULTICAST_OFF_ENV, ControlChannel, RankInfo, build_runner, initialize_cache,
                                           join_process_groups, leave_process_groups, rank_device, run_worker)
 from nanoserve.executor.base import Executor
+from nanoserve.parallel_state import get_tp, set_tp
 from nanoserve.runner.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class MultiprocExecutor(Executor):
             set_tp(0, 1)
 
     @property
-    def workers(self) -> list[Any]:
+    def workers(self) -> list[BaseProcess]:
         """The spawned worker processes, rank 1 first (empty under torchrun)."""
         return list(self.watchdog.workers.values())
 

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.commands import Command, Configure, InitCache, Step, Stop
-from nanoserve.distributed.parallel_state import set_tp
+from nanoserve.parallel_state import set_tp
 from nanoserve.runner.model_runner import ModelRunner, resolve_device
 
 logger = logging.getLogger(__name__)

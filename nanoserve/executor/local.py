@@ -6,8 +6,8 @@ import torch
 
 from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
-from nanoserve.distributed.parallel_state import get_tp
 from nanoserve.executor.base import Executor
+from nanoserve.parallel_state import get_tp
 from nanoserve.runner.model_runner import ModelRunner
 
 

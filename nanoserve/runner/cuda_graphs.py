@@ -35,8 +35,8 @@ import torch
 
 from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
-from nanoserve.distributed.parallel_state import get_tp
 from nanoserve.kernels import triton_usable
+from nanoserve.parallel_state import get_tp
 from nanoserve.runner.input_prep import fill_block_tables, slot_mapping
 
 logger = logging.getLogger(__name__)

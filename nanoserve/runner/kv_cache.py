@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.distributed.parallel_state import kv_head_range
 from nanoserve.model.m3_config import M3Config
+from nanoserve.parallel_state import kv_head_range
 
 
 def kv_cache_bytes_per_block(cfg: M3Config, block_size: int, dtype: torch.dtype) -> int:

@@ -6,8 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoserve.distributed.parallel_state import all_gather_last_dim, all_reduce, get_tp
 from nanoserve.model.layers.linear import WeightSource, check_shape, copy_into
+from nanoserve.parallel_state import all_gather_last_dim, all_reduce, get_tp
 
 
 class _VocabShard(nn.Module):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoserve.distributed.parallel_state import all_reduce, get_tp, shard_range
+from nanoserve.parallel_state import all_reduce, get_tp, shard_range
 
 
 class WeightSource(Protocol):

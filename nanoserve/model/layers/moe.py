@@ -9,11 +9,11 @@ import torch
 import torch.nn as nn
 
 from nanoserve.config import Optimizations
-from nanoserve.distributed.parallel_state import all_reduce, get_tp, shard_range
 from nanoserve.kernels import reference, triton_usable
 from nanoserve.model.layers.linear import WeightSource, check_shape, copy_into, replicated_parameter
 from nanoserve.model.layers.mlp import SwiGLUOAIMLP
 from nanoserve.model.m3_config import M3Config
+from nanoserve.parallel_state import all_reduce, get_tp, shard_range
 
 
 class M3MoE(nn.Module):
