@@ -3,9 +3,77 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 MIN_SEED, MAX_SEED = -(2**63), 2**63 - 1  # the int64 range, as vLLM's request models
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values: +-100 bans or forces a token
+
+CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrain the output to a format (vLLM's `StructuredOutputsParams`): set exactly one of `json` (a JSON
+    schema, as a dict or a JSON string), `regex`, `choice` (the output is one of these strings), `grammar` (EBNF, in
+    xgrammar's GBNF dialect), `json_object=True` (any JSON object) or `structural_tag` (an xgrammar structural tag,
+    as a dict or a JSON string). The engine compiles it with xgrammar and masks every token the format forbids
+    (engine/structured_output.py). Invalid values raise ValueError naming the field."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    """JSON only: no whitespace between tokens beyond a single space after ':' and ',' (compact output)."""
+    disable_additional_properties: bool = False
+    """JSON schema only: objects without an explicit additionalProperties get additionalProperties: false."""
+    whitespace_pattern: str | None = None
+    """Not supported by the xgrammar backend: setting it raises ValueError (vLLM's xgrammar backend rejects it too)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in CONSTRAINT_KINDS if getattr(self, k) is not None)
+
+    def validate(self) -> None:
+        kinds = [k for k in CONSTRAINT_KINDS if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of " + ", ".join(CONSTRAINT_KINDS)
+                             + (f"; got {', '.join(kinds)}" if kinds else "; got none"))
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object or a JSON string), "
+                             f"got {type(self.json).__name__}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.choice is not None and (not isinstance(self.choice, (list, tuple)) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError("structured_outputs.json_object must be true when set")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (str, dict)):
+            raise ValueError("structured_outputs.structural_tag must be an object or a JSON string")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"structured_outputs.{name} must be true or false")
+        if self.whitespace_pattern is not None:
+            raise ValueError("structured_outputs.whitespace_pattern is not supported (the xgrammar backend has no "
+                             "custom whitespace pattern); use disable_any_whitespace instead")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "StructuredOutputsParams":
+        """From a request body's `structured_outputs` object; an unknown key is a ValueError naming it."""
+        known = set(CONSTRAINT_KINDS) | {"disable_any_whitespace", "disable_additional_properties",
+                                         "whitespace_pattern"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"structured_outputs has unknown field(s): {', '.join(unknown)}")
+        return cls(**d)
 
 
 @dataclass
@@ -56,6 +124,8 @@ class SamplingParams:
     """Words that must not be generated: the word's last token is banned wherever the output ends with the
     tokens before it (each word is tokenized as written and with a leading space)."""
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
+    """Constrain the output to a JSON schema, regex, choice, grammar or structural tag (see the class)."""
     stop_list: list[str] = field(init=False, default_factory=list)
     bad_words_token_ids: list[list[int]] = field(init=False, default_factory=list)
     """The tokenized bad_words; the engine fills this in when the request arrives."""
@@ -121,6 +191,10 @@ class SamplingParams:
             raise bad("stop", "a non-empty string or a list of non-empty strings")
         if not all(is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "a list of non-negative integers")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise bad("structured_outputs", "a StructuredOutputsParams")
+            self.structured_outputs.validate()
         for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise bad(name, "True or False")

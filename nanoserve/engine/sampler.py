@@ -1,6 +1,8 @@
 """Turn each sequence's next-token logits into a token, on the device, for a whole batch at once.
 
-Order of operations (as vLLM's sampler): the logprobs of the raw logits are taken first (logprobs_mode
+Order of operations (as vLLM's sampler): a structured-output request's grammar bitmask comes first, setting the
+tokens its format forbids to -inf (its rows only; engine/structured_output.py), so everything after - the logprobs
+included - sees the masked logits. Then the logprobs of the raw logits are taken (logprobs_mode
 "raw_logprobs", the default); then each processing step, one method each, batched over the rows that use it:
 allowed_token_ids (everything else masked), bad_words, min_tokens suppression of EOS and stop ids, logit_bias,
 repetition / presence / frequency penalties; then temperature, top-k, top-p, min-p and a draw. Greedy rows
@@ -17,6 +19,7 @@ returns while the step's forward is still running; `to_host` then waits and copi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +38,10 @@ def generator_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     return z ^ (z >> 31)
+
+
+if TYPE_CHECKING:
+    from nanoserve.engine.structured_output import GrammarBitmask
 
 
 @dataclass
@@ -105,15 +112,19 @@ class Sampler:
             return torch.tensor(values, dtype=dtype)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence]) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
+                 grammar: GrammarBitmask | None = None) -> SampleResult:
         """logits [S, V] (one row per sequence in `seqs`) -> one token per sequence, on the host."""
-        return self.to_host(self.sample(logits, seqs))
+        return self.to_host(self.sample(logits, seqs, grammar))
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
+               grammar: GrammarBitmask | None = None) -> DeviceSample:
         """The device half: queue the draw and the logprobs. Reads `logits` only through work queued here, so a
-        static CUDA-graph output may be overwritten by a later replay once this returns."""
+        static CUDA-graph output may be overwritten by a later replay once this returns. `grammar`: the
+        structured-output bitmask of this batch's constrained rows (None: no row is constrained)."""
         logits = logits.to(torch.float32, copy=True)  # the steps edit it in place; the caller's stays intact
+        logits = self._apply_grammar(logits, grammar)
         num_logprobs = [s.params.logprobs for s in seqs]
         wanted = any(n is not None for n in num_logprobs)
         raw = self.logprobs_mode.startswith("raw")
@@ -161,6 +172,13 @@ class Sampler:
         return SampleResult(tokens, chosen, sample.num_logprobs, top_vals, top_ids)
 
     # -- logit processing (each step touches only the rows whose request uses it) ---------------------------
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask | None) -> torch.Tensor:
+        """Structured outputs: the tokens a constrained row's grammar forbids get -inf (other rows untouched)."""
+        if grammar is not None:
+            grammar.apply(logits)
+        return logits
+
     def _restrict_to_allowed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """allowed_token_ids: every other token of the row is masked out."""
         vocab = logits.shape[-1]

@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from nanoserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.engine.structured_output import SequenceGrammar
 
 
 class SequenceStatus(enum.Enum):
@@ -55,6 +59,8 @@ class Sequence:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    # structured outputs: this sequence's grammar matcher (None: unconstrained)
+    grammar: SequenceGrammar | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -1,0 +1,276 @@
+"""Structured outputs: constrain what a sequence may generate to a JSON schema, a regex, a choice, an EBNF grammar
+or a structural tag, with xgrammar (the grammar engine vLLM and SGLang use).
+
+    StructuredOutputManager.compile(params)   spec -> CompiledGrammar (cached per spec; raises ValueError)
+    StructuredOutputManager.new_grammar(cg)   one SequenceGrammar (an xgrammar GrammarMatcher) per sequence
+    StructuredOutputManager.bitmask(seqs)     the step's token bitmask, filled for the constrained rows only
+    GrammarBitmask.apply(logits)              forbidden tokens -> -inf (the sampler's first step)
+
+The life of a constrained request: `LLMEngine.add_request` compiles its spec (in the caller's thread; the server
+compiles it earlier, while converting the request, so that a schema xgrammar rejects is an HTTP 400) and gives each
+of its n sequences its own matcher. Each step, after the forward is queued, the engine fills one bitmask row per
+constrained sequence (on the host, while the device computes) and the sampler applies it to the logits before
+anything else, so penalties, temperature, top-k/p and the logprobs all see the masked logits (vLLM's order);
+unconstrained rows of the same batch are left alone. When a token is appended the matcher accepts it; a matcher
+that reaches its end (it accepts EOS only where the grammar may end) finishes the sequence with "stop". max_tokens
+ends a constrained sequence like any other, so nothing waits for a token the mask forbids.
+
+Overlap scheduling needs no special case: step N+1 is scheduled after step N's tokens were appended (and accepted
+by the matchers), so the N+1 mask is filled from the current state. `bitmask` checks that every matcher has
+accepted exactly the sequence's output tokens, so a change that breaks this fails loudly instead of masking with
+a stale state. Preemption (recompute) keeps a sequence's output tokens, hence its matcher state.
+
+xgrammar is imported on first use, so an engine that never sees a constrained request does not pay for it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from nanoserve.sampling import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from nanoserve.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+CACHE_SIZE = 256
+"""Compiled grammars kept (least recently used dropped first); a compiled JSON schema is tens of KB."""
+
+# xgrammar's C++ errors start with "[HH:MM:SS] /path/file.cc:LINE: "; the client needs only the message
+_CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _clean_error(e: Exception) -> str:
+    return _CPP_PREFIX.sub("", str(e).strip()).strip() or type(e).__name__
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """An EBNF grammar whose language is exactly `choices`: root ::= "a" | "b" | ..."""
+    def literal(s: str) -> str:
+        out = []
+        for ch in s:
+            if ch in '"\\':
+                out.append("\\" + ch)
+            elif ord(ch) < 0x20 or ord(ch) == 0x7F:
+                out.append(f"\\x{ord(ch):02x}")
+            else:
+                out.append(ch)
+        return '"' + "".join(out) + '"'
+    return "root ::= " + " | ".join(literal(c) for c in choices)
+
+
+def _forbid_additional_properties(schema: Any) -> Any:
+    """disable_additional_properties: every object schema without an explicit additionalProperties gets false."""
+    if isinstance(schema, list):
+        return [_forbid_additional_properties(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _forbid_additional_properties(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+@dataclass(frozen=True)
+class GrammarKey:
+    """What a compiled grammar depends on: the kind, the spec as canonical text, and the whitespace option."""
+
+    kind: str  # json | regex | grammar | structural_tag (choice becomes grammar, json_object becomes json)
+    spec: str
+    any_whitespace: bool = True
+
+
+def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
+    """Normalise a spec into its cache key. Raises ValueError for a JSON schema that is not JSON."""
+    params.validate()
+    any_ws = not params.disable_any_whitespace
+    kind = params.kind
+    if kind == "json":
+        schema = params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        if params.disable_additional_properties:
+            schema = _forbid_additional_properties(schema)
+        return GrammarKey("json", json.dumps(schema), any_ws)
+    if kind == "json_object":
+        return GrammarKey("json", json.dumps({"type": "object"}), any_ws)
+    if kind == "choice":
+        return GrammarKey("grammar", choice_grammar(list(params.choice)))
+    if kind == "structural_tag":
+        tag = params.structural_tag
+        if isinstance(tag, str):
+            try:
+                tag = json.loads(tag)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
+        return GrammarKey("structural_tag", json.dumps(tag))
+    return GrammarKey(kind, getattr(params, kind))  # regex, grammar
+
+
+class SequenceGrammar:
+    """One sequence's grammar state: an xgrammar GrammarMatcher and how many tokens it has accepted."""
+
+    __slots__ = ("matcher", "num_accepted")
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+        self.num_accepted = 0
+
+    def accept(self, token: int) -> bool:
+        """Advance by one sampled token; False if the grammar forbids it (the mask should have prevented that)."""
+        ok = self.matcher.accept_token(token)
+        if ok:
+            self.num_accepted += 1
+        return ok
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar reached its end and accepted a stop token: nothing more may be generated."""
+        return self.matcher.is_terminated()
+
+
+@dataclass
+class GrammarBitmask:
+    """One step's token bitmask (int32 [S, ceil(V/32)] on the host, bit = token allowed) and the batch rows it
+    constrains; the other rows' bits are not filled and not applied."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor) -> None:
+        """Set the forbidden tokens of the constrained rows of `logits` [S, V] to -inf, in place. On a GPU the
+        mask goes up through pinned memory without waiting for the device (xgrammar's Triton kernel applies it)."""
+        import xgrammar as xgr
+
+        vocab = min(self.vocab_size, logits.shape[-1])
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=vocab, indices=self.rows)
+            return
+        mask = self.bitmask.pin_memory().to(logits.device, non_blocking=True)
+        rows = torch.tensor(self.rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+
+
+class StructuredOutputManager:
+    """Compiles structured-output specs for one model's vocabulary and fills the per-step token bitmask.
+
+    `tokenizer_path` is loaded into a tokenizer of the manager's own on first use (a Hugging Face fast tokenizer
+    must not be shared between threads, and compilation runs in the caller's thread). `vocab_size` is the width of
+    the model's logits (its embedding rows), which may exceed the tokenizer's vocabulary: the extra ids are never
+    allowed. Thread-safe: the server's conversion and the engine thread may compile at the same time."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int, stop_token_ids: list[int], max_batch: int = 256,
+                 compile_threads: int = 2):
+        self.tokenizer_path = tokenizer_path
+        self.vocab_size = vocab_size
+        self.stop_token_ids = [t for t in stop_token_ids if t is not None]
+        self.compile_threads = compile_threads
+        self._lock = threading.Lock()
+        self._compiler = None
+        self._batch_matcher = None
+        self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None
+        self._max_batch = max_batch
+        self.num_compiled = 0  # compilations actually run (cache misses)
+
+    # -- compilation (any thread) ---------------------------------------------------------------------------
+    def _get_compiler(self):
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                from nanoserve.engine.tokenizer import load_tokenizer
+
+                tokenizer = load_tokenizer(self.tokenizer_path)
+                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self.stop_token_ids)
+                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads)
+            return self._compiler
+
+    def compile(self, params: StructuredOutputsParams):
+        """The CompiledGrammar for `params` (from the cache when this spec was compiled before). Raises ValueError
+        with xgrammar's message when the spec cannot be compiled."""
+        key = grammar_key(params)
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
+        compiler = self._get_compiler()
+        field = params.kind
+        try:
+            if key.kind == "json":
+                compiled = compiler.compile_json_schema(key.spec, any_whitespace=key.any_whitespace)
+            elif key.kind == "regex":
+                compiled = compiler.compile_regex(key.spec)
+            elif key.kind == "grammar":
+                compiled = compiler.compile_grammar(key.spec)
+            else:
+                compiled = compiler.compile_structural_tag(key.spec)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise ValueError(f"structured_outputs.{field} cannot be compiled: {_clean_error(e)}") from None
+        with self._lock:
+            self.num_compiled += 1
+            self._cache[key] = compiled
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def new_grammar(self, compiled) -> SequenceGrammar:
+        """A fresh matcher at the start of `compiled` (one per sequence: n > 1 gives each its own)."""
+        import xgrammar as xgr
+
+        return SequenceGrammar(xgr.GrammarMatcher(compiled))
+
+    # -- the step's mask (engine thread) --------------------------------------------------------------------
+    def bitmask(self, seqs: list["Sequence"]) -> GrammarBitmask | None:
+        """The token bitmask of one step whose sampled rows are `seqs` (in row order), or None when no row is
+        constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel)."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        if not rows:
+            return None
+        import xgrammar as xgr
+
+        for i in rows:
+            s = seqs[i]
+            if s.grammar.num_accepted != len(s.output_token_ids):
+                raise RuntimeError(f"sequence {s.seq_id}: its grammar accepted {s.grammar.num_accepted} tokens but "
+                                   f"it has {len(s.output_token_ids)}; the mask would be stale")
+        if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
+            self._max_batch = max(self._max_batch, len(seqs))
+            self._bitmask = xgr.allocate_token_bitmask(self._max_batch, self.vocab_size)
+            self._batch_matcher = xgr.BatchGrammarMatcher()
+        self._batch_matcher.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], self._bitmask,
+                                                          rows)
+        return GrammarBitmask(self._bitmask[: len(seqs)], rows, self.vocab_size)
+
+
+def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool = True,
+                             reasoning: str = "auto") -> dict:
+    """The structural tag that forces MiniMax M3 tool calls (xgrammar's built-in `minimax_m3` format:
+    `]<]minimax[>[<tool_call>` then one `...<invoke name="NAME">` per call with the arguments as namespaced XML
+    elements, `...</tool_call>`), for `tool_choice` "required" (at least one call of any tool) or a named function
+    ({"type": "function", "function": {"name": ...}}: exactly that one). `reasoning` is xgrammar's reasoning mode
+    for the prompt's thinking mode ("enabled", "disabled", "auto" for adaptive). Raises ValueError naming the
+    problem (an unknown tool name, no tools)."""
+    import xgrammar as xgr
+
+    try:
+        tag = xgr.get_model_structural_tag("minimax_m3", tools=tools, tool_choice=tool_choice, reasoning=reasoning,
+                                           parallel_tool_calls=parallel_tool_calls)
+    except (ValueError, TypeError, RuntimeError) as e:
+        raise ValueError(f"tool_choice cannot be enforced: {_clean_error(e)}") from None
+    return json.loads(tag.model_dump_json())
