@@ -257,20 +257,3 @@ class StructuredOutputManager:
                                                           rows)
         return GrammarBitmask(self._bitmask[: len(seqs)], rows, self.vocab_size)
 
-
-def tool_call_structural_tag(tools: list[dict], tool_choice: str | dict, parallel_tool_calls: bool = True,
-                             reasoning: str = "auto") -> dict:
-    """The structural tag that forces MiniMax M3 tool calls (xgrammar's built-in `minimax_m3` format:
-    `]<]minimax[>[<tool_call>` then one `...<invoke name="NAME">` per call with the arguments as namespaced XML
-    elements, `...</tool_call>`), for `tool_choice` "required" (at least one call of any tool) or a named function
-    ({"type": "function", "function": {"name": ...}}: exactly that one). `reasoning` is xgrammar's reasoning mode
-    for the prompt's thinking mode ("enabled", "disabled", "auto" for adaptive). Raises ValueError naming the
-    problem (an unknown tool name, no tools)."""
-    import xgrammar as xgr
-
-    try:
-        tag = xgr.get_model_structural_tag("minimax_m3", tools=tools, tool_choice=tool_choice, reasoning=reasoning,
-                                           parallel_tool_calls=parallel_tool_calls)
-    except (ValueError, TypeError, RuntimeError) as e:
-        raise ValueError(f"tool_choice cannot be enforced: {_clean_error(e)}") from None
-    return json.loads(tag.model_dump_json())
