@@ -470,3 +470,19 @@ def test_decode_graph_plumbing_emulated(bench):
         assert r["graph_used"] and r["disabled"] is None
         assert r["max_rel_diff"] < 1e-5 and r["argmax_agreement"] == 1.0, r
     assert {k[0] for k in rows[-1]["graph_keys"]} == {1, 2, 4, 8}  # 3 runs padded to 4, 5 to 8
+
+
+def test_w2j_is_w2_with_every_request_json_constrained_and_runs_full_length(bench):
+    """W2J: W2's prompts, each request constrained to W2J_SCHEMA, which no request can complete before its
+    max_tokens (so it runs as long as W2); the outputs are prefixes of that format."""
+    w2, w2j = W.build(["W2", "W2J"], 200064, "full")
+    assert [r.prompt_ids for r in w2j.requests] == [r.prompt_ids for r in w2.requests]
+    assert all(r.json_schema == W.W2J_SCHEMA for r in w2j.requests) and w2j.total_output_tokens == 64 * 256
+    assert W.W2J_SCHEMA["properties"]["notes"]["minItems"] >= 256
+    wl = tiny_workload("W2J", output_len=12, num_requests=3)
+    res = bench.run(wl)
+    assert [len(t) for t in res.token_ids] == [12, 12, 12]
+    from nanoserve.engine.tokenizer import load_tokenizer
+
+    text = load_tokenizer(bench.executor.model_dir).decode(res.token_ids[0])
+    assert text.startswith("{") and text[1:].lstrip().startswith('"id"'), text

@@ -230,6 +230,8 @@ class HFBench:
         return self.model.generate(ids, **kwargs)  # generate() runs under no_grad itself
 
     def skip_reason(self, wl: Workload, mode: str) -> str | None:
+        if any(r.json_schema is not None for r in wl.requests):
+            return "structured outputs: the HF baseline has no grammar-constrained decoding"
         if not wl.uniform:
             return "requests of different lengths: HF generate() runs static batches only (and its continuous " \
                    "batching fails on M3: 'Invalid group type: minimax_m3_sparse')"

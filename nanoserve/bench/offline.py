@@ -26,7 +26,7 @@ from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.runner.kv_cache import kv_cache_bytes_per_block
 from nanoserve.runner.model_runner import resolve_device
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -227,6 +227,9 @@ class NanoBench:
 
 
 def sampling_params(req) -> SamplingParams:
+    if req.json_schema is not None:  # W2J: the format decides where EOS may come (it cannot before max_tokens)
+        return SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens,
+                              structured_outputs=StructuredOutputsParams(json=req.json_schema))
     return SamplingParams(temperature=req.temperature, max_tokens=req.max_tokens, ignore_eos=True)
 
 

@@ -50,7 +50,7 @@ def _device_time_us(evt) -> float:
 def _prefilled_engine(bench: NanoBench, wl: Workload, decode_steps: int):
     """An engine whose requests are all past their prefill and decoding, with room for decode_steps more."""
     need = 3 * decode_steps + 8
-    reqs = [Request(r.prompt_ids, max(r.max_tokens, need), 0.0) for r in wl.requests]
+    reqs = [Request(r.prompt_ids, max(r.max_tokens, need), 0.0, r.json_schema) for r in wl.requests]
     wl = Workload(wl.name, wl.family, wl.description, reqs, wl.shared_prefix_len, wl.params)
     engine = bench.engine_for(wl)
     for i, r in enumerate(reqs):

@@ -1,8 +1,13 @@
-"""The benchmark workloads W1-W6 (../shared/BENCHMARKS.md), at full size or scaled down for CPU tests.
+"""The benchmark workloads W1-W6, at full size or scaled down for CPU tests, and W2J.
 
 Prompts are random token ids from a seeded generator (no tokenizer on the measured path), every request sets
 ignore_eos so it produces exactly its max_tokens, and all requests of a workload arrive at once. W3 (the HTTP
 server sweep) is described here but driven by bench/serve.py.
+
+W2J is W2 (the same prompts) with every request constrained to `W2J_SCHEMA` by structured outputs: what the
+grammar mask costs, as its output tok/s against W2's. The schema's last field is an array of at least 256
+strings, so no request can complete the format (and stop) before its max_tokens: every request runs full
+length, as in W2, with ignore_eos off. Run it with `--workloads W2,W2J`.
 """
 
 from __future__ import annotations
@@ -13,13 +18,25 @@ from dataclasses import dataclass, field
 import numpy as np
 
 OFFLINE = ("W1", "W2", "W4", "W5", "W6")
-ALL = ("W1", "W2", "W3", "W4", "W5", "W6")
+ALL = ("W1", "W2", "W2J", "W3", "W4", "W5", "W6")
+W2J_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 999999},
+        "title": {"type": "string"},
+        "done": {"type": "boolean"},
+        "notes": {"type": "array", "items": {"type": "string"}, "minItems": 256},
+    },
+    "required": ["id", "title", "done", "notes"],
+}
+"""W2J's format: a few fields, then an array too long to finish within 256 tokens (each item is a token or more)."""
 NANO_VLLM_MAX_TOKEN_ID = 10000
 """nano-vllm's bench.py draws prompt ids with randint(0, 10000)."""
 
 FULL = {
     "W1": dict(num_requests=1, prompt_len=1024, output_len=128),
     "W2": dict(num_requests=64, prompt_len=1024, output_len=256),
+    "W2J": dict(num_requests=64, prompt_len=1024, output_len=256),
     "W3": dict(concurrency=(1, 4, 16, 64), requests_per_concurrency=10, prompt_len=1024, output_len=256),
     "W4": dict(num_requests=1, prompt_lens=(32768, 131072), output_len=64),
     "W5": dict(num_requests=256, min_len=100, max_len=1024, temperature=0.6),
@@ -28,6 +45,7 @@ FULL = {
 SMALL = {
     "W1": dict(num_requests=1, prompt_len=48, output_len=8),
     "W2": dict(num_requests=4, prompt_len=48, output_len=8),
+    "W2J": dict(num_requests=4, prompt_len=48, output_len=8),
     "W3": dict(concurrency=(1, 2), requests_per_concurrency=2, prompt_len=32, output_len=8),
     "W4": dict(num_requests=1, prompt_lens=(96, 192), output_len=4),
     "W5": dict(num_requests=6, min_len=8, max_len=40, temperature=0.6),
@@ -41,6 +59,7 @@ class Request:
     prompt_ids: list[int]
     max_tokens: int
     temperature: float = 0.0
+    json_schema: dict | None = None  # structured outputs: the output must follow this JSON schema
 
 
 @dataclass
@@ -93,7 +112,7 @@ class Workload:
             n = len(r.prompt_ids) if max_prompt is None else min(len(r.prompt_ids), max_prompt)
             ids = (prefix + rng.integers(0, vocab, max(n - len(prefix), 0)).tolist())[:n]
             reqs.append(Request(ids, r.max_tokens if max_tokens is None else min(max_tokens, r.max_tokens),
-                                r.temperature))
+                                r.temperature, r.json_schema))
         return Workload(self.name, self.family, self.description, reqs, min(self.shared_prefix_len,
                         max(len(r.prompt_ids) for r in reqs)), dict(self.params))
 
@@ -120,7 +139,7 @@ def build(names: list[str], vocab: int, scale: str = "full", prompt_len: int | N
         if name not in spec:
             raise ValueError(f"unknown workload {name!r}; choose from {', '.join(ALL)}")
         p = dict(spec[name])
-        rng = np.random.default_rng(seed + int(name[1:]))
+        rng = np.random.default_rng(seed + int(name[1]))  # W2J: W2's seed, so W2's prompts
         if name in ("W1", "W2"):
             n = num_requests if (num_requests and name == "W2") else p["num_requests"]
             plen, olen = prompt_len or p["prompt_len"], output_len or p["output_len"]
@@ -128,6 +147,13 @@ def build(names: list[str], vocab: int, scale: str = "full", prompt_len: int | N
             what = "decode latency (TTFT, TPOT)" if name == "W1" else "throughput (output tok/s)"
             out.append(Workload(name, name, f"{n} request(s), prompt {plen}, {olen} out, greedy, ignore_eos; {what}",
                                 reqs, params=dict(num_requests=n, prompt_len=plen, output_len=olen)))
+        elif name == "W2J":
+            n = num_requests or p["num_requests"]
+            plen, olen = prompt_len or p["prompt_len"], output_len or p["output_len"]
+            reqs = [Request(_random_ids(rng, plen, vocab), olen, json_schema=W2J_SCHEMA) for _ in range(n)]
+            out.append(Workload(name, "W2", f"{n} requests, prompt {plen}, {olen} out, greedy, every one "
+                                f"JSON-schema constrained (W2J_SCHEMA); throughput vs W2", reqs,
+                                params=dict(num_requests=n, prompt_len=plen, output_len=olen, structured=True)))
         elif name == "W4":
             olen = output_len or p["output_len"]
             for plen in (w4_lens or p["prompt_lens"]):

@@ -25,6 +25,7 @@ xgrammar is imported on first use, so an engine that never sees a constrained re
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -164,10 +165,24 @@ class GrammarBitmask:
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
 
 
+@functools.lru_cache(maxsize=8)
+def _grammar_compiler(tokenizer_path: str, vocab_size: int, stop_token_ids: tuple[int, ...], threads: int):
+    """One xgrammar GrammarCompiler per vocabulary, shared by every engine of the process (a benchmark builds a
+    fresh engine per run around one model): building the TokenizerInfo of a 200k vocabulary takes seconds, and
+    the compiler's own cache then serves a spec compiled by an earlier engine."""
+    import xgrammar as xgr
+
+    from nanoserve.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_path)  # our own copy: fast tokenizers must not be shared across threads
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+    return xgr.GrammarCompiler(info, max_threads=threads)
+
+
 class StructuredOutputManager:
     """Compiles structured-output specs for one model's vocabulary and fills the per-step token bitmask.
 
-    `tokenizer_path` is loaded into a tokenizer of the manager's own on first use (a Hugging Face fast tokenizer
+    `tokenizer_path` is loaded into a tokenizer of the compiler's own on first use (a Hugging Face fast tokenizer
     must not be shared between threads, and compilation runs in the caller's thread). `vocab_size` is the width of
     the model's logits (its embedding rows), which may exceed the tokenizer's vocabulary: the extra ids are never
     allowed. Thread-safe: the server's conversion and the engine thread may compile at the same time."""
@@ -190,14 +205,8 @@ class StructuredOutputManager:
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import xgrammar as xgr
-
-                from nanoserve.engine.tokenizer import load_tokenizer
-
-                tokenizer = load_tokenizer(self.tokenizer_path)
-                info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                          stop_token_ids=self.stop_token_ids)
-                self._compiler = xgr.GrammarCompiler(info, max_threads=self.compile_threads)
+                self._compiler = _grammar_compiler(self.tokenizer_path, self.vocab_size, tuple(self.stop_token_ids),
+                                                   self.compile_threads)
             return self._compiler
 
     def compile(self, params: StructuredOutputsParams):
