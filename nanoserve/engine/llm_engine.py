@@ -36,6 +36,7 @@ from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
 from nanoserve.engine.stop_checker import Stop, StopChecker
+from nanoserve.engine.structured_output import StructuredOutputManager
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
 from nanoserve.sampling import SamplingParams
@@ -106,6 +107,9 @@ class LLMEngine:
         self.eos_token_id = self.model_config.eos_token_id
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_id, self.max_model_len)
         self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id, config.logprobs_mode)
+        self.structured_output = StructuredOutputManager(config.tokenizer or self.executor.model_dir,
+                                                         self.model_config.vocab_size, [self.eos_token_id],
+                                                         max_batch=config.max_num_seqs)
         self.requests: dict[str, RequestState] = {}
         # read once: a step in flight must be finished by the path that launched it
         self.overlap = opts.overlap_scheduling
@@ -162,9 +166,14 @@ class LLMEngine:
             params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        # structured outputs: compiled here, in the caller's thread (a cache hit when the server compiled it)
+        compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival)
                 for i in range(params.n)]
+        if compiled is not None:
+            for seq in seqs:
+                seq.grammar = self.structured_output.new_grammar(compiled)
         self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)
@@ -218,8 +227,10 @@ class LLMEngine:
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
         logits = self.executor.execute_model(inp)
         sampled = [s.seq for s in sched.scheduled if s.samples]
+        # structured outputs: the constrained rows' token masks, filled on the host while the forward runs
+        grammar = self.structured_output.bitmask(sampled) if sampled else None
         # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
-        sample = self.sampler.sample(logits, sampled) if sampled else None
+        sample = self.sampler.sample(logits, sampled, grammar) if sampled else None
         self.scheduler.update_after_step(sched)
         return LaunchedStep(sampled, sample)
 
@@ -235,7 +246,10 @@ class LLMEngine:
                 continue
             seq.output_token_ids.append(result.token_ids[i])
             self.stats.num_generation_tokens += 1
-            self._finish_if(seq, self.stop_checker.check_token(seq))  # a sequence it ends has its text done
+            if not self.structured_output.accept(seq):  # its grammar rejected the token (the mask should prevent it)
+                self._finish(seq, FinishReason.ERROR, None)
+            else:
+                self._finish_if(seq, self.stop_checker.check_token(seq))  # a sequence it ends has its text done
             received.append((seq, result, i))
         return received
 
@@ -257,6 +271,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: FinishReason, stop_reason: int | str | None) -> None:
         seq.stop_reason = stop_reason
+        seq.grammar = None
         self.scheduler.finish(seq, reason)
         self.sampler.forget(seq.seq_id)
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1

@@ -23,6 +23,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the model's max length
     ABORT = "abort"  # cancelled by the client or the engine
+    ERROR = "error"  # the engine could not continue it (a structured-output grammar rejected a sampled token)
 
 
 @dataclass

@@ -1,9 +1,11 @@
-"""When a sequence stops: EOS, a stop token id, a length limit, or a stop string in its text.
+"""When a sequence stops: EOS, a stop token id, the end of its structured-output format, a length limit, or a stop
+string in its text.
 
 The checks run in two places, because of overlap scheduling (see llm_engine.py):
 
     check_token(seq)   right after a token is appended (what the next schedule depends on): EOS, a stop token id,
-                       max_tokens or max_model_len. A token that ends the sequence has its text done here too.
+                       a finished format, max_tokens or max_model_len. A token that ends the sequence has its text
+                       done here too.
     check_text(seq)    when the newest token's text is added: a stop string it completed (seq.text is cut there).
 
 Both follow vLLM: `min_tokens` holds back every stop but the length limits; the text of the EOS or stop token that
@@ -55,6 +57,9 @@ class StopChecker:
             stop = Stop(FinishReason.STOP)
         elif allowed_to_stop and token in p.stop_token_ids:
             stop = Stop(FinishReason.STOP, token)
+        elif seq.grammar is not None and seq.grammar.is_terminated:
+            # the format ended (its grammar accepted EOS), e.g. under ignore_eos: no further token is allowed
+            stop = Stop(FinishReason.STOP)
         else:
             max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
             if len(seq.output_token_ids) < max_new and seq.num_tokens < self.max_model_len:

@@ -244,7 +244,17 @@ class StructuredOutputManager:
 
         return SequenceGrammar(xgr.GrammarMatcher(compiled))
 
-    # -- the step's mask (engine thread) --------------------------------------------------------------------
+    # -- the step's mask and the tokens drawn with it (engine thread) ---------------------------------------
+    @staticmethod
+    def accept(seq: "Sequence") -> bool:
+        """seq's newest token was just appended: advance its grammar. False if the grammar rejects the token
+        (the mask should make that impossible; the engine then ends the sequence with finish_reason "error")."""
+        if seq.grammar is None or seq.grammar.accept(seq.output_token_ids[-1]):
+            return True
+        logger.error("request %s: the structured-output grammar rejected sampled token %d; ending it",
+                     seq.request_id, seq.output_token_ids[-1])
+        return False
+
     def bitmask(self, seqs: list["Sequence"]) -> GrammarBitmask | None:
         """The token bitmask of one step whose sampled rows are `seqs` (in row order), or None when no row is
         constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel)."""
