@@ -34,7 +34,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine.llm_engine import EngineStats, LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.tokenizer import load_tokenizer
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +242,12 @@ class AsyncLLMEngine:
             raise
         self._wakeup.set()  # type: ignore[union-attr]
         return stream
+
+    async def compile_structured_outputs(self, spec: StructuredOutputsParams) -> None:
+        """Compile a structured-output spec in a worker thread (not the engine thread, which keeps stepping), so
+        the engine's add_request finds it in its cache. Raises ValueError when xgrammar cannot compile it."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self.engine.structured_output.compile, spec)
 
     def _add_on_engine_thread(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
         bound, waiting = self.config.max_waiting_requests, self.engine.num_waiting

@@ -19,6 +19,8 @@ class Prepared:
 
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
+    structured_field: str | None = None
+    """The request field its output constraint came from (response_format / structured_outputs), if any."""
 
 
 # -- the endpoints ------------------------------------------------------------------------------------------
@@ -28,7 +30,7 @@ def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepar
     prompts = [tokenize(server, p) for p in req.prompts()]
     for _, ids in prompts:
         check_length(server, ids, params, req, "prompt")
-    return Prepared(prompts, params)
+    return Prepared(prompts, params, structured_field(req))
 
 
 def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared:
@@ -41,7 +43,7 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
         raise APIError(400, f"messages: could not render the chat template: {exc}", param="messages") from exc
     ids = server.tokenizer.encode(text, add_special_tokens=False)
     check_length(server, ids, params, req, "messages")
-    return Prepared([(text, ids)], params)
+    return Prepared([(text, ids)], params, structured_field(req))
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
@@ -54,10 +56,34 @@ def check_model(server: OpenAIServer, name: str) -> None:
 def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     prompt_field: str) -> SamplingParams:
     """The request's SamplingParams, range-checked (a 400 naming the request's field)."""
+    try:
+        req.structured_outputs_params()
+    except ValueError as exc:
+        field = str(exc).split(":", 1)[0].split(" ", 1)[0]
+        raise APIError(400, str(exc), param=field.split(".", 1)[0]) from exc
     with engine_errors(req, prompt_field):
         params = req.sampling_params(max_tokens, logprobs)
         params.validate(server.engine.config.max_logprobs)
     return params
+
+
+def structured_field(req: P.SamplingRequest) -> str | None:
+    return req.structured_outputs_params()[1]
+
+
+async def compile_structured_outputs(server: OpenAIServer, prepared: Prepared) -> None:
+    """Compile the request's output constraint now, off the engine thread, so that a schema, regex or grammar
+    that xgrammar rejects is a 400 naming the field (the engine's add_request then finds it compiled)."""
+    so = prepared.params.structured_outputs
+    if so is None:
+        return
+    try:
+        await server.engine.compile_structured_outputs(so)
+    except ValueError as exc:
+        message, field = str(exc), prepared.structured_field or "structured_outputs"
+        if message.startswith("structured_outputs.") and field != "structured_outputs":
+            message = field + message[message.index(" "):]  # name the field the client set
+        raise APIError(400, message, param=field.split(".", 1)[0]) from exc
 
 
 def tokenize(server: OpenAIServer, prompt: str | list[int]) -> tuple[str | None, list[int]]:

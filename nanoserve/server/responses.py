@@ -42,6 +42,15 @@ def usage(outputs: list[RequestOutput]) -> P.UsageInfo:
 
 
 # -- logprobs of tokens [start, end) in the two OpenAI formats ---------------------------------------------------
+MIN_LOGPROB = -9999.0
+"""What a -inf logprob (a token masked out, e.g. by a structured-output grammar) is sent as: JSON has no infinity
+(vLLM sends the same floor)."""
+
+
+def _finite(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
 def completion_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, text_offset: int
                         ) -> P.CompletionLogProbs | None:
     if c.logprobs is None:
@@ -50,8 +59,8 @@ def completion_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, e
     for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end]):
         token = server.token_text(tid)
         out.tokens.append(token)
-        out.token_logprobs.append(lps[tid])
-        out.top_logprobs.append({server.token_text(t): lp for t, lp in lps.items()})
+        out.token_logprobs.append(_finite(lps[tid]))
+        out.top_logprobs.append({server.token_text(t): _finite(lp) for t, lp in lps.items()})
         out.text_offset.append(text_offset)
         text_offset += len(token)
     return out
@@ -71,4 +80,4 @@ def chat_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: in
 
 def _chat_token(server: OpenAIServer, token_id: int, logprob: float) -> dict[str, Any]:
     text = server.token_text(token_id)
-    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}

@@ -13,7 +13,7 @@ from fastapi import Request
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import RequestStream
 from nanoserve.server import protocol as P
-from nanoserve.server.convert import Prepared
+from nanoserve.server.convert import Prepared, compile_structured_outputs
 from nanoserve.server.errors import APIError, engine_errors
 from nanoserve.server.state import OpenAIServer
 
@@ -23,6 +23,7 @@ T = TypeVar("T")
 async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared, req: P.SamplingRequest,
                        prompt_field: str) -> list[RequestStream]:
     """One engine request per prompt; all or none (a failure aborts the ones already added)."""
+    await compile_structured_outputs(server, prepared)
     streams: list[RequestStream] = []
     try:
         with engine_errors(req, prompt_field):

@@ -8,7 +8,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import SamplingParams, StructuredOutputsParams
+
+REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
+                         "guided_whitespace_pattern")
+"""vLLM's old structured-output fields, which it no longer has (structured_outputs replaced them): a 400 names them."""
 
 
 class RequestModel(BaseModel):
@@ -26,6 +30,42 @@ class ResponseModel(BaseModel):
 class StreamOptions(RequestModel):
     include_usage: bool = False
     """Send one more chunk before [DONE], with no choices and the request's token usage."""
+
+
+class JsonSchemaFormat(RequestModel):
+    """response_format.json_schema (OpenAI's shape). The schema is always enforced, whatever `strict` says."""
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(RequestModel):
+    """response_format: "text" (no constraint), "json_object" (any JSON object), "json_schema" (the output follows
+    json_schema.schema), or "structural_tag" (an xgrammar structural tag: its `format`)."""
+
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: JsonSchemaFormat | None = None
+    format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _parts(self) -> "ResponseFormat":
+        if self.type == "json_schema" and (self.json_schema is None or self.json_schema.schema_ is None):
+            raise ValueError("response_format.json_schema.schema: this field is required for type json_schema")
+        if self.type == "structural_tag" and self.format is None:
+            raise ValueError("response_format.format: this field is required for type structural_tag")
+        return self
+
+    def constraint(self) -> dict[str, Any]:
+        """The StructuredOutputsParams constraint it stands for ({} for text)."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        if self.type == "json_schema":
+            return {"json": self.json_schema.schema_}
+        if self.type == "structural_tag":
+            return {"structural_tag": {"type": "structural_tag", "format": self.format}}
+        return {}
 
 
 class SamplingRequest(RequestModel):
@@ -52,6 +92,16 @@ class SamplingRequest(RequestModel):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    """vLLM's structured outputs: exactly one of json, regex, choice, grammar, json_object, structural_tag, plus
+    the options disable_any_whitespace, disable_additional_properties (sampling.StructuredOutputsParams)."""
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -66,7 +116,35 @@ class SamplingRequest(RequestModel):
             raise ValueError("stream_options: only allowed when stream is true")
         if self.logit_bias:
             raise ValueError("logit_bias: not supported by this server")
+        for name in REMOVED_GUIDED_FIELDS:
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}: not supported; vLLM replaced the guided_* fields with structured_outputs "
+                                 f"(e.g. \"structured_outputs\": {{\"json\": ...}}) and response_format")
         return self
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's output constraint and the request field it came from (for error messages): from
+        response_format and/or structured_outputs (as vLLM, response_format's constraint joins the options of
+        structured_outputs; two constraints are an error). Raises ValueError naming the field."""
+        fmt = self.response_format.constraint() if self.response_format is not None else {}
+        if self.structured_outputs is None and not fmt:
+            return None, None
+        fields = dict(self.structured_outputs or {})
+        if fmt:
+            clash = [k for k in ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+                     if fields.get(k) is not None]
+            if clash:
+                raise ValueError(f"response_format: cannot be combined with structured_outputs.{clash[0]} (set one "
+                                 f"constraint)")
+            fields.update(fmt)
+        where = "response_format" if fmt else "structured_outputs"
+        if self.response_format is not None and self.response_format.type == "json_schema":
+            where = "response_format.json_schema.schema"
+        try:
+            return StructuredOutputsParams.from_dict(fields), where
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e) if str(e).startswith("structured_outputs") else f"structured_outputs: {e}") \
+                from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         """SamplingParams for this request. Raises ValueError naming the parameter if a value is out of range."""
@@ -81,7 +159,7 @@ class SamplingRequest(RequestModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
-            skip_special_tokens=self.skip_special_tokens)
+            skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_outputs_params()[0])
 
     def request_field(self, sampling_field: str) -> str:
         """The request's name for a SamplingParams field (for error messages)."""
