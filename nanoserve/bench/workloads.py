@@ -7,7 +7,10 @@ server sweep) is described here but driven by bench/serve.py.
 W2J is W2 (the same prompts) with every request constrained to `W2J_SCHEMA` by structured outputs: what the
 grammar mask costs, as its output tok/s against W2's. The schema's last field is an array of at least 256
 strings, so no request can complete the format (and stop) before its max_tokens: every request runs full
-length, as in W2, with ignore_eos off. Run it with `--workloads W2,W2J`.
+length, as in W2, with ignore_eos off. Run it with `--workloads W2,W2J`. The mask's cost grows with the
+tokenizer's vocabulary: on a preset (m3-slice) the grammar sees the preset's 512-token tokenizer (the other ids
+of the 200k-row embedding are never allowed, a cheap case), so W2J there measures the bitmask transfer and kernel
+at full width but a small per-row fill; on a checkpoint it is the real tokenizer's.
 """
 
 from __future__ import annotations
