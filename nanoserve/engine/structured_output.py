@@ -5,6 +5,7 @@ or a structural tag, with xgrammar (the grammar engine vLLM and SGLang use).
     StructuredOutputManager.new_grammar(cg)   one SequenceGrammar (an xgrammar GrammarMatcher) per sequence
     StructuredOutputManager.bitmask(seqs)     the step's token bitmask, filled for the constrained rows only
     GrammarBitmask.apply(logits)              forbidden tokens -> -inf (the sampler's first step)
+    StructuredOutputManager.accept(seq)       the newest appended token advances seq's matcher
 
 The life of a constrained request: `LLMEngine.add_request` compiles its spec (in the caller's thread; the server
 compiles it earlier, while converting the request, so that a schema xgrammar rejects is an HTTP 400) and gives each
