@@ -25,12 +25,11 @@ from nanoserve.bench import workloads as W
 from nanoserve.bench.ablation import ablate, first_divergence
 from nanoserve.bench.floor import ModelCost, workload_floor
 from nanoserve.bench.offline import NanoBench
-from nanoserve.config import Optimizations
+from nanoserve.config import KERNEL, Optimizations
 from nanoserve.presets.catalog import get_preset
 from nanoserve.runner.input_prep import InputPreparer
 
-REFERENCE = dict(triton_attention=False, triton_msa=False, fused_moe=False, fold_shared_expert=False,
-                 fused_qk_norm_rope=False, fused_add_rmsnorm=False)
+REFERENCE = {name: False for name in Optimizations.names(KERNEL)}
 """The CPU runs use the reference kernels (the Triton interpreter is too slow for end-to-end runs)."""
 FP32_RTOL = 1e-5
 """HF vs nanoserve logits, fp32: max |diff| <= FP32_RTOL x max |logit| (measured ~4e-7)."""
