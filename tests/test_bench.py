@@ -50,7 +50,7 @@ def bench() -> NanoBench:
 # -- workloads and floors (no model) ------------------------------------------------------------------------------
 
 
-def test_full_workloads_follow_benchmarks_md():
+def test_full_workloads_follow_the_protocol():
     wls = {w.name: w for w in W.build(list(W.OFFLINE), 200064, "full")}
     assert set(wls) == {"W1", "W2", "W4-32k", "W4-128k", "W5", "W6"}
     assert (wls["W1"].num_requests, len(wls["W1"].requests[0].prompt_ids), wls["W1"].requests[0].max_tokens) == \
@@ -66,7 +66,7 @@ def test_full_workloads_follow_benchmarks_md():
     assert all(r.max_tokens == 128 for r in w6.requests)
 
 
-def test_floors_match_benchmarks_md():
+def test_floors_match_docs_benchmarks():
     cost = ModelCost(get_preset("m3-slice").config)
     assert cost.active_params_per_token() == pytest.approx(2.75e9, rel=0.01)
     w1_bytes, _ = cost.decode_step(1, 1088)

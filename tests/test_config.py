@@ -11,7 +11,7 @@ from nanoserve.config import SWITCH_ALIASES, EngineConfig, Optimizations
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
 from nanoserve.presets.catalog import PRESETS, get_preset
 
-# The text_config of MiniMaxAI/MiniMax-M3 (BF16), every field of m3_spec.md section 1.1, values as released.
+# The text_config of MiniMaxAI/MiniMax-M3 (BF16), every field, values as released.
 REAL_TEXT_CONFIG = {
     "architectures": ["MiniMaxM3SparseForCausalLM"],
     "hidden_size": 6144,
@@ -87,7 +87,7 @@ def test_real_m3_config_parses():
     assert (cfg.intermediate_size, cfg.dense_intermediate_size, cfg.shared_intermediate_size) == (3072, 12288, 3072)
     assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)
     assert cfg.max_position_embeddings == 1048576 and cfg.vocab_size == 200064
-    # absent from the file: the M3 defaults (m3_spec.md 1.1)
+    # absent from the file: the M3 defaults
     assert (cfg.bos_token_id, cfg.eos_token_id) == (200034, 200020)
     assert cfg == M3Config()  # the dataclass defaults are the real model
 

@@ -85,6 +85,29 @@ def test_architecture_switch_table_is_current():
                                      "`python tests/test_docs.py --write`")
 
 
+OUTSIDE_REFERENCES = re.compile(
+    r"\.\./shared|/work/|(?-i:DESIGN\.md|BENCHMARKS\.md)|m3_spec|the issue|steering|attention engineer|helpers?\b",
+    re.IGNORECASE)
+"""What a reader of this repository cannot follow: files outside it, and talk of how it was made."""
+
+
+def test_docs_name_only_what_is_in_this_repository():
+    """docs/*.md and README.md link and name only files of this repository, and speak to its users."""
+    assert OUTSIDE_REFERENCES.search("the protocol of [it](../../shared/BENCHMARKS.md)")
+    assert not OUTSIDE_REFERENCES.search("see docs/benchmarks.md")
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in OUTSIDE_REFERENCES.finditer(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r} in {line.strip()[:100]!r}")
+            for target in re.findall(r"\]\(([^)#\s]+)", line):  # relative markdown links must resolve
+                if "://" not in target and not (path.parent / target).resolve().is_relative_to(ROOT):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: link {target} leaves the repository")
+                elif "://" not in target and not (path.parent / target).exists():
+                    found.append(f"{path.relative_to(ROOT)}:{n}: link {target} does not exist")
+    assert not found, "\n".join(found)
+
+
 def test_walkthrough_doc_quotes_real_output():
     from nanoserve import walkthrough
 
