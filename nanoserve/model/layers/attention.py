@@ -3,7 +3,7 @@
 Dense layers (M3 layers 0-2) run causal GQA over the whole paged context. MSA layers (3-59) add the indexer:
 index q/k projections with their own per-head norms and the same RoPE, token scores against the key-only index
 cache, a max-pool per KV block, the query's own block forced in, and the top-k blocks per KV group; attention
-then runs exactly over the selected blocks (m3_spec.md 2.4-2.5).
+then runs exactly over the selected blocks.
 """
 
 from __future__ import annotations
