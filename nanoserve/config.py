@@ -1,7 +1,12 @@
 """Engine configuration and the optimization switches, in one place.
 
-`Optimizations` lists every optimization nanoserve has. Each field is a switch with a plain reference path behind
-it (the module named in its docstring), so `python -m nanoserve.bench --ablate` can turn them off one at a time.
+`Optimizations` lists every optimization nanoserve has. Each field is one `switch(...)` declaration: its default,
+whether it is exact or an approximation, the layer of the stack it touches, the module that implements it and the
+reference path that runs when it is off. Everything else is derived from these declarations: the server's
+`--<switch>` / `--no-<switch>` flags, the rows of `python -m nanoserve.bench --ablate`, which switches drop the
+captured CUDA graphs when flipped, the bench's kernel availability probe and the switch table in
+docs/architecture.md. Adding a switch means adding its declaration here and the code that reads it.
+
 `EngineConfig` holds everything else an engine is built from; the vLLM-named keyword arguments of `LLM(...)` land
 here, and the ones that name a switch (`enable_prefix_caching`, `enforce_eager`, ...) are aliases of that switch.
 """
@@ -12,41 +17,109 @@ import dataclasses
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+ENGINE, MODEL, KERNEL = "engine", "model", "kernel"
+"""The layer a switch touches. ENGINE: read by the scheduler, block manager, engine loop or model runner, so it
+takes effect in the next engine built. MODEL: read by the model's layers at forward time. KERNEL: selects a Triton
+kernel (or its kernels/reference.py twin) inside a model layer, also at forward time. MODEL and KERNEL switches are
+baked into captured CUDA graphs, so flipping one drops them; on the CPU the tests turn the KERNEL ones off."""
+LAYERS = (ENGINE, MODEL, KERNEL)
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One optimization switch, as declared in `Optimizations` with `switch(...)`."""
+
+    name: str
+    default: bool
+    layer: str  # ENGINE, MODEL or KERNEL
+    module: str  # the file that implements it, relative to nanoserve/ ("kernels/moe.py")
+    does: str  # what it does when on
+    reference: str  # what runs instead when it is off
+    exact: bool  # False: an approximation that changes outputs (off by default)
+    entry_points: tuple[str, ...]  # KERNEL: the functions the model imports from `module` (the bench probes them)
+
+    @property
+    def import_path(self) -> str:
+        """`module` as a Python module name (nanoserve.kernels.moe)."""
+        return "nanoserve." + self.module.removesuffix(".py").replace("/", ".")
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def doc(self) -> str:
+        """One line for --help and the docs: module, what it does, the off path."""
+        prefix = "" if self.exact else "APPROXIMATION (changes outputs): "
+        return f"{self.module}: {prefix}{self.does} (off: {self.reference})"
+
+
+def switch(default: bool, layer: str, module: str, does: str, reference: str, *, exact: bool = True,
+           entry_points: tuple[str, ...] = ()) -> Any:
+    """Declare one optimization switch as a field of `Optimizations` (see `Switch` for the arguments)."""
+    if layer not in LAYERS:
+        raise ValueError(f"switch layer must be one of {', '.join(LAYERS)}, got {layer!r}")
+    if not exact and default:
+        raise ValueError("an approximation must be off by default")
+    if layer == KERNEL and not entry_points:
+        raise ValueError("a kernel switch must name the functions it selects (entry_points)")
+    spec = dict(default=default, layer=layer, module=module, does=does, reference=reference, exact=exact,
+                entry_points=tuple(entry_points))
+    return field(default=default, metadata={"switch": spec})
+
 
 @dataclass
 class Optimizations:
-    """Every optimization switch. Defaults: on where it applies. Approximations that change outputs: off."""
+    """Every optimization switch, one declaration each. Defaults: on where it applies. Approximations that change
+    outputs: off. Read them as attributes (`opts.fused_moe`); the declarations as `Optimizations.switches()`."""
 
-    paged_kv: bool = True
-    """engine/block_manager.py: allocate KV blocks on demand (off: reserve max_model_len per sequence at admission)."""
-    prefix_caching: bool = True
-    """engine/block_manager.py: reuse the KV of full blocks already computed for an identical prefix."""
-    continuous_batching: bool = True
-    """engine/scheduler.py: admit new requests every step (off: a new batch starts only when the last is done)."""
-    chunked_prefill: bool = True
-    """engine/scheduler.py: split long prompts across steps to fit the token budget beside running decodes."""
-    cuda_graphs: bool = True
-    """runner/cuda_graphs.py: capture decode steps as CUDA/HIP graphs per batch-size bucket (GPU only)."""
-    triton_attention: bool = True
-    """kernels/attention.py: Triton paged attention for the dense layers (prefill + split-K decode)."""
-    triton_msa: bool = True
-    """kernels/msa.py: Triton MSA indexer scores, block top-k and block-sparse attention."""
-    fused_moe: bool = True
-    """kernels/moe.py: Triton fused MoE (device-side alignment, grouped GEMMs with the SwiGLU-OAI epilogue)."""
-    fold_shared_expert: bool = True
-    """kernels/moe.py: run the shared expert as an extra always-selected slot of the fused MoE launch."""
-    fused_qk_norm_rope: bool = True
-    """kernels/norm_rope.py: per-head QK-norm + partial RoPE + K/V and index-key cache insert in one launch."""
-    fused_add_rmsnorm: bool = True
-    """kernels/norm_rope.py: Gemma RMSNorm fused with the residual add."""
-    fast_input_prep: bool = True
-    """runner/model_runner.py: build a step's input tensors with numpy into pinned buffers, one host-to-device copy
-    per dtype (off: AttentionMetadata.build, a Python loop per token, and one copy per tensor)."""
-    overlap_scheduling: bool = True
-    """engine/llm_engine.py: schedule and launch step N+1 before detokenising step N's tokens, so the host work on
-    outputs runs while the device computes (off: each step waits for its tokens and finishes them first)."""
-    msa_topk_reuse: bool = False
-    """APPROXIMATION (changes outputs): reuse one MSA layer's block selection in the next layer(s)."""
+    paged_kv: bool = switch(
+        True, ENGINE, "engine/block_manager.py", "allocate KV blocks on demand as a sequence grows",
+        "reserve max_model_len tokens of blocks per sequence at admission")
+    prefix_caching: bool = switch(
+        True, ENGINE, "engine/block_manager.py", "reuse the KV of full blocks already computed for an identical prefix",
+        "no prefix lookups: every prompt computes all of its KV")
+    continuous_batching: bool = switch(
+        True, ENGINE, "engine/scheduler.py", "admit new requests every step",
+        "a new batch starts only when the last is done")
+    chunked_prefill: bool = switch(
+        True, ENGINE, "engine/scheduler.py",
+        "split long prompts across steps to fit the token budget beside running decodes",
+        "a prompt is scheduled whole or not at all")
+    cuda_graphs: bool = switch(
+        True, ENGINE, "runner/cuda_graphs.py", "capture decode steps as CUDA/HIP graphs per batch-size bucket "
+        "(GPU only)", "eager decode, one launch at a time")
+    triton_attention: bool = switch(
+        True, KERNEL, "kernels/attention.py", "Triton paged attention for the dense layers (prefill + split-K decode)",
+        "kernels/reference.py paged_attention", entry_points=("paged_attention",))
+    triton_msa: bool = switch(
+        True, KERNEL, "kernels/msa.py", "Triton MSA indexer scores, block top-k and block-sparse attention",
+        "kernels/reference.py msa_select and sparse_attention", entry_points=("msa_select", "sparse_attention"))
+    fused_moe: bool = switch(
+        True, KERNEL, "kernels/moe.py",
+        "Triton fused MoE (device-side alignment, grouped GEMMs with the SwiGLU-OAI epilogue)",
+        "kernels/reference.py moe_experts, a loop over the selected experts", entry_points=("fused_moe",))
+    fold_shared_expert: bool = switch(
+        True, KERNEL, "kernels/moe.py", "run the shared expert as an extra always-selected slot of the fused MoE "
+        "launch", "the shared expert as a separate PyTorch MLP", entry_points=("fused_moe",))
+    fused_qk_norm_rope: bool = switch(
+        True, KERNEL, "kernels/norm_rope.py",
+        "per-head QK-norm + partial RoPE + K/V and index-key cache insert in one launch",
+        "kernels/reference.py qk_norm_rope, write_kv and write_index_keys", entry_points=("qk_norm_rope_insert",))
+    fused_add_rmsnorm: bool = switch(
+        True, KERNEL, "kernels/norm_rope.py", "Gemma RMSNorm fused with the residual add",
+        "kernels/reference.py add_gemma_rmsnorm", entry_points=("fused_add_rmsnorm",))
+    fast_input_prep: bool = switch(
+        True, ENGINE, "runner/input_prep.py",
+        "build a step's input tensors with numpy into pinned buffers, one host-to-device copy per dtype",
+        "reference_prepare: AttentionMetadata.build, a Python loop per token, and one copy per tensor")
+    overlap_scheduling: bool = switch(
+        True, ENGINE, "engine/llm_engine.py", "schedule and launch step N+1 before detokenising step N's tokens, "
+        "so the host work on outputs runs while the device computes",
+        "each step waits for its tokens and finishes them first")
+    msa_topk_reuse: bool = switch(
+        False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
+        "every MSA layer selects its own blocks", exact=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -55,17 +128,30 @@ class Optimizations:
                 raise ValueError(f"optimization switch {f.name}={value!r} is invalid: must be True or False")
 
     @classmethod
-    def reference(cls) -> "Optimizations":
-        """Every switch off: the plain reference path everywhere."""
-        return cls(**{f.name: False for f in fields(cls)})
+    def switches(cls) -> list[Switch]:
+        """The declarations, in order."""
+        return [Switch(name=f.name, **f.metadata["switch"]) for f in fields(cls)]
 
     @classmethod
-    def names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+    def names(cls, *layers: str) -> list[str]:
+        """Every switch name, or those of the given layers (ENGINE, MODEL, KERNEL)."""
+        return [s.name for s in cls.switches() if not layers or s.layer in layers]
 
     @classmethod
     def approximations(cls) -> list[str]:
-        return [f.name for f in fields(cls) if f.default is False and f.name != "paged_kv"]
+        """Switches that change outputs (off by default)."""
+        return [s.name for s in cls.switches() if not s.exact]
+
+    @classmethod
+    def reference(cls) -> "Optimizations":
+        """Every switch off: the plain reference path everywhere."""
+        return cls(**{name: False for name in cls.names()})
+
+    @classmethod
+    def reference_kernels(cls) -> "Optimizations":
+        """The defaults with every KERNEL switch off: the plain-PyTorch kernels (what CPU runs and tests use, since
+        Triton runs only in its slow interpreter there)."""
+        return cls(**{name: False for name in cls.names(KERNEL)})
 
     def replace(self, **changes: bool) -> "Optimizations":
         for k in changes:

@@ -137,9 +137,7 @@ def _fit(tokenizer: Any, part: Part, block_size: int) -> list[int]:
 def reference_optimizations() -> Optimizations:
     """Every kernel switch off (plain PyTorch reference kernels); the scheduling switches stay on, but for
     overlap_scheduling: the narration reports each step's sampled tokens when that step returns."""
-    return Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False, fold_shared_expert=False,
-                                   fused_qk_norm_rope=False, fused_add_rmsnorm=False, cuda_graphs=False,
-                                   overlap_scheduling=False)
+    return Optimizations.reference_kernels().replace(cuda_graphs=False, overlap_scheduling=False)
 
 
 def build_engine(scenario: Scenario) -> LLMEngine:

@@ -34,11 +34,11 @@ from nanoserve.kernels.attention import paged_attention  # noqa: E402
 from nanoserve.kernels.msa import msa_select, sparse_attention  # noqa: E402
 from nanoserve.kernels.norm_rope import fused_add_rmsnorm, qk_norm_rope_insert  # noqa: E402
 
-# m3-slice attention shapes (BENCHMARKS.md): 64 q heads, 4 KV heads of 128, index 4 x 128 + one key head
+# m3-slice attention shapes (docs/benchmarks.md): 64 q heads, 4 KV heads of 128, index 4 x 128 + one key head
 HQ, HKV, D, G, DI, BLOCK, TOPK, LOCAL, ROTARY, HIDDEN = 64, 4, 128, 4, 128, 128, 16, 1, 64, 6144
 DTYPE = torch.bfloat16
 COPY_CEILING_GBS = 4260.0
-"""Measured device-copy bandwidth of one H200 (BENCHMARKS.md)."""
+"""Measured device-copy bandwidth of one H200 (docs/benchmarks.md)."""
 BF16_REL_TOL = 2e-2
 """bf16 tolerance on ||kernel - reference|| / ||reference|| (probabilities are rounded to bf16 for the PV product)."""
 REFERENCE_BUDGET_S = 0.5

@@ -15,12 +15,13 @@ random bf16 weights (std 0.02, as m3-slice), uniform random routing (reference.r
      fused|shared  routed fused kernel, then the shared expert as a separate torch MLP (fold_shared_expert off)
      graph         fused+shared replayed from a CUDA graph (decode sizes: launch overhead removed)
      grouped_mm    torch._grouped_mm as Hugging Face runs it: sort by expert, two grouped GEMMs, SwiGLU-OAI,
-                   weight, un-sort, index_add (BENCHMARKS.md's MoE baseline; routed only)
+                   weight, un-sort, index_add (the Hugging Face experts path; routed only)
      loop          reference.moe_experts, one expert at a time (routed only; only up to --loop-max-tokens)
      route         the layer's torch routing (fp32 router GEMM, sigmoid, top-k, renorm), eager and as a graph
                    ("route graph"): what a fused routing kernel could save (none is used yet)
    FLOPs = 2 * 3 * H * I per (token, expert) pair computed; bytes = weights of the distinct experts touched (the
-   BENCHMARKS.md convention; activations are < 1% at these sizes). Fractions are of 772 TFLOP/s and 4.26 TB/s.
+   convention of docs/benchmarks.md; activations are < 1% at these sizes). Fractions are of 772 TFLOP/s and
+   4.26 TB/s.
 3. --sweep: per token count, coordinate descent from the table's entry (fold on): BLOCK_M, GEMM 1 tiles, GEMM 2
    tiles, GROUP_M, BLOCK_M again (about 20 configurations), printing the best as a line for
    kernels/configs.py's MOE_TILES (scripts/tune_moe.py is the re-runnable tuner that writes them). About 30 s
@@ -55,11 +56,11 @@ from nanoserve.kernels import moe, reference  # noqa: E402
 from nanoserve.kernels.moe import GemmTiles, MoEConfig, fused_moe  # noqa: E402
 
 ALPHA, LIMIT, SCALE = 1.702, 7.0, 2.0
-"""M3's SwiGLU-OAI constants and routed_scaling_factor (m3_spec.md 2.6)."""
+"""M3's SwiGLU-OAI constants and routed_scaling_factor."""
 WEIGHT_STD = 0.02
 PEAK_TFLOPS = 772.0
 COPY_CEILING_GBS = 4260.0
-"""Measured bf16 matmul and device-copy ceilings of one H200 (BENCHMARKS.md)."""
+"""Measured bf16 matmul and device-copy ceilings of one H200 (docs/benchmarks.md)."""
 BF16_REL_TOL = 2e-2
 """bf16 tolerance on max |kernel - fp32| / max |fp32| (activations and each expert's output are rounded)."""
 TOKENS = (1, 16, 64, 256, 1024, 4096, 8192)

@@ -8,7 +8,7 @@ This works because `tests/` is a package (`tests/__init__.py`): pytest's default
 the repository root on sys.path, so `tests.*` resolves from any test file (and from `python -m pytest tests`).
 
 transformers' text-only `MiniMaxM3VLForCausalLM` cannot read the real checkpoint key names
-(`language_model.model.layers.N.block_sparse_moe.experts.E.w1.weight`, ...: m3_spec.md section 3) - it expects its
+(`language_model.model.layers.N.block_sparse_moe.experts.E.w1.weight`, ...: the released names) - it expects its
 own fused names. The full VL class `MiniMaxM3SparseForConditionalGeneration` converts the real names on load, so
 we load that and copy its language model and LM head into a text-only model. The checkpoint maker writes a tiny
 `vision_config` so the unused vision tower is cheap; vision weights are absent from our checkpoints and are

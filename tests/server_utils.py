@@ -10,9 +10,7 @@ import time
 from nanoserve.config import EngineConfig, Optimizations
 
 # Triton kernels run in the interpreter on the CPU (slow); the server tests exercise the reference paths.
-FAST_CPU = Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False,
-                                   fold_shared_expert=False, fused_qk_norm_rope=False, fused_add_rmsnorm=False,
-                                   cuda_graphs=False)
+FAST_CPU = Optimizations.reference_kernels().replace(cuda_graphs=False)
 MAX_MODEL_LEN = 512
 KV_CACHE_TOKENS = 4096
 SWITCH_FLAGS = ["--no-triton-attention", "--no-triton-msa", "--no-fused-moe", "--no-fold-shared-expert",

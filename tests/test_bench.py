@@ -25,12 +25,11 @@ from nanoserve.bench import workloads as W
 from nanoserve.bench.ablation import ablate, first_divergence
 from nanoserve.bench.floor import ModelCost, workload_floor
 from nanoserve.bench.offline import NanoBench
-from nanoserve.config import Optimizations
+from nanoserve.config import KERNEL, Optimizations
 from nanoserve.presets.catalog import get_preset
 from nanoserve.runner.input_prep import InputPreparer
 
-REFERENCE = dict(triton_attention=False, triton_msa=False, fused_moe=False, fold_shared_expert=False,
-                 fused_qk_norm_rope=False, fused_add_rmsnorm=False)
+REFERENCE = {name: False for name in Optimizations.names(KERNEL)}
 """The CPU runs use the reference kernels (the Triton interpreter is too slow for end-to-end runs)."""
 FP32_RTOL = 1e-5
 """HF vs nanoserve logits, fp32: max |diff| <= FP32_RTOL x max |logit| (measured ~4e-7)."""
@@ -51,7 +50,7 @@ def bench() -> NanoBench:
 # -- workloads and floors (no model) ------------------------------------------------------------------------------
 
 
-def test_full_workloads_follow_benchmarks_md():
+def test_full_workloads_follow_the_protocol():
     wls = {w.name: w for w in W.build(list(W.OFFLINE), 200064, "full")}
     assert set(wls) == {"W1", "W2", "W4-32k", "W4-128k", "W5", "W6"}
     assert (wls["W1"].num_requests, len(wls["W1"].requests[0].prompt_ids), wls["W1"].requests[0].max_tokens) == \
@@ -67,7 +66,7 @@ def test_full_workloads_follow_benchmarks_md():
     assert all(r.max_tokens == 128 for r in w6.requests)
 
 
-def test_floors_match_benchmarks_md():
+def test_floors_match_docs_benchmarks():
     cost = ModelCost(get_preset("m3-slice").config)
     assert cost.active_params_per_token() == pytest.approx(2.75e9, rel=0.01)
     w1_bytes, _ = cost.decode_step(1, 1088)

@@ -4,7 +4,6 @@ its validation errors."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 
@@ -12,7 +11,7 @@ from nanoserve.config import SWITCH_ALIASES, EngineConfig, Optimizations
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
 from nanoserve.presets.catalog import PRESETS, get_preset
 
-# The text_config of MiniMaxAI/MiniMax-M3 (BF16), every field of m3_spec.md section 1.1, values as released.
+# The text_config of MiniMaxAI/MiniMax-M3 (BF16), every field, values as released.
 REAL_TEXT_CONFIG = {
     "architectures": ["MiniMaxM3SparseForCausalLM"],
     "hidden_size": 6144,
@@ -88,7 +87,7 @@ def test_real_m3_config_parses():
     assert (cfg.intermediate_size, cfg.dense_intermediate_size, cfg.shared_intermediate_size) == (3072, 12288, 3072)
     assert (cfg.swiglu_alpha, cfg.swiglu_limit) == (1.702, 7.0)
     assert cfg.max_position_embeddings == 1048576 and cfg.vocab_size == 200064
-    # absent from the file: the M3 defaults (m3_spec.md 1.1)
+    # absent from the file: the M3 defaults
     assert (cfg.bos_token_id, cfg.eos_token_id) == (200034, 200020)
     assert cfg == M3Config()  # the dataclass defaults are the real model
 
@@ -193,19 +192,18 @@ def test_defaults_on_except_approximations():
     expected = {"paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill", "cuda_graphs",
                 "triton_attention", "triton_msa", "fused_moe", "fold_shared_expert", "fused_qk_norm_rope",
                 "overlap_scheduling", "msa_topk_reuse"}
-    assert expected <= set(Optimizations.names())  # the names DESIGN.md promises
+    assert expected <= set(Optimizations.names())  # the names the docs promise
     for name, value in opts.as_dict().items():
         assert value is (name not in Optimizations.approximations()), name
     assert Optimizations.approximations() == ["msa_topk_reuse"] and opts.msa_topk_reuse is False
 
 
-def test_every_switch_documents_its_module():
-    import inspect
+def test_every_switch_declares_its_module_layer_and_reference():
+    from nanoserve.config import LAYERS
 
-    src = inspect.getsource(Optimizations)
-    for f in dataclasses.fields(Optimizations):
-        doc = src.split(f"    {f.name}: bool")[1].split('"""')[1]
-        assert ".py" in doc or "APPROXIMATION" in doc, f.name
+    for sw in Optimizations.switches():
+        assert sw.module.endswith(".py") and sw.layer in LAYERS and sw.reference, sw.name
+        assert sw.doc.startswith(sw.module) and ("APPROXIMATION" in sw.doc) is (not sw.exact), sw.name
 
 
 def test_optimizations_validation_names_the_switch():

@@ -1,7 +1,7 @@
 """The docs cannot go stale silently.
 
-- docs/architecture.md's switch table is generated from nanoserve.config.Optimizations (each field's docstring
-  names the module behind it) and from the code that reads each switch. The test regenerates it and compares;
+- docs/architecture.md's switch table is generated from the switch declarations in nanoserve.config.Optimizations
+  (default, exact or approximation, layer, module, reference path) and from the code that reads each switch. The test regenerates it and compares;
   after adding or changing a switch, refresh the table with
 
       python tests/test_docs.py --write
@@ -13,34 +13,15 @@
 
 from __future__ import annotations
 
-import ast
-import inspect
 import io
 import re
 import sys
-import textwrap
-from dataclasses import fields
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 WALKTHROUGH = ROOT / "docs" / "walkthrough.md"
 BEGIN, END = "<!-- switch-table:begin (generated: python tests/test_docs.py --write) -->", "<!-- switch-table:end -->"
-MODULE = re.compile(r"^((?:engine|runner|executor|kernels|model|server|distributed|bench)/[\w/]+\.py): *")
-
-
-def switch_docstrings() -> dict[str, str]:
-    """Optimizations field -> the docstring under it in config.py (Python keeps no attribute docstrings at run
-    time, so read them from the source)."""
-    from nanoserve.config import Optimizations
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(Optimizations))).body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:]):
-        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(nxt, ast.Expr) \
-                and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
-    return docs
 
 
 # where a switch changes what runs (not bench/, server/)
@@ -58,20 +39,18 @@ def readers(switch: str) -> list[str]:
     return sorted(found)
 
 
-def switch_table() -> str:
+def switch_table(opts_cls=None) -> str:
+    """The table, from the switch declarations of `opts_cls` (default: nanoserve.config.Optimizations)."""
     from nanoserve.config import Optimizations
 
-    docs = switch_docstrings()
-    rows = ["| switch | default | module (from its docstring) | what it does | read in |",
-            "|---|---|---|---|---|"]
-    for f in fields(Optimizations):
-        doc = docs.get(f.name, "")
-        m = MODULE.match(doc)
-        module = f"[`{m.group(1)}`](../nanoserve/{m.group(1)})" if m else "-"
-        what = doc[m.end():] if m else doc
-        where = ", ".join(f"`{r}`" for r in readers(f.name)) or "not read yet"
-        rows.append(f"| `{f.name}` | {'on' if f.default else 'off'} | {module} | {what.replace('|', '/')} | "
-                    f"{where} |")
+    rows = ["| switch | default | exact | layer | module | what it does | off: the reference path | read in |",
+            "|---|---|---|---|---|---|---|---|"]
+    for sw in (opts_cls or Optimizations).switches():
+        where = ", ".join(f"`{r}`" for r in readers(sw.name)) or "not read yet"
+        rows.append(f"| `{sw.name}` | {'on' if sw.default else 'off'} | "
+                    f"{'yes' if sw.exact else 'no: approximation'} | {sw.layer} | "
+                    f"[`{sw.module}`](../nanoserve/{sw.module}) | {sw.does.replace('|', '/')} | "
+                    f"{sw.reference.replace('|', '/')} | {where} |")
     return "\n".join(rows)
 
 
@@ -87,18 +66,13 @@ def write_switch_table() -> None:
 
 
 # -- tests ------------------------------------------------------------------------------------------------------
-def test_every_switch_has_a_documented_module():
+def test_every_switch_declares_an_existing_module():
     from nanoserve.config import Optimizations
 
-    docs = switch_docstrings()
-    assert set(docs) == set(Optimizations.names()), "every switch needs a docstring"
-    for name, doc in docs.items():
-        m = MODULE.match(doc)
-        if m:
-            assert (ROOT / "nanoserve" / m.group(1)).exists(), \
-                f"{name}: its docstring names {m.group(1)}, which does not exist"
-        else:
-            assert doc.startswith("APPROXIMATION"), f"{name}: the docstring must start with the module behind it"
+    for sw in Optimizations.switches():
+        assert (ROOT / "nanoserve" / sw.module).is_file(), f"{sw.name}: its declaration names {sw.module}, which " \
+                                                           f"does not exist"
+        assert sw.does and sw.reference, f"{sw.name}: say what it does and what runs when it is off"
 
 
 def test_architecture_switch_table_is_current():
@@ -109,6 +83,36 @@ def test_architecture_switch_table_is_current():
         assert f"| `{name}` |" in table, f"docs/architecture.md's switch table lacks {name}"
     assert table == switch_table(), ("docs/architecture.md's switch table is out of date: run "
                                      "`python tests/test_docs.py --write`")
+
+
+OUTSIDE_REFERENCES = re.compile(
+    r"\.\./shared|/work/|(?-i:DESIGN\.md|BENCHMARKS\.md)|m3_spec|the issue asks|steering|\bengineers?\b",
+    re.IGNORECASE)
+"""What a reader of this repository cannot follow: files outside it, and talk of how it was made."""
+
+
+def test_docs_name_only_what_is_in_this_repository():
+    """docs/*.md and README.md link and name only files of this repository, and speak to its users; the code,
+    scripts and tests name no outside file either."""
+    assert OUTSIDE_REFERENCES.search("the protocol of [it](../../shared/BENCHMARKS.md)")
+    assert not OUTSIDE_REFERENCES.search("see docs/benchmarks.md")
+    found = []
+    code = [p for d in ("nanoserve", "scripts", "tests") for p in sorted((ROOT / d).rglob("*.py"))
+            if p != Path(__file__).resolve()]
+    for path in code + [p for d in ("scripts",) for p in sorted((ROOT / d).glob("*.sh"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in OUTSIDE_REFERENCES.finditer(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r} in {line.strip()[:100]!r}")
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in OUTSIDE_REFERENCES.finditer(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {m.group(0)!r} in {line.strip()[:100]!r}")
+            for target in re.findall(r"\]\(([^)#\s]+)", line):  # relative markdown links must resolve
+                if "://" not in target and not (path.parent / target).resolve().is_relative_to(ROOT):
+                    found.append(f"{path.relative_to(ROOT)}:{n}: link {target} leaves the repository")
+                elif "://" not in target and not (path.parent / target).exists():
+                    found.append(f"{path.relative_to(ROOT)}:{n}: link {target} does not exist")
+    assert not found, "\n".join(found)
 
 
 def test_walkthrough_doc_quotes_real_output():

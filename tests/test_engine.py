@@ -26,9 +26,7 @@ OFF_POOL_BLOCKS = 48  # with paged KV off each sequence reserves max_model_len (
 def engine_opts(**layer_switches: bool) -> Optimizations:
     """The switches of this layer as given; every kernel switch off (on the CPU they would run Triton's slow
     interpreter, and they are tested in the kernel tests)."""
-    return Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False,
-                                   fold_shared_expert=False, fused_qk_norm_rope=False, fused_add_rmsnorm=False,
-                                   cuda_graphs=False, **layer_switches)
+    return Optimizations.reference_kernels().replace(cuda_graphs=False, **layer_switches)
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

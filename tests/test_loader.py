@@ -7,6 +7,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from nanoserve.config import Optimizations
+from nanoserve.model.checkpoint_names import weight_loaders
 from nanoserve.model.loader import CheckpointError, MXFP8Slice, SafeSlice, load_model, read_config
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8, quantize_mxfp8
@@ -90,7 +92,7 @@ def test_every_checkpoint_tensor_lands_where_its_name_says(tiny_dir):
     model, tok_dir = load_model(tiny_dir, Optimizations.reference(), torch.float32)
     assert tok_dir == tiny_dir and os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))
     ckpt = tensors_of(tiny_dir)
-    assert set(ckpt) == set(checkpoint_specs(cfg)) == set(model.load_map())
+    assert set(ckpt) == set(checkpoint_specs(cfg)) == set(weight_loaders(model))
     p = "language_model.model"
     eq = torch.equal
 
@@ -530,6 +532,35 @@ def test_missing_directory_raises_a_named_error(tmp_path):
     missing = str(tmp_path / "no-such-model")
     with pytest.raises(CheckpointError, match="no-such-model.*does not exist"):
         load_model(missing)
+
+
+def test_an_alias_is_one_row_of_the_name_table(tiny_dir, tmp_path, monkeypatch, tiny_logits):
+    """A checkpoint spelling the routed experts gate_proj/up_proj/down_proj under `mlp.` loads the same model once
+    the name table has one row per alias; naming a parameter both ways is an error naming both."""
+    from nanoserve.model import checkpoint_names as names
+
+    spelled = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    stack = {"w1": ("w13", "gate"), "w3": ("w13", "up"), "w2": ("w2", "down")}
+    aliases = tuple(names.NameRule(f"model.layers.{{layer}}.mlp.experts.{{expert}}.{new}.weight",
+                                   f"layers.{{layer}}.mlp.{stack[old][0]}", stack[old][1])
+                    for old, new in spelled.items())
+    d = copy_dir(tiny_dir, tmp_path / "alias")
+    t = tensors_of(d)
+    renamed = {}
+    for k, v in t.items():
+        m = re.fullmatch(r"(.*)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight", k)
+        renamed[f"{m[1]}.mlp.experts.{m[2]}.{spelled[m[3]]}.weight" if m else k] = v
+    assert renamed.keys() != t.keys()
+    rewrite_tensors(d, renamed)
+    with pytest.raises(CheckpointError, match="missing tensor"):
+        load_model(d, Optimizations.reference())  # not in the table yet
+    monkeypatch.setattr(names, "WEIGHT_NAMES", names.WEIGHT_NAMES + aliases)
+    assert torch.equal(logits(d), tiny_logits)
+
+    key = "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"
+    rewrite_tensors(d, {**renamed, key: t[key].clone()})
+    with pytest.raises(CheckpointError, match=r"named twice: .*experts\.0\.w1\.weight and .*experts\.0\.gate_proj"):
+        load_model(d, Optimizations.reference())
 
 
 # -- the checkpoint maker's command line --------------------------------------------------------------------------

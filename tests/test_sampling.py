@@ -27,9 +27,7 @@ LOGPROB_ATOL = 1e-4  # fp32: engine (batched, paged, chunked) vs one direct forw
 
 def engine_opts(**layer_switches: bool) -> Optimizations:
     """Every kernel switch off (Triton's interpreter is slow; the kernels have their own tests)."""
-    return Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False,
-                                   fold_shared_expert=False, fused_qk_norm_rope=False, fused_add_rmsnorm=False,
-                                   cuda_graphs=False, **layer_switches)
+    return Optimizations.reference_kernels().replace(cuda_graphs=False, **layer_switches)
 
 
 def random_tokens(rng: random.Random, n: int) -> list[int]:

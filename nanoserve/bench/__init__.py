@@ -1,4 +1,4 @@
-"""Benchmarks (W1-W6 of ../shared/BENCHMARKS.md), the Hugging Face baseline, the A/B ablation and the decode-step
+"""Benchmarks (W1-W6 of docs/benchmarks.md), the Hugging Face baseline, the A/B ablation and the decode-step
 profile: `python -m nanoserve.bench --help`.
 
     workloads.py   W1-W6: random-token prompts, full size or scaled down for the CPU

@@ -13,10 +13,10 @@ from __future__ import annotations
 import logging
 import time
 
-from nanoserve.bench.offline import ENGINE_SWITCHES, NanoBench, RunResult
+from nanoserve.bench.offline import NanoBench, RunResult
 from nanoserve.bench.report import table
 from nanoserve.bench.workloads import Workload
-from nanoserve.config import Optimizations
+from nanoserve.config import ENGINE
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +59,9 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
     base_notes = base_notes or {}
     opts = bench.opts
     saved = opts.as_dict()
-    approximations = set(Optimizations.approximations())
+    switches = type(opts)  # the declarations: every switch gets a row
+    approximations = set(switches.approximations())
+    engine_side = set(switches.names(ENGINE))
     device = bench.device.type
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -72,7 +74,7 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
     bench.warmup(wl, max_tokens=warmup_tokens)
     base = bench.run(wl, mode="all on")
     record(_row("all on", None, base, base))
-    for name in Optimizations.names():
+    for name in switches.names():
         approx = name in approximations
         value = saved[name]
         if approx and value:
@@ -90,7 +92,7 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
         label = f"{name} {'ON' if approx else 'off'}"
         setattr(opts, name, not value)
         try:
-            if name not in ENGINE_SWITCHES:
+            if name not in engine_side:
                 bench.warmup(wl, max_tokens=warmup_tokens)  # compile the kernels this setting selects
             res = bench.run(wl, mode=label)
             record(_row(label, name, res, base, note, approx))
@@ -99,7 +101,7 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
             record(_row(label, name, None, None, f"FAILED: {type(e).__name__}: {e}", approx))
         finally:
             setattr(opts, name, value)
-            if name not in ENGINE_SWITCHES:
+            if name not in engine_side:
                 bench.capture_graphs(wl)  # graphs are dropped when a model-side switch changes
     meta = meta or {}
     out = {"workload": wl.name, "description": wl.description, "model": model_name,

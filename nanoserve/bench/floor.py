@@ -1,5 +1,5 @@
 """The physical floor of a workload: bytes a step must read and FLOPs it must do, over the device's ceilings
-(../shared/BENCHMARKS.md, "The physical limit on one H200").
+(docs/benchmarks.md, "The floor and the achieved rates").
 
 A decode step reads every active weight once - the dense layers, each MSA layer's attention + indexer + router +
 the experts its batch touches + the shared expert, and the LM head - plus each sequence's KV (all of it on the

@@ -14,8 +14,9 @@ fused layout:
     block_sparse_moe.shared_experts.{gate,up,down}_proj  -> mlp.shared_experts.gate_up_proj = cat(gate, up), down_proj
 
 The router weight and its bias stay fp32 (as in the checkpoint and in nanoserve); everything else takes the
-model dtype. Two configurations (BENCHMARKS.md): "eager" = generate() with the dynamic cache; "static" =
-generate(cache_implementation="static"), which transformers compiles on a GPU (torch.compile, reduce-overhead);
+model dtype. Two configurations (docs/benchmarks.md, Baseline): "eager" = generate() with the dynamic cache;
+"static" = generate(cache_implementation="static"), which transformers compiles on a GPU (torch.compile,
+reduce-overhead);
 its first call on a shape compiles, so it is warmed up on exactly the timed shapes.
 
 Timing: a streamer that synchronises the device and stamps each generated token; TTFT = first token - start,

@@ -20,7 +20,7 @@ import torch
 
 from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
 from nanoserve.bench.workloads import Workload
-from nanoserve.config import EngineConfig, Optimizations
+from nanoserve.config import KERNEL, EngineConfig, Optimizations
 from nanoserve.engine.builder import make_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
@@ -30,35 +30,27 @@ from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
-KERNEL_SWITCHES = {
-    # switch -> (module, functions the model layers import from it)
-    "triton_attention": ("nanoserve.kernels.attention", ("paged_attention",)),
-    "triton_msa": ("nanoserve.kernels.msa", ("msa_select", "sparse_attention")),
-    "fused_moe": ("nanoserve.kernels.moe", ("fused_moe",)),
-    "fold_shared_expert": ("nanoserve.kernels.moe", ("fused_moe",)),
-    "fused_qk_norm_rope": ("nanoserve.kernels.norm_rope", ("qk_norm_rope_insert",)),
-    "fused_add_rmsnorm": ("nanoserve.kernels.norm_rope", ("fused_add_rmsnorm",)),
-}
-ENGINE_SWITCHES = ("paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill", "cuda_graphs",
-                   "overlap_scheduling", "fast_input_prep")
-"""Switches read by the engine, scheduler, block manager or runner (the rest are read by the model layers)."""
 KV_HEADROOM = 1.15
 """KV pool = this x the largest workload's resident tokens (+ one max_model_len sequence)."""
 MAX_KV_FRACTION_OF_FREE = 0.75
 """Never ask for more than this share of the free device memory for the KV pool (activations need the rest)."""
 
 
-def unavailable_kernel_switches() -> dict[str, str]:
-    """Kernel switches whose module cannot be imported here (switch -> reason)."""
+def unavailable_kernel_switches(opts_cls: type[Optimizations] = Optimizations) -> dict[str, str]:
+    """KERNEL switches whose module (or the functions the model imports from it) cannot be imported here
+    (switch -> reason), from each switch's declared module and entry points."""
     out = {}
-    for switch, (module, names) in KERNEL_SWITCHES.items():
+    for s in opts_cls.switches():
+        if s.layer != KERNEL:
+            continue
+        module = s.import_path
         try:
             mod = importlib.import_module(module)
-            missing = [n for n in names if not hasattr(mod, n)]
+            missing = [n for n in s.entry_points if not hasattr(mod, n)]
             if missing:
-                out[switch] = f"{module} has no {', '.join(missing)}"
+                out[s.name] = f"{module} has no {', '.join(missing)}"
         except Exception as e:  # noqa: BLE001 - a kernel being written may not import yet
-            out[switch] = f"{module} does not import: {type(e).__name__}: {e}"
+            out[s.name] = f"{module} does not import: {type(e).__name__}: {e}"
     return out
 
 

@@ -18,7 +18,8 @@ TARGETS = {
     "W4 TTFT at 128k (s)": ("<=", 2.0),
     "W2J / W2 output tok/s": (">=", 0.85),
 }
-"""BENCHMARKS.md targets, and the structured-output one (JSON-constrained W2 keeps >= 85 % of W2's rate)."""
+"""The targets of docs/benchmarks.md ("Against the targets"), with the structured-output one (JSON-constrained W2
+keeps >= 85 % of W2's rate)."""
 
 
 def fmt(value: Any, digits: int = 1) -> str:
@@ -111,7 +112,7 @@ def runs_table(runs: list[dict], title: str | None = None) -> str:
 
 
 def targets_table(runs: list[dict]) -> str:
-    """The BENCHMARKS.md targets against what this run measured (nanoserve, default switches)."""
+    """The targets against what this run measured (nanoserve, default switches)."""
     best = {r["workload"]: r for r in runs if r["engine"] == "nanoserve" and r["mode"] == "default"}
     got: dict[str, float | None] = {"W1 TPOT (ms)": best.get("W1", {}).get("tpot_ms", {}).get("mean"),
                                     "W2 output tok/s": best.get("W2", {}).get("output_tok_s")}

@@ -18,9 +18,9 @@ import torch
 from nanoserve.bench import report
 from nanoserve.bench.env import environment
 from nanoserve.bench.floor import H200, Ceilings
-from nanoserve.bench.offline import KERNEL_SWITCHES, NanoBench, RunResult, unavailable_kernel_switches
+from nanoserve.bench.offline import NanoBench, RunResult, unavailable_kernel_switches
 from nanoserve.bench.workloads import Workload
-from nanoserve.config import SWITCH_ALIASES, Optimizations
+from nanoserve.config import KERNEL, SWITCH_ALIASES, Optimizations
 from nanoserve.model.m3_config import M3Config
 from nanoserve.runner.model_runner import resolve_device, resolve_dtype
 
@@ -49,7 +49,7 @@ def resolve_switches(device: torch.device, cpu_reference_kernels: bool, changes:
     opts = Optimizations()
     notes: dict[str, str] = {}
     if device.type == "cpu" and cpu_reference_kernels:
-        for name in KERNEL_SWITCHES:
+        for name in Optimizations.names(KERNEL):
             setattr(opts, name, False)
             notes[name] = "CPU reference kernels (--cpu-reference-kernels)"
     else:

@@ -1,4 +1,4 @@
-"""The benchmark workloads W1-W6, at full size or scaled down for CPU tests, and W2J.
+"""The benchmark workloads W1-W6 (docs/benchmarks.md), at full size or scaled down for CPU tests, and W2J.
 
 Prompts are random token ids from a seeded generator (no tokenizer on the measured path), every request sets
 ignore_eos so it produces exactly its max_tokens, and all requests of a workload arrive at once. W3 (the HTTP

@@ -1,7 +1,7 @@
 """Triton fused MoE for M3: device-side alignment, two grouped GEMMs with fused epilogues, a top-k reduction.
 
     out[t] = routed_scaling_factor * sum_k w[t, k] * Expert_{id[t, k]}(x[t])   (+ SharedExpert(x[t]) when folded)
-    Expert(x) = w2 @ swiglu_oai(gate, up),  [gate; up] = w13 @ x                 (m3_spec.md 2.6)
+    Expert(x) = w2 @ swiglu_oai(gate, up),  [gate; up] = w13 @ x
 
 The pipeline: five launches, no host synchronisation anywhere (launch grids come from shapes and upper bounds
 only, so a decode step can be captured in a CUDA/HIP graph):

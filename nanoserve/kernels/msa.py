@@ -1,6 +1,5 @@
 """MSA (MiniMax Sparse Attention) in Triton: the indexer's block selection and the block-sparse attention over the
-selected blocks (switch `triton_msa`; references: `reference.msa_select`, `reference.sparse_attention`;
-m3_spec.md 2.5).
+selected blocks (switch `triton_msa`; references: `reference.msa_select`, `reference.sparse_attention`).
 
 Selection, for every query row t and index head g (one per KV group), in two kernels:
 

@@ -5,7 +5,7 @@ A program owns BLOCK_T tokens and walks the sections of their fused projection r
 [q | k | v | index_q | index_k], BLOCK_R (token, head) rows at a time:
 
     q, k, index_q, index_k:  per-head Gemma RMSNorm (fp32 inside, times 1 + w), rounded to the activation dtype
-                             (m3_spec.md 2.4 step 2), then NeoX partial RoPE in fp32 on the first rotary_dim dims
+                             (as the released model), then NeoX partial RoPE in fp32 on the first rotary_dim dims
                              (the partner of dim i < half is i + half and vice versa), rounded again.
     v:                       copied as is.
 

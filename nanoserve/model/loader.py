@@ -1,7 +1,7 @@
 """Load an M3 checkpoint directory into an `M3ForCausalLM`.
 
 Reads config.json in either dialect, then the safetensors files (one file, or shards listed in
-`model.safetensors.index.json`) by the real key names. Each rank reads only its slice of each tensor through
+`model.safetensors.index.json`) by the released key names, which model/checkpoint_names.py maps to parameters. Each rank reads only its slice of each tensor through
 safetensors' lazy slices. MXFP8 weights (fp8 e4m3 + per-1x32 E8M0 `weight_scale_inv`) are dequantised on load.
 MTP and vision tensors are skipped with one log line each. Preset names are resolved to a directory (or to
 weights drawn on the device) above this module, in nanoserve/presets/resolve.py.
@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from nanoserve.config import Optimizations
+from nanoserve.model.checkpoint_names import canonical_names, loader_for, name_map
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8
@@ -113,9 +114,10 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
 
 
 def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
-    """Fill every parameter of `model` from the checkpoint, checking names and shapes."""
+    """Fill every parameter of `model` from the checkpoint, checking names and shapes: every target of the name
+    table (model/checkpoint_names.py) filled by exactly one tensor, and no tensor left over."""
     files = checkpoint_files(model_dir)
-    expected = model.load_map()
+    names = name_map(model)
     skipped = {reason: 0 for reason in SKIPPED_PREFIXES}
     unexpected = []
     with ExitStack() as stack:
@@ -126,8 +128,8 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
             if path not in handles:
                 h = stack.enter_context(safe_open(path, framework="pt", device="cpu"))
                 handles[path] = (h, set(h.keys()))
-            handle, names = handles[path]
-            if key not in names:
+            handle, keys = handles[path]
+            if key not in keys:
                 raise CheckpointError(f"{key} is listed in model.safetensors.index.json under "
                                       f"{os.path.basename(path)}, which does not contain it")
             return SafeSlice(handle, key)
@@ -136,21 +138,33 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
             reason = next((r for r, prefixes in SKIPPED_PREFIXES.items() if key.startswith(prefixes)), None)
             if reason:
                 skipped[reason] += 1
-            elif key.endswith(SCALE_SUFFIX) and key[: -len(SCALE_SUFFIX)] in files:
+            elif key.endswith(SCALE_SUFFIX) and key not in names and key[: -len(SCALE_SUFFIX)] in files:
                 continue  # read together with its weight
-            elif key not in expected:
+            elif key not in names:
                 unexpected.append(key)
-        missing = sorted(set(expected) - set(files))
-        if missing or unexpected:
+        missing, twice = [], []
+        chosen: list[str] = []
+        for target, aliases in canonical_names(names).items():
+            present = [n for n in aliases if n in files]
+            if not present:
+                missing.append(aliases[0])
+            elif len(present) > 1:
+                twice.append(" and ".join(present))
+            else:
+                chosen.append(present[0])
+        if missing or unexpected or twice:
             parts = []
             if missing:
+                missing.sort()
                 parts.append(f"{len(missing)} missing tensor(s): {', '.join(missing[:8])}"
                              + (" ..." if len(missing) > 8 else ""))
             if unexpected:
                 parts.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(sorted(unexpected)[:8])}"
                              + (" ..." if len(unexpected) > 8 else ""))
+            if twice:
+                parts.append(f"{len(twice)} parameter(s) named twice: {', '.join(sorted(twice)[:8])}")
             raise CheckpointError(f"{model_dir}: " + "; ".join(parts))
-        for key, load in expected.items():
+        for key in chosen:
             src: Any = source(key)
             is_fp8 = src._slice.get_dtype() in FP8_DTYPES
             has_scale = (key + SCALE_SUFFIX) in files
@@ -162,7 +176,7 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
             if is_fp8:
                 src = MXFP8Slice(src, source(key + SCALE_SUFFIX), key)
             try:
-                load(src)
+                loader_for(model, key, names[key])(src)
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
     for reason, n in skipped.items():

@@ -1,10 +1,11 @@
-"""The MiniMax M3 text model, top-down (m3_spec.md section 2).
+"""The MiniMax M3 text model, top-down.
 
     tokens -> embedding -> N x [ x += Attn(Norm(x));  x += FFN(Norm(x)) ] -> final norm -> lm_head -> logits
 
 Each layer's attention is dense or MSA (block-sparse) and its FFN is a dense SwiGLU-OAI MLP or the MoE, as the
 config says (the real model: layers 0-2 dense/dense, 3-59 MSA/MoE). The forward pass takes a flat batch of tokens
 from many sequences plus their AttentionMetadata, and reads and writes the paged KV cache bound to each layer.
+Which checkpoint tensor fills which parameter is the table in model/checkpoint_names.py.
 """
 
 from __future__ import annotations
@@ -20,13 +21,11 @@ from nanoserve.config import Optimizations
 from nanoserve.kernels import reference
 from nanoserve.model.layers.attention import M3Attention
 from nanoserve.model.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.model.layers.linear import WeightSource
 from nanoserve.model.layers.mlp import SwiGLUOAIMLP
 from nanoserve.model.layers.moe import M3MoE
 from nanoserve.model.layers.norm import GemmaRMSNorm
 from nanoserve.model.m3_config import M3Config
 
-CHECKPOINT_PREFIX = "language_model."
 MSA_TOPK_REUSE_EVERY = 2
 """Under the msa_topk_reuse approximation, MSA layers compute a fresh selection every this many layers."""
 
@@ -57,21 +56,6 @@ class M3DecoderLayer(nn.Module):
         h, selection = self.self_attn(h, positions, rope, meta, prev_selection)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual, selection
-
-    def load_map(self, prefix: str) -> dict[str, Callable[[WeightSource], None]]:
-        out = self.self_attn.load_map(f"{prefix}.self_attn")
-        for name in ("input_layernorm", "post_attention_layernorm"):
-            p = getattr(self, name).weight
-            out[f"{prefix}.{name}.weight"] = lambda s, p=p, k=f"{prefix}.{name}.weight": p.weight_loader(p.data, s, "", k)
-        if isinstance(self.mlp, M3MoE):
-            out.update(self.mlp.load_map(f"{prefix}.block_sparse_moe"))
-        else:
-            mlp = self.mlp
-            for name, (mod, shard) in {"gate_proj": (mlp.gate_up_proj, "gate"), "up_proj": (mlp.gate_up_proj, "up"),
-                                       "down_proj": (mlp.down_proj, "")}.items():
-                key = f"{prefix}.mlp.{name}.weight"
-                out[key] = lambda s, m=mod, sh=shard, k=key: m.weight_loader(m.weight.data, s, sh, k)
-        return out
 
 
 class M3ForCausalLM(nn.Module):
@@ -132,16 +116,3 @@ class M3ForCausalLM(nn.Module):
         for layer, kv, idx in zip(self.layers, kv_caches, index_caches):
             layer.self_attn.kv_cache = kv
             layer.self_attn.index_cache = idx
-
-    # -- checkpoint ---------------------------------------------------------------------------------------
-    def load_map(self) -> dict[str, Callable[[WeightSource], None]]:
-        """Every checkpoint key this model reads (real names, m3_spec.md section 3) -> a loader taking a source."""
-        p = CHECKPOINT_PREFIX
-        out: dict[str, Callable[[WeightSource], None]] = {}
-        for key, mod in {f"{p}model.embed_tokens.weight": self.embed_tokens, f"{p}lm_head.weight": self.lm_head}.items():
-            out[key] = lambda s, m=mod, k=key: m.weight_loader(m.weight.data, s, "", k)
-        key = f"{p}model.norm.weight"
-        out[key] = lambda s, k=key: self.norm.weight.weight_loader(self.norm.weight.data, s, "", k)
-        for i, layer in enumerate(self.layers):
-            out.update(layer.load_map(f"{p}model.layers.{i}"))
-        return out

@@ -1,6 +1,6 @@
 """The MiniMax M3 text configuration, read from either config.json dialect.
 
-A released checkpoint (m3_spec.md section 1) nests the language model under `text_config` and describes the
+A released checkpoint nests the language model under `text_config` and describes the
 per-layer structure with `moe_layer_freq` and `sparse_attention_config`. Hugging Face transformers writes a second
 dialect of the same facts (`layer_types`, `mlp_layer_types`, `index_*`, `rope_parameters`). `M3Config.from_dict`
 accepts both, and a bare text config too, and `to_hf_dict` writes the released dialect back.
@@ -27,7 +27,7 @@ def _layer_kind(field_name: str, value: Any, kinds: dict[str, str]) -> str:
 
 @dataclass
 class M3Config:
-    """Every number the M3 text forward pass needs (m3_spec.md sections 1-2), with the real model's defaults."""
+    """Every number the M3 text forward pass needs, with the real model's defaults."""
 
     vocab_size: int = 200064
     hidden_size: int = 6144
@@ -203,7 +203,7 @@ class M3Config:
             return cls.from_dict(json.load(f))
 
     def to_hf_dict(self, vision_config: dict[str, Any] | None = None) -> dict[str, Any]:
-        """The released checkpoint's config.json layout (m3_spec.md 1.1): `minimax_m3_vl` + `text_config`."""
+        """The released checkpoint's config.json layout: `minimax_m3_vl` + `text_config`."""
         text = {
             "architectures": ["MiniMaxM3SparseForCausalLM"],
             "model_type": "minimax_m3_vl_text",

@@ -12,6 +12,7 @@ import os
 import torch
 
 from nanoserve.config import Optimizations
+from nanoserve.model.checkpoint_names import weight_loaders
 from nanoserve.model.loader import CheckpointError, load_model
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.presets.catalog import PRESETS, get_preset
@@ -45,7 +46,7 @@ def init_random_weights(model: M3ForCausalLM, preset: str, device: torch.device 
     """Fill a model with a preset's random weights drawn directly on `device` (m3-slice on the GPU, whose 50 GB
     checkpoint need not touch disk)."""
     p = get_preset(preset)
-    loaders = model.load_map()
+    loaders = weight_loaders(model)
     for key, t in random_tensors(model.cfg, p.init_std, p.random_norms, p.seed, device=device):
         loaders[key](t)
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from nanoserve.batch import AttentionMetadata
-from nanoserve.config import Optimizations
+from nanoserve.config import KERNEL, MODEL, Optimizations
 from nanoserve.kernels import triton_usable
 from nanoserve.parallel_state import get_tp
 from nanoserve.runner.input_prep import fill_block_tables, slot_mapping
@@ -46,10 +46,6 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224
 weight reads, and padding rows all route to the same experts and attend one key."""
 SEQ_LEN_BUCKET_FIRST, SEQ_LEN_BUCKET_GROWTH = 4096, 4
 """Context-length buckets: 4k, 16k, 64k, ... then max_model_len."""
-MODEL_SWITCHES = ("triton_attention", "triton_msa", "fused_moe", "fold_shared_expert", "fused_qk_norm_rope",
-                  "fused_add_rmsnorm", "msa_topk_reuse")
-"""Switches the model reads at forward time: a graph bakes in the kernels chosen when it was captured, so graphs
-are dropped whenever one of these changes (the ablation flips them on a live model)."""
 
 Replay = Callable[[], None]
 CaptureFn = Callable[[Callable[[], None]], Replay]
@@ -69,7 +65,10 @@ def seq_len_buckets(max_model_len: int) -> list[int]:
 
 
 def switch_state(opts: Optimizations) -> tuple[bool, ...]:
-    return tuple(bool(getattr(opts, n)) for n in MODEL_SWITCHES)
+    """The switches the model reads at forward time (the MODEL and KERNEL layers of their declarations): a graph
+    bakes in the kernels chosen when it was captured, so graphs are dropped whenever one of these changes (the
+    ablation flips them on a live model)."""
+    return tuple(bool(getattr(opts, n)) for n in type(opts).names(MODEL, KERNEL))
 
 
 def unsupported_reason(model: torch.nn.Module, opts: Optimizations, device: torch.device) -> str | None:

@@ -6,39 +6,24 @@
         -d '{"model": "m3-tiny", "prompt": "Hello", "max_tokens": 16}'
 
 Engine flags use vLLM's names. Every optimization switch also has its own --<switch> / --no-<switch> pair,
-generated from nanoserve.config.Optimizations, so a new switch appears here by itself. SIGINT / SIGTERM shut down
-gracefully: stop accepting connections, let in-flight requests finish (up to --shutdown-timeout seconds), abort
-what is left, release the device.
+generated from the switch declarations in nanoserve.config.Optimizations, so a new switch appears here by
+itself. SIGINT / SIGTERM shut down gracefully: stop accepting connections, let in-flight requests finish (up to
+--shutdown-timeout seconds), abort what is left, release the device.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import dataclasses
-import inspect
 import logging
 import os
 import signal
-import textwrap
 
 from nanoserve.config import DEVICES, DTYPES, SWITCH_ALIASES, EngineConfig, Optimizations
 
 logger = logging.getLogger("nanoserve.server")
 
 DEFAULT_SHUTDOWN_TIMEOUT = 30.0
-
-
-def switch_docs() -> dict[str, str]:
-    """Each Optimizations field's docstring (the string literal under it in config.py), for --help."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(Optimizations)))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for field, doc in zip(body, body[1:]):
-        if isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(doc, ast.Expr) \
-                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str):
-            docs[field.target.id] = doc.value.value
-    return docs
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -81,11 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs)
 
     o = p.add_argument_group("optimization switches (Optimizations in nanoserve/config.py)")
-    docs, defaults = switch_docs(), Optimizations()
-    for name in Optimizations.names():
-        default = "on" if getattr(defaults, name) else "off"
-        o.add_argument(f"--{name.replace('_', '-')}", dest=f"switch_{name}", action=bool_flag, default=None,
-                       help=f"{docs.get(name, '')} (default: {default})".replace("%", "%%"))
+    for sw in Optimizations.switches():
+        o.add_argument(sw.flag, dest=f"switch_{sw.name}", action=bool_flag, default=None,
+                       help=f"{sw.doc} (default: {'on' if sw.default else 'off'})".replace("%", "%%"))
     return p
 
 

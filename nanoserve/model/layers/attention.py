@@ -3,7 +3,7 @@
 Dense layers (M3 layers 0-2) run causal GQA over the whole paged context. MSA layers (3-59) add the indexer:
 index q/k projections with their own per-head norms and the same RoPE, token scores against the key-only index
 cache, a max-pool per KV block, the query's own block forced in, and the top-k blocks per KV group; attention
-then runs exactly over the selected blocks (m3_spec.md 2.4-2.5).
+then runs exactly over the selected blocks.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch.nn as nn
 from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.layers.linear import (MergedColumnParallelLinear, OutputPart, RowParallelLinear, WeightSource,
+from nanoserve.model.layers.linear import (MergedColumnParallelLinear, OutputPart, RowParallelLinear,
                                            replicated_parameter)
 from nanoserve.model.m3_config import M3Config
 from nanoserve.parallel_state import get_tp, kv_head_range, shard_range
@@ -139,22 +139,3 @@ class M3Attention(nn.Module):
 
             return sparse_attention(q, self.kv_cache, meta, selection, self.scale)
         return reference.sparse_attention(q, self.kv_cache, meta, selection, self.scale)
-
-    # -- checkpoint ---------------------------------------------------------------------------------------
-    def load_map(self, prefix: str) -> dict[str, Callable[[WeightSource], None]]:
-        """Checkpoint key -> loader for the real names under `...self_attn.`."""
-        out: dict[str, Callable[[WeightSource], None]] = {}
-        proj = {"q_proj": "q", "k_proj": "k", "v_proj": "v"}
-        norms = {"q_norm": self.q_norm, "k_norm": self.k_norm}
-        if self.sparse:
-            proj.update(index_q_proj="index_q", index_k_proj="index_k")
-            norms.update(index_q_norm=self.index_q_norm, index_k_norm=self.index_k_norm)
-        for name, shard in proj.items():
-            key = f"{prefix}.{name}.weight"
-            out[key] = lambda s, sh=shard, k=key: self.qkv_proj.weight_loader(self.qkv_proj.weight.data, s, sh, k)
-        key = f"{prefix}.o_proj.weight"
-        out[key] = lambda s, k=key: self.o_proj.weight_loader(self.o_proj.weight.data, s, "", k)
-        for name, param in norms.items():
-            key = f"{prefix}.{name}.weight"
-            out[key] = lambda s, p=param, k=key: p.weight_loader(p.data, s, "", k)
-        return out

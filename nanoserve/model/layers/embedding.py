@@ -23,6 +23,7 @@ class _VocabShard(nn.Module):
         self.end = min(self.start + per, vocab_size)
         self.weight = nn.Parameter(torch.zeros(per, hidden_size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.weight_shards = ("",)
 
     def weight_loader(self, param: torch.Tensor, source: WeightSource, shard_id: str = "", name: str = "") -> None:
         check_shape(name, source.shape, (self.vocab_size, self.hidden_size))

@@ -1,7 +1,8 @@
 """Tensor-parallel linear layers and the weight-loading protocol they share.
 
-Every parameter carries a `weight_loader(param, source, shard_id)` that copies this rank's part of a checkpoint
-tensor into it. `source` is anything with `.shape` and slicing (a torch tensor, or a lazy safetensors slice from
+Every parameter carries a `weight_loader(param, source, shard_id, name)` that copies this rank's part of a
+checkpoint tensor into it, and `weight_shards`, the shard ids it takes ("" = the whole tensor); the table in
+model/checkpoint_names.py says which checkpoint tensor fills which shard. `source` is anything with `.shape` and slicing (a torch tensor, or a lazy safetensors slice from
 the loader), so a rank reads only its rows or columns and never materialises the full tensor.
 
 - ColumnParallel / MergedColumnParallel: output rows split across ranks (no communication).
@@ -79,6 +80,7 @@ class MergedColumnParallelLinear(nn.Module):
         self.output_size = offset
         self.weight = nn.Parameter(torch.empty(offset, input_size, dtype=dtype, device=device), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.weight_shards = tuple(self.parts)
 
     def split_sizes(self) -> list[int]:
         return [p.local_rows for p in self.parts.values()]
@@ -117,6 +119,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.end - self.start, dtype=dtype, device=device),
                                    requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.weight_shards = ("",)
 
     def weight_loader(self, param: torch.Tensor, source: WeightSource, shard_id: str = "", name: str = "") -> None:
         check_shape(name, source.shape, (self.output_size, self.input_size))
@@ -139,4 +142,5 @@ class ReplicatedParameter:
 def replicated_parameter(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> nn.Parameter:
     p = nn.Parameter(torch.zeros(shape, dtype=dtype, device=device), requires_grad=False)
     p.weight_loader = ReplicatedParameter.weight_loader
+    p.weight_shards = ("",)
     return p

@@ -1,5 +1,5 @@
 """M3's mixture of experts: an fp32 sigmoid router with a selection-only correction bias, top-k routed SwiGLU-OAI
-experts scaled by routed_scaling_factor, plus one always-on shared expert (m3_spec.md 2.6)."""
+experts scaled by routed_scaling_factor, plus one always-on shared expert."""
 
 from __future__ import annotations
 
@@ -57,6 +57,10 @@ class M3MoE(nn.Module):
                                 requires_grad=False)
         self.w2 = nn.Parameter(torch.empty(slots, hidden, inter_local, dtype=dtype, device=device),
                                requires_grad=False)
+        shared = ("shared_gate", "shared_up") if self.shared_in_stack else ()
+        self.w13.weight_loader, self.w13.weight_shards = self._load_stacked, ("gate", "up") + shared
+        self.w2.weight_loader = self._load_stacked
+        self.w2.weight_shards = ("down",) + (("shared_down",) if self.shared_in_stack else ())
         self.shared = None if self.shared_in_stack else SwiGLUOAIMLP(
             hidden, cfg.shared_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit, dtype, device, reduce=False)
         self.gate = replicated_parameter((cfg.num_local_experts, hidden), torch.float32, device)
@@ -106,56 +110,25 @@ class M3MoE(nn.Module):
         return torch.nn.functional.linear(act, self.w2[-1])
 
     # -- checkpoint ---------------------------------------------------------------------------------------
-    def load_map(self, prefix: str) -> dict[str, Callable[[WeightSource], None]]:
-        """Checkpoint key -> loader, for the real names under `...block_sparse_moe.`."""
+    def _load_stacked(self, param: torch.Tensor, source: WeightSource, shard_id: str, name: str = "",
+                      expert: int | None = None) -> None:
+        """weight_loader of w13 / w2: a routed expert's w1 ("gate"), w3 ("up") or w2 ("down") into its slot, or
+        the shared expert's gate/up/down projection ("shared_gate", ...) into the extra slot at the end."""
         cfg = self.cfg
-        hidden, inter, shared = cfg.hidden_size, cfg.intermediate_size, cfg.shared_intermediate_size
-        inter_local = self.inter_end - self.inter_start
-        out: dict[str, Callable[[WeightSource], None]] = {
-            f"{prefix}.gate.weight":
-                lambda s, n=f"{prefix}.gate.weight": self.gate.weight_loader(self.gate.data, s, "", n),
-            f"{prefix}.e_score_correction_bias":
-                lambda s, n=f"{prefix}.e_score_correction_bias": self.e_score_correction_bias.weight_loader(
-                    self.e_score_correction_bias.data, s, "", n),
-        }
-
-        def up_rows(slot: int, which: str, rng: tuple[int, int], rows: int):
-            def load(src: WeightSource, name: str) -> None:
-                check_shape(name, src.shape, (rows, hidden))
-                half = slice(0, inter_local) if which == "gate" else slice(inter_local, 2 * inter_local)
-                copy_into(self.w13.data[slot, half], src[rng[0]: rng[1]])
-            return load
-
-        def down_cols(slot: int, rng: tuple[int, int], cols: int):
-            def load(src: WeightSource, name: str) -> None:
-                check_shape(name, src.shape, (hidden, cols))
-                copy_into(self.w2.data[slot], src[:, rng[0]: rng[1]])
-            return load
-
-        irange = (self.inter_start, self.inter_end)
-        for e in range(cfg.num_local_experts):
-            p = f"{prefix}.experts.{e}"
-            if self.expert_start <= e < self.expert_end:
-                slot = e - self.expert_start
-                loaders = {"w1": up_rows(slot, "gate", irange, inter), "w3": up_rows(slot, "up", irange, inter),
-                           "w2": down_cols(slot, irange, inter)}
-            else:  # another rank's expert: expected in the checkpoint, not read here
-                loaders = {w: (lambda src, name: None) for w in ("w1", "w3", "w2")}
-            for w, fn in loaders.items():
-                out[f"{p}.{w}.weight"] = lambda s, fn=fn, n=f"{p}.{w}.weight": fn(s, n)
-        sp = f"{prefix}.shared_experts"
-        if self.shared is not None:
-            for name, (mod, shard) in {"gate_proj": (self.shared.gate_up_proj, "gate"),
-                                       "up_proj": (self.shared.gate_up_proj, "up"),
-                                       "down_proj": (self.shared.down_proj, "")}.items():
-                out[f"{sp}.{name}.weight"] = (lambda s, m=mod, sh=shard, n=f"{sp}.{name}.weight":
-                                              m.weight_loader(m.weight.data, s, sh, n))
+        if shard_id.startswith("shared_"):
+            slot, rows, (start, end) = self.num_local, cfg.shared_intermediate_size, (self.shared_start,
+                                                                                   self.shared_end)
         else:
-            srange = (self.shared_start, self.shared_end)
-            slot = self.num_local
-            for name, fn in {"gate_proj": up_rows(slot, "gate", srange, shared),
-                             "up_proj": up_rows(slot, "up", srange, shared),
-                             "down_proj": down_cols(slot, srange, shared)}.items():
-                out[f"{sp}.{name}.weight"] = lambda s, fn=fn, n=f"{sp}.{name}.weight": fn(s, n)
-        return out
-
+            if expert is None or not self.expert_start <= expert < self.expert_end:
+                return  # another rank's expert: expected in the checkpoint, not read here
+            slot, rows, (start, end) = expert - self.expert_start, cfg.intermediate_size, (self.inter_start,
+                                                                                            self.inter_end)
+        part = shard_id.removeprefix("shared_")
+        if part == "down":
+            check_shape(name, source.shape, (cfg.hidden_size, rows))
+            copy_into(param[slot], source[:, start:end])
+        else:
+            check_shape(name, source.shape, (rows, cfg.hidden_size))
+            inter_local = self.inter_end - self.inter_start
+            half = slice(0, inter_local) if part == "gate" else slice(inter_local, 2 * inter_local)
+            copy_into(param[slot, half], source[start:end])
