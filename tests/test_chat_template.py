@@ -34,7 +34,7 @@ def tok(tiny_dir):
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    with open(os.path.join(os.path.dirname(__file__), "..", "nanoserve", "m3_chat_template.jinja")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "nanoserve", "presets", "chat_template.jinja")) as f:
         tok.chat_template = f.read()
     return tok
 
