@@ -31,7 +31,7 @@ class StreamOptions(RequestModel):
     @model_validator(mode="after")
     def _unsupported(self) -> "StreamOptions":
         if self.continuous_usage_stats:
-            raise ValueError("stream_options.continuous_usage_stats: not supported by this server")
+            raise ValueError("continuous_usage_stats is not supported by this server")
         return self
 
 
