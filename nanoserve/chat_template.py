@@ -75,8 +75,6 @@ def render_chat(tokenizer, messages: list[dict[str, Any]], *, tools: list[dict[s
     if add_generation_prompt and continue_final_message:
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set "
                          "add_generation_prompt to false to continue the final message)")
-    if continue_final_message and messages[-1].get("role") != "assistant":
-        raise ValueError("continue_final_message: the final message must be an assistant message to continue")
     kwargs = dict(chat_template_kwargs or {})
     clash = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
     if clash:

@@ -91,8 +91,9 @@ def test_continue_final_message(tok):
     assert text.endswith("]~b]ai\n</mm:think>1, 2,")
     with pytest.raises(ValueError, match="^continue_final_message: cannot be combined"):
         render(tok, messages, add_generation_prompt=True, continue_final_message=True)
-    with pytest.raises(ValueError, match="^continue_final_message: the final message must be an assistant"):
-        render(tok, messages[:1], add_generation_prompt=False, continue_final_message=True)
+    # any final message can be continued (vLLM passes it to the template): here the user's
+    assert render(tok, messages[:1], add_generation_prompt=False, continue_final_message=True).endswith(
+        "]~b]user\nCount")
 
 
 def test_request_errors_name_the_field(tok):

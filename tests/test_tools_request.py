@@ -137,3 +137,33 @@ def tiny_tokenizer(tiny_dir):
     with open(os.path.join(os.path.dirname(__file__), "..", "nanoserve", "presets", "chat_template.jinja")) as f:
         tok.chat_template = f.read()
     return tok
+
+
+@pytest.mark.parametrize("state, good, bad", [
+    ("open", ["I will book it.</mm:think>"], [""]),  # the prompt opened the block: close it first
+    ("closed", [""], ["</mm:think>", "<mm:think>x</mm:think>"]),  # thinking is over: the call comes first
+    ("none", ["", "</mm:think>", "<mm:think>Let me see.</mm:think>"], ["chatter "]),  # the model decides
+])
+def test_forced_call_after_the_thinking_the_prompt_allows(tiny_tokenizer, state, good, bad):
+    """The forced-call format with the reasoning phase in front, for each way the prompt leaves thinking."""
+    xgr = pytest.importorskip("xgrammar")
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser as R
+
+    tools = check_tools([ORDER, WEATHER])
+    call = rendered_call(tiny_tokenizer, "get_weather", {"city": "Lima"})
+    tag = R.wrap_structural_tag(MiniMaxM3ToolCallParser.structural_tag(tools, ToolChoice("named", "get_weather")),
+                                state)
+    grammar = xgr.Grammar.from_structural_tag(json.dumps(tag))
+    for prefix in good:
+        assert accepts(grammar, prefix + call), prefix
+    for prefix in bad:
+        assert not accepts(grammar, prefix + call), prefix
+
+
+def test_prompt_state():
+    from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser as R
+
+    head = "]~!b[]~b]system\nthink in <mm:think></mm:think>[e~[\n]~b]user\nhi[e~[\n]~b]ai\n"
+    assert [R.prompt_state(head + tail) for tail in ("<mm:think>", "</mm:think>", "")] == ["open", "closed", "none"]

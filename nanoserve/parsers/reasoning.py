@@ -31,10 +31,37 @@ class ReasoningParser:
     markers: tuple[str, ...] = ()
 
     @classmethod
+    def prompt_state(cls, prompt: str) -> str:
+        """How the prompt's last turn leaves thinking: "open" (it ends inside a thinking block), "closed" (it
+        closed one: thinking is over, the answer comes next) or "none" (the model decides)."""
+        turn = prompt[prompt.rfind(cls.turn_start) + len(cls.turn_start):] if cls.turn_start in prompt else prompt
+        start, end = turn.rfind(cls.start), turn.rfind(cls.end)
+        if start > end:
+            return "open"
+        return "closed" if end != -1 else "none"
+
+    @classmethod
     def prompt_opens_reasoning(cls, prompt: str) -> bool:
         """Whether the prompt (the last turn of it) ends inside an open thinking block."""
-        turn = prompt[prompt.rfind(cls.turn_start) + len(cls.turn_start):] if cls.turn_start in prompt else prompt
-        return turn.rfind(cls.start) > turn.rfind(cls.end) if cls.start in turn else False
+        return cls.prompt_state(prompt) == "open"
+
+    @classmethod
+    def wrap_structural_tag(cls, tag: dict, prompt_state: str) -> dict:
+        """An xgrammar structural tag for the answer, preceded by the thinking the prompt allows: to the end of
+        the open block ("open"), nothing ("closed"), or a whole block, a bare closer or nothing ("none")."""
+        answer = tag["format"]
+        if prompt_state == "open":
+            fmt = {"type": "sequence", "elements": [
+                {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": cls.end}, answer]}
+        elif prompt_state == "none":
+            fmt = {"type": "or", "elements": [
+                {"type": "sequence", "elements": [
+                    {"type": "tag", "begin": cls.start, "content": {"type": "any_text"}, "end": cls.end}, answer]},
+                {"type": "sequence", "elements": [{"type": "const_string", "value": cls.end}, answer]},
+                answer]}
+        else:
+            fmt = answer
+        return {**tag, "format": fmt}
 
     def __init__(self, starts_in_reasoning: bool):
         self.state = "reasoning" if starts_in_reasoning else "begin"

@@ -27,13 +27,13 @@ class ChatSetup:
     parallel_tool_calls: bool = True
     tool_parser: type[ToolCallParser] | None = None
     reasoning_parser: type[ReasoningParser] | None = None
-    reasoning_opened: bool = False  # the prompt ends inside an open thinking block
+    reasoning_state: str = "none"  # how the prompt leaves thinking: open / closed / none (ReasoningParser)
     include_reasoning: bool = True
     echo: str = ""  # the text the answer starts with (echo of the final assistant message)
 
     def choice_parser(self) -> ChoiceText | None:
         """A fresh parser chain for one choice (None: the text is the content as generated)."""
-        reasoning = self.reasoning_parser(self.reasoning_opened) if self.reasoning_parser else None
+        reasoning = self.reasoning_parser(self.reasoning_state == "open") if self.reasoning_parser else None
         tools = self.tool_parser(self.tools) if self.tool_parser and self.tool_choice.parses_calls else None
         return ChoiceText(reasoning, tools) if reasoning or tools else None
 
@@ -62,8 +62,6 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
     check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.num_logprobs, "messages")
     setup = chat_setup(server, req)
-    if setup.tool_choice.forced:
-        apply_forced_tool_choice(server, params, setup)
     if server.parsers_need_special_tokens and (setup.reasoning_parser or setup.tool_choice.parses_calls):
         params.skip_special_tokens = False  # the parsers read markers the tokenizer calls special
     try:
@@ -84,7 +82,9 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
     if req.max_new_tokens is None and default_max is not None:  # vLLM: the model's default, if it fits
         params.max_tokens = max(1, min(default_max, server.max_model_len - len(ids)))
     if setup.reasoning_parser:
-        setup.reasoning_opened = setup.reasoning_parser.prompt_opens_reasoning(text)
+        setup.reasoning_state = setup.reasoning_parser.prompt_state(text)
+    if setup.tool_choice.forced:
+        apply_forced_tool_choice(server, params, setup)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
     last = messages[-1]
     if req.echo and last.get("role") == ("assistant" if req.add_generation_prompt else last.get("role")):
@@ -108,10 +108,18 @@ def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
                      include_reasoning=req.include_reasoning)
 
 
+def forced_call_format(setup: ChatSetup) -> dict[str, Any]:
+    """The xgrammar structural tag a forced tool_choice ("required", a named function) holds the output to: the
+    tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part)."""
+    tag = setup.tool_parser.structural_tag(setup.tools, setup.tool_choice, setup.parallel_tool_calls)
+    if setup.reasoning_parser:
+        tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state)
+    return tag
+
+
 def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup) -> None:
-    """tool_choice "required" or a named function: the output is held to the tool-call format by structured
-    decoding (the parser's structural_tag). Structured decoding is not part of this server yet, so these
-    choices are refused rather than answered unenforced."""
+    """Hold the output to forced_call_format(setup) by structured decoding. This server has no structured decoding
+    yet, so a forced choice is refused rather than answered unenforced."""
     raise APIError(400, f"tool_choice: {setup.tool_choice.mode!r} is not supported by this server yet (it needs "
                         f"structured decoding); use \"auto\" or \"none\"", param="tool_choice")
 
