@@ -256,10 +256,13 @@ def test_chat_renders_the_template(llm):
     out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
     tok = llm.get_tokenizer()
     assert out.prompt_token_ids[0] == BOS_ID
-    assert tok.decode(out.prompt_token_ids, skip_special_tokens=False) == \
-        "]~!b[]~b]system\nBe brief.[e~[\n]~b]user\nHello[e~[\n]~b]ai\n"
+    prompt = tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert prompt.startswith("]~!b[]~b]system\n")  # M3's format: a system turn, then the client's system message
+    assert prompt.endswith("]~b]developer\nBe brief.[e~[\n]~b]user\nHello[e~[\n]~b]ai\n")
     two = llm.chat([messages, messages[1:]], SamplingParams(max_tokens=2), use_tqdm=False)
-    assert len(two) == 2 and len(two[1].prompt_token_ids) < len(two[0].prompt_token_ids)
+    assert len(two) == 2 and two[0].prompt_token_ids == out.prompt_token_ids
+    assert tok.decode(two[1].prompt_token_ids, skip_special_tokens=False).endswith(  # no system message: the default
+        "]~b]developer\nYou are a helpful assistant.[e~[\n]~b]user\nHello[e~[\n]~b]ai\n")
     with pytest.raises(ValueError, match="messages"):
         llm.chat([], use_tqdm=False)
 

@@ -93,7 +93,8 @@ def test_chat_matches_offline_chat(client, offline):
     assert resp.choices[0].message.role == "assistant"
     tok = offline.get_tokenizer()
     rendered = apply_chat_template(tok, CHAT)
-    assert rendered.startswith("]~!b[]~b]system\nYou are terse.[e~[\n") and rendered.endswith("]~b]ai\n")
+    assert rendered.startswith("]~!b[]~b]system\n") and rendered.endswith(
+        "]~b]developer\nYou are terse.[e~[\n]~b]user\nWhat is a KV cache?[e~[\n]~b]ai\n")
     assert resp.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
     assert resp.usage.completion_tokens == 16
 
@@ -111,11 +112,17 @@ def test_chat_streaming(client):
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
 
 
-def test_chat_template_kwargs_pass_through(client):
-    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1)
-    thinking = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
-                                              extra_body={"chat_template_kwargs": {"thinking_mode": "enabled"}})
-    assert thinking.usage.prompt_tokens == plain.usage.prompt_tokens + 1  # the <mm:think> token
+def test_chat_template_kwargs_pass_through(client, offline):
+    tok = offline.get_tokenizer()
+    for mode in ("enabled", "disabled"):
+        resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                              extra_body={"chat_template_kwargs": {"thinking_mode": mode}})
+        rendered = apply_chat_template(tok, CHAT, chat_template_kwargs={"thinking_mode": mode})
+        assert rendered.endswith("<mm:think>" if mode == "enabled" else "</mm:think>")
+        assert resp.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+    with pytest.raises(openai.BadRequestError, match="thinking_mode must be"):
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
+                                       extra_body={"chat_template_kwargs": {"thinking_mode": "sometimes"}})
 
 
 def test_n_seed_and_logprobs(client):

@@ -54,25 +54,16 @@ Tensor parallelism splits every layer across several devices and joins the parti
 
 BOS, EOS = "]~!b[", "[e~["
 
-# M3's turn format: BOS, then "]~b]ROLE\n...[e~[\n" per message; the assistant's role is "ai".
-CHAT_TEMPLATE = (
-    "{{- ']~!b[' -}}"
-    "{%- for message in messages -%}"
-    "{%- set role = {'assistant': 'ai', 'user': 'user', 'system': 'system', 'tool': 'tool', "
-    "'developer': 'developer'}.get(message['role'], message['role']) -%}"
-    "{%- if message['role'] == 'tool' -%}"
-    "{{- ']~b]tool\\n<response>' + message['content'] + '</response>[e~[\\n' -}}"
-    "{%- else -%}"
-    "{{- ']~b]' + role + '\\n' + message['content'] + '[e~[\\n' -}}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}"
-    "{{- ']~b]ai\\n' -}}"
-    "{%- if thinking_mode is defined and thinking_mode == 'enabled' -%}{{- '<mm:think>' -}}"
-    "{%- elif thinking_mode is defined and thinking_mode == 'disabled' -%}{{- '<mm:think></mm:think>' -}}"
-    "{%- endif -%}"
-    "{%- endif -%}"
-)
+# M3's chat format (chat_template.jinja beside this file): a system turn, a developer turn with the client's system
+# message and the tools, then the conversation; tool calls as namespaced XML, tool results as <response>s, the
+# thinking_mode variable (enabled / disabled / adaptive) deciding how the assistant's turn opens.
+with open(os.path.join(os.path.dirname(__file__), "chat_template.jinja"), encoding="utf-8") as _f:
+    CHAT_TEMPLATE = _f.read()
+
+# generation_config.json: the sampling defaults quoted for MiniMax M3 (temperature 1.0, top_p 0.95, top_k 40),
+# which the server applies to requests that leave them unset (--generation-config auto)
+GENERATION_CONFIG = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID], "temperature": 1.0, "top_p": 0.95,
+                     "top_k": 40, "do_sample": True}
 
 
 def build_tokenizer():
@@ -91,7 +82,8 @@ def build_tokenizer():
 
 
 def write_tokenizer(out_dir: str) -> None:
-    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json and chat_template.jinja."""
+    """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
+    generation_config.json."""
     tok = build_tokenizer()
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
@@ -107,3 +99,5 @@ def write_tokenizer(out_dir: str) -> None:
         json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": "]!p~["}, f, indent=2)
     with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
         f.write(CHAT_TEMPLATE)
+    with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+        json.dump(GENERATION_CONFIG, f, indent=2)

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
 
 from nanoserve.config import DEVICES, DTYPES, SWITCH_ALIASES, EngineConfig, Optimizations
+from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -65,6 +67,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="queued sequences beyond which requests get 503 + Retry-After")
     e.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs)
 
+    c = p.add_argument_group("chat: tools, reasoning, template, sampling defaults (vLLM's names)")
+    c.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='let the model decide when to call tools (tool_choice "auto"); needs --tool-call-parser')
+    c.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                   help="read the model's tool-call markup into OpenAI tool_calls")
+    c.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                   help="split the model's thinking into reasoning_content / reasoning")
+    c.add_argument("--chat-template", default=None,
+                   help="a jinja chat template (a file, or the template itself) instead of the tokenizer's")
+    c.add_argument("--generation-config", default="auto",
+                   help="default sampling parameters: auto = the model's generation_config.json, vllm = none, "
+                        "or a directory holding a generation_config.json")
+    c.add_argument("--override-generation-config", type=json.loads, default=None,
+                   help='JSON fields that replace or extend the generation config, e.g. \'{"temperature": 0.7}\'')
+
     o = p.add_argument_group("optimization switches (Optimizations in nanoserve/config.py)")
     for sw in Optimizations.switches():
         o.add_argument(sw.flag, dest=f"switch_{sw.name}", action=bool_flag, default=None,
@@ -96,6 +113,15 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
 
 
+def chat_options(args: argparse.Namespace):
+    from nanoserve.server.state import ChatOptions
+
+    return ChatOptions(enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+                       reasoning_parser=args.reasoning_parser, chat_template=args.chat_template,
+                       generation_config=args.generation_config,
+                       override_generation_config=args.override_generation_config)
+
+
 def log_configuration(config: EngineConfig) -> None:
     fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "optimizations"}
     logger.info("configuration: %s", ", ".join(f"{k}={v}" for k, v in fields.items()))
@@ -113,6 +139,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = engine_config(args, parser)
+    chat = chat_options(args)
+    try:
+        chat.check()
+    except ValueError as exc:
+        parser.error(str(exc))
     log_configuration(config)
 
     import uvicorn
@@ -125,7 +156,11 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
     name = args.served_model_name or args.model
-    app = build_app(engine, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout)
+    try:
+        app = build_app(engine, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, chat=chat)
+    except ValueError as exc:
+        engine.engine.shutdown()
+        parser.exit(2, f"error: {exc}\n")
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=max(1, round(args.shutdown_timeout))))
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -33,14 +33,17 @@ from fastapi import FastAPI
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server.errors import EXCEPTION_HANDLERS
 from nanoserve.server.routes import ROUTERS
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              shutdown_timeout: float = 10.0) -> FastAPI:
-    """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine."""
+              shutdown_timeout: float = 10.0, chat: ChatOptions | None = None) -> FastAPI:
+    """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine.
+    `chat`: tool calling, reasoning, chat template and generation-config options (ValueError naming the flag
+    when one is unusable)."""
+    server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -54,7 +57,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for MiniMax M3", lifespan=lifespan,
                   exception_handlers=EXCEPTION_HANDLERS)
-    app.state.server = OpenAIServer(engine, served_model_name, api_key=api_key)
+    app.state.server = server
     for router in ROUTERS:
         app.include_router(router)
     return app

@@ -1,26 +1,54 @@
-"""Request -> engine input: the model-name check, SamplingParams, the chat template, tokenization and the length
-checks. Each endpoint has one `prepare_*` function returning a Prepared; every failure is a 400 (or 404) that
-names the field."""
+"""Request -> engine input: the model-name check, SamplingParams (with the model's generation defaults), the
+tools and tool_choice, the chat template, tokenization and the length checks. Each endpoint has one `prepare_*`
+function returning a Prepared; every failure is a 400 (or 404) that names the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from nanoserve.engine.tokenizer import apply_chat_template
-from nanoserve.sampling import SamplingParams
+from nanoserve.chat_template import render_chat, template_messages
+from nanoserve.parsers.chat_output import ChoiceText
+from nanoserve.parsers.reasoning import ReasoningParser
+from nanoserve.parsers.tool_calls import ToolCallParser
+from nanoserve.parsers.tools import ToolChoice, ToolError, check_tools, resolve_tool_choice
+from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError, engine_errors
 from nanoserve.server.state import OpenAIServer
 
 
 @dataclass
+class ChatSetup:
+    """How to read a chat request's output: which parsers run over each choice, and what else the answer holds."""
+
+    tool_choice: ToolChoice = field(default_factory=lambda: ToolChoice("none"))
+    tools: dict[str, dict[str, Any] | None] = field(default_factory=dict)
+    parallel_tool_calls: bool = True
+    tool_parser: type[ToolCallParser] | None = None
+    reasoning_parser: type[ReasoningParser] | None = None
+    reasoning_state: str = "none"  # how the prompt leaves thinking: open / closed / none (ReasoningParser)
+    include_reasoning: bool = True
+    echo: str = ""  # the text the answer starts with (echo of the final assistant message)
+    structured_field: str | None = None  # "tool_choice" when a forced call holds the output to its format
+
+    def choice_parser(self) -> ChoiceText | None:
+        """A fresh parser chain for one choice (None: the text is the content as generated)."""
+        reasoning = self.reasoning_parser(self.reasoning_state == "open") if self.reasoning_parser else None
+        tools = self.tool_parser(self.tools) if self.tool_parser and self.tool_choice.parses_calls else None
+        return ChoiceText(reasoning, tools) if reasoning or tools else None
+
+
+@dataclass
 class Prepared:
-    """A request ready for the engine: one (text, token ids) per prompt, and the sampling parameters."""
+    """A request ready for the engine: one (text, token ids) per prompt, the sampling parameters, and for chat
+    how to read the output."""
 
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
     structured_field: str | None = None
     """The request field its output constraint came from (response_format / structured_outputs), if any."""
+    chat: ChatSetup = field(default_factory=ChatSetup)
 
 
 # -- the endpoints ------------------------------------------------------------------------------------------
@@ -36,14 +64,70 @@ def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepar
 def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared:
     check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.num_logprobs, "messages")
-    messages = [m.to_template_dict() for m in req.messages]
+    setup = chat_setup(server, req)
+    if server.parsers_need_special_tokens and (setup.reasoning_parser or setup.tool_choice.parses_calls):
+        params.skip_special_tokens = False  # the parsers read markers the tokenizer calls special
     try:
-        text = apply_chat_template(server.tokenizer, messages, req.add_generation_prompt, req.chat_template_kwargs)
-    except Exception as exc:  # jinja2 errors, bad chat_template_kwargs: the request's fault
-        raise APIError(400, f"messages: could not render the chat template: {exc}", param="messages") from exc
-    ids = server.tokenizer.encode(text, add_special_tokens=False)
+        messages = template_messages([m.to_template_dict() for m in req.messages])
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
+        text = render_chat(server.tokenizer, messages,
+                           tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           chat_template=req.chat_template or server.chat_template, chat_template_kwargs=kwargs)
+    except ValueError as exc:
+        raise request_error(exc, "messages") from exc
+    ids = server.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     check_length(server, ids, params, req, "messages")
-    return Prepared([(text, ids)], params, structured_field(req))
+    default_max = server.generation_defaults.sampling.get("max_tokens")
+    if req.max_new_tokens is None and default_max is not None:  # vLLM: the model's default, if it fits
+        params.max_tokens = max(1, min(default_max, server.max_model_len - len(ids)))
+    if setup.reasoning_parser:
+        setup.reasoning_state = setup.reasoning_parser.prompt_state(text)
+    if setup.tool_choice.forced:
+        apply_forced_tool_choice(server, params, setup)
+    # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
+    last = messages[-1]
+    if req.echo and last.get("role") == ("assistant" if req.add_generation_prompt else last.get("role")):
+        setup.echo = last.get("content") or ""
+    return Prepared([(text, ids)], params, structured_field(req) or setup.structured_field, setup)
+
+
+def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
+    """The request's tools and tool_choice checked (vLLM's rules), and the parsers its output goes through."""
+    try:
+        tools = check_tools([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools is not None else None
+        auto = server.chat.enable_auto_tool_choice and server.tool_parser is not None
+        choice = resolve_tool_choice(req.tool_choice, tools, auto)
+    except ToolError as exc:
+        raise APIError(400, str(exc), param=exc.param) from exc
+    if choice.forced and server.tool_parser is None:
+        raise APIError(400, f"tool_choice: {choice.mode!r} needs the server started with --tool-call-parser",
+                       param="tool_choice")
+    return ChatSetup(tool_choice=choice, tools=tools or {}, parallel_tool_calls=req.parallel_tool_calls,
+                     tool_parser=server.tool_parser, reasoning_parser=server.reasoning_parser,
+                     include_reasoning=req.include_reasoning)
+
+
+def forced_call_format(setup: ChatSetup) -> dict[str, Any]:
+    """The xgrammar structural tag a forced tool_choice ("required", a named function) holds the output to: the
+    tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part)."""
+    tag = setup.tool_parser.structural_tag(setup.tools, setup.tool_choice, setup.parallel_tool_calls)
+    if setup.reasoning_parser:
+        tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state)
+    return tag
+
+
+def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup) -> None:
+    """Hold the output to forced_call_format(setup) by structured decoding, so that even a model that would not
+    choose a tool emits a valid call. A request that also sets its own output format cannot have both."""
+    if params.structured_outputs is not None:
+        raise APIError(400, f"tool_choice: {setup.tool_choice.mode!r} cannot be combined with response_format / "
+                            f"structured_outputs (both constrain the output)", param="tool_choice")
+    params.structured_outputs = StructuredOutputsParams(structural_tag=forced_call_format(setup))
+    setup.structured_field = "tool_choice"
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
@@ -55,15 +139,19 @@ def check_model(server: OpenAIServer, name: str) -> None:
 
 def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     prompt_field: str) -> SamplingParams:
-    """The request's SamplingParams, range-checked (a 400 naming the request's field)."""
+    """The request's SamplingParams, range-checked (a 400 naming the request's field). The model's generation
+    config supplies what the request leaves unset, and its extra EOS ids stop generation too."""
     try:
         req.structured_outputs_params()
     except ValueError as exc:
         field = str(exc).split(":", 1)[0].split(" ", 1)[0]
         raise APIError(400, str(exc), param=field.split(".", 1)[0]) from exc
+    defaults = server.generation_defaults
     with engine_errors(req, prompt_field):
-        params = req.sampling_params(max_tokens, logprobs)
+        params = req.sampling_params(max_tokens, logprobs, defaults.sampling)
         params.validate(server.engine.config.max_logprobs)
+    if defaults.eos_token_ids and not params.ignore_eos:
+        params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + defaults.eos_token_ids))
     return params
 
 
@@ -84,6 +172,14 @@ async def compile_structured_outputs(server: OpenAIServer, prepared: Prepared) -
         if message.startswith("structured_outputs.") and field != "structured_outputs":
             message = field + message[message.index(" "):]  # name the field the client set
         raise APIError(400, message, param=field.split(".", 1)[0]) from exc
+
+
+def request_error(exc: ValueError, default_param: str) -> APIError:
+    """A 400 for a ValueError whose message starts with the request field at fault ("messages[1].content: ...")."""
+    message = str(exc)
+    head = message.split(": ", 1)[0]
+    param = head if head and " " not in head else default_param
+    return APIError(400, message, param=param.split(".")[0].split("[")[0])
 
 
 def tokenize(server: OpenAIServer, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -8,6 +8,7 @@ from typing import Any
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.server import protocol as P
+from nanoserve.server.convert import ChatSetup
 from nanoserve.server.state import OpenAIServer
 
 
@@ -25,12 +26,39 @@ def completion_response(server: OpenAIServer, request_id: str, req: P.Completion
 
 
 def chat_response(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest,
-                  out: RequestOutput) -> P.ChatCompletionResponse:
-    choices = [P.ChatChoice(index=c.index, message=P.ChatResponseMessage(content=c.text),
-                            logprobs=chat_logprobs(server, c, 0, len(c.token_ids), req.top_logprobs or 0),
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-               for c in out.outputs]
+                  out: RequestOutput, setup: ChatSetup) -> P.ChatCompletionResponse:
+    choices = []
+    for c in out.outputs:
+        message = chat_message(setup, c.text)
+        choices.append(P.ChatChoice(index=c.index, message=message,
+                                    logprobs=chat_logprobs(server, c, 0, len(c.token_ids), req.top_logprobs or 0),
+                                    finish_reason=chat_finish_reason(c.finish_reason, bool(message.tool_calls)),
+                                    stop_reason=c.stop_reason))
     return P.ChatCompletionResponse(id=request_id, model=server.model_name, choices=choices, usage=usage([out]))
+
+
+def chat_message(setup: ChatSetup, text: str) -> P.ChatResponseMessage:
+    """One choice's text as the assistant message: reasoning and tool calls split out by the server's parsers."""
+    parser = setup.choice_parser()
+    if parser is None:
+        return P.ChatResponseMessage(content=setup.echo + text)
+    parsed = parser.parse(text)
+    calls = parsed.tool_calls if setup.parallel_tool_calls else parsed.tool_calls[:1]
+    content = parsed.content
+    if setup.echo:
+        content = setup.echo + (content or "")
+    reasoning = parsed.reasoning if setup.include_reasoning else None
+    return P.ChatResponseMessage(
+        content=content, reasoning_content=reasoning, reasoning=reasoning,
+        tool_calls=[P.ResponseToolCall(id=call.id, function=P.ResponseFunctionCall(name=call.name,
+                                                                                  arguments=call.arguments))
+                    for call in calls])
+
+
+def chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | None:
+    """"tool_calls" when the model stopped after calling tools; a call cut off by max_tokens stays "length", so a
+    client can tell that its arguments may be incomplete."""
+    return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
 def usage(outputs: list[RequestOutput]) -> P.UsageInfo:

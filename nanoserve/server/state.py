@@ -1,19 +1,47 @@
 """OpenAIServer: what every route shares - the engine, a tokenizer of the server's own, the served model name,
-the metrics and the API key. build_app makes one and keeps it in `app.state.server`; routes get it through the
+the metrics, the API key and the chat options (ChatOptions: tool calling, reasoning, the chat template, the
+generation defaults). build_app makes one and keeps it in `app.state.server`; routes get it through the
 `Server` dependency (routes/common.py)."""
 
 from __future__ import annotations
 
 import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
 
+from nanoserve.chat_template import load_chat_template
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
+from nanoserve.generation_config import load_generation_defaults
+from nanoserve.parsers import get_reasoning_parser, get_tool_call_parser
 from nanoserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ChatOptions:
+    """The server's chat flags (vLLM's names): --enable-auto-tool-choice, --tool-call-parser, --reasoning-parser,
+    --chat-template, --generation-config, --override-generation-config."""
+
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+    chat_template: str | None = None
+    generation_config: str = "auto"
+    override_generation_config: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        """ValueError naming the flag for a combination vLLM refuses too."""
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
 class OpenAIServer:
     """The server's shared state. Holds no per-request state: a request's data lives in its route call."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None):
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+                 chat: ChatOptions | None = None):
         self.engine = engine
         self.model_name = served_model_name
         self.api_key = api_key
@@ -22,6 +50,24 @@ class OpenAIServer:
         self.metrics = ServerMetrics(served_model_name)
         engine.finish_listeners.append(self.metrics.observe_finished)
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+
+        self.chat = chat = chat or ChatOptions()
+        chat.check()
+        self.tool_parser = get_tool_call_parser(chat.tool_call_parser) if chat.tool_call_parser else None
+        self.reasoning_parser = get_reasoning_parser(chat.reasoning_parser) if chat.reasoning_parser else None
+        self.chat_template = load_chat_template(chat.chat_template)
+        model_dir = engine.engine.executor.model_dir
+        self.generation_defaults = load_generation_defaults(
+            chat.generation_config, model_dir, engine.engine.eos_token_id, chat.override_generation_config)
+        if self.generation_defaults.sampling or self.generation_defaults.eos_token_ids:
+            logger.info("default sampling parameters from the model's generation config (requests that set them "
+                        "override them; --generation-config vllm turns this off): %s",
+                        self.generation_defaults.describe())
+        # a tokenizer that marks a parser's markers as special tokens would drop them from the decoded text
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        special = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        markers = [m for p in (self.tool_parser, self.reasoning_parser) if p for m in p.markers]
+        self.parsers_need_special_tokens = any(m in special for m in markers)
 
     def _token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (what logprobs show); cached in `token_text`."""

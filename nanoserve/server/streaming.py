@@ -4,7 +4,8 @@
     sse / sse_error       one event; an error after the 200 headers went out
     merge_streams         (prompt index, output) from several engine streams as they come
     completion_events     the completion stream: a chunk per engine step, usage, [DONE]
-    chat_events           the chat stream: the role first, then content deltas, usage, [DONE]
+    chat_events           the chat stream: the role first, then content / reasoning / tool-call deltas, usage,
+                          [DONE] (ChatDeltas: one choice's pieces through the output parsers)
     EventStreamResponse   the response that sends the events and closes the engine streams however it ends
 """
 
@@ -22,7 +23,10 @@ from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownEr
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError
-from nanoserve.server.responses import chat_logprobs, completion_logprobs, usage
+from nanoserve.parsers.chat_output import Piece
+from nanoserve.parsers.tool_calls import CallStart, new_call_id
+from nanoserve.server.convert import ChatSetup
+from nanoserve.server.responses import chat_finish_reason, chat_logprobs, completion_logprobs, usage
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.submit import close_all
 
@@ -127,16 +131,20 @@ async def completion_events(server: OpenAIServer, request_id: str, req: P.Comple
 
 
 async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest,
-                      stream: RequestStream, params: SamplingParams) -> AsyncIterator[str]:
-    """The SSE body of a streaming chat completion: the role first, then content pieces as they come."""
+                      stream: RequestStream, params: SamplingParams, setup: ChatSetup) -> AsyncIterator[str]:
+    """The SSE body of a streaming chat completion: the role first, then content, reasoning and tool-call deltas
+    as the output parsers release them."""
     def chunk(choices: list[P.ChatStreamChoice], total: P.UsageInfo | None = None) -> str:
         return sse(P.ChatCompletionChunk(id=request_id, model=server.model_name, choices=choices, usage=total))
 
     sent = [StreamedChoice() for _ in range(req.n)]
+    deltas = [ChatDeltas(setup) for _ in range(req.n)]
     holdback, final = stop_holdback(params), None
     try:
         yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
                      for i in range(req.n)])
+        if setup.echo:
+            yield chunk([P.ChatStreamChoice(index=i, delta=P.DeltaMessage(content=setup.echo)) for i in range(req.n)])
         async for out in stream:
             choices = []
             for c in out.outputs:
@@ -144,11 +152,13 @@ async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompleti
                 if state.done:
                     continue
                 text, t0, t1 = state.next_piece(c, holdback)
-                if text or t1 > t0 or state.done:
+                delta = deltas[c.index].next(text, state.done)
+                logprobs = chat_logprobs(server, c, t0, t1, req.top_logprobs or 0)
+                if delta is not None or state.done or (logprobs is not None and t1 > t0):
                     choices.append(P.ChatStreamChoice(
-                        index=c.index, delta=P.DeltaMessage(content=text),
-                        logprobs=chat_logprobs(server, c, t0, t1, req.top_logprobs or 0),
-                        finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                        index=c.index, delta=delta or P.DeltaMessage(), logprobs=logprobs,
+                        finish_reason=chat_finish_reason(c.finish_reason, deltas[c.index].called_tools),
+                        stop_reason=c.stop_reason))
             final = out if out.finished else final
             if choices:
                 yield chunk(choices)
@@ -157,6 +167,40 @@ async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompleti
     except (EngineDeadError, EngineShutdownError) as exc:
         yield sse_error(exc)
     yield SSE_DONE
+
+
+class ChatDeltas:
+    """One choice's text pieces -> DeltaMessages, through the server's output parsers (parsers/chat_output.py):
+    a tool call's first delta carries its index, id, type and name, the later ones append to its arguments."""
+
+    def __init__(self, setup: ChatSetup):
+        self.setup = setup
+        self.parser = setup.choice_parser()
+        self.ids: dict[int, str] = {}
+        self.called_tools = False
+
+    def next(self, text: str, finished: bool) -> P.DeltaMessage | None:
+        if self.parser is None:
+            return P.DeltaMessage(content=text) if text else None
+        piece = self.parser.feed(text) if text else Piece()
+        if finished:
+            end = self.parser.finish()
+            piece = Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+        calls = []
+        for ev in piece.calls:
+            if not self.setup.parallel_tool_calls and ev.index > 0:
+                continue  # parallel_tool_calls false: the first call only
+            if isinstance(ev, CallStart):
+                self.ids[ev.index] = new_call_id()
+                self.called_tools = True
+                calls.append(P.DeltaToolCall(index=ev.index, id=self.ids[ev.index], type="function",
+                                             function=P.DeltaFunctionCall(name=ev.name, arguments="")))
+            else:
+                calls.append(P.DeltaToolCall(index=ev.index, function=P.DeltaFunctionCall(arguments=ev.fragment)))
+        reasoning = piece.reasoning if self.setup.include_reasoning and piece.reasoning else None
+        delta = P.DeltaMessage(content=piece.content or None, reasoning_content=reasoning, reasoning=reasoning,
+                               tool_calls=calls or None)
+        return delta if (delta.content or reasoning or calls) else None
 
 
 class EventStreamResponse(StreamingResponse):

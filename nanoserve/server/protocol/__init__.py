@@ -17,15 +17,19 @@ ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, cha
 
 from nanoserve.server.protocol.chat import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
                                             ChatCompletionResponse, ChatLogProb, ChatLogProbs, ChatMessage,
-                                            ChatResponseMessage, ChatStreamChoice, ChatTopLogProb, DeltaMessage,
-                                            TextPart)
+                                            ChatResponseMessage, ChatStreamChoice, ChatTool, ChatTopLogProb,
+                                            DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
+                                            FunctionDefinition, ResponseFunctionCall, ResponseToolCall, TextPart,
+                                            ToolCallParam)
 from nanoserve.server.protocol.common import (ErrorInfo, ErrorResponse, ModelCard, ModelList, PromptTokensDetails,
                                               RequestModel, ResponseModel, SamplingRequest, StreamOptions, UsageInfo)
 from nanoserve.server.protocol.completions import (CompletionChoice, CompletionChunk, CompletionLogProbs,
                                                    CompletionRequest, CompletionResponse)
 
 __all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatLogProb",
-           "ChatLogProbs", "ChatMessage", "ChatResponseMessage", "ChatStreamChoice", "ChatTopLogProb",
+           "ChatLogProbs", "ChatMessage", "ChatResponseMessage", "ChatStreamChoice", "ChatTool", "ChatTopLogProb",
+           "DeltaFunctionCall", "DeltaToolCall", "FunctionCall", "FunctionDefinition", "ResponseFunctionCall",
+           "ResponseToolCall", "ToolCallParam",
            "CompletionChoice", "CompletionChunk", "CompletionLogProbs", "CompletionRequest", "CompletionResponse",
            "DeltaMessage", "ErrorInfo", "ErrorResponse", "ModelCard", "ModelList", "PromptTokensDetails",
            "RequestModel", "ResponseModel", "SamplingRequest", "StreamOptions", "TextPart", "UsageInfo"]

@@ -15,23 +15,48 @@ class TextPart(RequestModel):
     text: str
 
 
+class FunctionCall(RequestModel):
+    name: str
+    arguments: str | dict[str, Any]
+    """A JSON object as a string (OpenAI's shape); an object is accepted too."""
+
+
+class ToolCallParam(RequestModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    """role tool: the id of the call this message answers."""
+    tool_calls: list[ToolCallParam] | None = None
+    """role assistant: the calls the model made."""
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    """role assistant: its thinking, for a template that shows it (vLLM's two names)."""
 
     def to_template_dict(self) -> dict[str, Any]:
-        """The message as the chat template expects it: content as one string."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        message: dict[str, Any] = {"role": self.role, "content": content or ""}
-        if self.name is not None:
-            message["name"] = self.name
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
+        """The message as a plain dict (unset fields left out); chat_template.template_messages takes it on."""
+        return self.model_dump(exclude_none=True)
+
+
+class FunctionDefinition(RequestModel):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    """A JSON schema of an object: the call's arguments."""
+    strict: bool | None = None
+
+
+class ChatTool(RequestModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -43,8 +68,27 @@ class ChatCompletionRequest(SamplingRequest):
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    """Default "auto" when tools are given (needs --enable-auto-tool-choice), else "none"."""
+    parallel_tool_calls: bool = True
+    """false: at most one call is returned."""
+    # vLLM extensions
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    """Continue the final (assistant) message instead of starting a new one; needs add_generation_prompt false."""
+    add_special_tokens: bool = False
+    """Let the tokenizer add its special tokens (BOS) to the rendered prompt; the template already has them."""
+    echo: bool = False
+    """Start the answer with the final message's content when it is the assistant's (with continue_final_message)."""
+    include_reasoning: bool = True
+    """false: the reasoning is split off and not returned."""
+    chat_template: str | None = None
+    """This request's chat template (jinja), instead of the server's."""
     chat_template_kwargs: dict[str, Any] | None = None
+    """Variables for the chat template; M3's: thinking_mode = enabled | disabled | adaptive."""
+    reasoning_effort: str | None = None
+    """Passed to the chat template as the variable reasoning_effort (templates that do not read it ignore it)."""
 
     @model_validator(mode="after")
     def _logprobs_pair(self) -> "ChatCompletionRequest":
@@ -82,9 +126,24 @@ class ChatLogProbs(ResponseModel):
     content: list[ChatLogProb] | None = None
 
 
+class ResponseFunctionCall(ResponseModel):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(ResponseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(ResponseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    """The thinking (with --reasoning-parser), under both of vLLM's names."""
+    tool_calls: list[ResponseToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(ResponseModel):
@@ -104,15 +163,46 @@ class ChatCompletionResponse(ResponseModel):
     usage: UsageInfo
 
 
-class DeltaMessage(ResponseModel):
-    """What a stream chunk adds to a chat message: the role once (first chunk), then content pieces."""
+def _without_nulls(handler, model) -> dict[str, Any]:
+    return {k: v for k, v in handler(model).items() if v is not None}
 
-    role: Literal["assistant"] | None = None
-    content: str | None = None
+
+class DeltaFunctionCall(ResponseModel):
+    name: str | None = None
+    arguments: str | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):
-        return {k: v for k, v in handler(self).items() if v is not None}
+        return _without_nulls(handler, self)
+
+
+class DeltaToolCall(ResponseModel):
+    """A piece of a tool call: the first carries index, id, type and the function's name (arguments ""), the
+    later ones the next piece of `arguments`."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_nulls(handler, self)
+
+
+class DeltaMessage(ResponseModel):
+    """What a stream chunk adds to a chat message: the role once (first chunk), then content, reasoning and
+    tool-call pieces."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_nulls(handler, self)
 
 
 class ChatStreamChoice(ResponseModel):

@@ -30,6 +30,37 @@ class ResponseModel(BaseModel):
 class StreamOptions(RequestModel):
     include_usage: bool = False
     """Send one more chunk before [DONE], with no choices and the request's token usage."""
+    continuous_usage_stats: bool = False
+
+    @model_validator(mode="after")
+    def _unsupported(self) -> "StreamOptions":
+        if self.continuous_usage_stats:
+            raise ValueError("continuous_usage_stats is not supported by this server")
+        return self
+
+
+# Fields of OpenAI's or vLLM's API that this server knows but cannot honour: a request that uses one (with a value
+# other than its neutral one) gets a 400 naming it, rather than an answer that silently ignored it.
+NEUTRAL = object()
+UNSUPPORTED_FIELDS: dict[str, tuple[object, str]] = {
+    "prompt_logprobs": (None, "prompt log-probabilities are not computed"),
+    "use_beam_search": (False, "beam search is not implemented"),
+    "length_penalty": (1.0, "beam search is not implemented"),
+    "bad_words": (None, "not supported by this server"),
+    "allowed_token_ids": (None, "not supported by this server"),
+    "logits_processors": (None, "not supported by this server"),
+    "truncate_prompt_tokens": (None, "prompts are never truncated: a prompt that does not fit is a 400"),
+    "priority": (0, "requests are scheduled first come, first served"),
+    "return_tokens_as_token_ids": (False, "not supported by this server"),
+    "spaces_between_special_tokens": (True, "not supported by this server"),
+    "mm_processor_kwargs": (None, "this server serves text only"),
+    "audio": (None, "this server serves text only"),
+    "prediction": (None, "predicted outputs are not supported"),
+    "web_search_options": (None, "web search is not available"),
+    "functions": (None, "the deprecated functions API is not supported: use tools"),
+    "function_call": (None, "the deprecated functions API is not supported: use tool_choice"),
+    "documents": (None, "not supported by this server"),
+}
 
 
 class JsonSchemaFormat(RequestModel):
@@ -103,6 +134,18 @@ class SamplingRequest(RequestModel):
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known_but_unsupported(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for name, (neutral, why) in UNSUPPORTED_FIELDS.items():
+                if name in data and data[name] != neutral and data[name] is not None:
+                    raise ValueError(f"{name}: {why}")
+            modalities = data.get("modalities")
+            if modalities is not None and modalities != ["text"]:
+                raise ValueError("modalities: this server answers in text only")
+        return data
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_shape(cls, v: Any) -> Any:
@@ -146,16 +189,21 @@ class SamplingRequest(RequestModel):
             raise ValueError(str(e) if str(e).startswith("structured_outputs") else f"structured_outputs: {e}") \
                 from None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request. Raises ValueError naming the parameter if a value is out of range."""
-        def given(value: Any, default: Any) -> Any:
-            return default if value is None else value
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request; `defaults` (the model's generation config) fill the fields it leaves
+        unset. Raises ValueError naming the parameter if a value is out of range."""
+        base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
+                **(defaults or {})}
+
+        def given(name: str) -> Any:
+            value = getattr(self, name)
+            return base[name] if value is None else value
 
         return SamplingParams(
-            n=self.n, temperature=given(self.temperature, 1.0), top_p=given(self.top_p, 1.0),
-            top_k=given(self.top_k, 0), min_p=given(self.min_p, 0.0),
-            repetition_penalty=given(self.repetition_penalty, 1.0),
-            presence_penalty=given(self.presence_penalty, 0.0), frequency_penalty=given(self.frequency_penalty, 0.0),
+            n=self.n, temperature=given("temperature"), top_p=given("top_p"), top_k=given("top_k"),
+            min_p=given("min_p"), repetition_penalty=given("repetition_penalty"),
+            presence_penalty=self.presence_penalty or 0.0, frequency_penalty=self.frequency_penalty or 0.0,
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,

@@ -27,6 +27,7 @@ async def create_chat_completion(request: Request, server: Server,
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "messages")
     if req.stream:
-        return EventStreamResponse(chat_events(server, request_id, req, streams[0], prepared.params), streams)
+        return EventStreamResponse(chat_events(server, request_id, req, streams[0], prepared.params,
+                                               prepared.chat), streams)
     [output] = await wait_for_outputs(request, streams, req, "messages")
-    return JSONResponse(chat_response(server, request_id, req, output).model_dump())
+    return JSONResponse(chat_response(server, request_id, req, output, prepared.chat).model_dump())

@@ -11,6 +11,8 @@ document, so the API's description still shows every field.
 from __future__ import annotations
 
 import hmac
+import json
+import logging
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -19,6 +21,8 @@ from pydantic import ValidationError
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError, describe_validation_error
 from nanoserve.server.state import OpenAIServer
+
+logger = logging.getLogger(__name__)
 
 
 def get_server(request: Request) -> OpenAIServer:
@@ -48,12 +52,27 @@ def json_body(model: type[P.RequestModel]) -> Any:
     """A dependency giving the request body parsed as `model`; a bad body is a 400 naming the field. Use it as
     `req: Annotated[Model, json_body(Model)]`."""
     async def parse(request: Request) -> P.RequestModel:
+        body = await request.body()
         try:
-            return model.model_validate_json(await request.body())
+            req = model.model_validate_json(body)
         except ValidationError as exc:
             raise describe_validation_error(exc) from exc
+        log_ignored_fields(body, model)
+        return req
 
     return Depends(parse)
+
+
+def log_ignored_fields(body: bytes, model: type[P.RequestModel]) -> None:
+    """Fields the API does not have are ignored (clients send `store`, `metadata`, ...), and logged, as vLLM does."""
+    try:
+        keys = json.loads(body).keys()
+    except (ValueError, AttributeError):
+        return
+    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
+    ignored = sorted(k for k in keys if k not in known)
+    if ignored:
+        logger.warning("The following fields were present in the request but ignored: %s", ignored)
 
 
 def request_body(model: type[P.RequestModel]) -> dict[str, Any]:

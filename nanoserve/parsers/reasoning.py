@@ -1,0 +1,155 @@
+"""Reasoning parsers (`--reasoning-parser NAME`): the thinking block -> the message's reasoning fields.
+
+A parser reads one choice's generated text incrementally and splits it into (reasoning, content) pieces; the
+content goes on to the tool-call parser. Text that may be the start of a marker is held back until it is decided,
+so a split marker never leaks into either field.
+
+MiniMax M3 (`minimax_m3`) thinks inside `<mm:think>` ... `</mm:think>`. Where the answer starts depends on the
+prompt, so the parser is told whether the prompt left a thinking block open (the chat template's
+`thinking_mode: enabled` ends the prompt with `<mm:think>`):
+
+    prompt left it open       everything up to `</mm:think>` is reasoning, the rest content;
+                              an output that never closes it is all reasoning
+    otherwise                 a leading `</mm:think>` (the model declining to think, as M3 does in `adaptive` mode
+                              and after tool results) is dropped and the rest is content;
+                              text before a `<mm:think>` is content, the block is reasoning, text after it content;
+                              a block that never closes is reasoning to the end
+"""
+
+from __future__ import annotations
+
+from nanoserve.parsers.markers import is_proper_prefix, partial_prefix
+
+
+class ReasoningParser:
+    """One choice's incremental reasoning parser."""
+
+    name = ""
+    start = ""
+    end = ""
+    turn_start = ""  # the marker that opens every turn in the prompt (bounds the search for an open block)
+    markers: tuple[str, ...] = ()
+
+    @classmethod
+    def prompt_state(cls, prompt: str) -> str:
+        """How the prompt's last turn leaves thinking: "open" (it ends inside a thinking block), "closed" (it
+        closed one: thinking is over, the answer comes next) or "none" (the model decides)."""
+        turn = prompt[prompt.rfind(cls.turn_start) + len(cls.turn_start):] if cls.turn_start in prompt else prompt
+        start, end = turn.rfind(cls.start), turn.rfind(cls.end)
+        if start > end:
+            return "open"
+        return "closed" if end != -1 else "none"
+
+    @classmethod
+    def prompt_opens_reasoning(cls, prompt: str) -> bool:
+        """Whether the prompt (the last turn of it) ends inside an open thinking block."""
+        return cls.prompt_state(prompt) == "open"
+
+    @classmethod
+    def wrap_structural_tag(cls, tag: dict, prompt_state: str) -> dict:
+        """An xgrammar structural tag for the answer, preceded by the thinking the prompt allows: to the end of
+        the open block ("open"), nothing ("closed"), or a whole block, a bare closer or nothing ("none")."""
+        answer = tag["format"]
+        if prompt_state == "open":
+            fmt = {"type": "sequence", "elements": [
+                {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": cls.end}, answer]}
+        elif prompt_state == "none":
+            fmt = {"type": "or", "elements": [
+                {"type": "sequence", "elements": [
+                    {"type": "tag", "begin": cls.start, "content": {"type": "any_text"}, "end": cls.end}, answer]},
+                {"type": "sequence", "elements": [{"type": "const_string", "value": cls.end}, answer]},
+                answer]}
+        else:
+            fmt = answer
+        return {**tag, "format": fmt}
+
+    def __init__(self, starts_in_reasoning: bool):
+        self.state = "reasoning" if starts_in_reasoning else "begin"
+        self.buf = ""
+        self.saw_reasoning = starts_in_reasoning
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """(reasoning, content) added by this piece of text."""
+        raise NotImplementedError
+
+    def finish(self) -> tuple[str, str]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[str | None, str]:
+        """The whole text at once: (reasoning or None when there was none, content)."""
+        r1, c1 = self.feed(text)
+        r2, c2 = self.finish()
+        return (r1 + r2) if self.saw_reasoning else None, c1 + c2
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {}
+
+
+def register(cls: type[ReasoningParser]) -> type[ReasoningParser]:
+    REASONING_PARSERS[cls.name] = cls
+    return cls
+
+
+def get_reasoning_parser(name: str) -> type[ReasoningParser]:
+    if name not in REASONING_PARSERS:
+        raise ValueError(f"unknown reasoning parser {name!r}; choose one of {sorted(REASONING_PARSERS)}")
+    return REASONING_PARSERS[name]
+
+
+@register
+class MiniMaxM3ReasoningParser(ReasoningParser):
+    """`<mm:think>` ... `</mm:think>`, the prompt possibly having opened the block (see the module docstring)."""
+
+    name = "minimax_m3"
+    start = "<mm:think>"
+    end = "</mm:think>"
+    turn_start = "]~b]"
+    markers = (start, end)
+
+    # states: begin (nothing decided yet) -> content_before (no block yet) -> reasoning -> content
+    def feed(self, text: str) -> tuple[str, str]:
+        self.buf += text
+        reasoning, content = [], []
+        while self.buf:
+            if self.state == "begin":
+                if self.buf.startswith(self.end):  # a bare closer: the model chose not to think
+                    self.buf = self.buf[len(self.end):]
+                    self.state = "content"
+                elif self.buf.startswith(self.start):
+                    self.buf = self.buf[len(self.start):]
+                    self.state, self.saw_reasoning = "reasoning", True
+                elif is_proper_prefix(self.buf, self.start, self.end):
+                    break
+                else:
+                    self.state = "content_before"
+            elif self.state == "content_before":
+                i = self.buf.find(self.start)
+                if i == -1:
+                    keep = partial_prefix(self.buf, self.start)
+                    content.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                content.append(self.buf[:i])
+                self.buf = self.buf[i + len(self.start):]
+                self.state, self.saw_reasoning = "reasoning", True
+            elif self.state == "reasoning":
+                i = self.buf.find(self.end)
+                if i == -1:
+                    keep = partial_prefix(self.buf, self.end)
+                    reasoning.append(self.buf[:len(self.buf) - keep])
+                    self.buf = self.buf[len(self.buf) - keep:]
+                    break
+                reasoning.append(self.buf[:i])
+                self.buf = self.buf[i + len(self.end):]
+                self.state = "content"
+            else:
+                content.append(self.buf)
+                self.buf = ""
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """What was held back: a marker that never completed is ordinary text of its part."""
+        rest, self.buf = self.buf, ""
+        if self.state == "reasoning":
+            return rest, ""
+        return "", rest
