@@ -123,7 +123,7 @@ class LLMEngine:
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
         """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict,
-        prefix_hit and step events."""
+        prefix_hit, step and inter_token_latencies events (on the thread that runs the engine)."""
         self.observers.append(fn)
 
     def _emit(self, event: str, **payload: Any) -> None:
@@ -162,6 +162,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
         params.validate(self.config.max_logprobs, self.model_config.vocab_size)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: not supported by this engine yet")
         if params.bad_words:
             params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         text, token_ids = self.tokenize_prompt(prompt)
@@ -257,11 +259,16 @@ class LLMEngine:
         """(b): logprobs, detokenisation and stop strings for the tokens `_receive` appended; the outputs."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
         for seq, result, i in received:
+            if seq.first_token_time is not None:
+                gaps.append(now - seq.last_token_time)
             record_token(seq, result, i, now)
             if not seq.is_finished:
                 self._finish_if(seq, self.stop_checker.check_text(seq))
             touched[seq.request_id] = self.requests[seq.request_id]
+        if gaps:
+            self._emit("inter_token_latencies", values=gaps)
         return [self._output(state) for state in touched.values()]
 
     # -- the loop's helpers ---------------------------------------------------------------------------------

@@ -15,55 +15,61 @@ from nanoserve.server.state import OpenAIServer
 
 @dataclass
 class Prepared:
-    """A request ready for the engine: one (text, token ids) per prompt, and the sampling parameters."""
+    """A request ready for the engine: one (text, token ids) per prompt, the sampling parameters, and the served
+    model name the request asked for (what the response names)."""
 
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
+    model: str
     structured_field: str | None = None
     """The request field its output constraint came from (response_format / structured_outputs), if any."""
 
 
 # -- the endpoints ------------------------------------------------------------------------------------------
 def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepared:
-    check_model(server, req.model)
-    params = sampling_params(server, req, req.max_tokens, req.logprobs, "prompt")
-    prompts = [tokenize(server, p) for p in req.prompts()]
+    model = check_model(server, req.model)
+    params = sampling_params(server, req, req.max_new_tokens, req.logprobs, "prompt", req.engine_prompt_logprobs)
+    prompts = [tokenize(server, p, req.add_special_tokens) for p in req.prompts()]
     for _, ids in prompts:
         check_length(server, ids, params, req, "prompt")
-    return Prepared(prompts, params, structured_field(req))
+    if req.echo:  # the echoed text of a token-id prompt is its decoding
+        prompts = [(text if text is not None else server.tokenizer.decode(ids), ids) for text, ids in prompts]
+    return Prepared(prompts, params, model, structured_field(req))
 
 
 def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared:
-    check_model(server, req.model)
+    model = check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.num_logprobs, "messages")
-    messages = [m.to_template_dict() for m in req.messages]
-    try:
-        text = apply_chat_template(server.tokenizer, messages, req.add_generation_prompt, req.chat_template_kwargs)
-    except Exception as exc:  # jinja2 errors, bad chat_template_kwargs: the request's fault
-        raise APIError(400, f"messages: could not render the chat template: {exc}", param="messages") from exc
+    text = render_chat(server, [m.to_template_dict() for m in req.messages], req.add_generation_prompt,
+                       req.chat_template_kwargs)
     ids = server.tokenizer.encode(text, add_special_tokens=False)
     check_length(server, ids, params, req, "messages")
-    return Prepared([(text, ids)], params, structured_field(req))
+    return Prepared([(text, ids)], params, model, structured_field(req))
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
-def check_model(server: OpenAIServer, name: str) -> None:
-    if name != server.model_name:
-        raise APIError(404, f"the model `{name}` does not exist; this server serves `{server.model_name}`",
-                       param="model", code="model_not_found")
+def check_model(server: OpenAIServer, name: str | None) -> str:
+    """The served name a request asked for (None: the first one); 404 for a name this server does not serve."""
+    if name is None:
+        return server.model_name
+    if name not in server.model_names:
+        served = ", ".join(f"`{n}`" for n in server.model_names)
+        raise APIError(404, f"the model `{name}` does not exist; this server serves {served}", param="model")
+    return name
 
 
 def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    prompt_field: str) -> SamplingParams:
-    """The request's SamplingParams, range-checked (a 400 naming the request's field)."""
+                    prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams, range-checked against the engine's limits and vocabulary (a 400 naming the
+    request's field)."""
     try:
         req.structured_outputs_params()
     except ValueError as exc:
         field = str(exc).split(":", 1)[0].split(" ", 1)[0]
         raise APIError(400, str(exc), param=field.split(".", 1)[0]) from exc
     with engine_errors(req, prompt_field):
-        params = req.sampling_params(max_tokens, logprobs)
-        params.validate(server.engine.config.max_logprobs)
+        params = req.sampling_params(max_tokens, logprobs, prompt_logprobs)
+        params.validate(server.engine.config.max_logprobs, server.vocab_size)
     return params
 
 
@@ -86,10 +92,21 @@ async def compile_structured_outputs(server: OpenAIServer, prepared: Prepared) -
         raise APIError(400, message, param=field.split(".", 1)[0]) from exc
 
 
-def tokenize(server: OpenAIServer, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-    # add_special_tokens=False, as LLMEngine.tokenize_prompt: the prompt is exactly what the client sent
+def render_chat(server: OpenAIServer, messages: list[dict], add_generation_prompt: bool,
+                chat_template_kwargs: dict | None) -> str:
+    """The messages rendered with the model's chat template (a 400 if the template fails on them)."""
+    try:
+        return apply_chat_template(server.tokenizer, messages, add_generation_prompt, chat_template_kwargs)
+    except Exception as exc:  # jinja2 errors, bad chat_template_kwargs: the request's fault
+        raise APIError(400, f"messages: could not render the chat template: {exc}", param="messages") from exc
+
+
+def tokenize(server: OpenAIServer, prompt: str | list[int], add_special_tokens: bool = True
+             ) -> tuple[str | None, list[int]]:
+    """A text prompt's ids (add_special_tokens: the tokenizer's BOS etc., as vLLM's completions default);
+    token ids pass through as sent."""
     if isinstance(prompt, str):
-        return prompt, server.tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt, server.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return None, prompt
 
 
