@@ -14,7 +14,7 @@ in block `block_table[p // block_size]` at offset `p % block_size`, i.e. at "slo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -28,6 +28,9 @@ class ModelInput:
     seq_lens: list[int]  # context length per sequence after this step
     block_tables: list[list[int]]
     sample_rows: list[int]  # sequences (by batch index) whose last token's logits are wanted
+    prompt_rows: list[int] = field(default_factory=list)
+    """Tokens (by index into input_ids) whose logits are wanted too: the prompt positions of the requests that
+    asked for prompt logprobs (only those). Their logits follow the sample rows' in what the runner returns."""
 
 
 @dataclass

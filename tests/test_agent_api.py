@@ -218,11 +218,10 @@ def serialize(server_state, body: dict, text: str, finish_reason: str = "stop"):
     req = P.ChatCompletionRequest.model_validate(body)
     prepared = prepare_chat(server_state, req)
     outs = engine_outputs(server_state.tokenizer, text, finish_reason)
-    whole = chat_response(server_state, "chatcmpl-x", req, outs[-1], prepared.chat)
+    whole = chat_response(server_state, "chatcmpl-x", req, prepared, outs[-1])
 
     async def run():
-        return [e async for e in chat_events(server_state, "chatcmpl-x", req, ReplayStream(outs), prepared.params,
-                                             prepared.chat)]
+        return [e async for e in chat_events(server_state, "chatcmpl-x", req, prepared, ReplayStream(outs))]
     events = asyncio.run(run())
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [openai.types.chat.ChatCompletionChunk.model_validate_json(e[len("data: "):]) for e in events[:-1]]

@@ -392,7 +392,9 @@ def test_fast_input_prep_matches_reference():
     rng = np.random.default_rng(0)
     for _ in range(50):
         ids, query, seq, tables, sample = _random_batch(rng, page)
-        got_ids, meta, logits_index = prep.prepare(ids, query, seq, tables, sample)
+        # prompt-logprob rows: some token positions whose logits are wanted after the sample rows'
+        extra = sorted(rng.choice(len(ids), size=int(rng.integers(0, min(len(ids), 6) + 1)), replace=False).tolist())
+        got_ids, meta, logits_index = prep.prepare(ids, query, seq, tables, sample, extra)
         ref = AttentionMetadata.build(query, seq, tables, page)
         assert got_ids.tolist() == ids and got_ids.dtype == torch.int64
         for f in ("positions", "query_start_loc", "seq_lens", "block_tables", "slot_mapping"):
@@ -400,7 +402,7 @@ def test_fast_input_prep_matches_reference():
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f
         for f in ("block_size", "max_query_len", "max_seq_len", "num_decode_seqs", "query_lens_cpu", "seq_lens_cpu"):
             assert getattr(meta, f) == getattr(ref, f), f
-        assert logits_index.tolist() == (ref.query_start_loc[1:].long() - 1)[sample].tolist()
+        assert logits_index.tolist() == (ref.query_start_loc[1:].long() - 1)[sample].tolist() + extra
     with pytest.raises(ValueError, match="query length"):
         prep.prepare([1, 2, 3], [3], [2], [[0]], [0])
     with pytest.raises(ValueError, match="cannot hold"):

@@ -94,7 +94,7 @@ def test_queue_bound_gives_503_with_retry_after(tiny_dir):
         for r in responses:
             if r.status_code == 503:
                 assert int(r.headers["Retry-After"]) >= 1
-                assert r.json()["error"]["code"] == "queue_full"
+                assert r.json()["error"]["code"] == 503
                 assert "max-waiting-requests" in r.json()["error"]["message"]
             else:
                 assert r.json()["usage"]["completion_tokens"] == 24
@@ -120,7 +120,8 @@ def test_engine_failure_gives_500_and_health_503(tiny_dir):
             rest = list(events)
         assert rest[-1] == "data: [DONE]"
         error = json.loads(rest[-2][6:])["error"]
-        assert "injected device failure" in error["message"] and error["type"] == "internal_server_error"
+        assert "injected device failure" in error["message"] and error["type"] == "InternalServerError"
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == 500
 
         health = http.get("/health")
         assert health.status_code == 503 and "injected device failure" in health.json()["error"]["message"]
@@ -128,6 +129,8 @@ def test_engine_failure_gives_500_and_health_503(tiny_dir):
             resp = http.post("/v1/completions", json=body)
             assert resp.status_code == 500
             assert "engine has stopped" in resp.json()["error"]["message"]
+            # the same error object streaming or not (a request refused before its stream starts is plain JSON)
+            assert set(resp.json()["error"]) == set(error) and resp.json()["error"]["code"] == error["code"]
             assert "injected device failure" in resp.json()["error"]["message"]
         assert http.get("/metrics").status_code == 200
         assert_pool_free(engine)  # the failed engine's requests were aborted, their blocks returned

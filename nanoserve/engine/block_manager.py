@@ -75,8 +75,9 @@ class BlockManager:
 
     def computed_blocks(self, seq: Sequence) -> list[int]:
         """The cached blocks matching the longest prefix of seq's tokens, leaving at least the last token to
-        compute. Takes no references (see allocate)."""
-        if not self.enable_prefix_caching:
+        compute. Takes no references (see allocate). Nothing for a sequence that still needs prompt logprobs (the
+        prefix must be recomputed to have logits)."""
+        if not self.enable_prefix_caching or seq.needs_prompt_logprobs:
             return []
         tokens = seq.token_ids
         hits: list[int] = []

@@ -28,6 +28,7 @@ from typing import Any, Callable
 
 from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
+from nanoserve.engine import prompt_logprobs as prompt_lp
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
@@ -65,10 +66,13 @@ class EngineStats:
 @dataclass
 class LaunchedStep:
     """A step whose forward and device-side sampling are queued: the sampled sequences (in row order) and their
-    draw, not yet on the host (None when the step only ran prefill chunks)."""
+    draw, not yet on the host (None when the step only ran prefill chunks), and the prompt logprobs it computes
+    (None when no scheduled sequence asked) with the sequences they belong to."""
 
     seqs: list[Sequence]
     sample: DeviceSample | None
+    prompt_logprobs: prompt_lp.DevicePromptLogprobs | None = None
+    prompt_seqs: dict[int, Sequence] = field(default_factory=dict)
 
 
 Received = tuple[Sequence, SampleResult, int]  # a sequence, its step's draw on the host, its row in it
@@ -104,6 +108,7 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, opts),
                                    self.block_manager, self._emit)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
+        self._token_texts: dict[int, str] = {}
         self.eos_token_id = self.model_config.eos_token_id
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_id, self.max_model_len)
         self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id, config.logprobs_mode)
@@ -123,7 +128,7 @@ class LLMEngine:
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
         """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict,
-        prefix_hit and step events."""
+        prefix_hit, step and inter_token_latencies events (on the thread that runs the engine)."""
         self.observers.append(fn)
 
     def _emit(self, event: str, **payload: Any) -> None:
@@ -223,20 +228,28 @@ class LLMEngine:
         if sched.is_empty:
             return None
         self._count_step(sched)
-        inp = model_input(sched)
+        inp, prompt_rows, targets = model_input(sched, self.model_config.vocab_size)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
         logits = self.executor.execute_model(inp)
         sampled = [s.seq for s in sched.scheduled if s.samples]
         # structured outputs: the constrained rows' token masks, filled on the host while the forward runs
         grammar = self.structured_output.bitmask(sampled) if sampled else None
         # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
-        sample = self.sampler.sample(logits, sampled, grammar) if sampled else None
+        sample = self.sampler.sample(logits[: len(sampled)], sampled, grammar) if sampled else None
+        launched = LaunchedStep(sampled, sample)
+        if prompt_rows:  # the prompt positions' logits follow the sample rows'
+            launched.prompt_logprobs = prompt_lp.compute(logits[len(sampled):], prompt_rows, targets,
+                                                         as_logits=self.config.logprobs_mode.endswith("logits"))
+            launched.prompt_seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
         self.scheduler.update_after_step(sched)
-        return LaunchedStep(sampled, sample)
+        return launched
 
     def _receive(self, launched: LaunchedStep) -> list[Received]:
         """(a): wait for a step's tokens; append them and end the sequences that EOS, a stop id or a length limit
         ends. A sequence finished since the step was launched (aborted, or ended by a stop string) gets nothing."""
+        if launched.prompt_logprobs is not None:  # before the next schedule, which reads how many there are
+            for seq_id, entries in prompt_lp.to_host(launched.prompt_logprobs, self._token_text).items():
+                launched.prompt_seqs[seq_id].prompt_logprobs.extend(d for _, d in entries)
         if launched.sample is None:
             return []
         result = self.sampler.to_host(launched.sample)
@@ -257,11 +270,16 @@ class LLMEngine:
         """(b): logprobs, detokenisation and stop strings for the tokens `_receive` appended; the outputs."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
+        gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
         for seq, result, i in received:
+            if seq.first_token_time is not None:
+                gaps.append(now - seq.last_token_time)
             record_token(seq, result, i, now)
             if not seq.is_finished:
                 self._finish_if(seq, self.stop_checker.check_text(seq))
             touched[seq.request_id] = self.requests[seq.request_id]
+        if gaps:
+            self._emit("inter_token_latencies", values=gaps)
         return [self._output(state) for state in touched.values()]
 
     # -- the loop's helpers ---------------------------------------------------------------------------------
@@ -282,6 +300,13 @@ class LLMEngine:
             self.requests.pop(state.request_id, None)
         return out
 
+    def _token_text(self, token_id: int) -> str:
+        """A token's text, special tokens included (prompt logprobs' decoded_token)."""
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
     def _count_step(self, sched: SchedulerOutput) -> None:
         self.stats.num_steps += 1
         for seq in sched.admitted:
@@ -294,13 +319,29 @@ class LLMEngine:
         self.executor.shutdown()
 
 
-def model_input(sched: SchedulerOutput) -> ModelInput:
-    """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table."""
+def model_input(sched: SchedulerOutput, vocab_size: int
+                ) -> tuple[ModelInput, list[prompt_lp.PromptLogprobRows], list[int]]:
+    """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table; and for the
+    sequences that need prompt logprobs, which extra logits rows give them and the prompt tokens those score."""
     ids: list[int] = []
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
+    prompt_token_rows: list[int] = []
+    prompt_rows: list[prompt_lp.PromptLogprobRows] = []
+    targets: list[int] = []
     for row, s in enumerate(sched.scheduled):
         seq, start = s.seq, s.seq.num_computed_tokens
         end, prompt_len = start + s.num_new_tokens, seq.num_prompt_tokens
+        if seq.needs_prompt_logprobs:
+            # position p's logits score prompt token p + 1; skip the ones already had (a recompute)
+            if seq.prompt_logprobs is None:
+                seq.prompt_logprobs = [None]  # nothing predicts the first token
+            first, last = max(start, len(seq.prompt_logprobs) - 1), min(end, prompt_len - 1)
+            if last > first:
+                prompt_token_rows.extend(range(len(ids) + first - start, len(ids) + last - start))
+                num = seq.params.prompt_logprobs
+                prompt_rows.append(prompt_lp.PromptLogprobRows(seq.seq_id, first + 1, last - first,
+                                                               vocab_size if num == -1 else num))
+                targets.extend(seq.prompt_token_ids[first + 1: last + 1])
         # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
         if start >= prompt_len:
             ids.extend(seq.output_token_ids[start - prompt_len: end - prompt_len])
@@ -313,4 +354,4 @@ def model_input(sched: SchedulerOutput) -> ModelInput:
         tables.append(list(seq.block_table))
         if s.samples:
             sample_rows.append(row)
-    return ModelInput(ids, query_lens, seq_lens, tables, sample_rows)
+    return ModelInput(ids, query_lens, seq_lens, tables, sample_rows, prompt_token_rows), prompt_rows, targets

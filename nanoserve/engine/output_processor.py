@@ -52,8 +52,10 @@ def make_output(state: RequestState) -> RequestOutput:
             finish_reason=s.finish_reason.value if s.finish_reason else None, stop_reason=s.stop_reason)
         for s in state.seqs
     ]
+    # complete once the first token is out (the prompt is prefilled by then) and never changed after: shared
+    prompt_logprobs = state.seqs[0].prompt_logprobs if state.params.prompt_logprobs is not None else None
     return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                         request_metrics(state))
+                         request_metrics(state), prompt_logprobs)
 
 
 def request_metrics(state: RequestState) -> RequestMetrics:

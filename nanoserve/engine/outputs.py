@@ -6,6 +6,16 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class Logprob:
+    """One token's entry in prompt_logprobs (vLLM's shape): its logprob, its rank in the vocabulary (1 = the most
+    likely) and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -35,7 +45,8 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = None
-    prompt_logprobs: None = field(default=None)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
+    """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)."""
 
     @property
     def num_cached_tokens(self) -> int:

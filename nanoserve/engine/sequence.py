@@ -50,6 +50,7 @@ class Sequence:
     # sampling results
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # with params.prompt_logprobs: [None, then {id: Logprob} per token]
     # incremental detokenisation (engine/detokenizer.py)
     text: str = ""
     prefix_offset: int = 0
@@ -74,6 +75,14 @@ class Sequence:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """The request asked for prompt logprobs and this sequence (the request's first: they are per prompt)
+        has not got them all yet. Such a sequence reads nothing from the prefix cache: a cached prefix was never
+        run through the LM head."""
+        return self.params.prompt_logprobs is not None and self.index == 0 and \
+            (self.prompt_logprobs is None or len(self.prompt_logprobs) < len(self.prompt_token_ids))
 
     @property
     def is_finished(self) -> bool:

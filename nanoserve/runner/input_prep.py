@@ -26,6 +26,8 @@ def reference_prepare(inp: ModelInput, block_size: int, device: torch.device
     input_ids = torch.tensor(inp.input_ids, dtype=torch.long, device=device)
     ends = meta.query_start_loc[1:].long() - 1
     logits_index = ends[torch.tensor(inp.sample_rows, dtype=torch.long, device=device)]
+    if inp.prompt_rows:  # the extra rows of prompt logprobs, after the sample rows
+        logits_index = torch.cat([logits_index, torch.tensor(inp.prompt_rows, dtype=torch.long, device=device)])
     return input_ids, meta, logits_index
 
 
@@ -80,7 +82,7 @@ class InputPreparer:
         self.i32 = _Staging(torch.int32, device)
 
     def prepare(self, input_ids: list[int], query_lens: list[int], seq_lens: list[int],
-                block_tables: list[list[int]], sample_rows: list[int]
+                block_tables: list[list[int]], sample_rows: list[int], prompt_rows: list[int] = ()
                 ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
         page = self.block_size
         num_seqs = len(query_lens)
@@ -108,13 +110,15 @@ class InputPreparer:
         positions = np.arange(num_tokens, dtype=np.int64) - starts[row] + (s - q)[row]
         slots = slot_mapping(tables, row, positions, page)
         logits_index = starts[1:][np.asarray(sample_rows, dtype=np.int64)] - 1
+        if len(prompt_rows):  # the extra rows of prompt logprobs, after the sample rows
+            logits_index = np.concatenate([logits_index, np.asarray(prompt_rows, dtype=np.int64)])
         not_decode = np.flatnonzero(q != 1)
         num_decode = int(not_decode[0]) if not_decode.size else num_seqs
 
         ids = np.asarray(input_ids, dtype=np.int64)
         i64 = self.i64.to_device([ids, positions, slots, logits_index])
         i32 = self.i32.to_device([starts.astype(np.int32), s.astype(np.int32), tables])
-        t, r, n = num_tokens, len(sample_rows), num_seqs
+        t, r, n = num_tokens, len(logits_index), num_seqs
         meta = AttentionMetadata(
             positions=i64[t: 2 * t], query_start_loc=i32[: n + 1], seq_lens=i32[n + 1: 2 * n + 1],
             block_tables=i32[2 * n + 1:].view(n, width), slot_mapping=i64[2 * t: 3 * t], block_size=page,

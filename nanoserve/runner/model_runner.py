@@ -119,12 +119,13 @@ class ModelRunner:
         """input_ids, AttentionMetadata and the rows whose logits are wanted, for an eager step."""
         if self.config.optimizations.fast_input_prep:
             return self.inputs.prepare(inp.input_ids, inp.query_lens, inp.seq_lens, inp.block_tables,
-                                       inp.sample_rows)
+                                       inp.sample_rows, inp.prompt_rows)
         return reference_prepare(inp, self.block_size, self.device)
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
-        """Run one step; returns fp32 logits [len(sample_rows), vocab] (every rank computes them)."""
+        """Run one step; returns logits [len(sample_rows) + len(prompt_rows), vocab]: the sample rows', then the
+        prompt rows' (every rank computes them). The LM head runs on those rows only."""
         graphs = self._decode_graphs(inp)
         if graphs is not None:
             logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
@@ -138,7 +139,7 @@ class ModelRunner:
         """The decode graphs if this step can replay one: a decode-only batch (every sequence one new token, all
         sampled), graphs on and applicable, the batch within the captured sizes."""
         n = len(inp.query_lens)
-        if len(inp.input_ids) != n or len(inp.sample_rows) != n:
+        if len(inp.input_ids) != n or len(inp.sample_rows) != n or inp.prompt_rows:
             return None
         graphs = self._graphs()
         if graphs is None or not graphs.fits(n, max(inp.seq_lens), max(len(t) for t in inp.block_tables)):

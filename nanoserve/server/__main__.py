@@ -5,6 +5,10 @@
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"model": "m3-tiny", "prompt": "Hello", "max_tokens": 16}'
 
+Routes (docs/server_api.md has every field and what is refused): POST /v1/completions, POST /v1/chat/completions,
+GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, POST /invocations, GET /load,
+GET /version, GET /metrics, GET /openapi.json.
+
 Engine flags use vLLM's names. Every optimization switch also has its own --<switch> / --no-<switch> pair,
 generated from the switch declarations in nanoserve.config.Optimizations, so a new switch appears here by
 itself. SIGINT / SIGTERM shut down gracefully: stop accepting connections, let in-flight requests finish (up to
@@ -20,7 +24,7 @@ import logging
 import os
 import signal
 
-from nanoserve.config import DEVICES, DTYPES, SWITCH_ALIASES, EngineConfig, Optimizations
+from nanoserve.config import DEVICES, DTYPES, LOGPROBS_MODES, SWITCH_ALIASES, EngineConfig, Optimizations
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoserve.server")
@@ -36,9 +40,20 @@ def build_parser() -> argparse.ArgumentParser:
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the model name(s) clients send; the first is the default and the metrics' model_name "
+                        "label (default: --model)")
     s.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 (default: $NANOSERVE_API_KEY, else none)")
+    s.add_argument("--allowed-origins", type=json.loads, default=["*"], metavar="JSON",
+                   help='CORS: the origins allowed, a JSON list (default ["*"])')
+    s.add_argument("--allowed-methods", type=json.loads, default=["*"], metavar="JSON",
+                   help='CORS: the methods allowed, a JSON list (default ["*"])')
+    s.add_argument("--allowed-headers", type=json.loads, default=["*"], metavar="JSON",
+                   help='CORS: the request headers allowed, a JSON list (default ["*"])')
+    s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
+    s.add_argument("--enable-server-load-tracking", action="store_true",
+                   help="GET /load counts the generation requests in flight (otherwise it answers 0)")
     s.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -65,7 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--max-waiting-requests", type=int, default=EngineConfig.max_waiting_requests,
                    help="queued sequences beyond which requests get 503 + Retry-After")
-    e.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs)
+    e.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
+                   help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for")
+    e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
+                   help="what logprobs report: raw_* of the model's logits (default), processed_* of the logits "
+                        "the draw used (after bias, penalties, temperature, top-k/p); *_logits as logits")
 
     c = p.add_argument_group("chat: tools, reasoning, template, sampling defaults (vLLM's names)")
     c.add_argument("--enable-auto-tool-choice", action="store_true",
@@ -107,7 +126,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_tokens=args.kv_cache_tokens,
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
-            served_model_name=args.served_model_name, optimizations=Optimizations().replace(**switches),
+            logprobs_mode=args.logprobs_mode,
+            served_model_name=args.served_model_name[0] if args.served_model_name else None, optimizations=Optimizations().replace(**switches),
             **aliases)
     except ValueError as exc:
         parser.error(str(exc))
@@ -155,9 +175,12 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncLLMEngine.from_config(config)  # loads the model (generating a preset the first time)
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
-    name = args.served_model_name or args.model
+    names = args.served_model_name or [args.model]
     try:
-        app = build_app(engine, name, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, chat=chat)
+        app = build_app(engine, names, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, chat=chat,
+                        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+                        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+                        enable_server_load_tracking=args.enable_server_load_tracking)
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")
@@ -165,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
                                            timeout_graceful_shutdown=max(1, round(args.shutdown_timeout))))
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, _log_signal_after_shutdown)
-    logger.info("serving `%s` on http://%s:%d (OpenAI API under /v1; /health, /metrics)", name, args.host,
-                args.port)
+    logger.info("serving %s on http://%s:%d (OpenAI API under /v1; /tokenize, /detokenize, /health, /metrics, "
+                "/version, /load, /ping, /invocations)", ", ".join(f"`{n}`" for n in names), args.host, args.port)
     server.run()
 
 

@@ -29,6 +29,7 @@ from contextlib import asynccontextmanager
 from typing import AsyncIterator
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server.errors import EXCEPTION_HANDLERS
@@ -37,18 +38,45 @@ from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
 
+LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              shutdown_timeout: float = 10.0, chat: ChatOptions | None = None) -> FastAPI:
+
+
+class ServerLoadMiddleware:
+    """Counts the generation requests in flight into OpenAIServer.server_load (GET /load): from the request's
+    arrival until its response - a whole event stream included - has been sent or abandoned."""
+
+    def __init__(self, app, server: OpenAIServer):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] not in LOAD_TRACKED_PATHS:
+            await self.app(scope, receive, send)
+            return
+        self.server.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.server.server_load -= 1
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_key: str | None = None,
+              shutdown_timeout: float = 10.0, chat: ChatOptions | None = None, allowed_origins: list[str] = ("*",),
+              allowed_methods: list[str] = ("*",), allowed_headers: list[str] = ("*",),
+              allow_credentials: bool = False, enable_server_load_tracking: bool = False) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine.
+    `served_model_name`: the name clients send, or several (the first is the default and the metrics' label).
     `chat`: tool calling, reasoning, chat template and generation-config options (ValueError naming the flag
-    when one is unusable)."""
-    server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat)
+    when one is unusable). The CORS arguments are vLLM's --allowed-origins / --allowed-methods /
+    --allowed-headers / --allow-credentials; `enable_server_load_tracking` makes GET /load count the requests
+    in flight."""
+    server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
+                          enable_server_load_tracking=enable_server_load_tracking)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await engine.start()
-        logger.info("serving `%s`", served_model_name)
+        logger.info("serving %s", ", ".join(f"`{n}`" for n in server.model_names))
         try:
             yield
         finally:
@@ -60,4 +88,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app.state.server = server
     for router in ROUTERS:
         app.include_router(router)
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                       allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
+    if enable_server_load_tracking:
+        app.add_middleware(ServerLoadMiddleware, server=server)
     return app

@@ -41,11 +41,12 @@ class ChatSetup:
 
 @dataclass
 class Prepared:
-    """A request ready for the engine: one (text, token ids) per prompt, the sampling parameters, and for chat
-    how to read the output."""
+    """A request ready for the engine: one (text, token ids) per prompt, the sampling parameters, the served
+    model name the request asked for (what the response names), and for chat how to read the output."""
 
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
+    model: str
     structured_field: str | None = None
     """The request field its output constraint came from (response_format / structured_outputs), if any."""
     chat: ChatSetup = field(default_factory=ChatSetup)
@@ -53,32 +54,23 @@ class Prepared:
 
 # -- the endpoints ------------------------------------------------------------------------------------------
 def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepared:
-    check_model(server, req.model)
-    params = sampling_params(server, req, req.max_tokens, req.logprobs, "prompt")
-    prompts = [tokenize(server, p) for p in req.prompts()]
+    model = check_model(server, req.model)
+    params = sampling_params(server, req, req.max_new_tokens, req.logprobs, "prompt", req.engine_prompt_logprobs)
+    prompts = [tokenize(server, p, req.add_special_tokens) for p in req.prompts()]
     for _, ids in prompts:
         check_length(server, ids, params, req, "prompt")
-    return Prepared(prompts, params, structured_field(req))
+    if req.echo:  # the echoed text of a token-id prompt is its decoding
+        prompts = [(text if text is not None else server.tokenizer.decode(ids), ids) for text, ids in prompts]
+    return Prepared(prompts, params, model, structured_field(req))
 
 
 def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared:
-    check_model(server, req.model)
+    model = check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.num_logprobs, "messages")
     setup = chat_setup(server, req)
     if server.parsers_need_special_tokens and (setup.reasoning_parser or setup.tool_choice.parses_calls):
         params.skip_special_tokens = False  # the parsers read markers the tokenizer calls special
-    try:
-        messages = template_messages([m.to_template_dict() for m in req.messages])
-        kwargs = dict(req.chat_template_kwargs or {})
-        if req.reasoning_effort is not None:
-            kwargs.setdefault("reasoning_effort", req.reasoning_effort)
-        text = render_chat(server.tokenizer, messages,
-                           tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
-                           add_generation_prompt=req.add_generation_prompt,
-                           continue_final_message=req.continue_final_message,
-                           chat_template=req.chat_template or server.chat_template, chat_template_kwargs=kwargs)
-    except ValueError as exc:
-        raise request_error(exc, "messages") from exc
+    messages, text = render_messages(server, req)
     ids = server.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     check_length(server, ids, params, req, "messages")
     default_max = server.generation_defaults.sampling.get("max_tokens")
@@ -92,7 +84,27 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
     last = messages[-1]
     if req.echo and last.get("role") == ("assistant" if req.add_generation_prompt else last.get("role")):
         setup.echo = last.get("content") or ""
-    return Prepared([(text, ids)], params, structured_field(req) or setup.structured_field, setup)
+    return Prepared([(text, ids)], params, model, structured_field(req) or setup.structured_field, setup)
+
+
+def render_messages(server: OpenAIServer, req: P.ChatCompletionRequest | P.TokenizeRequest
+                    ) -> tuple[list[dict[str, Any]], str]:
+    """A request's messages (as the template reads them) and their rendering with the chat template - the
+    request's own, else the server's - with its tools and template variables (a 400 naming the field)."""
+    try:
+        messages = template_messages([m.to_template_dict() for m in req.messages])
+        kwargs = dict(req.chat_template_kwargs or {})
+        reasoning_effort = getattr(req, "reasoning_effort", None)
+        if reasoning_effort is not None:
+            kwargs.setdefault("reasoning_effort", reasoning_effort)
+        text = render_chat(server.tokenizer, messages,
+                           tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+                           add_generation_prompt=req.add_generation_prompt,
+                           continue_final_message=req.continue_final_message,
+                           chat_template=req.chat_template or server.chat_template, chat_template_kwargs=kwargs)
+    except ValueError as exc:
+        raise request_error(exc, "messages") from exc
+    return messages, text
 
 
 def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
@@ -131,16 +143,21 @@ def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
-def check_model(server: OpenAIServer, name: str) -> None:
-    if name != server.model_name:
-        raise APIError(404, f"the model `{name}` does not exist; this server serves `{server.model_name}`",
-                       param="model", code="model_not_found")
+def check_model(server: OpenAIServer, name: str | None) -> str:
+    """The served name a request asked for (None: the first one); 404 for a name this server does not serve."""
+    if name is None:
+        return server.model_name
+    if name not in server.model_names:
+        served = ", ".join(f"`{n}`" for n in server.model_names)
+        raise APIError(404, f"the model `{name}` does not exist; this server serves {served}", param="model")
+    return name
 
 
 def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
-                    prompt_field: str) -> SamplingParams:
-    """The request's SamplingParams, range-checked (a 400 naming the request's field). The model's generation
-    config supplies what the request leaves unset, and its extra EOS ids stop generation too."""
+                    prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
+    """The request's SamplingParams, range-checked against the engine's limits and vocabulary (a 400 naming the
+    request's field). The model's generation config supplies what the request leaves unset, and its extra EOS
+    ids stop generation too."""
     try:
         req.structured_outputs_params()
     except ValueError as exc:
@@ -148,8 +165,8 @@ def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: in
         raise APIError(400, str(exc), param=field.split(".", 1)[0]) from exc
     defaults = server.generation_defaults
     with engine_errors(req, prompt_field):
-        params = req.sampling_params(max_tokens, logprobs, defaults.sampling)
-        params.validate(server.engine.config.max_logprobs)
+        params = req.sampling_params(max_tokens, logprobs, defaults.sampling, prompt_logprobs)
+        params.validate(server.engine.config.max_logprobs, server.vocab_size)
     if defaults.eos_token_ids and not params.ignore_eos:
         params.stop_token_ids = list(dict.fromkeys(params.stop_token_ids + defaults.eos_token_ids))
     return params
@@ -182,10 +199,12 @@ def request_error(exc: ValueError, default_param: str) -> APIError:
     return APIError(400, message, param=param.split(".")[0].split("[")[0])
 
 
-def tokenize(server: OpenAIServer, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-    # add_special_tokens=False, as LLMEngine.tokenize_prompt: the prompt is exactly what the client sent
+def tokenize(server: OpenAIServer, prompt: str | list[int], add_special_tokens: bool = True
+             ) -> tuple[str | None, list[int]]:
+    """A text prompt's ids (add_special_tokens: the tokenizer's BOS etc., as vLLM's completions default);
+    token ids pass through as sent."""
     if isinstance(prompt, str):
-        return prompt, server.tokenizer.encode(prompt, add_special_tokens=False)
+        return prompt, server.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return None, prompt
 
 

@@ -1,10 +1,14 @@
-"""Every error leaves in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: APIError, the mapping
-of pydantic's and the engine's exceptions onto it, and the app's exception handlers (EXCEPTION_HANDLERS)."""
+"""Every error leaves in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's values:
+`code` is the HTTP status, `type` vLLM's name for it (BadRequestError, NotFoundError, ...; otherwise the status
+phrase). Non-streaming errors are the response body; a streaming request that fails after its 200 went out gets
+the same object as one SSE event, then [DONE]. Here: APIError, the mapping of pydantic's and the engine's
+exceptions onto it, and the app's exception handlers (EXCEPTION_HANDLERS)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from http import HTTPStatus
 from typing import Iterator
 
 from fastapi import Request
@@ -19,8 +23,8 @@ from nanoserve.server import protocol as P
 
 logger = logging.getLogger(__name__)
 
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               500: "internal_server_error", 503: "service_unavailable"}
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               500: "InternalServerError", 503: "ServiceUnavailableError"}
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 MAX_ECHOED_INPUT_CHARS = 40  # error messages quote a bad value only when it is short
 
@@ -28,15 +32,22 @@ MAX_ECHOED_INPUT_CHARS = 40  # error messages quote a bad value only when it is 
 class APIError(Exception):
     """An error to answer in OpenAI's shape."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
+        self.status, self.message, self.param, self.headers = status, message, param, headers
+
+    @property
+    def type(self) -> str:
+        if self.status in ERROR_TYPES:
+            return ERROR_TYPES[self.status]
+        try:
+            return HTTPStatus(self.status).phrase
+        except ValueError:  # 499 (the client closed the connection) has no standard phrase
+            return "ClientClosedRequest" if self.status == 499 else "Error"
 
     def body(self) -> P.ErrorResponse:
-        info = P.ErrorInfo(message=self.message, type=ERROR_TYPES.get(self.status, "error"), param=self.param,
-                           code=self.code if self.code is not None else self.status)
-        return P.ErrorResponse(error=info)
+        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                                 code=self.status))
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
@@ -72,11 +83,9 @@ def invalid_value(exc: ValueError, req: P.SamplingRequest, prompt_field: str) ->
     request calls it differently (chat's top_logprobs is SamplingParams.logprobs), the message says the
     request's name."""
     message = str(exc)
-    first = message.split(" ", 1)[0].split("=", 1)[0]
-    if first.startswith("prompt"):
-        return APIError(400, message, param=prompt_field)
+    first = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
     if first not in SAMPLING_FIELDS:
-        return APIError(400, message)
+        return APIError(400, message, param=prompt_field if first.startswith("prompt") else None)
     param = req.request_field(first)
     return APIError(400, param + message[len(first):], param=param)
 
@@ -89,11 +98,11 @@ def engine_errors(req: P.SamplingRequest, prompt_field: str) -> Iterator[None]:
     except ValueError as exc:
         raise invalid_value(exc, req, prompt_field) from exc
     except QueueFullError as exc:
-        raise APIError(503, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from exc
+        raise APIError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
     except EngineShutdownError as exc:
-        raise APIError(503, str(exc), code="shutting_down", headers={"Retry-After": str(exc.retry_after)}) from exc
+        raise APIError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
     except EngineDeadError as exc:
-        raise APIError(500, str(exc), code="engine_dead") from exc
+        raise APIError(500, str(exc)) from exc
 
 
 # -- the app's exception handlers ----------------------------------------------------------------------------
@@ -102,7 +111,8 @@ async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    return APIError(exc.status_code, str(exc.detail)).response()
+    # keeps the exception's headers: a 405's Allow names the methods the route takes
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

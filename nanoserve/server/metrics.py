@@ -1,8 +1,13 @@
-"""Prometheus metrics, named after vLLM's (dashboards built for vLLM read them unchanged).
+"""Prometheus metrics in vLLM's names and label sets (model_name, engine), so dashboards and alerts built for
+vLLM read them unchanged. Every family has a sample from startup (0 until something happens), so rates and
+ratios exist before the first request.
 
-Two sources feed them:
+Four sources feed them:
   * the engine's snapshot (AsyncLLMEngine.snapshot: EngineStats counters and the queue / KV gauges after the
     latest step), read at scrape time: counters advance by the change since the previous scrape;
+  * the engine's observer events, on the engine thread: "step" (each launched step: the tokens it runs,
+    vllm:iteration_tokens_total) and "inter_token_latencies" (each sequence's gap since its previous token);
+  * each request as the server adds it: its n and max_tokens;
   * each finished request's RequestMetrics timestamps, observed into the latency histograms as it finishes.
 
 Each app gets its own CollectorRegistry, so several servers in one process (the tests) do not collide.
@@ -10,32 +15,56 @@ Each app gets its own CollectorRegistry, so several servers in one process (the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from nanoserve.engine.llm_engine import EngineStats
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.entrypoints.async_engine import EngineSnapshot
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine, EngineSnapshot
+from nanoserve.sampling import SamplingParams
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                   20.0, 40.0, 80.0, 160.0)
-TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+# vLLM's buckets
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                         20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
+ENGINE_INDEX = "0"  # vLLM labels every metric with its engine core's index; nanoserve has one engine
+
+
+def one_two_five_buckets(max_value: int) -> tuple[int, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_value (vLLM's buckets for token counts)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_value:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
 
 
 class ServerMetrics:
-    """The Prometheus collectors of one app, and how the engine snapshot and finished requests feed them."""
+    """The Prometheus collectors of one app, and how the engine feeds them."""
 
-    def __init__(self, model_name: str):
+    def __init__(self, model_name: str, engine: AsyncLLMEngine):
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        labels = ["model_name"]
+        self.max_model_len = engine.max_model_len
+        self.values = (model_name, ENGINE_INDEX)
+        labels = ["model_name", "engine"]
         r = self.registry
+        token_buckets = one_two_five_buckets(engine.max_model_len)
 
         def gauge(name: str, doc: str) -> Gauge:
             return Gauge(name, doc, labels, registry=r)
 
-        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
-            return Counter(name, doc, labels + list(extra), registry=r)
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, labels, registry=r)
 
         def histogram(name: str, doc: str, buckets: tuple) -> Histogram:
             return Histogram(name, doc, labels, buckets=buckets, registry=r)
@@ -48,29 +77,83 @@ class ServerMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (KV freed, recomputed later).")
-        self.success = counter("vllm:request_success", "Requests finished, by finish reason (of the first "
-                               "completion).", ("finished_reason",))
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", LATENCY_BUCKETS)
-        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time between a request's output tokens.",
-                              LATENCY_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
-        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled.",
-                                    LATENCY_BUCKETS)
+        self.success = Counter("vllm:request_success", "Requests finished, by finish reason (of the first "
+                               "completion).", labels + ["finished_reason"], registry=r)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step: the prompt "
+                                          "tokens it prefills plus the tokens it samples.", ITERATION_TOKEN_BUCKETS)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt length per request.",
-                                               TOKEN_BUCKETS)
+                                               token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
                                                    "Tokens generated per request (all n completions).",
-                                                   TOKEN_BUCKETS)
-        for reason in FINISH_REASONS:  # export zeros from the start, so rates exist before the first request
-            self.success.labels(model_name, reason)
+                                                   token_buckets)
+        self.params_n = histogram("vllm:request_params_n", "The n request parameter.", N_BUCKETS)
+        self.params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter "
+                                           "(unset: what max_model_len leaves after the prompt).", token_buckets)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS)
+        self.tpot = histogram("vllm:time_per_output_token_seconds", "Mean time between a request's output tokens.",
+                              TOKEN_LATENCY_BUCKETS)
+        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between a sequence's consecutive tokens.",
+                             TOKEN_LATENCY_BUCKETS)
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to finish.", REQUEST_LATENCY_BUCKETS)
+        self.queue_time = histogram("vllm:request_queue_time_seconds", "Arrival to first scheduled (waiting).",
+                                    REQUEST_LATENCY_BUCKETS)
+        self.inference_time = histogram("vllm:request_inference_time_seconds", "First scheduled to last token "
+                                        "(running: prefill and decode).", REQUEST_LATENCY_BUCKETS)
+        self.prefill_time = histogram("vllm:request_prefill_time_seconds", "First scheduled to first token.",
+                                      REQUEST_LATENCY_BUCKETS)
+        self.decode_time = histogram("vllm:request_decode_time_seconds", "First token to last token.",
+                                     REQUEST_LATENCY_BUCKETS)
+        # a 0 sample for every family from the start
+        for metric in (self.running, self.waiting, self.kv_usage, self.prompt_tokens, self.generation_tokens,
+                       self.prefix_queries, self.prefix_hits, self.preemptions, self.iteration_tokens,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.params_n,
+                       self.params_max_tokens, self.ttft, self.tpot, self.itl, self.e2e, self.queue_time,
+                       self.inference_time, self.prefill_time, self.decode_time):
+            metric.labels(*self.values)
+        for reason in FINISH_REASONS:
+            self.success.labels(*self.values, reason)
+        self._cache_config_info(engine)
         self._last = EngineStats()
+        engine.finish_listeners.append(self.observe_finished)
+        engine.engine.add_observer(self.on_engine_event)
+
+    def _cache_config_info(self, engine: AsyncLLMEngine) -> None:
+        """vLLM's vllm:cache_config_info: a gauge at 1 whose labels describe the KV cache."""
+        eng, cfg = engine.engine, engine.config
+        num_blocks = eng.block_manager.num_blocks
+        tokens = num_blocks * eng.block_size
+        info = {"block_size": str(eng.block_size), "cache_dtype": "auto",
+                "enable_prefix_caching": str(cfg.optimizations.prefix_caching),
+                "gpu_memory_utilization": str(cfg.gpu_memory_utilization), "num_gpu_blocks": str(num_blocks),
+                "num_cpu_blocks": "0", "kv_cache_size_tokens": str(tokens),
+                "kv_cache_max_concurrency": f"{tokens / eng.max_model_len:.2f}", "engine": ENGINE_INDEX}
+        Gauge("vllm:cache_config_info", "Information of the engine's KV cache configuration.", list(info),
+              registry=self.registry).labels(**info).set(1)
+
+    # -- the engine thread: observer events -----------------------------------------------------------------
+    def on_engine_event(self, event: str, **payload: Any) -> None:
+        if event == "step":
+            scheduled = payload["scheduled"]
+            prefilled = sum(s.num_new_tokens for s in scheduled if not s.is_decode)
+            sampled = sum(1 for s in scheduled if s.samples)
+            self.iteration_tokens.labels(*self.values).observe(prefilled + sampled)
+        elif event == "inter_token_latencies":
+            itl = self.itl.labels(*self.values)
+            for gap in payload["values"]:
+                itl.observe(gap)
+
+    # -- the server: each request as it is added --------------------------------------------------------------
+    def observe_request(self, params: SamplingParams, prompt_len: int) -> None:
+        self.params_n.labels(*self.values).observe(params.n)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - prompt_len
+        self.params_max_tokens.labels(*self.values).observe(max_tokens)
 
     # -- scrape time: snapshot -> gauges and counter deltas ---------------------------------------------------
     def update_from_snapshot(self, snap: EngineSnapshot) -> None:
-        name = self.model_name
-        self.running.labels(name).set(snap.num_running)
-        self.waiting.labels(name).set(snap.num_waiting)
-        self.kv_usage.labels(name).set(snap.kv_cache_usage)
+        v = self.values
+        self.running.labels(*v).set(snap.num_running)
+        self.waiting.labels(*v).set(snap.num_waiting)
+        self.kv_usage.labels(*v).set(snap.kv_cache_usage)
         now, last = snap.stats, self._last
         for metric, field in ((self.prompt_tokens, "num_prompt_tokens"),
                               (self.generation_tokens, "num_generation_tokens"),
@@ -78,9 +161,9 @@ class ServerMetrics:
                               (self.preemptions, "num_preemptions")):
             delta = getattr(now, field) - getattr(last, field)
             if delta > 0:
-                metric.labels(name).inc(delta)
+                metric.labels(*v).inc(delta)
         if now.num_aborted > last.num_aborted:  # aborted requests never produce a finished output
-            self.success.labels(name, "abort").inc(now.num_aborted - last.num_aborted)
+            self.success.labels(*v, "abort").inc(now.num_aborted - last.num_aborted)
         self._last = now
 
     def render(self, snap: EngineSnapshot) -> tuple[bytes, str]:
@@ -90,18 +173,24 @@ class ServerMetrics:
 
     # -- per finished request: latency histograms -----------------------------------------------------------
     def observe_finished(self, out: RequestOutput) -> None:
-        m, name = out.metrics, self.model_name
-        self.success.labels(name, out.outputs[0].finish_reason or "abort").inc()
-        self.request_prompt_tokens.labels(name).observe(len(out.prompt_token_ids))
-        self.request_generation_tokens.labels(name).observe(sum(len(c.token_ids) for c in out.outputs))
+        m, v = out.metrics, self.values
+        self.success.labels(*v, out.outputs[0].finish_reason or "abort").inc()
+        self.request_prompt_tokens.labels(*v).observe(len(out.prompt_token_ids))
+        self.request_generation_tokens.labels(*v).observe(sum(len(c.token_ids) for c in out.outputs))
         if m is None:
             return
         if m.first_scheduled_time is not None:
-            self.queue_time.labels(name).observe(m.first_scheduled_time - m.arrival_time)
+            self.queue_time.labels(*v).observe(m.first_scheduled_time - m.arrival_time)
         if m.first_token_time is not None:
-            self.ttft.labels(name).observe(m.first_token_time - m.arrival_time)
+            self.ttft.labels(*v).observe(m.first_token_time - m.arrival_time)
+            if m.first_scheduled_time is not None:
+                self.prefill_time.labels(*v).observe(m.first_token_time - m.first_scheduled_time)
+        if m.last_token_time is not None and m.first_token_time is not None:
+            self.decode_time.labels(*v).observe(m.last_token_time - m.first_token_time)
+            if m.first_scheduled_time is not None:
+                self.inference_time.labels(*v).observe(m.last_token_time - m.first_scheduled_time)
         if m.finished_time is not None:
-            self.e2e.labels(name).observe(m.finished_time - m.arrival_time)
+            self.e2e.labels(*v).observe(m.finished_time - m.arrival_time)
         longest = max((len(c.token_ids) for c in out.outputs), default=0)
         if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
-            self.tpot.labels(name).observe((m.last_token_time - m.first_token_time) / (longest - 1))
+            self.tpot.labels(*v).observe((m.last_token_time - m.first_token_time) / (longest - 1))

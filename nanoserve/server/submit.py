@@ -30,6 +30,7 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
             for i, (text, ids) in enumerate(prepared.prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids}
                 streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params))
+                server.metrics.observe_request(prepared.params, len(ids))
     except BaseException:
         await close_all(streams)
         raise

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_serializer, model_validator
 
-from nanoserve.server.protocol.common import RequestModel, ResponseModel, SamplingRequest, UsageInfo, now
+from nanoserve.server.protocol.common import (Int, PromptLogprob, RequestModel, ResponseModel, SamplingRequest,
+                                              UsageInfo, now)
 
 
 class TextPart(RequestModel):
@@ -63,11 +64,12 @@ class ChatCompletionRequest(SamplingRequest):
     """POST /v1/chat/completions. The messages are rendered with the model's chat template."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     """OpenAI's newer name for max_tokens; wins when both are given."""
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
+    """With logprobs: this many alternatives per token (0-20; -1 = the whole vocabulary, past the cap)."""
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
     """Default "auto" when tools are given (needs --enable-auto-tool-choice), else "none"."""
@@ -92,7 +94,10 @@ class ChatCompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _logprobs_pair(self) -> "ChatCompletionRequest":
-        if self.top_logprobs is not None and not self.logprobs:
+        # as vLLM: top_logprobs 0 (or null) goes without logprobs, a count asks for them
+        if self.top_logprobs is not None and self.top_logprobs < -1:
+            raise ValueError("top_logprobs: must be >= 0 (or -1 for the whole vocabulary)")
+        if self.top_logprobs not in (None, 0) and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
         return self
 
@@ -152,6 +157,8 @@ class ChatChoice(ResponseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's token ids."""
 
 
 class ChatCompletionResponse(ResponseModel):
@@ -161,6 +168,9 @@ class ChatCompletionResponse(ResponseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the rendered prompt's token ids."""
 
 
 def _without_nulls(handler, model) -> dict[str, Any]:
@@ -211,6 +221,8 @@ class ChatStreamChoice(ResponseModel):
     logprobs: ChatLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: this chunk's new token ids."""
 
 
 class ChatCompletionChunk(ResponseModel):
@@ -220,3 +232,5 @@ class ChatCompletionChunk(ResponseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the prompt's token ids, in the first chunk only."""

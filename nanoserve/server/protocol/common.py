@@ -4,15 +4,27 @@ the model list and OpenAI's error body."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                          "guided_whitespace_pattern")
 """vLLM's old structured-output fields, which it no longer has (structured_outputs replaced them): a 400 names them."""
+
+
+def _integral(v: Any) -> Any:
+    """1.0 -> 1: vLLM's request models (pydantic in lax mode) take a float with no fractional part as an
+    integer; 1.5, "1" and true stay errors here."""
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return v
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+"""An integer field that also takes an integral float (n=1.0), as vLLM's requests do."""
 
 
 class RequestModel(BaseModel):
@@ -28,30 +40,20 @@ class ResponseModel(BaseModel):
 
 
 class StreamOptions(RequestModel):
-    include_usage: bool = False
+    include_usage: bool | None = False
     """Send one more chunk before [DONE], with no choices and the request's token usage."""
-    continuous_usage_stats: bool = False
-
-    @model_validator(mode="after")
-    def _unsupported(self) -> "StreamOptions":
-        if self.continuous_usage_stats:
-            raise ValueError("continuous_usage_stats is not supported by this server")
-        return self
+    continuous_usage_stats: bool | None = False
+    """With include_usage: every chunk also carries the usage so far (its choice's completion tokens)."""
 
 
 # Fields of OpenAI's or vLLM's API that this server knows but cannot honour: a request that uses one (with a value
 # other than its neutral one) gets a 400 naming it, rather than an answer that silently ignored it.
 NEUTRAL = object()
 UNSUPPORTED_FIELDS: dict[str, tuple[object, str]] = {
-    "prompt_logprobs": (None, "prompt log-probabilities are not computed"),
-    "use_beam_search": (False, "beam search is not implemented"),
     "length_penalty": (1.0, "beam search is not implemented"),
-    "bad_words": (None, "not supported by this server"),
-    "allowed_token_ids": (None, "not supported by this server"),
     "logits_processors": (None, "not supported by this server"),
     "truncate_prompt_tokens": (None, "prompts are never truncated: a prompt that does not fit is a 400"),
     "priority": (0, "requests are scheduled first come, first served"),
-    "return_tokens_as_token_ids": (False, "not supported by this server"),
     "spaces_between_special_tokens": (True, "not supported by this server"),
     "mm_processor_kwargs": (None, "this server serves text only"),
     "audio": (None, "this server serves text only"),
@@ -102,25 +104,28 @@ class ResponseFormat(RequestModel):
 class SamplingRequest(RequestModel):
     """Fields shared by /v1/completions and /v1/chat/completions: the model and how to sample."""
 
-    model: str
-    n: int = 1
+    model: str | None = None
+    """One of the served model names; left out, the first one (as vLLM)."""
+    n: Int = 1
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: int | None = None
+    seed: Int | None = None
+    """Any int64: the same seed gives the same tokens whatever else is in the batch."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    """Token id (as a string) -> value in [-100, 100] added to its logit: -100 bans the token, +100 forces it."""
     # vLLM extensions
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    min_tokens: int = 0
+    min_tokens: Int = 0
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     response_format: ResponseFormat | None = None
@@ -133,6 +138,19 @@ class SamplingRequest(RequestModel):
     guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+    allowed_token_ids: list[Int] | None = None
+    """Only these tokens may be generated."""
+    bad_words: list[str] | None = None
+    """Words never to generate (their last token is banned after the tokens before it)."""
+    prompt_logprobs: Int | None = None
+    """Logprobs of every prompt token (None for the first) and this many alternatives; not with stream."""
+    return_token_ids: bool | None = None
+    """Put the prompt's and each choice's token ids in the response (streamed: the prompt's in the first chunk,
+    then each chunk's new ids)."""
+    return_tokens_as_token_ids: bool | None = None
+    """In logprobs, name tokens as 'token_id:N' instead of their text."""
+    use_beam_search: bool = False
+    """Refused when true: beam search is not implemented."""
 
     @model_validator(mode="before")
     @classmethod
@@ -153,12 +171,24 @@ class SamplingRequest(RequestModel):
             return v
         raise ValueError("must be a string or a list of strings")
 
+    @field_validator("logit_bias", mode="after")
+    @classmethod
+    def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        bad = [k for k in v or () if not k.strip().isdigit()]
+        if bad:
+            raise ValueError(f"keys must be token ids (non-negative integers as strings), got "
+                             f"{', '.join(map(repr, bad))}")
+        return v
+
     @model_validator(mode="after")
-    def _unsupported(self) -> "SamplingRequest":
-        if self.stream_options is not None and not self.stream:
+    def _combinations(self) -> "SamplingRequest":
+        # as vLLM: an empty stream_options object is allowed without stream, any option is not
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
-        if self.logit_bias:
-            raise ValueError("logit_bias: not supported by this server")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search: beam search is not supported by this server")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true")
         for name in REMOVED_GUIDED_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported; vLLM replaced the guided_* fields with structured_outputs "
@@ -190,7 +220,8 @@ class SamplingRequest(RequestModel):
                 from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
-                        defaults: dict[str, Any] | None = None) -> SamplingParams:
+                        defaults: dict[str, Any] | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """SamplingParams for this request; `defaults` (the model's generation config) fill the fields it leaves
         unset. Raises ValueError naming the parameter if a value is out of range."""
         base = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0,
@@ -207,6 +238,9 @@ class SamplingRequest(RequestModel):
             seed=self.seed, max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop,
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
+            prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_outputs_params()[0])
 
     def request_field(self, sampling_field: str) -> str:
@@ -215,7 +249,12 @@ class SamplingRequest(RequestModel):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk: include_usage and continuous_usage_stats both set."""
+        return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
 # -- responses --------------------------------------------------------------------------------------------
@@ -225,6 +264,14 @@ def now() -> int:
 
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
+
+
+class PromptLogprob(ResponseModel):
+    """One entry of prompt_logprobs (vLLM's Logprob)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class UsageInfo(ResponseModel):
@@ -252,7 +299,8 @@ class ErrorInfo(ResponseModel):
     message: str
     type: str
     param: str | None = None
-    code: str | int | None = None
+    code: int
+    """The HTTP status, as vLLM sends it."""
 
 
 class ErrorResponse(ResponseModel):

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nanoserve.server.protocol.common import ResponseModel, SamplingRequest, UsageInfo, now
+from nanoserve.server.protocol.common import Int, PromptLogprob, ResponseModel, SamplingRequest, UsageInfo, now
 
 
 class CompletionRequest(SamplingRequest):
@@ -15,12 +15,19 @@ class CompletionRequest(SamplingRequest):
     each prompt is one engine request with `n` completions."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: Int | None = 16
+    """Null means 16, as in vLLM; 0 only with echo (the prompt alone comes back)."""
+    logprobs: Int | None = None
     """Log-probabilities of the chosen token and this many alternatives per position."""
     echo: bool = False
+    """Put the prompt before each choice's text (and, with logprobs, the prompt tokens' logprobs before the
+    choice's, the first prompt token's being null)."""
+    add_special_tokens: bool = True
+    """Add the tokenizer's special tokens (BOS) to a text prompt, as vLLM does by default."""
     suffix: str | None = None
-    best_of: int | None = None
+    """Refused: insertion (fill in the middle) is not supported."""
+    best_of: Int | None = None
+    """Refused unless it equals n (drawing best_of and returning the n most likely is not implemented)."""
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -37,13 +44,32 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _unsupported_completion_fields(self) -> "CompletionRequest":
-        if self.echo:
-            raise ValueError("echo: not supported by this server")
         if self.suffix is not None:
             raise ValueError("suffix: not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: not supported by this server (use n)")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: must be >= 1 (0 only with echo)")
         return self
+
+    @property
+    def max_new_tokens(self) -> int:
+        """What the engine generates: max_tokens (null: 16); with echo and max_tokens 0, one token, dropped."""
+        if self.max_tokens is None:
+            return 16
+        return max(self.max_tokens, 1)
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the response holds the prompt alone."""
+        return self.echo and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """prompt_logprobs, or with echo and logprobs the logprobs count (the echoed prompt's logprobs), as vLLM."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
@@ -68,6 +94,11 @@ class CompletionChoice(ResponseModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None
+    """With return_token_ids: the choice's token ids (streamed: this chunk's)."""
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    prompt_token_ids: list[int] | None = None
+    """With return_token_ids: the prompt's token ids (streamed: in the choice's first chunk only)."""
 
 
 class CompletionResponse(ResponseModel):

@@ -9,8 +9,8 @@ A new route family is a new module here with a `router`, added to ROUTERS. Route
 (json_body) -> convert (convert.py) -> the engine (submit.py) -> respond (responses.py / streaming.py).
 """
 
-from nanoserve.server.routes import chat, completions, system
+from nanoserve.server.routes import chat, completions, sagemaker, system, tokenize
 
-ROUTERS = [completions.router, chat.router, system.router]
+ROUTERS = [completions.router, chat.router, tokenize.router, sagemaker.router, system.router]
 
 __all__ = ["ROUTERS"]

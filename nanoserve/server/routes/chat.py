@@ -13,6 +13,7 @@ from nanoserve.server.convert import prepare_chat
 from nanoserve.server.protocol import ChatCompletionRequest
 from nanoserve.server.responses import chat_response
 from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
+from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import EventStreamResponse, chat_events
 from nanoserve.server.submit import add_requests, wait_for_outputs
 
@@ -23,11 +24,15 @@ router = v1_router()
 async def create_chat_completion(request: Request, server: Server,
                                  req: Annotated[ChatCompletionRequest, json_body(ChatCompletionRequest)]
                                  ) -> Response:
+    return await chat(request, server, req)
+
+
+async def chat(request: Request, server: OpenAIServer, req: ChatCompletionRequest) -> Response:
+    """A parsed chat request -> its response (also what POST /invocations runs for a chat body)."""
     prepared = prepare_chat(server, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "messages")
     if req.stream:
-        return EventStreamResponse(chat_events(server, request_id, req, streams[0], prepared.params,
-                                               prepared.chat), streams)
+        return EventStreamResponse(chat_events(server, request_id, req, prepared, streams[0]), streams)
     [output] = await wait_for_outputs(request, streams, req, "messages")
-    return JSONResponse(chat_response(server, request_id, req, output, prepared.chat).model_dump())
+    return JSONResponse(chat_response(server, request_id, req, prepared, output).model_dump())

@@ -3,8 +3,8 @@ behind the API-key check), and `json_body` / `request_body` (parse a body strict
 /openapi.json).
 
 Bodies are parsed by pydantic straight from the bytes (model_validate_json) rather than by FastAPI's body
-parameter: that keeps JSON-mode strict parsing, accepts any Content-Type as JSON, and lets
-describe_validation_error name the field. `request_body` puts the same model's schema into the OpenAPI
+parameter: that keeps JSON-mode strict parsing and lets describe_validation_error name the field. A body sent
+with a Content-Type other than application/json gets vLLM's answer (400, "Unsupported Media Type"). `request_body` puts the same model's schema into the OpenAPI
 document, so the API's description still shows every field.
 """
 
@@ -38,9 +38,9 @@ async def check_api_key(request: Request, server: Server) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'", code="invalid_api_key")
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
     if not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
-        raise APIError(401, "invalid API key", code="invalid_api_key")
+        raise APIError(401, "invalid API key")
 
 
 def v1_router() -> APIRouter:
@@ -48,10 +48,21 @@ def v1_router() -> APIRouter:
     return APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
 
 
+UNSUPPORTED_MEDIA_TYPE = "Unsupported Media Type: Only 'application/json' is allowed"
+
+
+def check_json_content_type(request: Request) -> None:
+    """A 400 unless the body is declared as JSON (parameters such as charset are fine), as vLLM answers."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(400, UNSUPPORTED_MEDIA_TYPE)
+
+
 def json_body(model: type[P.RequestModel]) -> Any:
     """A dependency giving the request body parsed as `model`; a bad body is a 400 naming the field. Use it as
     `req: Annotated[Model, json_body(Model)]`."""
     async def parse(request: Request) -> P.RequestModel:
+        check_json_content_type(request)
         body = await request.body()
         try:
             req = model.model_validate_json(body)

@@ -13,6 +13,7 @@ from nanoserve.server.convert import prepare_completion
 from nanoserve.server.protocol import CompletionRequest
 from nanoserve.server.responses import completion_response
 from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
+from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import EventStreamResponse, completion_events
 from nanoserve.server.submit import add_requests, wait_for_outputs
 
@@ -22,10 +23,15 @@ router = v1_router()
 @router.post("/completions", openapi_extra=request_body(CompletionRequest))
 async def create_completion(request: Request, server: Server,
                             req: Annotated[CompletionRequest, json_body(CompletionRequest)]) -> Response:
+    return await complete(request, server, req)
+
+
+async def complete(request: Request, server: OpenAIServer, req: CompletionRequest) -> Response:
+    """A parsed completion request -> its response (also what POST /invocations runs for a completion body)."""
     prepared = prepare_completion(server, req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "prompt")
     if req.stream:
-        return EventStreamResponse(completion_events(server, request_id, req, streams, prepared.params), streams)
+        return EventStreamResponse(completion_events(server, request_id, req, prepared, streams), streams)
     outputs = await wait_for_outputs(request, streams, req, "prompt")
-    return JSONResponse(completion_response(server, request_id, req, outputs).model_dump())
+    return JSONResponse(completion_response(server, request_id, req, prepared, outputs).model_dump())

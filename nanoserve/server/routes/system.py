@@ -1,11 +1,13 @@
-"""The server's own routes: GET /health (200, or 503 naming why not), GET /metrics (Prometheus), and
-GET /v1/models (the one served model, behind the API key)."""
+"""The server's own routes: GET /health (200, or 503 naming why not), GET /metrics (Prometheus), GET /version,
+GET /load (requests in flight, with --enable-server-load-tracking; else 0) and GET /v1/models (the served model
+names, behind the API key)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
+import nanoserve
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError
 from nanoserve.server.routes.common import Server, check_api_key
@@ -15,24 +17,35 @@ router = APIRouter()
 
 @router.get("/v1/models", dependencies=[Depends(check_api_key)])
 async def list_models(server: Server) -> JSONResponse:
-    card = P.ModelCard(id=server.model_name, root=server.engine.config.model, max_model_len=server.max_model_len)
-    return JSONResponse(P.ModelList(data=[card]).model_dump())
+    cards = [P.ModelCard(id=name, root=server.engine.config.model, max_model_len=server.max_model_len)
+             for name in server.model_names]
+    return JSONResponse(P.ModelList(data=cards).model_dump())
+
+
+@router.get("/version")
+async def version() -> JSONResponse:
+    return JSONResponse({"version": nanoserve.__version__})
+
+
+@router.get("/load")
+async def load(server: Server) -> JSONResponse:
+    """Generation requests in flight (vLLM's server_load; 0 unless --enable-server-load-tracking)."""
+    return JSONResponse({"server_load": server.server_load})
 
 
 @router.get("/health")
 async def health(server: Server) -> Response:
     engine = server.engine
     if engine.dead_error is not None:
-        return APIError(503, f"the engine has stopped after an error: {engine.dead_error}",
-                        code="engine_dead").response()
+        return APIError(503, f"the engine has stopped after an error: {engine.dead_error}").response()
     if not engine.is_running:
-        return APIError(503, "the engine loop is not running", code="engine_not_running").response()
+        return APIError(503, "the engine loop is not running").response()
     try:
         # reads worker state only (no collective): a tensor-parallel worker that died while the server was
         # idle shows here before any request trips over it
         engine.engine.executor.check_health()
     except Exception as exc:  # noqa: BLE001 - any failure means unhealthy
-        return APIError(503, f"the engine is unhealthy: {exc}", code="engine_dead").response()
+        return APIError(503, f"the engine is unhealthy: {exc}").response()
     return JSONResponse({"status": "ok"})
 
 

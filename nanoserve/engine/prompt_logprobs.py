@@ -1,0 +1,84 @@
+"""Prompt logprobs: for every prompt token after the first, its log-probability under the model given the tokens
+before it, its rank in the vocabulary, and the top-N alternatives (SamplingParams.prompt_logprobs = N).
+
+The model runner computes the LM head on the prompt rows of the requests that asked for them (only those) and
+returns those logits beside the sampling rows'. The logits at prompt position p predict token p + 1, so a prefill
+chunk covering positions [start, end) yields the logprobs of prompt tokens start + 1 .. end (token `end` only if
+it is still a prompt token: the last prompt position's logits are the ones the first output token is drawn from).
+
+Like the sampler, this is split in two for overlap scheduling: `compute` queues the work on the device (no wait),
+`to_host` waits and builds the per-position dicts. The values are of the raw logits (no sampling step touches
+them), log-softmaxed unless the engine's logprobs_mode reports logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoserve.engine.outputs import Logprob
+
+
+@dataclass
+class PromptLogprobRows:
+    """Which prompt positions of one sequence a step's extra logits rows belong to: rows [row, row + count) give
+    the logprobs of prompt tokens first_token .. first_token + count - 1."""
+
+    seq_id: int
+    first_token: int
+    count: int
+    num_top: int  # top alternatives wanted (prompt_logprobs; -1 resolved to the vocabulary size)
+
+
+@dataclass
+class DevicePromptLogprobs:
+    """A step's prompt logprobs, still on the device (see `compute`)."""
+
+    rows: list[PromptLogprobRows]
+    targets: list[int]  # per row, the prompt token whose logprob it gives
+    target_logprob: torch.Tensor  # [K]
+    target_rank: torch.Tensor  # [K] 1 = the most likely token
+    top_logprobs: torch.Tensor | None  # [K, k], k = the largest num_top of the step
+    top_ids: torch.Tensor | None
+
+
+def compute(logits: torch.Tensor, rows: list[PromptLogprobRows], targets: list[int], as_logits: bool = False
+            ) -> DevicePromptLogprobs:
+    """logits [K, V] (K = sum of the rows' counts, in order) -> the logprob and rank of each target token and the
+    top-k, queued on the device. `as_logits`: report the logits themselves (logprobs_mode *_logits)."""
+    values = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
+    idx = torch.tensor(targets, dtype=torch.long)
+    if values.device.type == "cuda":
+        idx = idx.pin_memory().to(values.device, non_blocking=True)
+    target = values.gather(1, idx[:, None])[:, 0]
+    # rank as vLLM counts it: 1 + the number of tokens strictly more likely
+    rank = (values > target[:, None]).sum(dim=-1) + 1
+    k = min(max((r.num_top for r in rows), default=0), values.shape[-1])
+    top_vals = top_ids = None
+    if k:
+        top_vals, top_ids = values.topk(k, dim=-1)
+    return DevicePromptLogprobs(rows, targets, target, rank, top_vals, top_ids)
+
+
+def to_host(dev: DevicePromptLogprobs, decode) -> dict[int, list[tuple[int, dict[int, Logprob]]]]:
+    """Wait for `dev` and build, per sequence id, (prompt position, {token id: Logprob}) pairs: the prompt token
+    first, then its top-N alternatives. `decode(token_id) -> str` gives each Logprob's decoded_token."""
+    target_lp = dev.target_logprob.tolist()
+    target_rank = dev.target_rank.tolist()
+    top_vals = dev.top_logprobs.tolist() if dev.top_logprobs is not None else None
+    top_ids = dev.top_ids.tolist() if dev.top_ids is not None else None
+    out: dict[int, list[tuple[int, dict[int, Logprob]]]] = {}
+    row = 0
+    for r in dev.rows:
+        entries = out.setdefault(r.seq_id, [])
+        for j in range(r.count):
+            token = dev.targets[row]
+            d = {token: Logprob(target_lp[row], target_rank[row], decode(token))}
+            for rank in range(r.num_top):
+                alt = top_ids[row][rank]
+                if alt not in d:
+                    d[alt] = Logprob(top_vals[row][rank], rank + 1, decode(alt))
+            entries.append((r.first_token + j, d))
+            row += 1
+    return out
