@@ -109,6 +109,17 @@ class Optimizations:
     fused_add_rmsnorm: bool = switch(
         True, KERNEL, "kernels/norm_rope.py", "Gemma RMSNorm fused with the residual add",
         "kernels/reference.py add_gemma_rmsnorm", entry_points=("fused_add_rmsnorm",))
+    fused_rmsnorm: bool = switch(
+        True, KERNEL, "kernels/norm_rope.py", "a Gemma RMSNorm without a residual add (the first layer's input norm) "
+        "in one launch", "kernels/reference.py gemma_rmsnorm, about eight element-wise kernels",
+        entry_points=("fused_rmsnorm",))
+    rope_table: bool = switch(
+        True, MODEL, "model/m3.py", "RoPE cos/sin gathered from a table computed once per context length (one "
+        "launch per step)", "kernels/reference.py rope_cos_sin from the positions, four launches")
+    captured_argmax: bool = switch(
+        True, MODEL, "runner/cuda_graphs.py", "the decode graph also takes each row's argmax, and a batch of plain "
+        "greedy rows (temperature 0, no logprobs, no logit processing) takes its tokens from it (MODEL: it changes "
+        "what a graph records)", "the sampler copies the logits and launches its own argmax after the replay")
     fast_input_prep: bool = switch(
         True, ENGINE, "runner/input_prep.py",
         "build a step's input tensors with numpy into pinned buffers, one host-to-device copy per dtype",

@@ -3,6 +3,7 @@
     python -m nanoserve.bench                                   # W1, W2, W4, W5, W6 on nanoserve (m3-slice on a GPU)
     python -m nanoserve.bench --workloads W1,W2 --engine both --hf-modes eager,static --out results/
     python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table
+    python -m nanoserve.bench --workloads W1 --ablate-switches rope_table,captured_argmax   # just those rows
     python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile
     python -m nanoserve.bench --profile W4 --w4-lens 131072     # W4: the prefill profile too (TTFT)
     python -m nanoserve.bench --profile-prefill W2 --prefill-chunk 4096   # prefill steps of 4096 tokens
@@ -53,6 +54,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--w4-lens", default=None, help="W4 prompt lengths, e.g. 32768,131072")
     ap.add_argument("--ablate", action="store_true", help="ablation table for the selected workloads (default W1)")
+    ap.add_argument("--ablate-switches", default=None, metavar="A,B",
+                    help="with --ablate: flip only these switches (beside the all-on row)")
     ap.add_argument("--profile", default=None, help="profile decode steps of these workloads, e.g. W1,W2")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--profile-prefill", default=None, help="profile the whole prefill of these workloads (per "
@@ -107,6 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     names = _names(args.workloads)
     profile_names = _names(args.profile)
     prefill_names = _names(args.profile_prefill) + [n for n in profile_names if n == "W4"]
+    only = [n.strip() for n in (args.ablate_switches or "").split(",") if n.strip()] or None
+    if only:
+        from nanoserve.config import Optimizations
+
+        bad = [n for n in only if n not in Optimizations.names()]
+        if bad:
+            raise SystemExit(f"unknown switch(es) {', '.join(bad)}; choose from {', '.join(Optimizations.names())}")
+        args.ablate = True
     if args.ablate and not names:
         names = ["W1"]
     elif not names and not profile_names and not prefill_names and not args.serve:
@@ -133,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         if session.part("build nanoserve", lambda: session.build_nano(wls + prof_wls + prefill_wls)) is not None:
             for wl in wls:
                 if args.ablate:
-                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl))
+                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl, only))
                 else:
                     session.part(f"nanoserve {wl.name}", lambda wl=wl: session.run_nano(wl))
             for wl in prof_wls:

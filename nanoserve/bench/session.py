@@ -201,7 +201,7 @@ class BenchSession:
         self.say(report.runs_table([res.as_dict()]))
         return res
 
-    def ablate(self, wl: Workload) -> dict:
+    def ablate(self, wl: Workload, only: list[str] | None = None) -> dict:
         from nanoserve.bench.ablation import ablate
 
         partial = {"workload": wl.name, "rows": []}
@@ -211,7 +211,7 @@ class BenchSession:
             partial["rows"].append(row)
             self.results.flush()
 
-        abl = ablate(self.nano, wl, self.switch_notes, self.cfg.model, self.meta, on_row=on_row)
+        abl = ablate(self.nano, wl, self.switch_notes, self.cfg.model, self.meta, on_row=on_row, only=only)
         self.results.data["ablations"][self.results.data["ablations"].index(partial)] = abl
         self.results.flush()
         self.say(abl["table"])

@@ -230,7 +230,7 @@ class LLMEngine:
         # structured outputs: the constrained rows' token masks, filled on the host while the forward runs
         grammar = self.structured_output.bitmask(sampled) if sampled else None
         # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
-        sample = self.sampler.sample(logits, sampled, grammar) if sampled else None
+        sample = self.sampler.sample(logits, sampled, grammar, self.executor.last_argmax()) if sampled else None
         self.scheduler.update_after_step(sched)
         return LaunchedStep(sampled, sample)
 

@@ -26,6 +26,8 @@ from nanoserve.model.layers.moe import M3MoE
 from nanoserve.model.layers.norm import GemmaRMSNorm
 from nanoserve.model.m3_config import M3Config
 
+ROPE_TABLE_MIN = 4096
+"""Smallest RoPE table (positions) under the rope_table switch; it doubles as longer contexts arrive."""
 MSA_TOPK_REUSE_EVERY = 2
 """Under the msa_topk_reuse approximation, MSA layers compute a fresh selection every this many layers."""
 
@@ -75,11 +77,15 @@ class M3ForCausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.register_buffer("inv_freq", reference.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
                              persistent=False)
+        # switch rope_table: (cos, sin) of positions 0 .. len-1, [len, 2, rotary_dim / 2] fp32, grown on demand.
+        # Replaced tables stay referenced: a decode graph captured earlier still reads the one it was captured with.
+        self.rope_table: torch.Tensor | None = None
+        self._old_rope_tables: list[torch.Tensor] = []
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        rope = reference.rope_cos_sin(positions, self.inv_freq)
+        rope = self.rope(positions, meta.max_seq_len)
         x = self.embed_tokens(input_ids)
         residual = None
         selection = None
@@ -95,6 +101,23 @@ class M3ForCausalLM(nn.Module):
                 selection = sel
         x, _ = self.norm(x, residual)
         return x
+
+    def rope(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) [T, rotary_dim / 2] fp32 for positions < max_seq_len. Switch `rope_table`: one gather
+        from a table that `reference.rope_cos_sin` computed for every position (the same element-wise ops, so the
+        same values); off: computed from the positions, four launches per step."""
+        if not self.opts.rope_table:
+            return reference.rope_cos_sin(positions, self.inv_freq)
+        table = self.rope_table
+        if table is None or table.shape[0] < max_seq_len:
+            size = max(max_seq_len, 2 * table.shape[0] if table is not None else ROPE_TABLE_MIN)
+            size = max(max_seq_len, min(size, self.cfg.max_position_embeddings))
+            if table is not None:
+                self._old_rope_tables.append(table)
+            cos, sin = reference.rope_cos_sin(torch.arange(size, device=self.inv_freq.device), self.inv_freq)
+            table = self.rope_table = torch.stack([cos, sin], dim=1)
+        picked = table.index_select(0, positions)
+        return picked[:, 0], picked[:, 1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
