@@ -77,7 +77,7 @@ def test_sampler_uses_captured_argmax_only_for_plain_greedy_rows():
     for _ in range(5):
         logits = torch.randn(4, 1000, generator=gen)
         argmax = logits.argmax(-1)
-        got = sampler.sample(logits, plain, argmax)
+        got = sampler.sample(logits, plain, argmax=argmax)
         assert torch.equal(got.token_ids, sampler.sample(logits, plain).token_ids)
         argmax.fill_(-1)  # the next replay overwrites the buffer: the draw must not change
         assert got.token_ids.tolist() == logits.argmax(-1).tolist()
@@ -90,7 +90,7 @@ def test_sampler_uses_captured_argmax_only_for_plain_greedy_rows():
         logits = torch.randn(4, 1000, generator=gen)
         wrong = torch.zeros(4, dtype=torch.long)  # a buffer that is not the answer: it must not be used
         sampler.generator.manual_seed(11)
-        got = sampler.sample(logits, seqs, wrong).token_ids
+        got = sampler.sample(logits, seqs, argmax=wrong).token_ids
         sampler.generator.manual_seed(11)
         assert torch.equal(got, sampler.sample(logits, seqs).token_ids), params
 
