@@ -45,6 +45,12 @@ class Optimizations:
     overlap_scheduling: bool = True
     """engine/llm_engine.py: schedule and launch step N+1 before detokenising step N's tokens, so the host work on
     outputs runs while the device computes (off: each step waits for its tokens and finishes them first)."""
+    mxfp8_weights: bool = True
+    """kernels/fp8_linear.py, kernels/moe.py: keep an MXFP8 checkpoint's fp8 weights + E8M0 scales on the device and
+    dequantise in registers (off: dequantise to bf16 at load). No effect on bf16 checkpoints."""
+    triton_fp8_linear: bool = True
+    """kernels/fp8_linear.py: the Triton GEMM for MXFP8 weights (dequantised in registers) in every quantized linear
+    (off: kernels/reference.py fp8_linear, dequantise then F.linear)."""
     msa_topk_reuse: bool = False
     """APPROXIMATION (changes outputs): reuse one MSA layer's block selection in the next layer(s)."""
 
@@ -90,6 +96,7 @@ SWITCH_ALIASES: dict[str, tuple[str, bool]] = {
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "mxfp8")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_TOKENS = 32768
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -103,6 +110,9 @@ class EngineConfig:
     """A checkpoint directory or a preset name (m3-tiny, m3-slice) with random weights."""
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
+    """Weight format: None = the checkpoint's (bf16, or MXFP8 when config.json says so); "mxfp8" also quantises a
+    bf16 checkpoint or preset at load (vLLM's `--quantization`)."""
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int | None = None
@@ -171,6 +181,7 @@ class EngineConfig:
         need(self.tokenizer is None or (isinstance(self.tokenizer, str) and bool(self.tokenizer)), "tokenizer",
              "a tokenizer directory or None")
         need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
+        need(self.quantization in QUANTIZATIONS, "quantization", "None or 'mxfp8'")
         need(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
         int_in("max_model_len", 1, optional=True)
         int_in("block_size", 1, optional=True)

@@ -12,7 +12,7 @@ from nanoserve.config import Optimizations
 
 CPU_REFERENCE = Optimizations().replace(triton_attention=False, triton_msa=False, fused_moe=False,
                                         fold_shared_expert=False, fused_qk_norm_rope=False, fused_add_rmsnorm=False,
-                                        cuda_graphs=False)
+                                        triton_fp8_linear=False, cuda_graphs=False)
 """Triton kernels off: on the CPU they run in the (slow) interpreter; these tests are about the sharding."""
 
 
