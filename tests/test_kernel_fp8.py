@@ -20,7 +20,7 @@ import torch
 
 from nanoserve.kernels import reference
 from nanoserve.kernels.fp8_linear import LinearTiles, fp8_linear
-from nanoserve.kernels.moe import fused_moe
+from nanoserve.kernels.moe import GemmTiles, MoEConfig, fused_moe
 from nanoserve.model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
 RTOL = {torch.float32: 1e-5, torch.float16: 1e-2}
@@ -55,12 +55,14 @@ def test_quantize_roundtrip_is_the_checkpoint_rule():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("m,n,k,split", [(1, 96, 128, None), (5, 64, 192, 3), (37, 80, 96, 1), (16, 33, 320, 2)])
-def test_fp8_linear_matches_reference(dtype, m, n, k, split):
+@pytest.mark.parametrize("m,n,k,split,block_m", [(1, 96, 128, None, 16), (5, 64, 192, 3, 16),
+                                                 (37, 80, 96, 1, 64), (16, 33, 320, 2, 64)])
+def test_fp8_linear_matches_reference(dtype, m, n, k, split, block_m):
+    """Row tiles of 16 scale the accumulator per 32-column block; of 64, dequantise the weight tile first."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w, s = mx_weight(n, k, gen, std=1.0 / k ** 0.5)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    got = fp8_linear(x, w, s, split_k=split)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(block_m, 32, 64, 4, 1), split_k=split)
     assert got.dtype == dtype and got.shape == (m, n)
     close(got, reference.fp8_linear(x, w, s), dtype)
 
@@ -90,10 +92,12 @@ def make_mx_experts(slots: int, hidden: int, inter: int, gen: torch.Generator):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("tokens,fold,use_map", [(3, False, False), (21, True, False), (9, True, True)])
-def test_fused_moe_fp8_experts_match_reference(dtype, tokens, fold, use_map):
+@pytest.mark.parametrize("tokens,fold,use_map,block_m", [(3, False, False, 16), (21, True, False, 64),
+                                                         (9, True, True, 16)])
+def test_fused_moe_fp8_experts_match_reference(dtype, tokens, fold, use_map, block_m):
     """Routed experts (+ the folded shared expert in the last slot, + an expert-parallel map) with MXFP8
-    weights: the kernel dequantises in registers, the reference per expert; the SwiGLU-OAI epilogue is shared."""
+    weights: the kernel dequantises in registers (BLOCK_M 16: scales on the accumulator per 32 columns; 64: the
+    weight tile dequantised before the dot), the reference per expert; the SwiGLU-OAI epilogue is shared."""
     experts, top_k, hidden, inter = 6, 2, 64, 96
     gen = torch.Generator().manual_seed(tokens * 10 + fold)
     slots = experts + int(fold)
@@ -107,7 +111,8 @@ def test_fused_moe_fp8_experts_match_reference(dtype, tokens, fold, use_map):
         emap[2:] = torch.arange(experts - 2, dtype=torch.int32)
         emap = emap.to(DEVICE)
     got = fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, expert_map=emap,
-                    routed_scaling_factor=SCALE, fold_shared=fold, w13_scale=s13, w2_scale=s2)
+                    routed_scaling_factor=SCALE, fold_shared=fold, w13_scale=s13, w2_scale=s2,
+                    config=MoEConfig(block_m, 1, GemmTiles(32, 32, 4, 1), GemmTiles(32, 64, 4, 1)))
     routed_w13 = w13[:experts] if not fold else w13[:-1]
     want = reference.moe_experts(x, routed_w13, w2[: routed_w13.shape[0]], ids, weights, ALPHA, LIMIT, emap,
                                  s13[: routed_w13.shape[0]], s2[: routed_w13.shape[0]]).float() * SCALE

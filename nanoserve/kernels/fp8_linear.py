@@ -12,8 +12,11 @@ the GPU, fp32/fp16 under the CPU interpreter), accumulating in fp32.
 
 Small batches (decode) are bandwidth-bound and have few output tiles, so K is split across programs (SPLIT_K)
 until the grid covers the GPU a few times over; the fp32 partials are summed by one torch reduction (deterministic,
-no atomics). Large batches use square-ish tiles and no split. The same kernel serves every M: activations are not
-quantised (no fp8 tensor-core path yet).
+no atomics). Large batches use square-ish tiles and no split. Small row tiles apply the scales on the fp32
+accumulator one 32-column block at a time (`scaled_block_dot`: a [BLOCK_N] vector of factors per block instead of
+one scale load per weight); large ones dequantise the whole weight tile in registers before a single dot. The
+same kernel serves every M. Activations are not quantised: Hopper has no block-scaled MMA, and applying a scale
+per 32 columns on the accumulator of an fp8 dot costs about as much as the bf16 MMA it would replace.
 
 The plain-PyTorch reference is `reference.fp8_linear` (dequantise, then F.linear).
 """
@@ -29,6 +32,10 @@ import triton.language as tl
 from nanoserve.kernels.configs import backend, sm_count
 
 MXFP8_BLOCK = 32
+SCALE_ACC_MAX_M = 32
+"""Row tiles up to this size scale the accumulator per 32-column block (few rows: the extra multiplies are cheap
+and the scale loads shrink 32x); larger ones dequantise the weight tile before one dot (the multiplies amortise
+over the rows)."""
 
 
 @dataclass(frozen=True)
@@ -90,11 +97,30 @@ def dequant_fp8_tile(w_ptrs, s_ptrs, mask, out_dtype: tl.constexpr, MASKED: tl.c
     return (w.to(tl.float32) * _e8m0_to_float(s)).to(out_dtype)
 
 
+@triton.jit
+def scaled_block_dot(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, k, BLOCK_K: tl.constexpr, dot_dtype: tl.constexpr):
+    """acc += sum over the BLOCK_K // 32 scale blocks from column k of (a_blk @ fp8_blk) * 2^(s - 127).
+
+    The small-M form: each 32-column block is a bf16 dot of exact fp8 values, scaled on the fp32 accumulator by a
+    [BLOCK_N] vector of factors, so the scales are BLOCK_N byte loads per block (not one per weight) and every
+    load is a contiguous 32-byte row. `a_ptrs` [BLOCK_M, 32], `w_ptrs` [32, BLOCK_N], `s_ptrs` [BLOCK_N] point at
+    column block 0; full K tiles only (no K mask)."""
+    for j in tl.static_range(BLOCK_K // 32):
+        if a_mask is None:
+            a = tl.load(a_ptrs + k + j * 32)
+        else:
+            a = tl.load(a_ptrs + k + j * 32, mask=a_mask, other=0.0)
+        w = tl.load(w_ptrs + k + j * 32).to(dot_dtype)
+        f = _e8m0_to_float(tl.load(s_ptrs + k // 32 + j))
+        acc += tl.dot(a, w, input_precision="ieee") * f[None, :]
+    return acc
+
+
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                        stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALE_ACC: tl.constexpr):
     """out[split, m, n] = sum over this split's K range of x[m, k] * W[n, k]."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
@@ -117,6 +143,14 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
     s_ptrs = s_ptr + w_rows[None, :] * stride_sn + ks[:, None] // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = tl.minimum(k0 + k_per_split, K)
+    if SCALE_ACC:  # small M, full K tiles: scales applied per 32-column block on the accumulator
+        k32 = tl.arange(0, 32)
+        a32 = x_ptr + x_rows[:, None] * stride_xm + k32[None, :]
+        w32 = w_ptr + w_rows[None, :] * stride_wn + k32[:, None]
+        s32 = s_ptr + w_rows * stride_sn
+        for k in range(k0, k_end, BLOCK_K):
+            acc = scaled_block_dot(acc, a32, None, w32, s32, k, BLOCK_K, x_ptr.dtype.element_ty)
+        k_end = k0  # nothing left for the general loop below
     for k in range(k0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs)
@@ -158,12 +192,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
     split = triton.cdiv(k, k_per_split)
     out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    even_k = k % t.block_k == 0 and k_per_split % t.block_k == 0
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     _fp8_linear_kernel[grid](
         x2, weight, scale, out, m, n, k, k_per_split,
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
-        EVEN_K=k % t.block_k == 0 and k_per_split % t.block_k == 0,
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        EVEN_K=even_k, SCALE_ACC=even_k and t.block_m <= SCALE_ACC_MAX_M, num_warps=t.num_warps,
+        num_stages=t.num_stages)
     y = out[0] if split == 1 else out.sum(0).to(x.dtype)
     return y.reshape(*lead, n)

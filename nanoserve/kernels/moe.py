@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
-from nanoserve.kernels.fp8_linear import dequant_fp8_tile
+from nanoserve.kernels.fp8_linear import SCALE_ACC_MAX_M, dequant_fp8_tile, scaled_block_dot
 from nanoserve.kernels.moe_align import moe_align, pair_expert
 
 MAX_TOKENS_PER_CALL = 16384
@@ -155,7 +155,8 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       num_pairs, num_blocks, inter, hidden, stride_xt, stride_we, stride_wn, stride_ar,
                       alpha, limit, s13_ptr, stride_se, stride_sn,
                       KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
+                      SCALE_ACC: tl.constexpr):
     """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -177,7 +178,19 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
     up_s_ptrs = gate_s_ptrs + inter * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, hidden, BLOCK_K):
+    k_end = hidden
+    if SCALE_ACC:  # MXFP8, small BLOCK_M, full K tiles: scales on the accumulator per 32 columns (fp8_linear.py)
+        k32 = tl.arange(0, 32)
+        a32 = x_ptr + token[:, None] * stride_xt + k32[None, :]
+        g32 = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + k32[:, None]
+        gs32 = s13_ptr + expert.to(tl.int64) * stride_se + w_rows * stride_sn
+        for k in range(0, hidden, BLOCK_K):
+            acc_gate = scaled_block_dot(acc_gate, a32, real[:, None], g32, gs32, k, BLOCK_K,
+                                        x_ptr.dtype.element_ty)
+            acc_up = scaled_block_dot(acc_up, a32, real[:, None], g32 + inter * stride_wn, gs32 + inter * stride_sn,
+                                      k, BLOCK_K, x_ptr.dtype.element_ty)
+        k_end = 0
+    for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
             if W_FP8:
@@ -217,7 +230,8 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
                           num_pairs, num_blocks, hidden, inter, stride_ar, stride_we, stride_wn, stride_ct,
                           routed_scale, s2_ptr, stride_se, stride_sn,
                           TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr):
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
+                          SCALE_ACC: tl.constexpr):
     """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared)."""
     KP: tl.constexpr = TOPK + FOLD
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -233,7 +247,16 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
     s_ptrs = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[None, :] * stride_sn + ks[:, None] // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, inter, BLOCK_K):
+    k_end = inter
+    if SCALE_ACC:
+        k32 = tl.arange(0, 32)
+        a32 = act_ptr + rows[:, None].to(tl.int64) * stride_ar + k32[None, :]
+        w32 = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + k32[:, None]
+        s32 = s2_ptr + expert.to(tl.int64) * stride_se + w_rows * stride_sn
+        for k in range(0, inter, BLOCK_K):
+            acc = scaled_block_dot(acc, a32, None, w32, s32, k, BLOCK_K, act_ptr.dtype.element_ty)
+        k_end = 0
+    for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
             if W_FP8:
@@ -354,7 +377,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         float(alpha), float(limit), s13, s13.stride(0), s13.stride(1),
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8, num_warps=up.num_warps, num_stages=up.num_stages)
+        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
+        SCALE_ACC=w_fp8 and hidden % up.block_k == 0 and cfg.block_m <= SCALE_ACC_MAX_M,
+        num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
     down = cfg.down
@@ -363,7 +388,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
         copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1),
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8, num_warps=down.num_warps,
+        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
+        SCALE_ACC=w_fp8 and inter % down.block_k == 0 and cfg.block_m <= SCALE_ACC_MAX_M, num_warps=down.num_warps,
         num_stages=down.num_stages)
 
     out = torch.empty_like(x)
