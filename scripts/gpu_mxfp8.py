@@ -115,8 +115,8 @@ def kernel_checks(dev: torch.device) -> None:
 
 def accuracy(dev: torch.device) -> None:
     from nanoserve.config import Optimizations
-    from nanoserve.model.attention_metadata import AttentionMetadata
-    from nanoserve.model.kv_cache import allocate_kv_caches
+    from nanoserve.batch import AttentionMetadata
+    from nanoserve.runner.kv_cache import allocate_kv_caches
     from nanoserve.presets.resolve import load_model_or_preset
 
     g = torch.Generator().manual_seed(5)

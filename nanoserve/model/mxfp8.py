@@ -1,13 +1,17 @@
 """The MXFP8 weight format of M3 checkpoints: fp8 e4m3 weights plus one E8M0 exponent per 1x32 block.
 
 A quantized weight `W` [out, in] is stored as `W` (float8_e4m3fn, same shape) and `W_scale_inv` (uint8
-[out, in / 32]) with W[o, i] = fp8[o, i] * 2^(S[o, i // 32] - 127). The loader dequantises with
-`dequantize_mxfp8`; the preset checkpoint maker writes the format with `quantize_mxfp8`.
+[out, in / 32]) with W[o, i] = fp8[o, i] * 2^(S[o, i // 32] - 127). The rule itself, `dequantize_mxfp8`, lives in
+kernels/reference.py beside the fp8 kernels it is the reference of; the loader keeps the fp8 weights (the
+`mxfp8_weights` switch) or dequantises them with it, and the preset checkpoint maker writes the format with
+`quantize_mxfp8` (or `QuantizeOnLoad` serves bf16 weights as MXFP8).
 """
 
 from __future__ import annotations
 
 import torch
+
+from nanoserve.kernels.reference import dequantize_mxfp8  # noqa: F401 - the rule, beside the kernels' other references
 
 MXFP8_BLOCK = 32
 E8M0_BIAS = 127
@@ -25,12 +29,6 @@ def quantize_mxfp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     exp = torch.ceil(torch.log2(amax / FP8_E4M3_MAX)).clamp(-E8M0_BIAS, 127)
     q = (blocks / torch.exp2(exp)[..., None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return q.reshape(out_f, in_f), (exp + E8M0_BIAS).to(torch.uint8)
-
-
-def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """Inverse of quantize_mxfp8 (and the checkpoint's rule): W[o, i] = fp8[o, i] * 2^(S[o, i // 32] - 127)."""
-    factor = torch.exp2(scale.float() - E8M0_BIAS).repeat_interleave(MXFP8_BLOCK, dim=-1)[..., : q.shape[-1]]
-    return (q.float() * factor).to(dtype)
 
 
 QUANT_METHODS = ("mxfp8",)
