@@ -35,17 +35,18 @@ MSA_TOPK_REUSE_EVERY = 2
 class M3DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then FFN, each behind a Gemma RMSNorm."""
 
-    def __init__(self, cfg: M3Config, idx: int, opts: Optimizations, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: M3Config, idx: int, opts: Optimizations, dtype: torch.dtype, device: torch.device | str,
+                 quant: str | None = None):
         super().__init__()
         self.idx = idx
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts, device)
-        self.self_attn = M3Attention(cfg, idx, opts, dtype, device)
+        self.self_attn = M3Attention(cfg, idx, opts, dtype, device, quant)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts, device)
         if cfg.is_moe(idx):
-            self.mlp: nn.Module = M3MoE(cfg, opts, dtype, device)
+            self.mlp: nn.Module = M3MoE(cfg, opts, dtype, device, quant)
         else:
             self.mlp = SwiGLUOAIMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
-                                    cfg.swiglu_limit, dtype, device)
+                                    cfg.swiglu_limit, dtype, device, quant=quant, opts=opts)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -62,16 +63,24 @@ class M3DecoderLayer(nn.Module):
 
 class M3ForCausalLM(nn.Module):
     """The whole text model. `forward` returns final hidden states; `compute_logits` applies the LM head to the
-    rows the caller needs (usually each sequence's last token), in fp32."""
+    rows the caller needs (usually each sequence's last token), in fp32.
+
+    `quantization` is the checkpoint's weight format: None (bf16) or "mxfp8". With "mxfp8" and the
+    `mxfp8_weights` switch on, every quantized projection keeps its fp8 weights and E8M0 scales on the device
+    (`weight_format == "mxfp8"`); with it off they are dequantised to `dtype` at load (the reference path).
+    The embedding, lm_head, norms and router are never quantized."""
 
     def __init__(self, cfg: M3Config, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", quantization: str | None = None):
         super().__init__()
         self.cfg = cfg
         self.opts = opts if opts is not None else Optimizations()
         self.dtype = dtype
+        self.quantization = quantization
+        self.weight_format = quantization if quantization == "mxfp8" and self.opts.mxfp8_weights else None
+        quant = self.weight_format
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, self.opts, dtype, device)
+        self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, self.opts, dtype, device, quant)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.opts, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)

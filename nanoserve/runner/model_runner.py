@@ -49,7 +49,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         self.model, self.model_dir = load_model_or_preset(config.model, config.optimizations, self.dtype,
-                                                          self.device)
+                                                          self.device, config.quantization)
         self.model.eval()
         self.cfg: M3Config = self.model.cfg
         self.block_size = self.cfg.index_block_size
