@@ -109,6 +109,25 @@ class Optimizations:
     fused_add_rmsnorm: bool = switch(
         True, KERNEL, "kernels/norm_rope.py", "Gemma RMSNorm fused with the residual add",
         "kernels/reference.py add_gemma_rmsnorm", entry_points=("fused_add_rmsnorm",))
+    fused_rmsnorm: bool = switch(
+        True, KERNEL, "kernels/norm_rope.py", "a Gemma RMSNorm without a residual add (the first layer's input norm) "
+        "in one launch", "kernels/reference.py gemma_rmsnorm, about eight element-wise kernels",
+        entry_points=("fused_rmsnorm",))
+    mxfp8_weights: bool = switch(
+        True, MODEL, "model/layers/linear.py", "keep an MXFP8 checkpoint's fp8 weights + E8M0 scales as the "
+        "parameters of every quantized linear and of the expert stacks, dequantised inside the GEMM (MODEL, not "
+        "KERNEL: it decides the parameters' dtype when the model is built, and the plain-PyTorch path reads fp8 "
+        "too); no effect on bf16 checkpoints", "dequantise to the model dtype at load")
+    triton_fp8_linear: bool = switch(
+        True, KERNEL, "kernels/fp8_linear.py", "the Triton GEMM for MXFP8 weights (dequantised in registers) in every "
+        "quantized linear", "kernels/reference.py fp8_linear, dequantise then F.linear", entry_points=("fp8_linear",))
+    rope_table: bool = switch(
+        True, MODEL, "model/m3.py", "RoPE cos/sin gathered from a table computed once per context length (one "
+        "launch per step)", "kernels/reference.py rope_cos_sin from the positions, four launches")
+    captured_argmax: bool = switch(
+        True, MODEL, "runner/cuda_graphs.py", "the decode graph also takes each row's argmax, and a batch of plain "
+        "greedy rows (temperature 0, no logprobs, no logit processing) takes its tokens from it (MODEL: it changes "
+        "what a graph records)", "the sampler copies the logits and launches its own argmax after the replay")
     fast_input_prep: bool = switch(
         True, ENGINE, "runner/input_prep.py",
         "build a step's input tensors with numpy into pinned buffers, one host-to-device copy per dtype",
@@ -176,6 +195,7 @@ SWITCH_ALIASES: dict[str, tuple[str, bool]] = {
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = (None, "mxfp8")
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_TOKENS = 32768
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -189,6 +209,9 @@ class EngineConfig:
     """A checkpoint directory or a preset name (m3-tiny, m3-slice) with random weights."""
     tokenizer: str | None = None
     dtype: str = "auto"
+    quantization: str | None = None
+    """Weight format: None = the checkpoint's (bf16, or MXFP8 when config.json says so); "mxfp8" also quantises a
+    bf16 checkpoint or preset at load (vLLM's `--quantization`)."""
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int | None = None
@@ -257,6 +280,7 @@ class EngineConfig:
         need(self.tokenizer is None or (isinstance(self.tokenizer, str) and bool(self.tokenizer)), "tokenizer",
              "a tokenizer directory or None")
         need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
+        need(self.quantization in QUANTIZATIONS, "quantization", "None or 'mxfp8'")
         need(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
         int_in("max_model_len", 1, optional=True)
         int_in("block_size", 1, optional=True)

@@ -8,7 +8,8 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 if ls .whl/xgrammar-*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-    .whl/xgrammar-*.whl .whl/apache_tvm_ffi-*.whl && export PYTHONPATH=/tmp/site:$PWD
+    .whl/xgrammar-*.whl .whl/apache_tvm_ffi-*.whl .whl/pydantic-*.whl .whl/pydantic_core-*.whl \
+    .whl/annotated_types-*.whl .whl/typing_inspection-*.whl && export PYTHONPATH=/tmp/site:$PWD
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -18,3 +19,8 @@ echo "gpu tests exit $?"; tail -3 "$OUT/gpu_tests.txt"
 timeout "${BENCH_TIMEOUT:-390}" python3 -m nanoserve.bench --workloads "${WORKLOADS:-W1,W2,W2J,W4,W5}" \
   --w4-lens 32768,131072 --out "$OUT/bench" > "$OUT/bench_log.txt" 2>&1
 echo "bench exit $?"; tail -c 6000 "$OUT/bench_log.txt"
+if [ -n "${ABLATE_SWITCHES:-}" ]; then
+  timeout "${ABLATE_TIMEOUT:-200}" python3 -m nanoserve.bench --workloads W1 --ablate --ablate-switches "$ABLATE_SWITCHES" \
+    --out "$OUT/ablate" > "$OUT/ablate_log.txt" 2>&1
+  echo "ablation exit $?"; tail -c 3000 "$OUT/ablate_log.txt"
+fi

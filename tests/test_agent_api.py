@@ -288,25 +288,6 @@ def error_of(fn) -> dict:
     return err.value.body
 
 
-@pytest.mark.parametrize("extra, param, words", [
-    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools[0].function.name"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-     "tools[0].function.parameters.type", "must be 'object'"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
-     "tool_choice.function.name", "'get_time' is not one of the request's tools"),
-    ({"tool_choice": "required"}, "tool_choice", "tools must be set"),
-    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
-     "cannot be combined"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
-        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
-     "messages", "messages[1].tool_calls[0].function.arguments: not valid JSON"),
-    ({"continue_final_message": True}, "continue_final_message", "cannot be combined with add_generation_prompt"),
-    ({"chat_template_kwargs": {"thinking_mode": "maybe"}}, "messages", "thinking_mode must be"),
-    ({"use_beam_search": True}, "use_beam_search", "beam search"),
-    ({"prompt_logprobs": 2}, "prompt_logprobs", "not computed"),
-    ({"functions": [{"name": "f"}]}, "functions", "use tools"),
-    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options", "continuous_usage"),
-])
 def _check_call(call, tools_by_name) -> dict:
     assert call.type == "function" and call.id
     schema = tools_by_name[call.function.name]["parameters"]
@@ -358,6 +339,25 @@ def test_forced_tool_choice_emits_a_valid_call(client, choice, stream):
             assert call.function.name == "get_weather"
 
 
+@pytest.mark.parametrize("extra, param, words", [
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+     "tools[0].function.parameters.type", "must be 'object'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}}},
+     "tool_choice.function.name", "'get_time' is not one of the request's tools"),
+    ({"tool_choice": "required"}, "tool_choice", "tools must be set"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "cannot be combined"),
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
+        {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{oops"}}]}]},
+     "messages", "messages[1].tool_calls[0].function.arguments: not valid JSON"),
+    ({"continue_final_message": True}, "continue_final_message", "cannot be combined with add_generation_prompt"),
+    ({"chat_template_kwargs": {"thinking_mode": "maybe"}}, "messages", "thinking_mode must be"),
+    ({"use_beam_search": True}, "use_beam_search", "beam search"),
+    ({"priority": 1}, "priority", "first come, first served"),
+    ({"functions": [{"name": "f"}]}, "functions", "use tools"),
+    ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when stream is true"),
+])
 def test_bad_requests_name_the_field(client, extra, param, words):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}
     messages = body.pop("messages")

@@ -113,3 +113,44 @@ def test_greedy_generation_same_with_and_without_graphs(tiny_dir):
         assert (runner.graphs is not None and bool(runner.graphs.graphs)) == (not eager)
         llm.engine.shutdown()
     assert outs[False] == outs[True]
+
+
+@gpu
+@pytest.mark.gpu
+def test_captured_argmax_under_real_graphs(tiny_dir):
+    """Switch captured_argmax under real CUDA graphs: the replayed step's static tokens are the argmax of its
+    static logits (integers: exact), and greedy generation gives the same tokens with the switch on and off
+    (with it on, the engine takes the captured tokens)."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.bench.graph_check import compare_decode_logits
+
+    runner = _runner(tiny_dir, "float32")
+    assert runner.config.optimizations.captured_argmax
+    compare_decode_logits(runner, (1, 3), prompt_len=24, steps=1)
+    graphs = runner.graphs
+    assert graphs.captured_argmax and graphs.graphs
+    bs = max(k[0] for k in graphs.graphs)
+    torch.cuda.synchronize()
+    assert torch.equal(graphs.tokens[:bs], graphs.logits[:bs].argmax(-1))
+    runner.shutdown()
+
+    prompts = [{"prompt_token_ids": [(5 * i + j) % 500 for j in range(17 + 11 * i)]} for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for on in (True, False):
+        opts = Optimizations(captured_argmax=on)
+        llm = LLM(tiny_dir, device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=200,
+                  optimizations=opts)
+        used = []
+        execute = llm.engine.executor.runner.execute
+
+        def spy(inp, execute=execute, runner=llm.engine.executor.runner, used=used):
+            out = execute(inp)
+            used.append(runner.last_argmax is not None)
+            return out
+
+        llm.engine.executor.runner.execute = spy
+        outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        assert any(used) == on
+        llm.engine.shutdown()
+    assert outs[True] == outs[False]

@@ -33,6 +33,7 @@ LAYER_OF = {  # by the package under nanoserve/
     "executor": 4, "distributed": 4,
     "engine": 5,
     "entrypoints": 6,
+    "parsers": 6, "chat_template": 6, "generation_config": 6,  # the chat surface the server and LLM.chat use
     "server": 7, "bench": 7, "walkthrough": 7, "__init__": 7,
 }
 LAYER_NAMES = {0: "kernels", 1: "model", 2: "presets", 3: "runner", 4: "executor/distributed", 5: "engine",

@@ -321,7 +321,7 @@ def generate(tiny_dir: str, opts: Optimizations) -> tuple[list[list[int]], list[
 @pytest.fixture(scope="module")
 def reference_generation(tiny_dir):
     opts = Optimizations(triton_attention=False, triton_msa=False, fused_qk_norm_rope=False,
-                         fused_add_rmsnorm=False, fused_moe=False, fold_shared_expert=False)
+                         fused_add_rmsnorm=False, fused_rmsnorm=False, fused_moe=False, fold_shared_expert=False)
     return generate(tiny_dir, opts)
 
 
@@ -330,7 +330,7 @@ def test_m3_tiny_end_to_end(tiny_dir, reference_generation, fold, monkeypatch):
     """m3-tiny (3 MoE layers, 16 experts top-4 + shared), two sequences: a batched prefill then greedy decode
     steps give the same tokens and logits within E2E_LOGIT_RTOL with the fused MoE as with the reference loop."""
     opts = Optimizations(triton_attention=False, triton_msa=False, fused_qk_norm_rope=False,
-                         fused_add_rmsnorm=False, fused_moe=True, fold_shared_expert=fold)
+                         fused_add_rmsnorm=False, fused_rmsnorm=False, fused_moe=True, fold_shared_expert=fold)
     folds_seen = []
 
     def spy(*args, **kwargs):

@@ -6,7 +6,8 @@ and compares every step's logits: max |diff| <= TP_RTOL x max |tp=1 logit|, TP_R
 5e-7: the shards compute the same products, only the all-reduce sums them in another order).
 
 What runs where, within the budget of two CPU cores:
-- m3-tiny (8 query heads, 4 KV heads, 16 experts): TP=2 with tensor-parallel experts, TP=2 expert parallel, TP=4.
+- m3-tiny (8 query heads, 4 KV heads, 16 experts): TP=2 with tensor-parallel experts, TP=2 expert parallel, TP=4;
+  its MXFP8 checkpoint with fp8 weights kept (mxfp8_weights): TP=2 and TP=2 expert parallel.
 - KV heads are replicated only when tp > num_key_value_heads, i.e. TP=8 on m3-tiny: 8 processes, too heavy here.
   Instead: kv_head_range and every layer's shard shapes at tp=8 (in one process, no collectives), the loader's
   reads at tp=8, and the logits of a 2-KV-head variant of m3-tiny at TP=4 (each KV and index head on two ranks),
@@ -326,6 +327,23 @@ def test_loader_reads_only_this_ranks_slices(tiny_dir, monkeypatch, tp, ep):
 def test_tp_logits_equal_tp1(tiny_dir, tiny_reference, tp, ep):
     got = run_steps(MultiprocExecutor(engine_config(tiny_dir, tp, ep)))
     assert_logits_close(f"m3-tiny tp={tp}{' ep' if ep else ''}", got, tiny_reference)
+
+
+@pytest.fixture(scope="module")
+def mxfp8_dir(tmp_path_factory) -> str:
+    preset = get_preset("m3-tiny")
+    path = str(tmp_path_factory.mktemp("m3-tiny-mxfp8"))
+    write_checkpoint(path, preset.config, preset, mxfp8=True)
+    return path
+
+
+def test_mxfp8_native_tp2_logits_equal_tp1(mxfp8_dir):
+    """MXFP8 weights kept as fp8 + scales: tensor-parallel ranks hold row / 32-column-block slices of both, expert
+    parallel ranks whole experts; TP=2 and TP=2 EP equal TP=1 of the same checkpoint."""
+    ref = run_steps(LocalExecutor(engine_config(mxfp8_dir)))
+    for ep in (False, True):
+        got = run_steps(MultiprocExecutor(engine_config(mxfp8_dir, 2, ep)))
+        assert_logits_close(f"MXFP8 m3-tiny tp=2{' ep' if ep else ''}", got, ref)
 
 
 def test_replicated_kv_heads_tp4_logits_equal_tp1(two_kv_dir):

@@ -3,11 +3,14 @@
     python -m nanoserve.bench                                   # W1, W2, W4, W5, W6 on nanoserve (m3-slice on a GPU)
     python -m nanoserve.bench --workloads W1,W2 --engine both --hf-modes eager,static --out results/
     python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table
+    python -m nanoserve.bench --workloads W1 --ablate-switches rope_table,captured_argmax   # just those rows
     python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile
     python -m nanoserve.bench --profile W4 --w4-lens 131072     # W4: the prefill profile too (TTFT)
     python -m nanoserve.bench --profile-prefill W2 --prefill-chunk 4096   # prefill steps of 4096 tokens
     python -m nanoserve.bench --serve http://127.0.0.1:8000     # W3 against a running server
     python -m nanoserve.bench --scale small                     # CPU-sized workloads (m3-tiny)
+    python -m nanoserve.bench --quantization bf16,mxfp8 --workloads W1,W2,W4,W5 --micro moe,linear
+                                                                # bf16 and MXFP8 weights side by side
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -53,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--num-requests", type=int, default=None)
     ap.add_argument("--w4-lens", default=None, help="W4 prompt lengths, e.g. 32768,131072")
     ap.add_argument("--ablate", action="store_true", help="ablation table for the selected workloads (default W1)")
+    ap.add_argument("--ablate-switches", default=None, metavar="A,B",
+                    help="with --ablate: flip only these switches (beside the all-on row)")
     ap.add_argument("--profile", default=None, help="profile decode steps of these workloads, e.g. W1,W2")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--profile-prefill", default=None, help="profile the whole prefill of these workloads (per "
@@ -80,6 +85,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-gbps", type=float, default=None, help="bandwidth ceiling (default: H200 4260)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 ceiling (default: H200 772)")
+    ap.add_argument("--quantization", default=None, help="weight format (vLLM's flag): mxfp8 quantizes the bf16 "
+                    "weights at load (m3-slice: the same random draw); a comma list (bf16,mxfp8) runs every "
+                    "workload in each format and prints them side by side")
+    ap.add_argument("--micro", default=None, help="kernel micro-benchmarks in bf16 and MXFP8 weights (GPU): moe, "
+                    "linear (comma list)")
+    ap.add_argument("--micro-tokens", default=None, help="token counts of --micro (default 1,16,64,256,1024,4096)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -100,13 +111,97 @@ def main(argv: list[str] | None = None) -> int:
     changes = parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager,
                                                  "enable_prefix_caching": args.enable_prefix_caching,
                                                  "enable_chunked_prefill": args.enable_chunked_prefill})
-    session = BenchSession(SessionConfig(model=model, device=args.device, dtype=args.dtype, out_dir=args.out,
-                                         seed=args.seed, time_budget_s=args.time_budget,
-                                         cpu_reference_kernels=args.cpu_reference_kernels, switch_changes=changes,
-                                         max_num_batched_tokens=args.max_num_batched_tokens, hw=hw))
+    formats = _formats(args.quantization)
+    base = dict(model=model, device=args.device, dtype=args.dtype, seed=args.seed,
+                cpu_reference_kernels=args.cpu_reference_kernels, switch_changes=changes,
+                max_num_batched_tokens=args.max_num_batched_tokens, hw=hw)
+    if len(formats) > 1:
+        return _side_by_side(args, formats, base)
+    session = BenchSession(SessionConfig(out_dir=args.out, time_budget_s=args.time_budget,
+                                         quantization=formats[0], **base))
+    return _run(args, session, model, scale)
+
+
+QUANT_NAMES = {"bf16": None, "none": None, "mxfp8": "mxfp8"}
+
+
+def _formats(text: str | None) -> list[str | None]:
+    if not text:
+        return [None]
+    out = []
+    for t in (t.strip().lower() for t in text.split(",") if t.strip()):
+        if t not in QUANT_NAMES:
+            raise SystemExit(f"--quantization {t!r}: choose from {', '.join(QUANT_NAMES)}")
+        out.append(QUANT_NAMES[t])
+    return out
+
+
+PART_ESTIMATES_S = {"build": 60, "W1": 20, "W2": 40, "W4": 25, "W5": 75, "W6": 25}
+"""Seconds a part needs on an H200 with m3-slice; under --time-budget a part starts only if this much is left."""
+
+
+def _side_by_side(args, formats: list[str | None], base: dict) -> int:
+    """The kernel micro-benchmarks, then both models built (resident together: m3-slice's bf16 and MXFP8 weights
+    are 50 + 26 GB), then every workload in each format back to back, then one table comparing them. Results go
+    to OUT/<format>/."""
+    import os
+    import time
+
+    from nanoserve.bench.report import formats_table
+
+    t0 = time.perf_counter()
+    sessions: dict[str, BenchSession] = {}
+    for q in formats:
+        left = None if args.time_budget is None else args.time_budget - (time.perf_counter() - t0)
+        out = os.path.join(args.out, q or "bf16") if args.out else None
+        sessions[q or "bf16"] = BenchSession(SessionConfig(out_dir=out, time_budget_s=left, quantization=q, **base))
+    first = next(iter(sessions.values()))
+    scale = args.scale or ("full" if first.device.type == "cuda" else "small")
+    if args.micro:
+        _micro(args, first)
+    build = dict(vocab=first.model_cfg.vocab_size, scale=scale, prompt_len=args.prompt_len,
+                 output_len=args.output_len, num_requests=args.num_requests, w4_lens=_ints(args.w4_lens),
+                 seed=args.seed)
+    wls = W.build([n for n in (_names(args.workloads) or ["W1", "W2", "W4", "W5"]) if n != "W3"], **build)
+    built = {name: s.part(f"build nanoserve ({name})", lambda s=s: s.build_nano(wls),
+                          min_time_s=PART_ESTIMATES_S["build"]) is not None for name, s in sessions.items()}
+    for wl in wls:
+        for name, s in sessions.items():
+            if built[name]:
+                s.part(f"nanoserve {wl.name} ({name})", lambda s=s, wl=wl: s.run_nano(wl),
+                       min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
+    rc = 0
+    for name, s in sessions.items():
+        s.close_nano()
+        print()
+        print(s.summary())
+        rc |= 1 if s.results.data["errors"] else 0
+    weights = {n: (s.meta.get("nanoserve_weight_memory") or {}).get("parameter_bytes") for n, s in sessions.items()}
+    text = formats_table({n: s.results.data["runs"] for n, s in sessions.items()},
+                         {n: (b / 2**30 if b else None) for n, b in weights.items()})
+    if text:
+        print()
+        print(text)
+        if args.out:
+            with open(os.path.join(args.out, "formats.txt"), "w") as f:
+                f.write(text + "\n")
+    return rc
+
+
+def _run(args, session: BenchSession, model: str, scale: str) -> int:
+    if args.micro:
+        _micro(args, session)
     names = _names(args.workloads)
     profile_names = _names(args.profile)
     prefill_names = _names(args.profile_prefill) + [n for n in profile_names if n == "W4"]
+    only = [n.strip() for n in (args.ablate_switches or "").split(",") if n.strip()] or None
+    if only:
+        from nanoserve.config import Optimizations
+
+        bad = [n for n in only if n not in Optimizations.names()]
+        if bad:
+            raise SystemExit(f"unknown switch(es) {', '.join(bad)}; choose from {', '.join(Optimizations.names())}")
+        args.ablate = True
     if args.ablate and not names:
         names = ["W1"]
     elif not names and not profile_names and not prefill_names and not args.serve:
@@ -133,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         if session.part("build nanoserve", lambda: session.build_nano(wls + prof_wls + prefill_wls)) is not None:
             for wl in wls:
                 if args.ablate:
-                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl))
+                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl, only))
                 else:
                     session.part(f"nanoserve {wl.name}", lambda wl=wl: session.run_nano(wl))
             for wl in prof_wls:
@@ -151,6 +246,31 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(session.summary())
     return 1 if session.results.data["errors"] else 0
+
+
+def _micro(args, session: BenchSession) -> None:
+    from nanoserve.bench import micro
+
+    kinds = [k.strip() for k in args.micro.split(",") if k.strip()]
+    unknown = sorted(set(kinds) - {"moe", "linear"})
+    if unknown:
+        raise SystemExit(f"--micro: unknown {', '.join(unknown)}; choose moe, linear")
+    if session.device.type != "cuda":
+        session.results.add("notes", "--micro needs a GPU: skipped")
+        return
+    tokens = _ints(args.micro_tokens) or [1, 16, 64, 256, 1024, 4096]
+    for kind in kinds:
+        fn = micro.moe_micro if kind == "moe" else micro.linear_micro
+
+        def part(fn=fn, kind=kind):
+            res = fn(session.model_cfg, tokens, session.device)
+            session.results.data.setdefault("micro", {})[kind] = res
+            session.say(res["table"])
+            session.results.write_text(f"micro_{kind}.txt", res["table"])
+        session.part(f"micro {kind}", part)
+    import torch
+
+    torch.cuda.empty_cache()  # the micro-benchmarks' weights are gone: give their memory back for the KV pools
 
 
 def _tokenizer(model: str):

@@ -52,14 +52,18 @@ def _row(label: str, switch: str | None, res: RunResult | None, base: RunResult 
 
 
 def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = None, model_name: str = "",
-           meta: dict | None = None, warmup_tokens: int = 2, on_row=None) -> dict:
+           meta: dict | None = None, warmup_tokens: int = 2, on_row=None, only: list[str] | None = None) -> dict:
     """Run the ablation rows; returns {"workload", "rows": [...], "table": text, ...}. `base_notes`: switches
     that are off in the base run and why (CPU reference kernels, a kernel module missing). `on_row(row)` is
-    called after every row (the caller flushes results)."""
+    called after every row (the caller flushes results). `only`: flip just these switches (default: all)."""
     base_notes = base_notes or {}
     opts = bench.opts
     saved = opts.as_dict()
     switches = type(opts)  # the declarations: every switch gets a row
+    unknown = sorted(set(only or ()) - set(switches.names()))
+    if unknown:
+        raise ValueError(f"unknown optimization switch(es) {', '.join(unknown)}; known: "
+                         f"{', '.join(switches.names())}")
     approximations = set(switches.approximations())
     engine_side = set(switches.names(ENGINE))
     device = bench.device.type
@@ -75,6 +79,8 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
     base = bench.run(wl, mode="all on")
     record(_row("all on", None, base, base))
     for name in switches.names():
+        if only and name not in only:
+            continue
         approx = name in approximations
         value = saved[name]
         if approx and value:

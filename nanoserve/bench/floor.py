@@ -27,11 +27,18 @@ H200 = Ceilings("H200 measured ceilings (4.26 TB/s copy, 772 TFLOP/s bf16 matmul
 
 
 class ModelCost:
-    """Bytes and FLOPs of M3 steps, from the config (weights in `weight_bytes` per element, router in fp32)."""
+    """Bytes and FLOPs of M3 steps, from the config (weights in `weight_bytes` per element, router in fp32).
 
-    def __init__(self, cfg: M3Config, weight_bytes: int = 2, kv_bytes: int = 2):
+    With quantization="mxfp8" the quantized matrices (attention, indexer, MLPs, experts) cost what the engine
+    reads for them: 1 byte per fp8 weight plus one E8M0 scale byte per 32; the embedding rows and the LM head stay
+    at `weight_bytes` (bf16), the router in fp32."""
+
+    def __init__(self, cfg: M3Config, weight_bytes: int = 2, kv_bytes: int = 2, quantization: str | None = None):
         self.cfg = cfg
         self.wb, self.kvb = weight_bytes, kv_bytes
+        self.quantization = quantization
+        self.qb = 1.0 + 1.0 / 32 if quantization == "mxfp8" else float(weight_bytes)
+        """Bytes per weight of a quantizable matrix."""
         h = cfg.hidden_size
         self.attn = 2 * cfg.q_size * h + 2 * cfg.kv_size * h
         self.indexer = (cfg.index_n_heads + 1) * cfg.index_head_dim * h
@@ -71,13 +78,14 @@ class ModelCost:
         c = self.cfg
         b = (self.attn * c.num_hidden_layers + self.indexer * len(self.sparse_attn_layers)
              + self.dense_mlp * len(self.dense_mlp_layers)
-             + (self.experts_touched(batch) * self.expert + self.shared) * len(self.moe_layers)
-             + self.lm_head + batch * c.hidden_size) * self.wb
+             + (self.experts_touched(batch) * self.expert + self.shared) * len(self.moe_layers)) * self.qb
+        b += (self.lm_head + batch * c.hidden_size) * self.wb
         return b + self.router * len(self.moe_layers) * 4
 
     def all_weight_bytes(self) -> float:
-        return (self.total_params() - self.router * len(self.moe_layers)) * self.wb + \
-            self.router * len(self.moe_layers) * 4
+        router = self.router * len(self.moe_layers)
+        unquantized = 2 * self.lm_head  # embedding + LM head
+        return (self.total_params() - router - unquantized) * self.qb + unquantized * self.wb + router * 4
 
     # -- attention ----------------------------------------------------------------------------------------
     def _selected_keys(self, context: int) -> int:

@@ -130,22 +130,28 @@ class NanoBench:
 
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", opts: Optimizations | None = None,
                  max_model_len: int = 4096, max_num_seqs: int = 256, kv_tokens: int | None = None,
-                 max_num_batched_tokens: int | None = None, seed: int = 0, hw: Ceilings = H200):
+                 max_num_batched_tokens: int | None = None, seed: int = 0, hw: Ceilings = H200,
+                 quantization: str | None = None):
         self.device = resolve_device(device)
         self.opts = opts or Optimizations()
         self.hw = hw
         self.config = EngineConfig(model=model, device=self.device.type, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   seed=seed, optimizations=self.opts)
+                                   seed=seed, optimizations=self.opts, quantization=quantization)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            before = torch.cuda.memory_allocated(self.device)
         t0 = time.perf_counter()
         self.executor = make_executor(self.config)
         self.build_s = time.perf_counter() - t0
         self.model_config = self.executor.model_config
         self.block_size = self.executor.block_size
         self.runner = getattr(self.executor, "runner", None)
+        self.weight_memory = self._weight_memory(before if self.device.type == "cuda" else 0)
         dtype_t = self.runner.dtype if self.runner is not None else torch.bfloat16
         self.cost = ModelCost(self.model_config, weight_bytes=torch.empty((), dtype=dtype_t).element_size(),
-                              kv_bytes=torch.empty((), dtype=dtype_t).element_size())
+                              kv_bytes=torch.empty((), dtype=dtype_t).element_size(),
+                              quantization=self.weight_memory.get("weight_format"))
         if kv_tokens is not None:
             self.config.num_gpu_blocks_override = self._kv_blocks(kv_tokens, max_model_len, dtype_t)
         budget = max_num_batched_tokens or 8192
@@ -154,6 +160,24 @@ class NanoBench:
         self.cache_s = time.perf_counter() - t0
         logger.info("nanoserve bench: model built in %.1f s, KV pool of %d blocks in %.1f s", self.build_s,
                     self.num_blocks, self.cache_s)
+
+    def _weight_memory(self, allocated_before: int) -> dict:
+        """What the model's weights take on this process's device: parameter bytes by dtype, and (GPU) the
+        allocator's growth over the build, before any KV pool exists."""
+        out: dict = {"weight_format": None}
+        model = getattr(self.runner, "model", None)
+        if model is None:
+            return out
+        by_dtype: dict[str, int] = {}
+        for p in model.parameters():
+            key = str(p.dtype).replace("torch.", "")
+            by_dtype[key] = by_dtype.get(key, 0) + p.numel() * p.element_size()
+        out.update(weight_format=model.weight_format, parameter_bytes=sum(by_dtype.values()),
+                   parameter_bytes_by_dtype=by_dtype)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            out["allocated_bytes"] = torch.cuda.memory_allocated(self.device) - allocated_before
+        return out
 
     def _kv_blocks(self, kv_tokens: int, max_model_len: int, dtype: torch.dtype) -> int:
         blocks = int((kv_tokens * KV_HEADROOM + max_model_len) // self.block_size) + 2

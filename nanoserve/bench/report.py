@@ -233,3 +233,26 @@ def plot_runs(runs: list[dict], path: str) -> str | None:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def formats_table(runs_by_format: dict[str, list[dict]], weight_gib: dict[str, float | None]) -> str | None:
+    """The same workloads in several weight formats (bf16, mxfp8), side by side: TPOT, output tok/s, TTFT and
+    the floor each format's bytes give, plus the GPU memory its weights take."""
+    formats = [f for f, runs in runs_by_format.items() if runs]
+    if len(formats) < 2:
+        return None
+    by = {f: {r["workload"]: r for r in runs_by_format[f] if r["mode"] == "default"} for f in formats}
+    base = formats[0]
+    rows = []
+    for wl in by[base]:
+        for f in formats:
+            r = by[f].get(wl)
+            if r is None:
+                continue
+            b = by[base][wl]
+            rows.append([wl, f, r["tpot_ms"]["mean"], r["perf"].get("floor_tpot_ms"), r["output_tok_s"],
+                         r["perf"].get("floor", {}).get("output_tok_s"), r["ttft_ms"]["mean"],
+                         b["output_tok_s"] and r["output_tok_s"] / b["output_tok_s"]])
+    rows += [["weights (GiB)", f, weight_gib.get(f), None, None, None, None, None] for f in formats]
+    return table(("workload", "weights", "TPOT ms", "floor TPOT ms", "output tok/s", "floor tok/s", "TTFT ms",
+                  f"tok/s vs {base}"), rows, "Weight formats side by side (floors from the bytes each format reads)")

@@ -95,6 +95,8 @@ class SessionConfig:
     switch_changes: dict[str, bool] = field(default_factory=dict)
     max_num_batched_tokens: int | None = None
     hw: Ceilings = H200
+    quantization: str | None = None
+    """Weight format asked of the engine (vLLM's --quantization): None = the checkpoint's, "mxfp8"."""
 
 
 class BenchSession:
@@ -107,7 +109,8 @@ class BenchSession:
         self.opts, self.switch_notes = resolve_switches(self.device, ref, cfg.switch_changes)
         self.model_cfg = model_config(cfg.model)
         meta = environment(self.device)
-        meta.update(model=cfg.model, dtype=str(self.dtype).replace("torch.", ""), switches=self.opts.as_dict(),
+        meta.update(model=cfg.model, quantization=cfg.quantization,
+                    dtype=str(self.dtype).replace("torch.", ""), switches=self.opts.as_dict(),
                     switch_notes=self.switch_notes, ceilings=cfg.hw.name)
         self.meta = meta
         self.results = report.Results(cfg.out_dir, meta)
@@ -178,9 +181,10 @@ class BenchSession:
         self.nano = NanoBench(self.cfg.model, self.device.type, self.cfg.dtype, self.opts, max_model_len=max_len,
                               max_num_seqs=max(seqs, 1), kv_tokens=kv,
                               max_num_batched_tokens=self.cfg.max_num_batched_tokens, seed=self.cfg.seed,
-                              hw=self.cfg.hw)
+                              hw=self.cfg.hw, quantization=self.cfg.quantization)
         self.meta["nanoserve_build_s"] = self.nano.build_s
         self.meta["nanoserve_kv_blocks"] = self.nano.num_blocks
+        self.meta["nanoserve_weight_memory"] = self.nano.weight_memory
         self.meta["nanoserve_max_model_len"] = max_len
         self.results.flush()
         return self.nano
@@ -196,12 +200,15 @@ class BenchSession:
             nano.warmup(wl)
         res = nano.run(wl)
         res.extra["description"] = wl.description
+        res.extra["weight_format"] = nano.weight_memory.get("weight_format") or "bf16"
+        if "parameter_bytes" in nano.weight_memory:
+            res.extra["weight_gib"] = nano.weight_memory["parameter_bytes"] / 2**30
         self.nano_tokens[wl.name] = res.token_ids
         self.results.add("runs", res.as_dict())
         self.say(report.runs_table([res.as_dict()]))
         return res
 
-    def ablate(self, wl: Workload) -> dict:
+    def ablate(self, wl: Workload, only: list[str] | None = None) -> dict:
         from nanoserve.bench.ablation import ablate
 
         partial = {"workload": wl.name, "rows": []}
@@ -211,7 +218,7 @@ class BenchSession:
             partial["rows"].append(row)
             self.results.flush()
 
-        abl = ablate(self.nano, wl, self.switch_notes, self.cfg.model, self.meta, on_row=on_row)
+        abl = ablate(self.nano, wl, self.switch_notes, self.cfg.model, self.meta, on_row=on_row, only=only)
         self.results.data["ablations"][self.results.data["ablations"].index(partial)] = abl
         self.results.flush()
         self.say(abl["table"])

@@ -235,7 +235,8 @@ class LLMEngine:
         # structured outputs: the constrained rows' token masks, filled on the host while the forward runs
         grammar = self.structured_output.bitmask(sampled) if sampled else None
         # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
-        sample = self.sampler.sample(logits[: len(sampled)], sampled, grammar) if sampled else None
+        sample = self.sampler.sample(logits[: len(sampled)], sampled, grammar, self.executor.last_argmax()) \
+            if sampled else None
         launched = LaunchedStep(sampled, sample)
         if prompt_rows:  # the prompt positions' logits follow the sample rows'
             launched.prompt_logprobs = prompt_lp.compute(logits[len(sampled):], prompt_rows, targets,

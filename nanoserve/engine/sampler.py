@@ -84,6 +84,15 @@ def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.T
     return (probs / q).argmax(dim=-1)
 
 
+def plain_greedy(seq: Sequence) -> bool:
+    """Is this row's token simply the argmax of its raw logits? (temperature 0, no logprobs, and no processing
+    step that changes a logit: allowed_token_ids, bad_words, min_tokens still pending, logit_bias, penalties.)"""
+    p = seq.params
+    return (p.greedy and p.logprobs is None and p.allowed_token_ids is None and not p.bad_words_token_ids
+            and len(seq.output_token_ids) >= p.min_tokens and not p.logit_bias and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
+
+
 class Sampler:
     def __init__(self, device: torch.device, seed: int, eos_token_id: int | None,
                  logprobs_mode: str = "raw_logprobs"):
@@ -118,11 +127,15 @@ class Sampler:
         return self.to_host(self.sample(logits, seqs, grammar))
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               grammar: GrammarBitmask | None = None) -> DeviceSample:
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarBitmask | None = None,
+               argmax: torch.Tensor | None = None) -> DeviceSample:
         """The device half: queue the draw and the logprobs. Reads `logits` only through work queued here, so a
         static CUDA-graph output may be overwritten by a later replay once this returns. `grammar`: the
-        structured-output bitmask of this batch's constrained rows (None: no row is constrained)."""
+        structured-output bitmask of this batch's constrained rows (None: no row is constrained). `argmax`: each
+        row's argmax of `logits`, already on the device (a decode graph took it, switch captured_argmax); an
+        unconstrained batch whose rows are all plain greedy then takes a copy of it and launches nothing else."""
+        if argmax is not None and grammar is None and all(plain_greedy(s) for s in seqs):
+            return DeviceSample(argmax.clone(), [None] * len(seqs), None, None, None)
         logits = logits.to(torch.float32, copy=True)  # the steps edit it in place; the caller's stays intact
         logits = self._apply_grammar(logits, grammar)
         num_logprobs = [s.params.logprobs for s in seqs]

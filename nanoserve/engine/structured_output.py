@@ -33,14 +33,21 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
 from nanoserve.sampling import StructuredOutputsParams
 
-if TYPE_CHECKING:
-    from nanoserve.engine.sequence import Sequence
+
+
+class ConstrainedSeq(Protocol):
+    """What the manager reads of an engine Sequence (a protocol, so that sequence.py, which holds a
+    SequenceGrammar, and this module do not import each other)."""
+
+    request_id: str
+    output_token_ids: list[int]
+    grammar: "SequenceGrammar | None"
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +254,7 @@ class StructuredOutputManager:
 
     # -- the step's mask and the tokens drawn with it (engine thread) ---------------------------------------
     @staticmethod
-    def accept(seq: "Sequence") -> bool:
+    def accept(seq: ConstrainedSeq) -> bool:
         """seq's newest token was just appended: advance its grammar. False if the grammar rejects the token
         (the mask should make that impossible; the engine then ends the sequence with finish_reason "error")."""
         if seq.grammar is None or seq.grammar.accept(seq.output_token_ids[-1]):
@@ -256,7 +263,7 @@ class StructuredOutputManager:
                      seq.request_id, seq.output_token_ids[-1])
         return False
 
-    def bitmask(self, seqs: list["Sequence"]) -> GrammarBitmask | None:
+    def bitmask(self, seqs: list[ConstrainedSeq]) -> GrammarBitmask | None:
         """The token bitmask of one step whose sampled rows are `seqs` (in row order), or None when no row is
         constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel)."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None]

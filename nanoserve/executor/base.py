@@ -30,6 +30,11 @@ class Executor:
         """Run one step; fp32 logits [len(inp.sample_rows), vocab] on this process's device."""
         raise NotImplementedError
 
+    def last_argmax(self) -> torch.Tensor | None:
+        """The argmax of the last step's logits if the step computed it on the device (a decode graph under the
+        captured_argmax switch), valid until the next step; None otherwise."""
+        return None
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

@@ -32,5 +32,8 @@ class LocalExecutor(Executor):
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
         return self.runner.execute(inp)
 
+    def last_argmax(self) -> torch.Tensor | None:
+        return self.runner.last_argmax
+
     def shutdown(self) -> None:
         self.runner.shutdown()

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
+from nanoserve.kernels.fp8_linear import SCALE_ACC_MAX_M, dequant_fp8_tile, scaled_block_dot
 from nanoserve.kernels.moe_align import moe_align, pair_expert
 
 MAX_TOKENS_PER_CALL = 16384
@@ -152,9 +153,10 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       num_pairs, num_blocks, inter, hidden, stride_xt, stride_we, stride_wn, stride_ar,
-                      alpha, limit,
+                      alpha, limit, s13_ptr, stride_se, stride_sn,
                       KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                      GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
+                      SCALE_ACC: tl.constexpr):
     """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -171,24 +173,49 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
     x_ptrs = x_ptr + token[:, None] * stride_xt + ks[None, :]
     gate_ptrs = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
     up_ptrs = gate_ptrs + inter * stride_wn
+    # MXFP8 weights (W_FP8): the matching E8M0 scales, one per 32 K columns, dequantised in registers.
+    gate_s_ptrs = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[None, :] * stride_sn + ks[:, None] // 32
+    up_s_ptrs = gate_s_ptrs + inter * stride_sn
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, hidden, BLOCK_K):
+    k_end = hidden
+    if SCALE_ACC:  # MXFP8, small BLOCK_M, full K tiles: scales on the accumulator per 32 columns (fp8_linear.py)
+        k32 = tl.arange(0, 32)
+        a32 = x_ptr + token[:, None] * stride_xt + k32[None, :]
+        g32 = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + k32[:, None]
+        gs32 = s13_ptr + expert.to(tl.int64) * stride_se + w_rows * stride_sn
+        for k in range(0, hidden, BLOCK_K):
+            acc_gate = scaled_block_dot(acc_gate, a32, real[:, None], g32, gs32, k, BLOCK_K,
+                                        x_ptr.dtype.element_ty)
+            acc_up = scaled_block_dot(acc_up, a32, real[:, None], g32 + inter * stride_wn, gs32 + inter * stride_sn,
+                                      k, BLOCK_K, x_ptr.dtype.element_ty)
+        k_end = 0
+    for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
-            gate_w = tl.load(gate_ptrs)
-            up_w = tl.load(up_ptrs)
+            if W_FP8:
+                gate_w = dequant_fp8_tile(gate_ptrs, gate_s_ptrs, None, x_ptr.dtype.element_ty, False)
+                up_w = dequant_fp8_tile(up_ptrs, up_s_ptrs, None, x_ptr.dtype.element_ty, False)
+            else:
+                gate_w = tl.load(gate_ptrs)
+                up_w = tl.load(up_ptrs)
         else:
             in_k = ks < hidden - k
             a = tl.load(x_ptrs, mask=real[:, None] & in_k[None, :], other=0.0)
-            gate_w = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
-            up_w = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
+            if W_FP8:
+                gate_w = dequant_fp8_tile(gate_ptrs, gate_s_ptrs, in_k[:, None], x_ptr.dtype.element_ty, True)
+                up_w = dequant_fp8_tile(up_ptrs, up_s_ptrs, in_k[:, None], x_ptr.dtype.element_ty, True)
+            else:
+                gate_w = tl.load(gate_ptrs, mask=in_k[:, None], other=0.0)
+                up_w = tl.load(up_ptrs, mask=in_k[:, None], other=0.0)
         # "ieee" only matters for fp32 operands (exact products instead of TF32); 16-bit operands ignore it.
         acc_gate = tl.dot(a, gate_w, acc_gate, input_precision="ieee")
         acc_up = tl.dot(a, up_w, acc_up, input_precision="ieee")
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
+        gate_s_ptrs += BLOCK_K // 32
+        up_s_ptrs += BLOCK_K // 32
 
     gate = tl.minimum(acc_gate, limit)
     up = tl.minimum(tl.maximum(acc_up, -limit), limit)
@@ -201,9 +228,10 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr,
                           num_pairs, num_blocks, hidden, inter, stride_ar, stride_we, stride_wn, stride_ct,
-                          routed_scale,
+                          routed_scale, s2_ptr, stride_se, stride_sn,
                           TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
+                          SCALE_ACC: tl.constexpr):
     """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared)."""
     KP: tl.constexpr = TOPK + FOLD
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -217,18 +245,35 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
 
     a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + ks[None, :]
     w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + ks[:, None]
+    s_ptrs = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[None, :] * stride_sn + ks[:, None] // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, inter, BLOCK_K):
+    k_end = inter
+    if SCALE_ACC:
+        k32 = tl.arange(0, 32)
+        a32 = act_ptr + rows[:, None].to(tl.int64) * stride_ar + k32[None, :]
+        w32 = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + k32[:, None]
+        s32 = s2_ptr + expert.to(tl.int64) * stride_se + w_rows * stride_sn
+        for k in range(0, inter, BLOCK_K):
+            acc = scaled_block_dot(acc, a32, None, w32, s32, k, BLOCK_K, act_ptr.dtype.element_ty)
+        k_end = 0
+    for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs)
-            w = tl.load(w_ptrs)
+            if W_FP8:
+                w = dequant_fp8_tile(w_ptrs, s_ptrs, None, act_ptr.dtype.element_ty, False)
+            else:
+                w = tl.load(w_ptrs)
         else:
             in_k = ks < inter - k
             a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
+            if W_FP8:
+                w = dequant_fp8_tile(w_ptrs, s_ptrs, in_k[:, None], act_ptr.dtype.element_ty, True)
+            else:
+                w = tl.load(w_ptrs, mask=in_k[:, None], other=0.0)
         acc = tl.dot(a, w, acc, input_precision="ieee")
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // 32
 
     pair = tl.load(sorted_ids_ptr + rows)
     real = pair < num_pairs
@@ -267,13 +312,16 @@ def _sum_copies_kernel(copies_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, num_pa
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, alpha: float, limit: float, expert_map: torch.Tensor | None = None,
               routed_scaling_factor: float = 1.0, fold_shared: bool = False,
-              config: MoEConfig | None = None) -> torch.Tensor:
+              config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
+              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
     expert ids; topk_weights [T, k] fp32. With fold_shared, slot S-1 is the shared expert and is added with
     weight 1 for every token. expert_map [E_global] int32: global id -> local slot, -1 = skip. `config` overrides
-    the tile table (benchmarks). Returns [T, H] in x's dtype."""
+    the tile table (benchmarks). MXFP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [S, 2I, H/32] and
+    w2_scale [S, H, I/32] (uint8 E8M0, one per 32 input columns), dequantised in registers (fp8_linear.py);
+    x stays in its dtype. Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -283,7 +331,19 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if tuple(topk_weights.shape) != (tokens, top_k) or tuple(topk_ids.shape) != (tokens, top_k):
         raise ValueError(f"topk_ids {list(topk_ids.shape)} / topk_weights {list(topk_weights.shape)} must be "
                          f"[{tokens}, k]")
-    if not (x.dtype == w13.dtype == w2.dtype):
+    w_fp8 = w13_scale is not None
+    if w_fp8 != (w2_scale is not None):
+        raise ValueError("w13_scale and w2_scale must be given together (MXFP8 experts) or not at all")
+    if w_fp8:
+        if not (w13.dtype == w2.dtype == torch.float8_e4m3fn) or w13_scale.dtype != torch.uint8 \
+                or w2_scale.dtype != torch.uint8:
+            raise ValueError(f"MXFP8 experts need float8_e4m3fn weights and uint8 scales, got {w13.dtype}, "
+                             f"{w2.dtype}, {w13_scale.dtype}, {w2_scale.dtype}")
+        if tuple(w13_scale.shape) != (slots, two_inter, hidden // 32) or hidden % 32 or inter % 32 \
+                or tuple(w2_scale.shape) != (slots, hidden, inter // 32):
+            raise ValueError(f"MXFP8 scales w13_scale {list(w13_scale.shape)} / w2_scale {list(w2_scale.shape)} "
+                             f"do not fit w13 {list(w13.shape)} / w2 {list(w2.shape)} (one per 32 columns)")
+    elif not (x.dtype == w13.dtype == w2.dtype):
         raise ValueError(f"x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if tokens == 0:
         return x.new_empty((0, hidden))
@@ -293,11 +353,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             part = slice(start, start + MAX_TOKENS_PER_CALL)
             out[part] = fused_moe(x[part], w13, w2, topk_weights[part], topk_ids[part], alpha=alpha, limit=limit,
                                   expert_map=expert_map, routed_scaling_factor=routed_scaling_factor,
-                                  fold_shared=fold_shared, config=config)
+                                  fold_shared=fold_shared, config=config, w13_scale=w13_scale,
+                                  w2_scale=w2_scale)
         return out
 
     x = x.contiguous()
     w13, w2 = w13.contiguous(), w2.contiguous()  # no-ops for the layer's parameters
+    # Without MXFP8 scales the scale pointers are placeholders the kernels never read (W_FP8=False).
+    s13 = w13_scale.contiguous() if w_fp8 else w13
+    s2 = w2_scale.contiguous() if w_fp8 else w2
     topk_ids = topk_ids.to(torch.int32).contiguous()
     topk_weights = topk_weights.to(torch.float32).contiguous()
     if expert_map is not None:
@@ -311,18 +375,21 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
         x, w13, act, align.sorted_pair_ids, align.block_expert,
         align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        float(alpha), float(limit),
+        float(alpha), float(limit), s13, s13.stride(0), s13.stride(1),
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % up.block_k == 0, num_warps=up.num_warps, num_stages=up.num_stages)
+        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
+        SCALE_ACC=w_fp8 and hidden % up.block_k == 0 and cfg.block_m <= SCALE_ACC_MAX_M,
+        num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
     down = cfg.down
     _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
         act, w2, copies, align.sorted_pair_ids, align.block_expert, topk_weights,
         align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        copies.stride(0), float(routed_scaling_factor),
+        copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1),
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, num_warps=down.num_warps,
+        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
+        SCALE_ACC=w_fp8 and inter % down.block_k == 0 and cfg.block_m <= SCALE_ACC_MAX_M, num_warps=down.num_warps,
         num_stages=down.num_stages)
 
     out = torch.empty_like(x)

@@ -1,4 +1,5 @@
-"""Fused row-wise kernels around attention, in Triton (switches `fused_qk_norm_rope` and `fused_add_rmsnorm`).
+"""Fused row-wise kernels around attention, in Triton (switches `fused_qk_norm_rope`, `fused_add_rmsnorm` and
+`fused_rmsnorm`).
 
 `qk_norm_rope_insert` replaces the reference branch of `M3Attention._norm_rope_insert` with one launch per layer.
 A program owns BLOCK_T tokens and walks the sections of their fused projection rows
@@ -18,6 +19,8 @@ offsets (an L1 hit) and normalises that copy with the same statistic.
 
 `fused_add_rmsnorm` is `reference.add_gemma_rmsnorm` in one pass over each row (block_m rows per program):
 residual + x rounded to the activation dtype (stored as the new residual), then Gemma RMSNorm of it in fp32.
+`fused_rmsnorm` is the same kernel without the residual: `reference.gemma_rmsnorm` (the first layer's input norm,
+which has no residual stream yet), one launch where the reference takes about eight element-wise kernels.
 """
 
 from __future__ import annotations
@@ -155,39 +158,62 @@ def qk_norm_rope_insert(qkv: torch.Tensor, split_sizes: list[int], head_dim: int
 
 @triton.jit(do_not_specialize=["n_rows"])
 def _add_rmsnorm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, stride_x, stride_res, stride_out,
-                        stride_res_out, n_rows, n_cols, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_res_out, n_rows, n_cols, eps, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     col_ok = cols < n_cols
     mask = (rows < n_rows)[:, None] & col_ok[None, :]
     rows = rows.to(tl.int64)[:, None]
-    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(res_ptr + rows * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = (x + r).to(res_out_ptr.dtype.element_ty)  # the residual stream is kept in the activation dtype
-    tl.store(res_out_ptr + rows * stride_res_out + cols[None, :], s, mask=mask)
-    s = s.to(tl.float32)
+    x = tl.load(x_ptr + rows * stride_x + cols[None, :], mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + rows * stride_res + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = (x.to(tl.float32) + r).to(res_out_ptr.dtype.element_ty)  # the residual stream stays in the act dtype
+        tl.store(res_out_ptr + rows * stride_res_out + cols[None, :], s, mask=mask)
+        s = s.to(tl.float32)
+    else:
+        s = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(s * s, 1) / n_cols + eps)
     w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
     y = s * inv_rms[:, None] * (1.0 + w)[None, :]
     tl.store(out_ptr + rows * stride_out + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _launch_rmsnorm(x2: torch.Tensor, r2: torch.Tensor | None, w: torch.Tensor, out: torch.Tensor,
+                    new_res: torch.Tensor | None, eps: float) -> None:
+    n_rows, n_cols = x2.shape
+    if not n_rows:
+        return
+    cfg = tiles("add_rmsnorm", x2.device)
+    has_res = r2 is not None
+    r2 = r2 if has_res else x2  # placeholders: never touched without a residual
+    new_res = new_res if has_res else out
+    _add_rmsnorm_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
+        x2, r2, w, out, new_res, x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0), n_rows,
+        n_cols, eps, ROWS=cfg.block_m, BLOCK=triton.next_power_of_2(n_cols), HAS_RESIDUAL=has_res,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    t = t.reshape(-1, t.shape[-1])
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, w: torch.Tensor,
                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(gemma_rmsnorm(x + residual), x + residual) for x, residual [..., H]; same as reference.add_gemma_rmsnorm."""
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1])
-    r2 = residual.reshape(-1, shape[-1])
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    x2, r2 = _rows(x), _rows(residual)
     dtype = torch.result_type(x, residual)
     out = torch.empty(x2.shape, dtype=dtype, device=x.device)
     new_res = torch.empty(x2.shape, dtype=dtype, device=x.device)
-    n_rows = x2.shape[0]
-    if n_rows:
-        cfg = tiles("add_rmsnorm", x.device)
-        _add_rmsnorm_kernel[(triton.cdiv(n_rows, cfg.block_m),)](
-            x2, r2, w, out, new_res, x2.stride(0), r2.stride(0), out.stride(0), new_res.stride(0), n_rows,
-            shape[-1], eps, ROWS=cfg.block_m, BLOCK=triton.next_power_of_2(shape[-1]),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _launch_rmsnorm(x2, r2, w, out, new_res, eps)
     return out.view(shape), new_res.view(shape)
+
+
+def fused_rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """gemma_rmsnorm(x) for x [..., H] in one launch (switch `fused_rmsnorm`); same as reference.gemma_rmsnorm."""
+    x2 = _rows(x)
+    out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    _launch_rmsnorm(x2, None, w, out, None, eps)
+    return out.view(x.shape)

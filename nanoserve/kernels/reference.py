@@ -218,8 +218,30 @@ def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMet
 
 
 # --------------------------------------------------------------------------------------------------------------
-# MoE: routing and the per-expert loop
+# MXFP8 weights; MoE: routing and the per-expert loop
 # --------------------------------------------------------------------------------------------------------------
+
+
+MXFP8_BLOCK = 32
+E8M0_BIAS = 127
+
+
+def dequantize_mxfp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The MXFP8 rule (the checkpoint's, and what the fp8 kernels compute in registers): W[..., o, i] =
+    fp8[..., o, i] * 2^(S[..., o, i // 32] - 127), with S the uint8 E8M0 exponents of each 1x32 block."""
+    factor = torch.exp2(scale.float() - E8M0_BIAS).repeat_interleave(MXFP8_BLOCK, dim=-1)[..., : q.shape[-1]]
+    return (q.float() * factor).to(dtype)
+
+
+def weight(w: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """A layer weight in the activation dtype: as stored, or, for MXFP8 (fp8 e4m3 + E8M0 scales per 1x32 block),
+    dequantised: W[o, i] = fp8[o, i] * 2^(scale[o, i // 32] - 127)."""
+    return w if scale is None else dequantize_mxfp8(w, scale, dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W^T for an MXFP8 weight (kernels/fp8_linear.py): dequantise to x's dtype, then the plain linear."""
+    return F.linear(x, dequantize_mxfp8(w, scale, x.dtype))
 
 
 def route(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,12 +255,15 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int
 
 def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                 topk_weights: torch.Tensor, alpha: float, limit: float,
-                expert_map: torch.Tensor | None = None) -> torch.Tensor:
+                expert_map: torch.Tensor | None = None, w13_scale: torch.Tensor | None = None,
+                w2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t]) for x [T, H], a plain loop over experts.
 
     w13 [E, 2I, H] holds each expert's gate rows then up rows; w2 [E, H, I]. topk_ids are global expert ids;
     expert_map [E_global] maps them to local indices (-1 = owned by another rank: skipped), None = identity.
-    Accumulates in fp32, returns x's dtype (routed_scaling_factor is applied by the caller)."""
+    MXFP8 experts: w13/w2 in fp8 with w13_scale [E, 2I, H/32] / w2_scale [E, H, I/32]; each expert is
+    dequantised to x's dtype when it is used. Accumulates in fp32, returns x's dtype (routed_scaling_factor is
+    applied by the caller)."""
     inter = w2.shape[-1]
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     local_ids = topk_ids.long() if expert_map is None else expert_map[topk_ids.long()].long()
@@ -246,9 +271,11 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
         token, slot = torch.where(local_ids == e)
         if token.numel() == 0:
             continue
-        gate_up = F.linear(x[token], w13[e])
+        up_w = weight(w13[e], None if w13_scale is None else w13_scale[e], x.dtype)
+        down_w = weight(w2[e], None if w2_scale is None else w2_scale[e], x.dtype)
+        gate_up = F.linear(x[token], up_w)
         act = swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], alpha, limit).to(x.dtype)
-        y = F.linear(act, w2[e]).float() * topk_weights[token, slot, None].float()
+        y = F.linear(act, down_w).float() * topk_weights[token, slot, None].float()
         out.index_add_(0, token, y)
     return out.to(x.dtype)
 

@@ -1,8 +1,10 @@
 """Load an M3 checkpoint directory into an `M3ForCausalLM`.
 
 Reads config.json in either dialect, then the safetensors files (one file, or shards listed in
-`model.safetensors.index.json`) by the released key names, which model/checkpoint_names.py maps to parameters. Each rank reads only its slice of each tensor through
-safetensors' lazy slices. MXFP8 weights (fp8 e4m3 + per-1x32 E8M0 `weight_scale_inv`) are dequantised on load.
+`model.safetensors.index.json`) by the released key names, which model/checkpoint_names.py maps to parameters.
+Each rank reads only its slice of each tensor through safetensors' lazy slices. MXFP8 weights (fp8 e4m3 + per-1x32
+E8M0 `weight_scale_inv`) reach a parameter's weight_loader paired with their scales, which shards both alike; it
+keeps them as stored when the `mxfp8_weights` switch is on, else they are dequantised on load.
 MTP and vision tensors are skipped with one log line each. Preset names are resolved to a directory (or to
 weights drawn on the device) above this module, in nanoserve/presets/resolve.py.
 """
@@ -22,7 +24,8 @@ from nanoserve.config import Optimizations
 from nanoserve.model.checkpoint_names import canonical_names, loader_for, name_map
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
-from nanoserve.model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8
+from nanoserve.model.mxfp8 import (MXFP8_BLOCK, QUANT_METHODS, QuantizeOnLoad, block_columns, dequantize_mxfp8,
+                                   is_quantized_matrix)
 
 logger = logging.getLogger(__name__)
 
@@ -58,14 +61,18 @@ class MXFP8Slice:
             raise CheckpointError(f"MXFP8 scale of {name} has shape {list(scale.shape)}, expected "
                                   f"[{self.shape[0]}, {-(-self.shape[1] // MXFP8_BLOCK)}] for weight {list(self.shape)}")
 
+    def read_mxfp8(self, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stored fp8 rows/columns and their scales (for layers that keep MXFP8 weights)."""
+        c0, c1, b0, b1 = block_columns(cols, self.shape[1])
+        if c0 != b0 * MXFP8_BLOCK:
+            raise CheckpointError(f"MXFP8 weights can only be read from a {MXFP8_BLOCK}-column block start, got {c0}")
+        return self.weight[rows, c0:c1], self.scale[rows, b0:b1]
+
     def __getitem__(self, index: Any) -> torch.Tensor:
         rows, cols = (index if isinstance(index, tuple) else (index, slice(None)))
-        c0, c1, step = cols.indices(self.shape[1])
-        if step != 1:
-            raise CheckpointError(f"MXFP8 weights can only be read in contiguous column ranges, got step {step}")
+        c0, c1, b0, b1 = block_columns(cols, self.shape[1])
         # Read whole 32-column scale blocks around the requested columns (a tensor-parallel slice need not
         # start on a block boundary), dequantise them, then cut out the requested columns.
-        b0, b1 = c0 // MXFP8_BLOCK, -(-c1 // MXFP8_BLOCK)
         q = self.weight[rows, b0 * MXFP8_BLOCK: min(b1 * MXFP8_BLOCK, self.shape[1])]
         s = self.scale[rows, b0:b1]
         w = dequantize_mxfp8(q, s, torch.bfloat16)
@@ -113,9 +120,34 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
     return out
 
 
-def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
+def checkpoint_quantization(model_dir: str) -> str | None:
+    """The weight format config.json declares: None (bf16) or "mxfp8" (`quantization_config.quant_method`)."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    qc = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if qc is None:
+        return None
+    method = qc.get("quant_method") if isinstance(qc, dict) else None
+    if method not in QUANT_METHODS:
+        raise CheckpointError(f"{model_dir}: quantization_config.quant_method={method!r} is not supported "
+                              f"(supported: {', '.join(QUANT_METHODS)})")
+    return method
+
+
+def resolve_quantization(checkpoint: str | None, requested: str | None, where: str) -> str | None:
+    """The weight format to serve: the checkpoint's, or `requested` ("mxfp8" quantises a bf16 checkpoint at
+    load). A request that contradicts the checkpoint is an error, as in vLLM."""
+    if requested is not None and requested not in QUANT_METHODS:
+        raise ValueError(f"quantization={requested!r} is invalid: None or one of {', '.join(QUANT_METHODS)}")
+    if checkpoint is not None and requested is not None and requested != checkpoint:
+        raise ValueError(f"quantization={requested!r} does not match {where}, which is {checkpoint}")
+    return checkpoint or requested
+
+
+def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = False) -> None:
     """Fill every parameter of `model` from the checkpoint, checking names and shapes: every target of the name
-    table (model/checkpoint_names.py) filled by exactly one tensor, and no tensor left over."""
+    table (model/checkpoint_names.py) filled by exactly one tensor, and no tensor left over. With
+    quantize_on_load, the projections of a bf16 checkpoint are served as MXFP8 (quantised as they are read)."""
     files = checkpoint_files(model_dir)
     names = name_map(model)
     skipped = {reason: 0 for reason in SKIPPED_PREFIXES}
@@ -175,6 +207,8 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
                                       f"not fp8 e4m3 (MXFP8)")
             if is_fp8:
                 src = MXFP8Slice(src, source(key + SCALE_SUFFIX), key)
+            elif quantize_on_load and is_quantized_matrix(key, src.shape):
+                src = QuantizeOnLoad(src)
             try:
                 loader_for(model, key, names[key])(src)
             except ValueError as e:
@@ -185,12 +219,14 @@ def load_weights(model: M3ForCausalLM, model_dir: str) -> None:
 
 
 def load_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu") -> tuple[M3ForCausalLM, str]:
+               device: torch.device | str = "cpu", quantization: str | None = None) -> tuple[M3ForCausalLM, str]:
     """Build the model for a checkpoint directory and load its weights. Returns (model, directory holding the
-    tokenizer - the same directory)."""
+    tokenizer - the same directory). `quantization="mxfp8"` serves a bf16 checkpoint as MXFP8."""
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"model directory {model_dir!r} does not exist")
     cfg = read_config(model_dir)
-    m = M3ForCausalLM(cfg, opts, dtype, device)
-    load_weights(m, model_dir)
+    stored = checkpoint_quantization(model_dir)
+    quant = resolve_quantization(stored, quantization, model_dir)
+    m = M3ForCausalLM(cfg, opts, dtype, device, quantization=quant)
+    load_weights(m, model_dir, quantize_on_load=quant is not None and stored is None)
     return m, model_dir

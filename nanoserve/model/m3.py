@@ -26,6 +26,8 @@ from nanoserve.model.layers.moe import M3MoE
 from nanoserve.model.layers.norm import GemmaRMSNorm
 from nanoserve.model.m3_config import M3Config
 
+ROPE_TABLE_MIN = 4096
+"""Smallest RoPE table (positions) under the rope_table switch; it doubles as longer contexts arrive."""
 MSA_TOPK_REUSE_EVERY = 2
 """Under the msa_topk_reuse approximation, MSA layers compute a fresh selection every this many layers."""
 
@@ -33,17 +35,18 @@ MSA_TOPK_REUSE_EVERY = 2
 class M3DecoderLayer(nn.Module):
     """Pre-norm residual block: attention then FFN, each behind a Gemma RMSNorm."""
 
-    def __init__(self, cfg: M3Config, idx: int, opts: Optimizations, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: M3Config, idx: int, opts: Optimizations, dtype: torch.dtype, device: torch.device | str,
+                 quant: str | None = None):
         super().__init__()
         self.idx = idx
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts, device)
-        self.self_attn = M3Attention(cfg, idx, opts, dtype, device)
+        self.self_attn = M3Attention(cfg, idx, opts, dtype, device, quant)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, opts, device)
         if cfg.is_moe(idx):
-            self.mlp: nn.Module = M3MoE(cfg, opts, dtype, device)
+            self.mlp: nn.Module = M3MoE(cfg, opts, dtype, device, quant)
         else:
             self.mlp = SwiGLUOAIMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha,
-                                    cfg.swiglu_limit, dtype, device)
+                                    cfg.swiglu_limit, dtype, device, quant=quant, opts=opts)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
                 rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata,
@@ -60,26 +63,38 @@ class M3DecoderLayer(nn.Module):
 
 class M3ForCausalLM(nn.Module):
     """The whole text model. `forward` returns final hidden states; `compute_logits` applies the LM head to the
-    rows the caller needs (usually each sequence's last token), in fp32."""
+    rows the caller needs (usually each sequence's last token), in fp32.
+
+    `quantization` is the checkpoint's weight format: None (bf16) or "mxfp8". With "mxfp8" and the
+    `mxfp8_weights` switch on, every quantized projection keeps its fp8 weights and E8M0 scales on the device
+    (`weight_format == "mxfp8"`); with it off they are dequantised to `dtype` at load (the reference path).
+    The embedding, lm_head, norms and router are never quantized."""
 
     def __init__(self, cfg: M3Config, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", quantization: str | None = None):
         super().__init__()
         self.cfg = cfg
         self.opts = opts if opts is not None else Optimizations()
         self.dtype = dtype
+        self.quantization = quantization
+        self.weight_format = quantization if quantization == "mxfp8" and self.opts.mxfp8_weights else None
+        quant = self.weight_format
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, dtype, device)
-        self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, self.opts, dtype, device)
+        self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, self.opts, dtype, device, quant)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.opts, device)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
         self.register_buffer("inv_freq", reference.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
                              persistent=False)
+        # switch rope_table: (cos, sin) of positions 0 .. len-1, [len, 2, rotary_dim / 2] fp32, grown on demand.
+        # Replaced tables stay referenced: a decode graph captured earlier still reads the one it was captured with.
+        self.rope_table: torch.Tensor | None = None
+        self._old_rope_tables: list[torch.Tensor] = []
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """input_ids, positions [T] -> final hidden states [T, hidden]."""
-        rope = reference.rope_cos_sin(positions, self.inv_freq)
+        rope = self.rope(positions, meta.max_seq_len)
         x = self.embed_tokens(input_ids)
         residual = None
         selection = None
@@ -95,6 +110,23 @@ class M3ForCausalLM(nn.Module):
                 selection = sel
         x, _ = self.norm(x, residual)
         return x
+
+    def rope(self, positions: torch.Tensor, max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) [T, rotary_dim / 2] fp32 for positions < max_seq_len. Switch `rope_table`: one gather
+        from a table that `reference.rope_cos_sin` computed for every position (the same element-wise ops, so the
+        same values); off: computed from the positions, four launches per step."""
+        if not self.opts.rope_table:
+            return reference.rope_cos_sin(positions, self.inv_freq)
+        table = self.rope_table
+        if table is None or table.shape[0] < max_seq_len:
+            size = max(max_seq_len, 2 * table.shape[0] if table is not None else ROPE_TABLE_MIN)
+            size = max(max_seq_len, min(size, self.cfg.max_position_embeddings))
+            if table is not None:
+                self._old_rope_tables.append(table)
+            cos, sin = reference.rope_cos_sin(torch.arange(size, device=self.inv_freq.device), self.inv_freq)
+            table = self.rope_table = torch.stack([cos, sin], dim=1)
+        picked = table.index_select(0, positions)
+        return picked[:, 0], picked[:, 1]
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,9 @@ import torch
 
 from nanoserve.config import Optimizations
 from nanoserve.model.checkpoint_names import weight_loaders
-from nanoserve.model.loader import CheckpointError, load_model
+from nanoserve.model.loader import CheckpointError, load_model, resolve_quantization
 from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.model.mxfp8 import QuantizeOnLoad, is_quantized_matrix
 from nanoserve.presets.catalog import PRESETS, get_preset
 from nanoserve.presets.checkpoint_layout import random_tensors
 
@@ -44,19 +45,23 @@ def preset_tokenizer_dir(preset: str) -> str:
 
 def init_random_weights(model: M3ForCausalLM, preset: str, device: torch.device | str) -> None:
     """Fill a model with a preset's random weights drawn directly on `device` (m3-slice on the GPU, whose 50 GB
-    checkpoint need not touch disk)."""
+    checkpoint need not touch disk). For an MXFP8 model (`model.quantization`) the same draw is quantised on the
+    device as it is loaded, so bf16 and MXFP8 runs of a preset share their weights."""
     p = get_preset(preset)
     loaders = weight_loaders(model)
     for key, t in random_tensors(model.cfg, p.init_std, p.random_norms, p.seed, device=device):
-        loaders[key](t)
+        src = QuantizeOnLoad(t) if model.quantization and is_quantized_matrix(key, t.shape) else t
+        loaders[key](src)
 
 
 def load_model_or_preset(model: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
-                         device: torch.device | str = "cpu") -> tuple[M3ForCausalLM, str]:
+                         device: torch.device | str = "cpu", quantization: str | None = None
+                         ) -> tuple[M3ForCausalLM, str]:
     """Build and fill the model named by `model` (a preset or a directory). Returns (model, directory holding the
-    tokenizer)."""
+    tokenizer). `quantization="mxfp8"` serves bf16 weights as MXFP8, quantised at load."""
     if model in PRESETS and get_preset(model).draw_on_device:
-        m = M3ForCausalLM(get_preset(model).config, opts, dtype, device)
+        quant = resolve_quantization(None, quantization, f"preset {model}")
+        m = M3ForCausalLM(get_preset(model).config, opts, dtype, device, quantization=quant)
         init_random_weights(m, model, device)
         return m, preset_tokenizer_dir(model)
-    return load_model(resolve_model_dir(model), opts, dtype, device)
+    return load_model(resolve_model_dir(model), opts, dtype, device, quantization)

@@ -15,7 +15,9 @@ so the runner keeps static input buffers sized for the largest batch and capture
 
 Each step copies its inputs into the static buffers (pinned host staging, one asynchronous copy per buffer; the
 block tables and slots are computed by the same functions as an eager step's, runner/input_prep.py),
-replays the graph, and returns a view of the static logits [n, vocab] (valid until the next replay). A graph is
+replays the graph, and returns a view of the static logits [n, vocab] (valid until the next replay). With
+`captured_argmax` the graph also writes each row's argmax into a static token buffer (`tokens`), so a batch of
+plain greedy rows needs no kernel after the replay but a copy of its tokens (engine/sampler.py). A graph is
 captured the first time its key is needed, after one eager warm-up run of the same padded batch (which compiles
 the Triton kernels outside the capture); `capture_all` captures every batch bucket ahead of time. All graphs share
 one memory pool.
@@ -117,8 +119,9 @@ class GraphRunner:
     padding and buffer plumbing against the eager path without a GPU."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, capture: CaptureFn | None = None):
+                 device: torch.device, capture: CaptureFn | None = None, captured_argmax: bool = False):
         self.model = model
+        self.captured_argmax = captured_argmax
         self.device = device
         self.block_size = block_size
         self.buckets = batch_buckets(max_num_seqs)
@@ -134,6 +137,7 @@ class GraphRunner:
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)  # captured_argmax: argmax of each row
         # host staging (pinned on a GPU, so the copies are asynchronous), written through numpy views
         self.h_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=on_cuda)
         self.h_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=on_cuda)
@@ -212,11 +216,13 @@ class GraphRunner:
     def _forward(self, bs: int, max_seq_len: int) -> Callable[[], None]:
         """The step a graph records: the model over the first bs static rows, logits into the static output."""
         input_ids, meta = self.static_inputs(bs, max_seq_len)
-        model, logits = self.model, self.logits[:bs]
+        model, logits, tokens, argmax = self.model, self.logits[:bs], self.tokens[:bs], self.captured_argmax
 
         def forward() -> None:
             hidden = model(input_ids, meta.positions, meta)
             logits.copy_(model.compute_logits(hidden))
+            if argmax:
+                torch.argmax(logits, dim=-1, out=tokens)
 
         return forward
 

@@ -12,15 +12,15 @@ from __future__ import annotations
 import torch
 
 from nanoserve.model.m3_config import M3Config
-from nanoserve.parallel_state import kv_head_range
+from nanoserve.model.memory_plan import kv_bytes_per_token
+from nanoserve.parallel_state import get_tp, kv_head_range
 
 
 def kv_cache_bytes_per_block(cfg: M3Config, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block costs on this rank, summed over layers (K + V + index keys)."""
-    k0, k1 = kv_head_range(cfg.num_key_value_heads)
+    """Bytes one KV block costs on this rank, summed over layers (K + V + index keys; model/memory_plan.py)."""
+    tp = get_tp()
     item = torch.empty((), dtype=dtype).element_size()
-    per_token = cfg.num_hidden_layers * 2 * (k1 - k0) * cfg.head_dim + cfg.num_sparse_attn_layers * cfg.index_head_dim
-    return per_token * block_size * item
+    return kv_bytes_per_token(cfg, item, tp.size, tp.rank) * block_size
 
 
 def allocate_kv_caches(cfg: M3Config, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -49,7 +49,7 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
         self.model, self.model_dir = load_model_or_preset(config.model, config.optimizations, self.dtype,
-                                                          self.device)
+                                                          self.device, config.quantization)
         self.model.eval()
         self.cfg: M3Config = self.model.cfg
         self.block_size = self.cfg.index_block_size
@@ -63,6 +63,9 @@ class ModelRunner:
         self.graph_capture: cuda_graphs.CaptureFn | None = None
         self._graph_switches: tuple[bool, ...] | None = None
         self._graph_notice: str | None = None
+        self.last_argmax: torch.Tensor | None = None
+        """The argmax of the last step's logits when its decode graph computed it (switch captured_argmax): a view
+        of the graph's static tokens, valid until the next step."""
 
     # -- KV cache -----------------------------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -124,12 +127,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, inp: ModelInput) -> torch.Tensor:
-        """Run one step; returns logits [len(sample_rows) + len(prompt_rows), vocab]: the sample rows', then the
-        prompt rows' (every rank computes them). The LM head runs on those rows only."""
+        """Run one step; returns fp32 logits [len(sample_rows) + len(prompt_rows), vocab]: the sample rows', then
+        the prompt rows' (every rank computes them). The LM head runs on those rows only."""
+        self.last_argmax = None
         graphs = self._decode_graphs(inp)
         if graphs is not None:
             logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
             if logits is not None:
+                if graphs.captured_argmax:
+                    self.last_argmax = graphs.tokens[: len(inp.seq_lens)]
                 return logits
         input_ids, meta, logits_index = self.prepare(inp)
         hidden = self.model(input_ids, meta.positions, meta)
@@ -163,7 +169,8 @@ class ModelRunner:
                     self._graph_notice = reason
                 return None
             self.graphs = cuda_graphs.GraphRunner(self.model, self.max_num_seqs, self.max_model_len,
-                                                  self.block_size, self.device, self.graph_capture)
+                                                  self.block_size, self.device, self.graph_capture,
+                                                  captured_argmax=opts.captured_argmax)
             self._graph_switches = state
         return self.graphs
 

@@ -36,7 +36,7 @@ class M3Attention(nn.Module):
     only; left None it costs one attribute check."""
 
     def __init__(self, cfg: M3Config, layer_idx: int, opts: Optimizations, dtype: torch.dtype,
-                 device: torch.device | str):
+                 device: torch.device | str, quant: str | None = None):
         super().__init__()
         self.cfg = cfg
         self.layer_idx = layer_idx
@@ -60,9 +60,10 @@ class M3Attention(nn.Module):
             self.num_index_heads = self.num_kv_heads  # one index head per KV group, sharded like the KV heads
             parts += [OutputPart("index_q", cfg.index_n_heads * di, k0 * di, k1 * di),
                       OutputPart.replicated("index_k", di)]
-        self.qkv_proj = MergedColumnParallelLinear(cfg.hidden_size, parts, dtype, device)
+        self.qkv_proj = MergedColumnParallelLinear(cfg.hidden_size, parts, dtype, device, quant, opts)
         self.split_sizes = self.qkv_proj.split_sizes()
-        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, dtype, device, (q0 * d, q1 * d))
+        self.o_proj = RowParallelLinear(cfg.q_size, cfg.hidden_size, dtype, device, (q0 * d, q1 * d), quant=quant,
+                                        opts=opts)
         self.q_norm = replicated_parameter((d,), torch.float32, device)
         self.k_norm = replicated_parameter((d,), torch.float32, device)
         if self.sparse:

@@ -5,24 +5,28 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from nanoserve.config import Optimizations
 from nanoserve.kernels.reference import swiglu_oai
 from nanoserve.model.layers.linear import MergedColumnParallelLinear, OutputPart, RowParallelLinear
 
 
 class SwiGLUOAIMLP(nn.Module):
     """down(swiglu_oai(gate(x), up(x))). gate|up are one column-parallel GEMM, down is row-parallel.
-    With reduce=False the caller does the all-reduce (the MoE sums routed + shared first)."""
+    With reduce=False the caller does the all-reduce (the MoE sums routed + shared first). quant="mxfp8": fp8
+    weights with E8M0 scales (layers/linear.py)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, alpha: float, limit: float, dtype: torch.dtype,
-                 device: torch.device | str, reduce: bool = True):
+                 device: torch.device | str, reduce: bool = True, quant: str | None = None,
+                 opts: Optimizations | None = None):
         super().__init__()
         self.alpha, self.limit = alpha, limit
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [OutputPart.split("gate", intermediate_size), OutputPart.split("up", intermediate_size)],
-            dtype, device)
+            dtype, device, quant, opts)
         self.intermediate_local = self.gate_up_proj.parts["gate"].local_rows
         start, end = self.gate_up_proj.parts["gate"].start, self.gate_up_proj.parts["gate"].end
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, device, (start, end), reduce)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, dtype, device, (start, end), reduce,
+                                           quant, opts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

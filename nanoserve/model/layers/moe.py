@@ -10,7 +10,8 @@ import torch.nn as nn
 
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.layers.linear import WeightSource, check_shape, copy_into, replicated_parameter
+from nanoserve.model.layers.linear import (WeightSource, check_shape, copy_into, linear, read_mxfp8,
+                                           replicated_parameter, weight_parameters)
 from nanoserve.model.layers.mlp import SwiGLUOAIMLP
 from nanoserve.model.m3_config import M3Config
 from nanoserve.parallel_state import all_reduce, get_tp, shard_range
@@ -26,13 +27,18 @@ class M3MoE(nn.Module):
     Both end in one all-reduce of (routed * scale + shared). When the shared expert's local shape equals a routed
     expert's, it is stored as one extra slot at the end of w13/w2, so the fused kernel can run it in the same
     launch (`fold_shared_expert`); the reference path computes it from that slot as a plain MLP.
+
+    MXFP8 (quant="mxfp8"): w13 / w2 hold fp8 e4m3 and w13_scale / w2_scale their E8M0 exponents (one per 32
+    input columns), sharded exactly like the weights; both paths take them (the fused kernel dequantises in
+    registers, the reference per expert).
     """
 
     trace: Callable[..., None] | None = None
     """Optional tracing hook, for teaching and debugging (set it with M3ForCausalLM.set_trace): called as
     trace("moe_route", topk_ids=, topk_weights=) right after routing. Eager mode only; None costs one check."""
 
-    def __init__(self, cfg: M3Config, opts: Optimizations, dtype: torch.dtype, device: torch.device | str):
+    def __init__(self, cfg: M3Config, opts: Optimizations, dtype: torch.dtype, device: torch.device | str,
+                 quant: str | None = None):
         super().__init__()
         if cfg.n_shared_experts != 1:
             raise ValueError(f"n_shared_experts={cfg.n_shared_experts}: nanoserve supports exactly 1 (M3)")
@@ -53,16 +59,15 @@ class M3MoE(nn.Module):
         self.shared_start, self.shared_end = shard_range(cfg.shared_intermediate_size)
         self.shared_in_stack = (self.shared_end - self.shared_start) == inter_local
         slots = self.num_local + int(self.shared_in_stack)
-        self.w13 = nn.Parameter(torch.empty(slots, 2 * inter_local, hidden, dtype=dtype, device=device),
-                                requires_grad=False)
-        self.w2 = nn.Parameter(torch.empty(slots, hidden, inter_local, dtype=dtype, device=device),
-                               requires_grad=False)
+        self.w13, self.w13_scale = weight_parameters(2 * inter_local, hidden, dtype, device, quant, (slots,))
+        self.w2, self.w2_scale = weight_parameters(hidden, inter_local, dtype, device, quant, (slots,))
         shared = ("shared_gate", "shared_up") if self.shared_in_stack else ()
         self.w13.weight_loader, self.w13.weight_shards = self._load_stacked, ("gate", "up") + shared
         self.w2.weight_loader = self._load_stacked
         self.w2.weight_shards = ("down",) + (("shared_down",) if self.shared_in_stack else ())
         self.shared = None if self.shared_in_stack else SwiGLUOAIMLP(
-            hidden, cfg.shared_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit, dtype, device, reduce=False)
+            hidden, cfg.shared_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit, dtype, device, reduce=False,
+            quant=quant, opts=opts)
         self.gate = replicated_parameter((cfg.num_local_experts, hidden), torch.float32, device)
         self.e_score_correction_bias = replicated_parameter((cfg.num_local_experts,), torch.float32, device)
         if tp.expert_parallel and tp.size > 1:
@@ -84,19 +89,22 @@ class M3MoE(nn.Module):
         if self.trace is not None:
             self.trace("moe_route", topk_ids=topk_ids, topk_weights=topk_weights)
         alpha, limit, scale = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.routed_scaling_factor
-        routed_w13, routed_w2 = self.w13[: self.num_local], self.w2[: self.num_local]
+        n = self.num_local
+        s13, s2 = self.w13_scale, self.w2_scale
         if self.opts.fused_moe and triton_usable(x):
             from nanoserve.kernels.moe import fused_moe
 
             fold = self.opts.fold_shared_expert and self.shared_in_stack
-            out = fused_moe(x, self.w13 if fold else routed_w13, self.w2 if fold else routed_w2, topk_weights,
-                            topk_ids, alpha=alpha, limit=limit, expert_map=self.expert_map,
-                            routed_scaling_factor=scale, fold_shared=fold)
+            used = slice(None) if fold else slice(0, n)
+            out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, alpha=alpha, limit=limit,
+                            expert_map=self.expert_map, routed_scaling_factor=scale, fold_shared=fold,
+                            w13_scale=None if s13 is None else s13[used], w2_scale=None if s2 is None else s2[used])
             if not fold:
                 out = out + self._shared(x)
         else:
-            routed = reference.moe_experts(x, routed_w13, routed_w2, topk_ids, topk_weights, alpha, limit,
-                                           self.expert_map)
+            routed = reference.moe_experts(x, self.w13[:n], self.w2[:n], topk_ids, topk_weights, alpha, limit,
+                                           self.expert_map, None if s13 is None else s13[:n],
+                                           None if s2 is None else s2[:n])
             out = routed * scale + self._shared(x)
         return all_reduce(out) if get_tp().size > 1 else out
 
@@ -104,10 +112,10 @@ class M3MoE(nn.Module):
         if self.shared is not None:
             return self.shared(x)
         inter = self.w2.shape[-1]
-        gate_up = torch.nn.functional.linear(x, self.w13[-1])
+        gate_up = linear(x, self.w13[-1], None if self.w13_scale is None else self.w13_scale[-1], self.opts)
         act = reference.swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], self.cfg.swiglu_alpha,
                                    self.cfg.swiglu_limit).to(x.dtype)
-        return torch.nn.functional.linear(act, self.w2[-1])
+        return linear(act, self.w2[-1], None if self.w2_scale is None else self.w2_scale[-1], self.opts)
 
     # -- checkpoint ---------------------------------------------------------------------------------------
     def _load_stacked(self, param: torch.Tensor, source: WeightSource, shard_id: str, name: str = "",
@@ -126,9 +134,17 @@ class M3MoE(nn.Module):
         part = shard_id.removeprefix("shared_")
         if part == "down":
             check_shape(name, source.shape, (cfg.hidden_size, rows))
-            copy_into(param[slot], source[:, start:end])
+            dst, scale, index = param[slot], self.w2_scale, (slice(None), slice(start, end))
+            scale_dst = None if scale is None else scale.data[slot]
         else:
             check_shape(name, source.shape, (rows, cfg.hidden_size))
             inter_local = self.inter_end - self.inter_start
             half = slice(0, inter_local) if part == "gate" else slice(inter_local, 2 * inter_local)
-            copy_into(param[slot, half], source[start:end])
+            dst, scale, index = param[slot, half], self.w13_scale, (slice(start, end), slice(None))
+            scale_dst = None if scale is None else scale.data[slot, half]
+        if scale_dst is None:
+            copy_into(dst, source[index])
+        else:  # fp8 rows/columns and their E8M0 scales, sliced alike
+            q, s = read_mxfp8(source, *index)
+            copy_into(dst, q)
+            copy_into(scale_dst, s)

@@ -13,7 +13,7 @@ from nanoserve.model.layers.linear import replicated_parameter
 class GemmaRMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w). The stored w is the zero-centred offset, as in the checkpoint.
 
-    Called as norm(x) it normalises x; called as norm(x, residual) it first adds x into the residual stream and
+    Called as norm(x) it normalises x (one kernel when `fused_rmsnorm` is on); called as norm(x, residual) it first adds x into the residual stream and
     returns (norm(x + residual), x + residual) - one fused kernel when `fused_add_rmsnorm` is on."""
 
     def __init__(self, dim: int, eps: float, opts: Optimizations, device: torch.device | str):
@@ -24,6 +24,10 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
+            if self.opts.fused_rmsnorm and triton_usable(x):
+                from nanoserve.kernels.norm_rope import fused_rmsnorm
+
+                return fused_rmsnorm(x, self.weight, self.eps)
             return reference.gemma_rmsnorm(x, self.weight, self.eps)
         if self.opts.fused_add_rmsnorm and triton_usable(x):
             from nanoserve.kernels.norm_rope import fused_add_rmsnorm

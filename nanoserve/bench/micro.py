@@ -1,0 +1,112 @@
+"""Kernel micro-benchmarks in bf16 and MXFP8 weights side by side, at the model's widths (GPU only).
+
+- `moe_micro`: the fused MoE as the model runs it (routed top-k + the folded shared expert) over token counts, with
+  bf16 weights and with the same weights quantized to MXFP8 (fp8 + E8M0 scales, dequantised in registers).
+- `linear_micro`: the attention / dense-MLP projections, bf16 F.linear (cuBLAS / hipBLASLt) against the Triton
+  fp8-weight GEMM.
+
+Times are medians of `triton.testing.do_bench` (it clears L2 before each call). FLOPs count 2 per multiply-add;
+bytes are the weights a call reads (the distinct experts the routing touches, at 2 bytes per bf16 weight or
+1 + 1/32 per MXFP8 one), which dominate at these sizes. Uniform random routing, random N(0, 0.02) weights.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from nanoserve.bench.floor import H200, Ceilings
+from nanoserve.bench.report import table
+from nanoserve.model.m3_config import M3Config
+from nanoserve.model.mxfp8 import quantize_mxfp8
+
+FORMATS = ("bf16", "mxfp8")
+WEIGHT_STD = 0.02
+
+
+def _bytes_per_weight(fmt: str) -> float:
+    return 2.0 if fmt == "bf16" else 1.0 + 1.0 / 32
+
+
+def _quantize_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[S, N, K] bf16 -> (fp8 [S, N, K], uint8 [S, N, K/32]), one slot at a time (bounded fp32 scratch)."""
+    q = torch.empty(w.shape, dtype=torch.float8_e4m3fn, device=w.device)
+    s = torch.empty(*w.shape[:-1], w.shape[-1] // 32, dtype=torch.uint8, device=w.device)
+    for i in range(w.shape[0]):
+        q[i], s[i] = quantize_mxfp8(w[i])
+    return q, s
+
+
+def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilings = H200, seed: int = 0) -> dict:
+    import triton
+
+    from nanoserve.kernels import reference
+    from nanoserve.kernels.moe import fused_moe
+
+    h, inter, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
+    gen = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.empty(e + 1, 2 * inter, h, dtype=torch.bfloat16, device=device).normal_(0, WEIGHT_STD, generator=gen)
+    w2 = torch.empty(e + 1, h, inter, dtype=torch.bfloat16, device=device).normal_(0, WEIGHT_STD, generator=gen)
+    q13, s13 = _quantize_stack(w13)
+    q2, s2 = _quantize_stack(w2)
+    args = dict(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, routed_scaling_factor=cfg.routed_scaling_factor,
+                fold_shared=True)
+    rows, out = [], []
+    for t in tokens:
+        x = torch.empty(t, h, dtype=torch.bfloat16, device=device).normal_(0, 1, generator=gen)
+        logits = torch.empty(t, e, device=device).normal_(0, 1, generator=gen)
+        weights, ids = reference.route(logits, torch.zeros(e, device=device), k)
+        touched = int(torch.unique(ids).numel()) + 1  # + the shared expert
+        flops = 2 * 3 * h * inter * t * (k + 1)
+        entry = {"tokens": t, "experts_touched": touched}
+        for fmt in FORMATS:
+            if fmt == "bf16":
+                def fn(): return fused_moe(x, w13, w2, weights, ids, **args)
+            else:
+                def fn(): return fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, **args)
+            ms = triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+            nbytes = touched * 3 * h * inter * _bytes_per_weight(fmt)
+            entry[fmt] = {"ms": ms, "tflop_s": flops / ms / 1e9, "gb_s": nbytes / ms / 1e6}
+        entry["speedup"] = entry["bf16"]["ms"] / entry["mxfp8"]["ms"]
+        out.append(entry)
+        rows.append([t, touched, entry["bf16"]["ms"], entry["mxfp8"]["ms"], entry["bf16"]["tflop_s"],
+                     entry["mxfp8"]["tflop_s"], entry["bf16"]["gb_s"], entry["mxfp8"]["gb_s"], entry["speedup"]])
+    title = (f"Fused MoE (top-{k} + folded shared expert, H {h}, I {inter}, {e} experts), bf16 vs MXFP8 weights "
+             f"(median ms; GB/s of the weights read; ceilings {hw.name})")
+    return {"rows": out, "table": table(("tokens", "experts", "bf16 ms", "mxfp8 ms", "bf16 TFLOP/s",
+                                         "mxfp8 TFLOP/s", "bf16 GB/s", "mxfp8 GB/s", "speedup"), rows, title)}
+
+
+def linear_shapes(cfg: M3Config) -> dict[str, tuple[int, int]]:
+    """(N, K) of the quantized projections one rank runs at tp=1."""
+    h = cfg.hidden_size
+    qkv = cfg.q_size + 2 * cfg.kv_size + (cfg.index_n_heads + 1) * cfg.index_head_dim
+    return {"qkv+index": (qkv, h), "o_proj": (h, cfg.q_size), "dense gate_up": (2 * cfg.dense_intermediate_size, h),
+            "dense down": (h, cfg.dense_intermediate_size)}
+
+
+def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
+    import triton
+
+    from nanoserve.kernels.fp8_linear import fp8_linear
+
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rows, out = [], []
+    for name, (n, k) in linear_shapes(cfg).items():
+        w = torch.empty(n, k, dtype=torch.bfloat16, device=device).normal_(0, WEIGHT_STD, generator=gen)
+        q, s = quantize_mxfp8(w)
+        for t in tokens:
+            x = torch.empty(t, k, dtype=torch.bfloat16, device=device).normal_(0, 1, generator=gen)
+            bf = triton.testing.do_bench(lambda: F.linear(x, w), warmup=5, rep=30, return_mode="median")
+            mx = triton.testing.do_bench(lambda: fp8_linear(x, q, s), warmup=5, rep=30, return_mode="median")
+            flops = 2 * t * n * k
+            entry = {"shape": name, "n": n, "k": k, "tokens": t, "bf16_ms": bf, "mxfp8_ms": mx,
+                     "bf16_gb_s": n * k * 2 / bf / 1e6, "mxfp8_gb_s": n * k * (1 + 1 / 32) / mx / 1e6,
+                     "bf16_tflop_s": flops / bf / 1e9, "mxfp8_tflop_s": flops / mx / 1e9, "speedup": bf / mx}
+            out.append(entry)
+            rows.append([name, t, bf * 1e3, mx * 1e3, entry["bf16_gb_s"], entry["mxfp8_gb_s"],
+                         entry["bf16_tflop_s"], entry["mxfp8_tflop_s"], entry["speedup"]])
+        del w, q, s
+    return {"rows": out, "table": table(("projection", "tokens", "bf16 us", "mxfp8 us", "bf16 GB/s", "mxfp8 GB/s",
+                                         "bf16 TFLOP/s", "mxfp8 TFLOP/s", "speedup"), rows,
+                                        "Projections: bf16 F.linear vs the Triton MXFP8-weight GEMM (median)")}

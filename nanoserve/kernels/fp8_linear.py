@@ -1,0 +1,204 @@
+"""Triton GEMM with MXFP8 weights: out = x @ dequant(W)^T, the weights dequantised in registers.
+
+    W[n, k] = fp8_e4m3[n, k] * 2^(S[n, k // 32] - 127)        (one E8M0 exponent per 1x32 block of a row)
+
+The weights stay in memory in their checkpoint form (fp8 [N, K] + uint8 scales [N, K / 32]), so a decode step
+streams 1 byte per weight (+ 1/32 byte of scale) instead of bf16's 2. Each program loads a [BLOCK_K, BLOCK_N] fp8
+tile and the matching scales, builds the power-of-two factors with an exponent-field shift (exact: no exp2, no
+table), multiplies in fp32 and rounds to the activation dtype. That rounding is exact (an e4m3 value times a
+power of two fits bf16's 8-bit mantissa and exponent), so the dot sees the very bf16 weights the dequantise-at-load
+path holds; results differ only by accumulation order. The dot is the activation dtype's (bf16 tensor cores on
+the GPU, fp32/fp16 under the CPU interpreter), accumulating in fp32.
+
+Small batches (decode) are bandwidth-bound and have few output tiles, so K is split across programs (SPLIT_K)
+until the grid covers the GPU a few times over; the fp32 partials are summed by one torch reduction (deterministic,
+no atomics). Large batches use square-ish tiles and no split. Small row tiles apply the scales on the fp32
+accumulator one 32-column block at a time (`scaled_block_dot`: a [BLOCK_N] vector of factors per block instead of
+one scale load per weight); large ones dequantise the whole weight tile in registers before a single dot. The
+same kernel serves every M. Activations are not quantised: Hopper has no block-scaled MMA, and applying a scale
+per 32 columns on the accumulator of an fp8 dot costs about as much as the bf16 MMA it would replace.
+
+The plain-PyTorch reference is `reference.fp8_linear` (dequantise, then F.linear).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from nanoserve.kernels.configs import backend, sm_count
+
+MXFP8_BLOCK = 32
+SCALE_ACC_MAX_M = 32
+"""Row tiles up to this size scale the accumulator per 32-column block (few rows: the extra multiplies are cheap
+and the scale loads shrink 32x); larger ones dequantise the weight tile before one dot (the multiplies amortise
+over the rows)."""
+
+
+@dataclass(frozen=True)
+class LinearTiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def select_tiles(m: int, n: int, k: int, device: torch.device) -> LinearTiles:
+    """Tiles by backend and batch size. Decode (M <= 16): one row tile, narrow N, long K (memory-bound);
+    mid batches: 64-row tiles; prefill: 128 x 128 tiles. BLOCK_K is a multiple of the 32-column scale block;
+    ROCm keeps 2 pipeline stages and tl.dot dims >= 16."""
+    kind = backend(device)
+    if kind == "interpret":
+        return LinearTiles(16, 32, 64, 4, 1)
+    stages = 2 if kind == "hip" else None
+    if m <= 16:
+        t = LinearTiles(16, 64, 256, 4, 4)
+    elif m <= 64:
+        t = LinearTiles(64, 64, 128, 4, 4)
+    elif m <= 256:
+        t = LinearTiles(64, 128, 64, 4, 4)
+    else:
+        t = LinearTiles(128, 128, 64, 8, 3)
+    return t if stages is None else LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, stages)
+
+
+def split_k_for(m: int, n: int, k: int, tiles: LinearTiles, device: torch.device) -> int:
+    """K splits so that a small-M GEMM still gives every multiprocessor ~4 programs; each split gets a whole
+    number of BLOCK_K steps. 1 for large M (enough output tiles already)."""
+    programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
+    want = 4 * sm_count(device)
+    k_steps = triton.cdiv(k, tiles.block_k)
+    split = 1
+    while programs * split * 2 <= want and k_steps // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+@triton.jit
+def _e8m0_to_float(s):
+    """2^(s - 127) for a uint8 E8M0 exponent, built by placing s in fp32's exponent field (s = 0 gives 0)."""
+    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dequant_fp8_tile(w_ptrs, s_ptrs, mask, out_dtype: tl.constexpr, MASKED: tl.constexpr):
+    """Load an fp8 weight tile and its per-element scale pointers (k // 32 gathered), return it dequantised in
+    `out_dtype`. Shared by the linear and the fused MoE kernels."""
+    if MASKED:
+        w = tl.load(w_ptrs, mask=mask, other=0.0)
+        s = tl.load(s_ptrs, mask=mask, other=127)
+    else:
+        w = tl.load(w_ptrs)
+        s = tl.load(s_ptrs)
+    return (w.to(tl.float32) * _e8m0_to_float(s)).to(out_dtype)
+
+
+@triton.jit
+def scaled_block_dot(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, k, BLOCK_K: tl.constexpr, dot_dtype: tl.constexpr):
+    """acc += sum over the BLOCK_K // 32 scale blocks from column k of (a_blk @ fp8_blk) * 2^(s - 127).
+
+    The small-M form: each 32-column block is a bf16 dot of exact fp8 values, scaled on the fp32 accumulator by a
+    [BLOCK_N] vector of factors, so the scales are BLOCK_N byte loads per block (not one per weight) and every
+    load is a contiguous 32-byte row. `a_ptrs` [BLOCK_M, 32], `w_ptrs` [32, BLOCK_N], `s_ptrs` [BLOCK_N] point at
+    column block 0; full K tiles only (no K mask)."""
+    for j in tl.static_range(BLOCK_K // 32):
+        if a_mask is None:
+            a = tl.load(a_ptrs + k + j * 32)
+        else:
+            a = tl.load(a_ptrs + k + j * 32, mask=a_mask, other=0.0)
+        w = tl.load(w_ptrs + k + j * 32).to(dot_dtype)
+        f = _e8m0_to_float(tl.load(s_ptrs + k // 32 + j))
+        acc += tl.dot(a, w, input_precision="ieee") * f[None, :]
+    return acc
+
+
+@triton.jit(do_not_specialize=["M"])
+def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
+                       stride_xm, stride_wn, stride_sn, stride_os, stride_om,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALE_ACC: tl.constexpr):
+    """out[split, m, n] = sum over this split's K range of x[m, k] * W[n, k]."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    w_rows = (cols % N).to(tl.int64)  # the ragged last tile re-reads valid rows; those columns are not stored
+    x_rows = (rows % M).to(tl.int64)
+    k0 = split * k_per_split
+    ks = k0 + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + ks[None, :]
+    w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]
+    s_ptrs = s_ptr + w_rows[None, :] * stride_sn + ks[:, None] // 32
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    k_end = tl.minimum(k0 + k_per_split, K)
+    if SCALE_ACC:  # small M, full K tiles: scales applied per 32-column block on the accumulator
+        k32 = tl.arange(0, 32)
+        a32 = x_ptr + x_rows[:, None] * stride_xm + k32[None, :]
+        w32 = w_ptr + w_rows[None, :] * stride_wn + k32[:, None]
+        s32 = s_ptr + w_rows * stride_sn
+        for k in range(k0, k_end, BLOCK_K):
+            acc = scaled_block_dot(acc, a32, None, w32, s32, k, BLOCK_K, x_ptr.dtype.element_ty)
+        k_end = k0  # nothing left for the general loop below
+    for k in range(k0, k_end, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(x_ptrs)
+            w = dequant_fp8_tile(w_ptrs, s_ptrs, None, x_ptr.dtype.element_ty, False)
+        else:
+            in_k = (k + tl.arange(0, BLOCK_K)) < k_end
+            a = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+            w = dequant_fp8_tile(w_ptrs, s_ptrs, in_k[:, None], x_ptr.dtype.element_ty, True)
+        # "ieee" only matters for fp32 operands (exact products instead of TF32); 16-bit operands ignore it.
+        acc = tl.dot(a, w, acc, input_precision="ieee")
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // 32
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    tl.store(out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
+               tiles: LinearTiles | None = None, split_k: int | None = None) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] fp8 e4m3, scale [N, K/32] uint8 E8M0)^T -> [..., N]
+    in x's dtype. `tiles` / `split_k` override the heuristics (benchmarks, tests)."""
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
+        raise ValueError(f"fp8_linear needs float8_e4m3fn weights and uint8 scales, got {weight.dtype}, {scale.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k or k % MXFP8_BLOCK or tuple(scale.shape) != (n, k // MXFP8_BLOCK):
+        raise ValueError(f"fp8_linear: x {list(x.shape)}, weight {list(weight.shape)}, scale {list(scale.shape)} "
+                         f"do not fit (K must be a multiple of {MXFP8_BLOCK}, scale [N, K/{MXFP8_BLOCK}])")
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    if m == 0:
+        return x.new_empty(*lead, n)
+    weight, scale = weight.contiguous(), scale.contiguous()  # no-ops for the layer's parameters
+    t = tiles or select_tiles(m, n, k, x.device)
+    split = split_k if split_k is not None else split_k_for(m, n, k, t, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    even_k = k % t.block_k == 0 and k_per_split % t.block_k == 0
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
+    _fp8_linear_kernel[grid](
+        x2, weight, scale, out, m, n, k, k_per_split,
+        x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
+        EVEN_K=even_k, SCALE_ACC=even_k and t.block_m <= SCALE_ACC_MAX_M, num_warps=t.num_warps,
+        num_stages=t.num_stages)
+    y = out[0] if split == 1 else out.sum(0).to(x.dtype)
+    return y.reshape(*lead, n)

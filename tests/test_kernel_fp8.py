@@ -1,0 +1,136 @@
+"""MXFP8-weight kernels against their plain-torch references: the fp8-weight GEMM (kernels/fp8_linear.py) against
+`reference.fp8_linear`, and the fused MoE with fp8 experts (kernels/moe.py) against `reference.moe_experts` with
+the same fp8 weights and scales (both dequantise, then compute).
+
+Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py; the interpreter loads float8_e4m3fn and uint8
+tensors and converts them exactly), or compiled on a GPU when one is present; activations in fp32 and fp16 (the
+interpreter computes bf16 wrongly; bf16 is checked on the GPU by scripts/gpu_mxfp8.py). Weights are drawn fresh
+per case, quantised with `quantize_mxfp8`, and include blocks whose scales differ by many octaves, so a scale
+applied to the wrong 32 columns shows.
+
+Tolerances, as max |kernel - reference| <= RTOL x max |reference|:
+    fp32: FP32_RTOL = 1e-5   (the dequantised weights are identical; only the summation order differs)
+    fp16: FP16_RTOL = 1e-2   (split-K partials and fused gate/up stay fp32 where the reference rounds to fp16)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoserve.kernels import reference
+from nanoserve.kernels.fp8_linear import LinearTiles, fp8_linear
+from nanoserve.kernels.moe import GemmTiles, MoEConfig, fused_moe
+from nanoserve.model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
+
+RTOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+ALPHA, LIMIT, SCALE = 1.702, 7.0, 2.0
+
+
+def mx_weight(n: int, k: int, gen: torch.Generator, std: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """An [n, k] weight quantised to MXFP8, with per-block magnitudes spread over 2^-6 .. 2^6 times `std`."""
+    w = torch.randn(n, k, generator=gen) * std
+    octaves = torch.randint(-6, 7, (n, k // 32), generator=gen).float()
+    w = w * torch.exp2(octaves).repeat_interleave(32, dim=1)
+    q, s = quantize_mxfp8(w)
+    return q.to(DEVICE), s.to(DEVICE)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert torch.isfinite(got).all()
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= RTOL[dtype] * want.float().abs().max().item(), err
+
+
+def test_quantize_roundtrip_is_the_checkpoint_rule():
+    """dequantize_mxfp8 multiplies by 2^(S - 127), block by block along the input dim."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(8, 64, generator=gen)
+    q, s = quantize_mxfp8(w)
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.uint8 and s.shape == (8, 2)
+    manual = q.float() * torch.exp2(s.float() - 127).repeat_interleave(32, dim=1)
+    torch.testing.assert_close(dequantize_mxfp8(q, s, torch.float32), manual, rtol=0, atol=0)
+    assert (dequantize_mxfp8(q, s, torch.float32) - w).abs().max() <= w.abs().max() * 2 ** -3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,split,block_m", [(1, 96, 128, None, 16), (5, 64, 192, 3, 16),
+                                                 (37, 80, 96, 1, 64), (16, 33, 320, 2, 64)])
+def test_fp8_linear_matches_reference(dtype, m, n, k, split, block_m):
+    """Row tiles of 16 scale the accumulator per 32-column block; of 64, dequantise the weight tile first."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    w, s = mx_weight(n, k, gen, std=1.0 / k ** 0.5)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(block_m, 32, 64, 4, 1), split_k=split)
+    assert got.dtype == dtype and got.shape == (m, n)
+    close(got, reference.fp8_linear(x, w, s), dtype)
+
+
+def test_fp8_linear_ragged_k_and_leading_dims():
+    """K not a multiple of BLOCK_K (masked tail, scales included) and a 3-D input."""
+    gen = torch.Generator().manual_seed(7)
+    w, s = mx_weight(48, 160, gen, std=0.1)
+    x = torch.randn(2, 3, 160, generator=gen).to(DEVICE)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(16, 32, 64, 4, 1), split_k=1)
+    close(got, reference.fp8_linear(x, w, s), torch.float32)
+
+
+def test_fp8_linear_rejects_bad_inputs():
+    gen = torch.Generator().manual_seed(1)
+    w, s = mx_weight(32, 64, gen)
+    with pytest.raises(ValueError, match="fp8_linear"):
+        fp8_linear(torch.zeros(2, 64, device=DEVICE), w.float(), s)
+    with pytest.raises(ValueError, match="do not fit"):
+        fp8_linear(torch.zeros(2, 64, device=DEVICE), w, s[:, :1])
+
+
+def make_mx_experts(slots: int, hidden: int, inter: int, gen: torch.Generator):
+    w13, s13 = zip(*(mx_weight(2 * inter, hidden, gen, std=3.0 / hidden ** 0.5) for _ in range(slots)))
+    w2, s2 = zip(*(mx_weight(hidden, inter, gen, std=1.0 / inter ** 0.5) for _ in range(slots)))
+    return torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,fold,use_map,block_m", [(3, False, False, 16), (21, True, False, 64),
+                                                         (9, True, True, 16)])
+def test_fused_moe_fp8_experts_match_reference(dtype, tokens, fold, use_map, block_m):
+    """Routed experts (+ the folded shared expert in the last slot, + an expert-parallel map) with MXFP8
+    weights: the kernel dequantises in registers (BLOCK_M 16: scales on the accumulator per 32 columns; 64: the
+    weight tile dequantised before the dot), the reference per expert; the SwiGLU-OAI epilogue is shared."""
+    experts, top_k, hidden, inter = 6, 2, 64, 96
+    gen = torch.Generator().manual_seed(tokens * 10 + fold)
+    slots = experts + int(fold)
+    w13, s13, w2, s2 = make_mx_experts(slots, hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = reference.route(torch.randn(tokens, experts, generator=gen).to(DEVICE),
+                                   torch.zeros(experts, device=DEVICE), top_k)
+    emap = None
+    if use_map:  # this rank owns global experts 2..5 as local slots 0..3; the rest are skipped
+        emap = torch.full((experts,), -1, dtype=torch.int32)
+        emap[2:] = torch.arange(experts - 2, dtype=torch.int32)
+        emap = emap.to(DEVICE)
+    got = fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, expert_map=emap,
+                    routed_scaling_factor=SCALE, fold_shared=fold, w13_scale=s13, w2_scale=s2,
+                    config=MoEConfig(block_m, 1, GemmTiles(32, 32, 4, 1), GemmTiles(32, 64, 4, 1)))
+    routed_w13 = w13[:experts] if not fold else w13[:-1]
+    want = reference.moe_experts(x, routed_w13, w2[: routed_w13.shape[0]], ids, weights, ALPHA, LIMIT, emap,
+                                 s13[: routed_w13.shape[0]], s2[: routed_w13.shape[0]]).float() * SCALE
+    if fold:
+        up = reference.weight(w13[-1], s13[-1], dtype)
+        down = reference.weight(w2[-1], s2[-1], dtype)
+        gate_up = torch.nn.functional.linear(x, up)
+        act = reference.swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], ALPHA, LIMIT).to(dtype)
+        want = want + torch.nn.functional.linear(act, down).float()
+    close(got, want, dtype)
+
+
+def test_fused_moe_fp8_needs_both_scales():
+    gen = torch.Generator().manual_seed(3)
+    w13, s13, w2, s2 = make_mx_experts(2, 64, 32, gen)
+    x = torch.randn(2, 64, device=DEVICE)
+    w, ids = reference.route(torch.randn(2, 2, device=DEVICE), torch.zeros(2, device=DEVICE), 1)
+    with pytest.raises(ValueError, match="together"):
+        fused_moe(x, w13, w2, w, ids, alpha=ALPHA, limit=LIMIT, w13_scale=s13)
+    with pytest.raises(ValueError, match="do not fit"):
+        fused_moe(x, w13, w2, w, ids, alpha=ALPHA, limit=LIMIT, w13_scale=s13, w2_scale=s2[..., :0])

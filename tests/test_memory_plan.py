@@ -1,0 +1,51 @@
+"""The memory plan (model/memory_plan.py) against the released M3 config's numbers, and against the engine's own
+KV pool sizing and the bytes a built model really holds."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoserve.parallel_state import set_tp
+from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from nanoserve.model.m3_config import M3Config
+from nanoserve.model.memory_plan import kv_bytes_per_token, memory_plan, weight_bytes_per_gpu
+from nanoserve.presets.catalog import get_preset
+
+REAL = M3Config()  # the defaults are the released MiniMax-M3 text config
+
+
+def test_real_config_kv_bytes_per_token():
+    # 3 dense layers x (2 x 4 heads x 128 x 2 B) + 57 MSA layers x (2,048 + 256 B index key)
+    assert kv_bytes_per_token(REAL, 2) == 137_472
+    assert kv_bytes_per_token(REAL, 1) == 68_736
+    # TP=4: one KV head per rank; TP=8: the 4 heads replicated twice; the index key replicated everywhere
+    assert kv_bytes_per_token(REAL, 2, tp_size=4) == 45_312
+    assert kv_bytes_per_token(REAL, 2, tp_size=8) == 45_312
+
+
+def test_real_config_weight_bytes():
+    bf16 = weight_bytes_per_gpu(REAL, 1)
+    params = (bf16.quantized + bf16.embeddings) // 2 + (bf16.other - 4 * 57 * (128 * 6144 + 128)) // 2 \
+        + 57 * (128 * 6144 + 128)
+    assert params == 426_174_572_928  # the text model's parameter count
+    mx = weight_bytes_per_gpu(REAL, 1, "mxfp8")
+    assert mx.quantized == bf16.quantized // 2 and mx.scales == mx.quantized // 32
+    assert mx.embeddings == bf16.embeddings
+    tp8 = weight_bytes_per_gpu(REAL, 8, "mxfp8")
+    assert 55e9 < tp8.total < 56e9
+    plan = memory_plan(REAL, 141 * 10**9, 8, "mxfp8")
+    assert plan.kv_per_token == 45_312 and plan.kv_tokens > 10 * 131_072
+
+
+def test_engine_sizes_its_pool_with_the_plan():
+    """kv_cache_bytes_per_block (what the runner divides free memory by) equals the bytes the pools allocate."""
+    cfg = get_preset("m3-tiny").config
+    for tp in (1, 2, 8):
+        set_tp(0, tp)
+        try:
+            kv, idx = allocate_kv_caches(cfg, 3, 16, torch.bfloat16, "cpu")
+            allocated = sum(t.numel() * t.element_size() for t in kv + [i for i in idx if i is not None])
+            assert kv_cache_bytes_per_block(cfg, 16, torch.bfloat16) * 3 == allocated
+            assert allocated == 3 * 16 * kv_bytes_per_token(cfg, 2, tp)
+        finally:
+            set_tp(0, 1)

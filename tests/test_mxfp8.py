@@ -1,0 +1,147 @@
+"""MXFP8 weights served natively (the `mxfp8_weights` switch) against the dequantise-at-load reference path.
+
+On an MXFP8 checkpoint written by the project's checkpoint writer (transformers' layout: fp8 e4m3 `X.weight` +
+uint8 E8M0 `X.weight_scale_inv`), the model keeps every quantized projection in fp8 with its scales; the reference
+path holds the same weights dequantised. In fp32 on the CPU (kernels' reference paths: dequantise, then the op) the
+two compute on identical weight values, so logits are equal exactly and greedy tokens identical. `quantization=
+"mxfp8"` on a bf16 checkpoint or a preset drawn on the device quantises the same draw at load, giving the same
+model as the MXFP8 checkpoint. The Triton kernels themselves are compared with their references in
+tests/test_kernel_fp8.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig, Optimizations
+from nanoserve.parallel_state import set_tp
+from nanoserve.model.loader import CheckpointError, load_model
+from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.model.memory_plan import weight_bytes_per_gpu
+from nanoserve.model.mxfp8 import is_quantized_matrix
+from nanoserve.presets.catalog import get_preset
+from nanoserve.presets.make_checkpoint import write_checkpoint
+from nanoserve.presets.resolve import init_random_weights
+from tests.test_hf_parity import full_forward, random_ids
+from tests.tp_helpers import CPU_REFERENCE
+
+PROMPT = random_ids(70, seed=11)  # longer than top_k x block (48): MSA drops blocks
+NATIVE = CPU_REFERENCE.replace(mxfp8_weights=True, triton_fp8_linear=False)
+DEQUANTISED = CPU_REFERENCE.replace(mxfp8_weights=False, triton_fp8_linear=False)
+ENGINE_ARGS = dict(device="cpu", dtype="float32", max_model_len=512, num_gpu_blocks_override=48)
+
+
+@pytest.fixture(scope="module")
+def mxfp8_dir(tmp_path_factory) -> str:
+    p = get_preset("m3-tiny")
+    path = str(tmp_path_factory.mktemp("m3-tiny-mxfp8"))
+    write_checkpoint(path, p.config, p, mxfp8=True)
+    return path
+
+
+def quantized_params(model: M3ForCausalLM) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if p.dtype == torch.float8_e4m3fn}
+
+
+def test_native_model_keeps_fp8_weights_and_scales(mxfp8_dir):
+    model, _ = load_model(mxfp8_dir, NATIVE, torch.bfloat16)
+    assert model.weight_format == "mxfp8"
+    params = dict(model.named_parameters())
+    fp8 = quantized_params(model)
+    # attention (q|k|v|index_q|index_k and o), dense MLP, routed experts with the folded shared expert
+    assert {n.rsplit(".", 1)[0] for n in fp8} >= {"layers.0.self_attn.qkv_proj", "layers.0.self_attn.o_proj",
+                                                   "layers.0.mlp.gate_up_proj", "layers.0.mlp.down_proj",
+                                                   "layers.1.self_attn.qkv_proj", "layers.1.mlp"}
+    for name, w in fp8.items():
+        scale = params[name.replace("weight", "weight_scale") if name.endswith("weight") else name + "_scale"]
+        assert scale.dtype == torch.uint8 and scale.shape == (*w.shape[:-1], w.shape[-1] // 32)
+    for name in ("embed_tokens.weight", "lm_head.weight", "layers.1.mlp.gate"):
+        assert params[name].dtype in (torch.bfloat16, torch.float32), name
+    # the bytes the memory plan counts for the quantized matrices are the bytes the model holds
+    plan = weight_bytes_per_gpu(model.cfg, 1, "mxfp8")
+    held = sum(p.numel() * p.element_size() for p in model.parameters() if p.dtype in (torch.float8_e4m3fn,
+                                                                                      torch.uint8))
+    assert held == plan.quantized + plan.scales
+    reference, _ = load_model(mxfp8_dir, DEQUANTISED, torch.bfloat16)
+    assert reference.weight_format is None and not quantized_params(reference)
+
+
+def test_native_logits_equal_the_dequantised_path(mxfp8_dir):
+    native, _ = load_model(mxfp8_dir, NATIVE, torch.float32)
+    reference, _ = load_model(mxfp8_dir, DEQUANTISED, torch.float32)
+    got, want = full_forward(native, PROMPT), full_forward(reference, PROMPT)
+    assert torch.equal(got, want)
+
+
+def test_native_greedy_tokens_equal_the_dequantised_path(mxfp8_dir):
+    prompts = [random_ids(n, seed=n) for n in (70, 21, 5)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    tokens = {}
+    for label, opts in (("native", NATIVE), ("dequantised", DEQUANTISED)):
+        llm = LLM(mxfp8_dir, optimizations=opts, **ENGINE_ARGS)
+        try:
+            assert llm.engine.executor.runner.model.weight_format == ("mxfp8" if label == "native" else None)
+            outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+            tokens[label] = [o.outputs[0].token_ids for o in outs]
+        finally:
+            llm.engine.shutdown()
+    assert tokens["native"] == tokens["dequantised"]
+
+
+@pytest.mark.parametrize("opts", [NATIVE, DEQUANTISED], ids=["native", "dequantised"])
+def test_quantization_flag_quantises_bf16_weights_at_load(tiny_dir, mxfp8_dir, opts):
+    """quantization="mxfp8" on the bf16 checkpoint, and on the same draw made in memory (how m3-slice is built on
+    the GPU), gives the model the MXFP8 checkpoint of that draw gives."""
+    want = full_forward(load_model(mxfp8_dir, opts, torch.float32)[0], PROMPT)
+    online, _ = load_model(tiny_dir, opts, torch.float32, quantization="mxfp8")
+    assert torch.equal(full_forward(online, PROMPT), want)
+    drawn = M3ForCausalLM(get_preset("m3-tiny").config, opts, torch.float32, "cpu", quantization="mxfp8")
+    init_random_weights(drawn, "m3-tiny", "cpu")
+    assert torch.equal(full_forward(drawn, PROMPT), want)
+
+
+def test_quantization_argument_is_checked(tiny_dir, mxfp8_dir, tmp_path):
+    with pytest.raises(ValueError, match="quantization"):
+        EngineConfig(model=tiny_dir, quantization="fp8")
+    with pytest.raises(ValueError, match="quantization"):
+        load_model(tiny_dir, NATIVE, quantization="awq")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in os.listdir(mxfp8_dir):
+        os.symlink(os.path.join(mxfp8_dir, f), bad / f)
+    os.remove(bad / "config.json")
+    with open(os.path.join(mxfp8_dir, "config.json")) as f:
+        raw = json.load(f)
+    raw["quantization_config"]["quant_method"] = "fp8"
+    (bad / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="quant_method='fp8'"):
+        load_model(str(bad), NATIVE)
+
+
+def test_shards_that_split_a_scale_block_are_refused(mxfp8_dir):
+    """m3-tiny's experts have 64 intermediate columns: 4 ranks would hold 16, half a 32-column scale block."""
+    set_tp(0, 4)
+    try:
+        with pytest.raises(ValueError, match="mxfp8_weights"):
+            M3ForCausalLM(get_preset("m3-tiny").config, NATIVE, quantization="mxfp8")
+        M3ForCausalLM(get_preset("m3-tiny").config, DEQUANTISED, quantization="mxfp8")  # the reference path can
+    finally:
+        set_tp(0, 1)
+
+
+def test_unquantized_names_follow_the_checkpoint(mxfp8_dir):
+    """The names the on-load quantiser treats as quantized are exactly those the writer stored in fp8."""
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(mxfp8_dir, "model.safetensors"), framework="pt") as h:
+        for key in h.keys():
+            if key.endswith("_scale_inv"):
+                continue
+            t = h.get_slice(key)
+            stored_fp8 = t.get_dtype().startswith("F8")
+            assert is_quantized_matrix(key, tuple(t.get_shape())) == stored_fp8, key
