@@ -15,6 +15,7 @@ import pytest  # noqa: E402
 # m3-tiny's ops are tiny: one thread avoids OpenMP synchronisation that costs more than the math (and
 # thrashes when the 2-core CI machine is busy).
 torch.set_num_threads(1)
+os.environ.setdefault("NANOSERVE_CPU_THREADS", "1")  # the same for LLM and for server processes the tests start
 
 
 @pytest.fixture(scope="session")

@@ -78,3 +78,47 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(got.get(k) == v for k, v in labels.items()):
             return float(m.group(3))
     return 0.0
+
+
+class ServerProcess:
+    """`python -m nanoserve.server` in a subprocess on a free port (CPU, the fast reference paths), its output in
+    `log_path`. Entering waits for /health to answer 200; leaving kills it if it still runs."""
+
+    def __init__(self, model_dir: str, log_path, *extra: str, name: str = "tiny", env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "nanoserve.server", "--model", model_dir, "--port", str(self.port),
+               "--device", "cpu", "--max-model-len", str(MAX_MODEL_LEN), "--kv-cache-tokens", str(KV_CACHE_TOKENS),
+               "--served-model-name", name, *SWITCH_FLAGS, *extra]
+        with open(log_path, "w") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def healthy(self) -> bool:
+        import httpx
+
+        assert self.proc.poll() is None, self.log()
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def __enter__(self) -> "ServerProcess":
+        try:
+            wait_until(self.healthy, timeout=180, what="the server to start")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()

@@ -11,8 +11,10 @@ GET /version, GET /metrics, GET /openapi.json.
 
 Engine flags use vLLM's names. Every optimization switch also has its own --<switch> / --no-<switch> pair,
 generated from the switch declarations in nanoserve.config.Optimizations, so a new switch appears here by
-itself. SIGINT / SIGTERM shut down gracefully: stop accepting connections, let in-flight requests finish (up to
---shutdown-timeout seconds), abort what is left, release the device.
+itself. SIGINT / SIGTERM shut down gracefully: new requests get 503, in-flight requests finish (up to
+--shutdown-timeout seconds), what is left is aborted (an error event and [DONE] for a stream, a JSON error
+otherwise), the engine and its workers stop, exit 0; a second signal exits at once. If the engine dies the process
+exits 1 (server/shutdown.py, docs/operating.md).
 """
 
 from __future__ import annotations
@@ -23,9 +25,13 @@ import json
 import logging
 import os
 import signal
+import sys
 
 from nanoserve.config import DEVICES, DTYPES, LOGPROBS_MODES, SWITCH_ALIASES, EngineConfig, Optimizations
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
+                                     DEFAULT_REQUEST_BODY_TIMEOUT_S, ServerLimits)
+from nanoserve.server.offload import OFFLOAD_MIN_BYTES
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -57,6 +63,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
+                   help="larger request bodies get 413 (0: no limit)")
+    s.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
+                   help="seconds a request body may pause before the request gets 408 and its connection is "
+                        "closed (0: no limit)")
+    s.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                   help="a completions request with more prompts gets 400 (0: no limit)")
+    s.add_argument("--max-prompt-chars", type=int, default=None,
+                   help="a prompt (or rendered chat) with more characters gets 400 before it is tokenized "
+                        "(default: 16 x max_model_len; 0: no limit)")
+    s.add_argument("--offload-min-bytes", type=int, default=OFFLOAD_MIN_BYTES,
+                   help="request bodies this large or larger are parsed, rendered and tokenized in a thread pool, "
+                        "smaller ones on the event loop (0: every request in the pool)")
+    s.add_argument("--cpu-threads", type=int, default=None,
+                   help="torch intra-op threads when the model runs on the CPU (default: $NANOSERVE_CPU_THREADS, "
+                        "else every physical core)")
 
     e = p.add_argument_group("engine (vLLM's names)")
     e.add_argument("--model", default="m3-tiny",
@@ -148,10 +170,14 @@ def log_configuration(config: EngineConfig) -> None:
     logger.info("switches: %s", config.optimizations.describe())
 
 
-def _log_signal_after_shutdown(signum: int, frame) -> None:
-    """uvicorn re-raises the signal that stopped it once it has shut down; by then everything is released, so a
-    log line is all that is left to do (and the process exits 0)."""
-    logger.info("stopped by %s", signal.Signals(signum).name)
+def server_limits(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerLimits:
+    try:
+        return ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+                            request_body_timeout=args.request_body_timeout,
+                            max_prompts_per_request=args.max_prompts_per_request,
+                            max_prompt_chars=args.max_prompt_chars)
+    except ValueError as exc:
+        parser.error(str(exc))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -164,12 +190,22 @@ def main(argv: list[str] | None = None) -> None:
         chat.check()
     except ValueError as exc:
         parser.error(str(exc))
+    limits = server_limits(args, parser)
     log_configuration(config)
 
+    import torch
     import uvicorn
 
+    from nanoserve.cpu_threads import configure_cpu_threads
     from nanoserve.entrypoints.async_engine import AsyncLLMEngine
     from nanoserve.server.app import build_app
+    from nanoserve.server.shutdown import GracefulServer
+
+    if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+        try:
+            logger.info("torch intra-op threads: %d", configure_cpu_threads(args.cpu_threads))
+        except ValueError as exc:
+            parser.error(str(exc))
 
     try:
         engine = AsyncLLMEngine.from_config(config)  # loads the model (generating a preset the first time)
@@ -180,17 +216,20 @@ def main(argv: list[str] | None = None) -> None:
         app = build_app(engine, names, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, chat=chat,
                         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-                        enable_server_load_tracking=args.enable_server_load_tracking)
+                        enable_server_load_tracking=args.enable_server_load_tracking, limits=limits,
+                        offload_min_bytes=args.offload_min_bytes)
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=max(1, round(args.shutdown_timeout))))
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, _log_signal_after_shutdown)
+    # GracefulServer drains before uvicorn's own shutdown starts, which then only closes idle connections
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5), app.state.lifecycle)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1; /tokenize, /detokenize, /health, /metrics, "
                 "/version, /load, /ping, /invocations)", ", ".join(f"`{n}`" for n in names), args.host, args.port)
     server.run()
+    if app.state.lifecycle.signal is not None:
+        logger.info("stopped by %s", signal.Signals(app.state.lifecycle.signal).name)
+    sys.exit(server.exit_code)
 
 
 if __name__ == "__main__":

@@ -4,13 +4,19 @@ assembles it (lifespan, exception handlers, routers, shared state); each concern
 Follow one POST /v1/chat/completions from the socket to the engine and back:
 
     uvicorn                   reads the HTTP request off the socket and calls the FastAPI app (ASGI)
+    shutdown.py               LifecycleMiddleware: counts the request in flight; 503 while the server drains,
+                              500 once the engine has died
+    limits.py                 BodyLimitMiddleware: 413 for a body over --max-request-body-bytes, 408 for one
+                              that stalls (--request-body-timeout)
     routes/common.py          check_api_key: 401 unless the Bearer token matches --api-key (when one is set);
                               json_body: bytes -> JSON -> ChatCompletionRequest (protocol/chat.py), a bad body
-                              is a 400 naming the field (errors.py: describe_validation_error)
+                              is a 400 naming the field (errors.py: describe_validation_error); a large body is
+                              parsed, rendered and tokenized in a thread pool, off the event loop (offload.py)
     routes/chat.py            the route: the steps below, in order
     convert.py                prepare_chat: the model name (404 if unknown), SamplingParams (400 if out of
                               range), the chat template renders the messages, the tokenizer turns the text into
-                              ids, the length checks (400)
+                              ids, the length checks (400; the prompt count and characters before tokenizing:
+                              limits.py)
     submit.py                 add_requests: AsyncLLMEngine.add_request, queued on the engine (503 if the queue is
                               full) -> streams; wait_for_outputs: the finished outputs
     responses.py              non-streaming: the finished output as one JSON body (choices, usage, logprobs)
@@ -33,7 +39,10 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server.errors import EXCEPTION_HANDLERS
+from nanoserve.server.limits import BodyLimitMiddleware, ServerLimits
+from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
 from nanoserve.server.routes import ROUTERS
+from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
@@ -63,15 +72,20 @@ class ServerLoadMiddleware:
 def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_key: str | None = None,
               shutdown_timeout: float = 10.0, chat: ChatOptions | None = None, allowed_origins: list[str] = ("*",),
               allowed_methods: list[str] = ("*",), allowed_headers: list[str] = ("*",),
-              allow_credentials: bool = False, enable_server_load_tracking: bool = False) -> FastAPI:
-    """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine.
-    `served_model_name`: the name clients send, or several (the first is the default and the metrics' label).
-    `chat`: tool calling, reasoning, chat template and generation-config options (ValueError naming the flag
-    when one is unusable). The CORS arguments are vLLM's --allowed-origins / --allowed-methods /
+              allow_credentials: bool = False, enable_server_load_tracking: bool = False,
+              limits: ServerLimits | None = None, offload_min_bytes: int = OFFLOAD_MIN_BYTES) -> FastAPI:
+    """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine
+    (GracefulServer in shutdown.py drains before uvicorn cancels anything; this is the fallback for other
+    servers). `served_model_name`: the name clients send, or several (the first is the default and the metrics'
+    label). `chat`: tool calling, reasoning, chat template and generation-config options (ValueError naming the
+    flag when one is unusable). The CORS arguments are vLLM's --allowed-origins / --allowed-methods /
     --allowed-headers / --allow-credentials; `enable_server_load_tracking` makes GET /load count the requests
-    in flight."""
+    in flight. `limits`: the per-request limits (limits.py); `offload_min_bytes`: from which body size a request
+    is prepared off the event loop (offload.py)."""
+    offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
     server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
-                          enable_server_load_tracking=enable_server_load_tracking)
+                          enable_server_load_tracking=enable_server_load_tracking, limits=limits,
+                          offloader=offloader)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -82,14 +96,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
         finally:
             logger.info("shutting down: draining in-flight requests (up to %.0f s)", shutdown_timeout)
             await engine.shutdown(drain_timeout=shutdown_timeout)
+            server.offload.shutdown()
 
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for MiniMax M3", lifespan=lifespan,
                   exception_handlers=EXCEPTION_HANDLERS)
     app.state.server = server
+    app.state.lifecycle = Lifecycle(engine, shutdown_timeout)
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     if enable_server_load_tracking:
         app.add_middleware(ServerLoadMiddleware, server=server)
+    app.add_middleware(BodyLimitMiddleware, limits=server.limits)
+    app.add_middleware(LifecycleMiddleware, lifecycle=app.state.lifecycle)  # added last: the outer one
     return app

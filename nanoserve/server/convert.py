@@ -1,6 +1,7 @@
 """Request -> engine input: the model-name check, SamplingParams (with the model's generation defaults), the
-tools and tool_choice, the chat template, tokenization and the length checks. Each endpoint has one `prepare_*`
-function returning a Prepared; every failure is a 400 (or 404) that names the field."""
+tools and tool_choice, the chat template, tokenization and the length checks (the prompt count and characters
+before tokenizing, limits.py; the tokens after). Each endpoint has one `prepare_*` function returning a Prepared;
+every failure is a 400 (or 404) that names the field."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from nanoserve.parsers.tools import ToolChoice, ToolError, check_tools, resolve_
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError, engine_errors
+from nanoserve.server.limits import check_prompt_chars, check_prompt_count
 from nanoserve.server.state import OpenAIServer
 
 
@@ -56,7 +58,9 @@ class Prepared:
 def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepared:
     model = check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.logprobs, "prompt", req.engine_prompt_logprobs)
-    prompts = [tokenize(server, p, req.add_special_tokens) for p in req.prompts()]
+    raw = req.prompts()
+    check_prompt_count(server.limits, len(raw), "prompt")
+    prompts = [tokenize(server, p, req.add_special_tokens) for p in raw]
     for _, ids in prompts:
         check_length(server, ids, params, req, "prompt")
     if req.echo:  # the echoed text of a token-id prompt is its decoding
@@ -104,6 +108,7 @@ def render_messages(server: OpenAIServer, req: P.ChatCompletionRequest | P.Token
                            chat_template=req.chat_template or server.chat_template, chat_template_kwargs=kwargs)
     except ValueError as exc:
         raise request_error(exc, "messages") from exc
+    check_prompt_chars(server.limits, server.max_model_len, text, "messages")
     return messages, text
 
 
@@ -204,6 +209,7 @@ def tokenize(server: OpenAIServer, prompt: str | list[int], add_special_tokens: 
     """A text prompt's ids (add_special_tokens: the tokenizer's BOS etc., as vLLM's completions default);
     token ids pass through as sent."""
     if isinstance(prompt, str):
+        check_prompt_chars(server.limits, server.max_model_len, prompt, "prompt")
         return prompt, server.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return None, prompt
 

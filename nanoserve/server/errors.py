@@ -24,7 +24,8 @@ from nanoserve.server import protocol as P
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               500: "InternalServerError", 503: "ServiceUnavailableError"}
+               408: "RequestTimeoutError", 413: "RequestEntityTooLargeError", 500: "InternalServerError",
+               503: "ServiceUnavailableError"}
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 MAX_ECHOED_INPUT_CHARS = 40  # error messages quote a bad value only when it is short
 

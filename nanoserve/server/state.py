@@ -1,7 +1,8 @@
-"""OpenAIServer: what every route shares - the engine, a tokenizer of the server's own, the served model names,
-the metrics, the API key, the count of requests in flight (/load) and the chat options (ChatOptions: tool
-calling, reasoning, the chat template, the generation defaults). build_app makes one and keeps it in
-`app.state.server`; routes get it through the `Server` dependency (routes/common.py)."""
+"""OpenAIServer: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
+offload.py), the served model names, the per-request limits, the metrics, the API key, the count of requests in
+flight (/load) and the chat options (ChatOptions: tool calling, reasoning, the chat template, the generation
+defaults). build_app makes one and keeps it in `app.state.server`; routes get it through the `Server` dependency
+(routes/common.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,9 @@ from nanoserve.chat_template import load_chat_template
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.generation_config import load_generation_defaults
 from nanoserve.parsers import get_reasoning_parser, get_tool_call_parser
+from nanoserve.server.limits import ServerLimits
 from nanoserve.server.metrics import ServerMetrics
+from nanoserve.server.offload import Offloader
 
 logger = logging.getLogger(__name__)
 
@@ -41,14 +44,17 @@ class OpenAIServer:
     """The server's shared state. Holds no per-request state: a request's data lives in its route call."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: str | list[str], api_key: str | None = None,
-                 chat: ChatOptions | None = None, enable_server_load_tracking: bool = False):
+                 chat: ChatOptions | None = None, enable_server_load_tracking: bool = False,
+                 limits: ServerLimits | None = None, offloader: Offloader | None = None):
         self.engine = engine
         self.model_names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
             raise ValueError(f"served model names must be non-empty strings, got {served_model_names!r}")
         self.model_name = self.model_names[0]  # the default, and the metrics' model_name label (as vLLM)
         self.api_key = api_key
-        self.tokenizer = engine.get_tokenizer()
+        self.limits = limits or ServerLimits()
+        self.offload = offloader or Offloader(engine.get_tokenizer)
+        self.offload.tokenizer()  # the event loop thread's, loaded now rather than by the first request
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
         self.metrics = ServerMetrics(self.model_name, engine)
@@ -73,6 +79,11 @@ class OpenAIServer:
         special = {t.content for t in decoder.values() if getattr(t, "special", False)}
         markers = [m for p in (self.tool_parser, self.reasoning_parser) if p for m in p.markers]
         self.parsers_need_special_tokens = any(m in special for m in markers)
+
+    @property
+    def tokenizer(self):
+        """The calling thread's tokenizer (fast tokenizers must not be shared between threads)."""
+        return self.offload.tokenizer()
 
     def _token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (what logprobs show); cached in `token_text`."""

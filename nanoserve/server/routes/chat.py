@@ -29,7 +29,8 @@ async def create_chat_completion(request: Request, server: Server,
 
 async def chat(request: Request, server: OpenAIServer, req: ChatCompletionRequest) -> Response:
     """A parsed chat request -> its response (also what POST /invocations runs for a chat body)."""
-    prepared = prepare_chat(server, req)
+    # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
+    prepared = await server.offload.run(len(await request.body()), prepare_chat, server, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "messages")
     if req.stream:

@@ -64,12 +64,15 @@ def json_body(model: type[P.RequestModel]) -> Any:
     async def parse(request: Request) -> P.RequestModel:
         check_json_content_type(request)
         body = await request.body()
-        try:
+        def parse_and_log() -> P.RequestModel:
             req = model.model_validate_json(body)
+            log_ignored_fields(body, model)
+            return req
+
+        try:  # a large body is parsed off the event loop
+            return await get_server(request).offload.run(len(body), parse_and_log)
         except ValidationError as exc:
             raise describe_validation_error(exc) from exc
-        log_ignored_fields(body, model)
-        return req
 
     return Depends(parse)
 

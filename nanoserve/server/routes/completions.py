@@ -28,7 +28,8 @@ async def create_completion(request: Request, server: Server,
 
 async def complete(request: Request, server: OpenAIServer, req: CompletionRequest) -> Response:
     """A parsed completion request -> its response (also what POST /invocations runs for a completion body)."""
-    prepared = prepare_completion(server, req)
+    # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
+    prepared = await server.offload.run(len(await request.body()), prepare_completion, server, req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "prompt")
     if req.stream:

@@ -4,7 +4,7 @@ names, behind the API key)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
@@ -34,8 +34,11 @@ async def load(server: Server) -> JSONResponse:
 
 
 @router.get("/health")
-async def health(server: Server) -> Response:
+async def health(request: Request, server: Server) -> Response:
     engine = server.engine
+    life = request.app.state.lifecycle
+    if life.draining and life.dead_reason is None:
+        return APIError(503, "the server is shutting down").response()
     if engine.dead_error is not None:
         return APIError(503, f"the engine has stopped after an error: {engine.dead_error}").response()
     if not engine.is_running:

@@ -1,0 +1,231 @@
+"""One bad client cannot stall the server, and the server ends well: against real `python -m nanoserve.server`
+processes - the event loop answers /health while huge prompts are refused or tokenized, request limits (413, 400),
+a half-sent body is dropped (408, connection closed), SIGTERM drains in order (error events + [DONE], JSON errors,
+503 for new requests, exit 0), a second signal exits at once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_utils import MAX_MODEL_LEN, ServerProcess
+
+MODEL = "tiny"
+BODY_LIMIT = 12_000_000
+PROMPT_CHARS = 500_000
+BODY_TIMEOUT = 1.0
+
+
+def words(n_chars: int) -> str:
+    """Varied text (BPE merges do not collapse it), `n_chars` long."""
+    base = "".join(f"w{i % 997} " for i in range(n_chars // 4 + 1))
+    return base[:n_chars]
+
+
+@pytest.fixture(scope="module")
+def srv(tiny_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("robust") / "server.log"
+    with ServerProcess(tiny_dir, log, "--max-request-body-bytes", str(BODY_LIMIT), "--max-prompt-chars",
+                       str(PROMPT_CHARS), "--max-prompts-per-request", "4", "--request-body-timeout",
+                       str(BODY_TIMEOUT)) as s:
+        yield s
+
+
+def test_event_loop_answers_health_while_huge_prompts_arrive(srv):
+    """A 10 MB prompt is refused before tokenizing; a 400k-character prompt is tokenized in the thread pool. While
+    both are handled, /health keeps answering quickly: the slow work is not on the event loop."""
+    results: dict[str, tuple[httpx.Response, float]] = {}
+
+    def send(key: str, body: bytes) -> None:
+        t0 = time.monotonic()
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=120, content=body,
+                       headers={"Content-Type": "application/json"})
+        results[key] = (r, time.monotonic() - t0)
+
+    # encoded up front: building a 10 MB body in the sender thread would hold this process's GIL and delay the
+    # /health polls here, not in the server
+    bodies = {key: json.dumps(dict(model=MODEL, prompt=prompt, max_tokens=1)).encode()
+              for key, prompt in (("huge", "x" * 10_000_000), ("big", words(400_000)))}
+    senders = [threading.Thread(target=send, args=item) for item in bodies.items()]
+    latencies = []
+    with httpx.Client(base_url=srv.url, timeout=30) as http:
+        for t in senders:
+            t.start()
+        while any(t.is_alive() for t in senders):
+            t0 = time.monotonic()
+            assert http.get("/health").status_code == 200
+            latencies.append(time.monotonic() - t0)
+            time.sleep(0.02)
+    huge, _ = results["huge"]
+    assert huge.status_code == 400, huge.text
+    assert "--max-prompt-chars" in huge.json()["error"]["message"] and huge.json()["error"]["param"] == "prompt"
+    big, big_seconds = results["big"]
+    assert big.status_code == 400 and "max_model_len" in big.json()["error"]["message"], big.text  # tokenized
+    worst = max(latencies)
+    # tokenizing on the loop would have held /health for about as long as the big request took
+    assert worst < min(1.0, big_seconds / 4), (worst, big_seconds, len(latencies))
+
+
+def test_request_limits(srv):
+    url = f"{srv.url}/v1/completions"
+    big = httpx.post(url, content=b"{" + b" " * BODY_LIMIT + b"}", timeout=30)
+    assert big.status_code == 413 and "--max-request-body-bytes" in big.json()["error"]["message"]
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for _ in range(13):
+            yield b" " * 1_000_000
+
+    chunked = httpx.post(url, content=chunks(), timeout=30)
+    assert chunked.status_code == 413, chunked.text
+    many = httpx.post(url, json=dict(model=MODEL, prompt=["a", "b", "c", "d", "e"], max_tokens=1), timeout=30)
+    assert many.status_code == 400 and "--max-prompts-per-request" in many.json()["error"]["message"]
+    assert many.json()["error"]["param"] == "prompt"
+    chat = httpx.post(f"{srv.url}/v1/chat/completions", timeout=30,
+                      json=dict(model=MODEL, messages=[{"role": "user", "content": "y" * (PROMPT_CHARS + 1)}]))
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages", chat.text
+    assert "--max-prompt-chars" in chat.json()["error"]["message"]
+    ok = httpx.post(url, json=dict(model=MODEL, prompt=["a", "b"], max_tokens=2), timeout=30)
+    assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
+
+
+def test_half_sent_body_is_answered_408_and_dropped(srv):
+    with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 1000\r\n\r\n{\"model\": ")
+        t0 = time.monotonic()
+        data = b""
+        while chunk := s.recv(65536):  # until the server closes the connection
+            data += chunk
+        elapsed = time.monotonic() - t0
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b"--request-body-timeout" in data
+    assert BODY_TIMEOUT * 0.9 <= elapsed < BODY_TIMEOUT + 5, elapsed
+    assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+
+
+def sse_lines(resp: httpx.Response) -> list[str]:
+    return [line for line in resp.iter_lines() if line.startswith("data: ")]
+
+
+def test_sigterm_aborts_what_outlives_the_timeout_then_exits_0(tiny_dir, tmp_path):
+    """Requests longer than --shutdown-timeout: the stream ends with an error event and [DONE], the non-streaming
+    request gets a JSON error, a request arriving during the drain gets 503 + Retry-After; exit status 0."""
+    # 4000 tokens outlive the 3 s timeout on any machine
+    long = dict(model=MODEL, prompt="Long prompts are split", max_tokens=4000, ignore_eos=True)
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--shutdown-timeout", "3", "--max-model-len", "4096",
+                       "--kv-cache-tokens", "8192") as srv:
+        streamed: list[str] = []
+        answers: dict[str, httpx.Response] = {}
+        first = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=dict(long, stream=True), timeout=60) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        streamed.append(line)
+                        first.set()
+
+        def plain() -> None:
+            answers["plain"] = httpx.post(f"{srv.url}/v1/completions", json=long, timeout=60)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert first.wait(60)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        late = httpx.post(f"{srv.url}/v1/completions", json=dict(long, max_tokens=2), timeout=10)
+        health = httpx.get(f"{srv.url}/health", timeout=10)
+        rc = srv.proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.join(timeout=10)
+        log = srv.log()
+    assert rc == 0, log
+    assert 3 <= elapsed < 15, elapsed
+    assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1
+    assert late.json()["error"]["code"] == 503 and "shutting down" in late.json()["error"]["message"]
+    assert health.status_code == 503
+    assert streamed[-1] == "data: [DONE]", streamed[-3:]
+    error = json.loads(streamed[-2][6:])["error"]
+    assert "shutting down" in error["message"], error
+    plain_answer = answers["plain"]
+    assert plain_answer.status_code == 503, plain_answer.text
+    assert plain_answer.headers["content-type"] == "application/json"
+    assert "shutting down" in plain_answer.json()["error"]["message"]
+    assert "engine shut down" in log and "stopped by SIGTERM" in log
+
+
+def test_second_signal_exits_at_once(tiny_dir, tmp_path):
+    long = dict(model=MODEL, prompt="Long prompts are split", max_tokens=MAX_MODEL_LEN - 20, ignore_eos=True,
+                stream=True)
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--shutdown-timeout", "600") as srv:
+        first = threading.Event()
+
+        def stream() -> None:
+            try:
+                with httpx.stream("POST", f"{srv.url}/v1/completions", json=long, timeout=60) as r:
+                    for _ in r.iter_lines():
+                        first.set()
+            except httpx.HTTPError:
+                pass  # the process is gone mid-stream: that is the point
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(60)
+        srv.proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert srv.proc.poll() is None  # draining (up to 600 s)
+        t0 = time.monotonic()
+        srv.proc.send_signal(signal.SIGINT)
+        rc = srv.proc.wait(timeout=10)
+        reader.join(timeout=10)
+    assert rc == 128 + signal.SIGINT and time.monotonic() - t0 < 5
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The tensor-parallel workers the server process spawned (its children, less multiprocessing's helpers)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = [int(c) for c in f.read().split()]
+    workers = []
+    for c in children:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            cmd = f.read()
+        if b"resource_tracker" not in cmd and b"forkserver" not in cmd:
+            workers.append(c)
+    return workers
+
+
+def test_a_dead_worker_turns_every_route_and_exits_1(tiny_dir, tmp_path):
+    """TP=2 on gloo: a worker killed while the server is idle. /health turns 503, the API routes (/v1/models
+    included) answer 500 naming the worker, and the process exits with status 1 for its supervisor."""
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--tensor-parallel-size", "2") as srv:
+        assert httpx.post(f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt="Hi", max_tokens=2),
+                          timeout=60).status_code == 200
+        [worker] = worker_pids(srv.proc.pid)
+        os.kill(worker, signal.SIGKILL)
+        t0 = time.monotonic()
+        health = models = None
+        while time.monotonic() - t0 < 10:
+            try:
+                health = httpx.get(f"{srv.url}/health", timeout=10)
+                models = httpx.get(f"{srv.url}/v1/models", timeout=10)
+            except httpx.TransportError:
+                break  # already gone
+            if health.status_code == 503:
+                break
+            time.sleep(0.05)
+        rc = srv.proc.wait(timeout=30)
+        log = srv.log()
+    assert health is not None and health.status_code == 503, log
+    assert "worker 1 died" in health.json()["error"]["message"]
+    assert models.status_code == 500 and "worker 1 died" in models.json()["error"]["message"], models.text
+    assert rc == 1, log
