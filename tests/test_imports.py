@@ -38,7 +38,8 @@ LAYER_OF = {  # by the package under nanoserve/
 }
 LAYER_NAMES = {0: "kernels", 1: "model", 2: "presets", 3: "runner", 4: "executor/distributed", 5: "engine",
                6: "entrypoints", 7: "server/bench/walkthrough"}
-NEUTRAL = {"nanoserve.config", "nanoserve.sampling", "nanoserve.batch", "nanoserve.parallel_state"}
+NEUTRAL = {"nanoserve.config", "nanoserve.sampling", "nanoserve.batch", "nanoserve.parallel_state",
+           "nanoserve.cpu_threads"}
 
 # (importer, imported) -> why: an arrow from a lower layer to a higher one that exists today. None now.
 KNOWN_UPWARD: dict[tuple[str, str], str] = {}
