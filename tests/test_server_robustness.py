@@ -82,7 +82,7 @@ def test_request_limits(srv):
         for _ in range(13):
             yield b" " * 1_000_000
 
-    chunked = httpx.post(url, content=chunks(), timeout=30)
+    chunked = httpx.post(url, content=chunks(), timeout=30, headers={"Content-Type": "application/json"})
     assert chunked.status_code == 413, chunked.text
     many = httpx.post(url, json=dict(model=MODEL, prompt=["a", "b", "c", "d", "e"], max_tokens=1), timeout=30)
     assert many.status_code == 400 and "--max-prompts-per-request" in many.json()["error"]["message"]
