@@ -101,7 +101,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for MiniMax M3", lifespan=lifespan,
                   exception_handlers=EXCEPTION_HANDLERS)
     app.state.server = server
-    app.state.lifecycle = Lifecycle(engine, shutdown_timeout)
+    app.state.lifecycle = server.lifecycle = Lifecycle(engine, shutdown_timeout)  # /health reads it too
     for router in ROUTERS:
         app.include_router(router)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),

@@ -2,7 +2,8 @@
 
     Lifecycle             the phase (serving / draining / engine dead) and the count of HTTP requests in flight
     LifecycleMiddleware   counts requests; while draining, a new request gets 503 + Retry-After; once the engine
-                          is dead, every route but /health and /metrics answers 500 naming the cause
+                          is dead, every route but /health (and /ping, its SageMaker twin) and /metrics answers
+                          500 naming the cause
     GracefulServer        uvicorn.Server with the signal handling and the supervision below
 
 On the first SIGTERM or SIGINT, in this order:
@@ -42,7 +43,7 @@ ENGINE_DEAD_EXIT_CODE = 1
 DEAD_LINGER_S = 1.0
 """After the engine died, how long the server keeps answering (503 / 500 naming the cause) before it exits, so a
 health probe or a retrying client sees why rather than a refused connection."""
-UNGUARDED_PATHS = ("/health", "/metrics")
+UNGUARDED_PATHS = ("/health", "/ping", "/metrics")
 """Routes that answer for themselves while the server drains or after the engine died."""
 
 
@@ -145,6 +146,8 @@ class GracefulServer(uvicorn.Server):
 
     def _start_drain(self) -> None:
         async def drain_then_exit() -> None:
+            if self.lifecycle.dead_reason is not None:  # a signal that comes after the engine died: still exit 1
+                self.exit_code = ENGINE_DEAD_EXIT_CODE
             try:
                 await self.lifecycle.drain()
             finally:

@@ -55,6 +55,7 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.offload = offloader or Offloader(engine.get_tokenizer)
         self.offload.tokenizer()  # the event loop thread's, loaded now rather than by the first request
+        self.lifecycle: Any = None  # shutdown.Lifecycle, set by build_app: is the server draining?
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size
         self.metrics = ServerMetrics(self.model_name, engine)

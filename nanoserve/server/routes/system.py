@@ -4,7 +4,7 @@ names, behind the API key)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
@@ -34,10 +34,10 @@ async def load(server: Server) -> JSONResponse:
 
 
 @router.get("/health")
-async def health(request: Request, server: Server) -> Response:
+async def health(server: Server) -> Response:
     engine = server.engine
-    life = request.app.state.lifecycle
-    if life.draining and life.dead_reason is None:
+    life = server.lifecycle
+    if life is not None and life.draining and life.dead_reason is None:
         return APIError(503, "the server is shutting down").response()
     if engine.dead_error is not None:
         return APIError(503, f"the engine has stopped after an error: {engine.dead_error}").response()
