@@ -91,6 +91,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro", default=None, help="kernel micro-benchmarks in bf16 and MXFP8 weights (GPU): moe, "
                     "linear (comma list)")
     ap.add_argument("--micro-tokens", default=None, help="token counts of --micro (default 1,16,64,256,1024,4096)")
+    ap.add_argument("--cpu-threads", type=int, default=None,
+                    help="torch intra-op threads on the CPU (default: $NANOSERVE_CPU_THREADS, else every physical "
+                         "core)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -102,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if not on_gpu:
+        from nanoserve.cpu_threads import configure_cpu_threads
+
+        configure_cpu_threads(args.cpu_threads)
     model = args.model or (DEFAULT_GPU_MODEL if on_gpu else DEFAULT_CPU_MODEL)
     scale = args.scale or ("full" if on_gpu else "small")
     hw = H200

@@ -4,16 +4,24 @@
     llm = LLM(model="m3-tiny")                      # a checkpoint directory or a preset
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
     print(outs[0].outputs[0].text)
+    llm.shutdown()                                  # or: with LLM(...) as llm: ...
+
+`shutdown()` stops the engine: its tensor-parallel workers exit and the process groups are left, so another LLM
+(of any tensor-parallel size) can be built in the same process. Dropping the last reference to an LLM, or the
+interpreter exiting, shuts it down too (a finalizer).
 """
 
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Sequence as Seq
 
+import torch
 from tqdm import tqdm
 
 from nanoserve.config import EngineConfig
+from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.tokenizer import apply_chat_template
@@ -23,9 +31,30 @@ from nanoserve.sampling import SamplingParams
 class LLM:
     """Build an engine from vLLM-style keyword arguments and run batches of prompts to completion."""
 
-    def __init__(self, model: str = "m3-tiny", **engine_args: Any):
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **engine_args))
+    def __init__(self, model: str = "m3-tiny", cpu_threads: int | None = None, **engine_args: Any):
+        """`cpu_threads`: torch's intra-op threads when the model runs on the CPU (default:
+        $NANOSERVE_CPU_THREADS, else every physical core; nanoserve/cpu_threads.py)."""
+        config = EngineConfig.from_kwargs(model=model, **engine_args)
+        if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
+            configure_cpu_threads(cpu_threads)
+        self.engine = LLMEngine(config)
         self._counter = 0
+        # holds the engine, not the LLM: runs once, at shutdown(), when the LLM is collected, or at exit
+        self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
+
+    def shutdown(self) -> None:
+        """Stop the engine and its tensor-parallel workers; the LLM cannot generate afterwards. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def _check_alive(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM has been shut down; build a new one")
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -34,6 +63,7 @@ class LLM:
                  = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Run every prompt (a string, token ids as {"prompt_token_ids": [...]}, or a list of those) and return
         one RequestOutput each, in order. A progress bar shows prefill and decode tokens/s."""
+        self._check_alive()
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (anything but a list of prompts is one; a bad one fails validation)
         prompts = list(prompts)

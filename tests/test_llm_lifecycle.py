@@ -1,0 +1,62 @@
+"""The offline API's life cycle: shutdown(), the context manager, the finalizer, and two tensor-parallel LLMs one
+after another in one process (TP=2 on gloo, CPU)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from nanoserve.parallel_state import get_tp
+from tests.server_utils import FAST_CPU
+
+ARGS = dict(device="cpu", max_model_len=256, num_gpu_blocks_override=64, optimizations=FAST_CPU)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().split(") ", 1)[1][0] != "Z"  # a zombie has exited
+
+
+def test_two_tp_llms_one_after_another_and_shutdown_forms(tiny_dir):
+    with LLM(tiny_dir, tensor_parallel_size=2, **ARGS) as llm:
+        first = llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        pids = llm.engine.executor.worker_pids
+    assert len(first) == 4 and not any(alive(p) for p in pids) and get_tp().size == 1
+    with pytest.raises(RuntimeError, match="shut down"):
+        llm.generate(["Hello there"], GREEDY, use_tqdm=False)
+
+    llm = LLM(tiny_dir, tensor_parallel_size=2, **ARGS)  # a second TP engine in the same process
+    assert llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    pids = llm.engine.executor.worker_pids
+    del llm  # the last reference: the finalizer stops the workers
+    gc.collect()
+    assert not any(alive(p) for p in pids) and get_tp().size == 1
+
+    llm = LLM(tiny_dir, **ARGS)  # and a single-process one after that
+    assert llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
+    llm.shutdown()
+    llm.shutdown()  # idempotent
+
+
+def test_cpu_threads_default_override_and_errors(monkeypatch):
+    from nanoserve.cpu_threads import physical_cores, resolve_cpu_threads
+
+    monkeypatch.delenv("NANOSERVE_CPU_THREADS", raising=False)
+    assert resolve_cpu_threads() == physical_cores() >= 1
+    assert physical_cores() <= len(os.sched_getaffinity(0))
+    assert resolve_cpu_threads(3) == 3
+    monkeypatch.setenv("NANOSERVE_CPU_THREADS", "2")
+    assert resolve_cpu_threads() == 2 and resolve_cpu_threads(5) == 5  # the argument wins over the variable
+    monkeypatch.setenv("NANOSERVE_CPU_THREADS", "many")
+    with pytest.raises(ValueError, match="NANOSERVE_CPU_THREADS"):
+        resolve_cpu_threads()
+    with pytest.raises(ValueError, match="cpu_threads"):
+        resolve_cpu_threads(0)
