@@ -23,11 +23,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import torch
-
 from nanoserve.bench.floor import Ceilings, ModelCost
 from nanoserve.bench.offline import NanoBench
-from nanoserve.bench.profile import _device_time_us, _short, group_of
+from nanoserve.bench.profile import _short, group_of, profile_kernels
 from nanoserve.bench.report import table
 from nanoserve.bench.workloads import Request, Workload
 from nanoserve.sampling import SamplingParams
@@ -231,26 +229,7 @@ def profile_prefill(bench: NanoBench, wl: Workload, chunk: int | None = None, wa
         run("prefill-warm")
     wall_s = run("prefill-timed")
     cuda = bench.device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if cuda:
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        run("prefill-profiled")
-    kernels: dict[str, list[float]] = {}
-    for evt in prof.key_averages():
-        if cuda:
-            t = _device_time_us(evt)
-            if t <= 0 or getattr(evt, "device_type", None) not in (None, torch.autograd.DeviceType.CUDA):
-                continue
-        else:
-            if not evt.key.startswith("aten::"):
-                continue
-            t = float(evt.self_cpu_time_total)
-            if t <= 0:
-                continue
-        k = kernels.setdefault(evt.key, [0.0, 0])
-        k[0] += t
-        k[1] += evt.count
+    kernels = profile_kernels(bench, lambda: run("prefill-profiled"))
     kernel_us = sum(v[0] for v in kernels.values())
     costs = kernel_costs(bench.cost, steps) if cuda else {}
     hw = bench.hw

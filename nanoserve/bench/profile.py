@@ -47,6 +47,33 @@ def _device_time_us(evt) -> float:
     return 0.0
 
 
+def profile_kernels(bench: NanoBench, run) -> dict[str, list[float]]:
+    """Run `run()` under torch.profiler and sum its time per kernel: name -> [microseconds, launches]. On a GPU the
+    device time of device kernels; on the CPU the self CPU time of aten operators."""
+    cuda = bench.device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        run()
+    kernels: dict[str, list[float]] = {}
+    for evt in prof.key_averages():
+        if cuda:
+            t = _device_time_us(evt)
+            if t <= 0 or getattr(evt, "device_type", None) not in (None, torch.autograd.DeviceType.CUDA):
+                continue
+        else:
+            if not evt.key.startswith("aten::"):
+                continue
+            t = float(evt.self_cpu_time_total)
+            if t <= 0:
+                continue
+        k = kernels.setdefault(evt.key, [0.0, 0])
+        k[0] += t
+        k[1] += evt.count
+    return kernels
+
+
 def _prefilled_engine(bench: NanoBench, wl: Workload, decode_steps: int):
     """An engine whose requests are all past their prefill and decoding, with room for decode_steps more."""
     need = 3 * decode_steps + 8
@@ -82,32 +109,16 @@ def profile_decode(bench: NanoBench, wl: Workload, steps: int = 5, top: int = 15
         opts.cuda_graphs = False
         _time_steps(bench, engine, 1)
         eager_ms = _time_steps(bench, engine, steps) * 1e3
-        cuda = bench.device.type == "cuda"
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as prof:
+
+        def run() -> None:
             for _ in range(steps):
                 engine.step()
             bench.sync()
+
+        kernels = profile_kernels(bench, run)
     finally:
         opts.cuda_graphs = graphs_were
         engine.abort_request(list(engine.requests))
-    kernels: dict[str, list[float]] = {}
-    for evt in prof.key_averages():
-        if cuda:
-            t = _device_time_us(evt)
-            if t <= 0 or getattr(evt, "device_type", None) not in (None, torch.autograd.DeviceType.CUDA):
-                continue
-        else:
-            if not evt.key.startswith("aten::"):
-                continue
-            t = float(evt.self_cpu_time_total)
-            if t <= 0:
-                continue
-        k = kernels.setdefault(evt.key, [0.0, 0])
-        k[0] += t
-        k[1] += evt.count
     total = sum(v[0] for v in kernels.values()) or 1.0
     per_step = {name: (t / steps, n / steps) for name, (t, n) in kernels.items()}
     groups: dict[str, float] = {}
