@@ -98,18 +98,23 @@ class GrammarKey:
     any_whitespace: bool = True
 
 
+def _parsed(value: Any, field: str) -> Any:
+    """A spec field given as a JSON string or as the parsed object, parsed. ValueError names the field."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"structured_outputs.{field} is not valid JSON: {e}") from None
+
+
 def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     """Normalise a spec into its cache key. Raises ValueError for a JSON schema that is not JSON."""
     params.validate()
     any_ws = not params.disable_any_whitespace
     kind = params.kind
     if kind == "json":
-        schema = params.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        schema = _parsed(params.json, "json")
         if params.disable_additional_properties:
             schema = _forbid_additional_properties(schema)
         return GrammarKey("json", json.dumps(schema), any_ws)
@@ -118,13 +123,7 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     if kind == "choice":
         return GrammarKey("grammar", choice_grammar(list(params.choice)))
     if kind == "structural_tag":
-        tag = params.structural_tag
-        if isinstance(tag, str):
-            try:
-                tag = json.loads(tag)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"structured_outputs.structural_tag is not valid JSON: {e}") from None
-        return GrammarKey("structural_tag", json.dumps(tag))
+        return GrammarKey("structural_tag", json.dumps(_parsed(params.structural_tag, "structural_tag")))
     return GrammarKey(kind, getattr(params, kind))  # regex, grammar
 
 
