@@ -37,6 +37,8 @@ def template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Request messages (plain dicts, OpenAI's shape) as chat templates expect them."""
     out = []
     for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m:
+            raise ValueError(f"messages[{i}]: must be an object with a 'role'")
         msg = {k: v for k, v in m.items() if v is not None}
         content = msg.get("content")
         if isinstance(content, list):  # text parts joined: the string form every template reads

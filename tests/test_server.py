@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.tokenizer import apply_chat_template
+from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
 from tests.server_utils import FAST_CPU, KV_CACHE_TOKENS, MAX_MODEL_LEN, ServerThread, engine_config, metric, \
@@ -92,7 +92,7 @@ def test_chat_matches_offline_chat(client, offline):
     assert resp.choices[0].message.content == ref.outputs[0].text
     assert resp.choices[0].message.role == "assistant"
     tok = offline.get_tokenizer()
-    rendered = apply_chat_template(tok, CHAT)
+    rendered = render_chat(tok, template_messages(CHAT))
     assert rendered.startswith("]~!b[]~b]system\n") and rendered.endswith(
         "]~b]developer\nYou are terse.[e~[\n]~b]user\nWhat is a KV cache?[e~[\n]~b]ai\n")
     assert resp.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
@@ -117,7 +117,7 @@ def test_chat_template_kwargs_pass_through(client, offline):
     for mode in ("enabled", "disabled"):
         resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=1,
                                               extra_body={"chat_template_kwargs": {"thinking_mode": mode}})
-        rendered = apply_chat_template(tok, CHAT, chat_template_kwargs={"thinking_mode": mode})
+        rendered = render_chat(tok, template_messages(CHAT), chat_template_kwargs={"thinking_mode": mode})
         assert rendered.endswith("<mm:think>" if mode == "enabled" else "</mm:think>")
         assert resp.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
     with pytest.raises(openai.BadRequestError, match="thinking_mode must be"):

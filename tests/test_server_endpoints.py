@@ -14,7 +14,7 @@ import pytest
 
 import nanoserve
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
-from nanoserve.engine.tokenizer import apply_chat_template
+from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.server import build_app
 from nanoserve.server.__main__ import build_parser
 from tests.server_utils import MAX_MODEL_LEN, ServerThread, engine_config, wait_until
@@ -66,7 +66,7 @@ def test_tokenize_token_strs(server, tok):
 @pytest.mark.parametrize("add_generation", [False, True])
 def test_tokenize_messages(server, tok, add_generation):
     body = post(server, "/tokenize", {"messages": CHAT, "add_generation_prompt": add_generation}).json()
-    text = apply_chat_template(tok, CHAT, add_generation, None)
+    text = render_chat(tok, template_messages(CHAT), add_generation_prompt=add_generation)
     assert body["tokens"] == tok.encode(text, add_special_tokens=False) and body["count"] == len(body["tokens"])
     # the ids a chat completion is run on are these
     chat = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 1,

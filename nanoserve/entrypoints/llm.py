@@ -24,7 +24,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.tokenizer import apply_chat_template
+from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.sampling import SamplingParams
 
 
@@ -92,7 +92,8 @@ class LLM:
         """Render one conversation (or a list of them) with the model's chat template and generate."""
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(
-            apply_chat_template(self.engine.tokenizer, conv, add_generation_prompt, chat_template_kwargs),
+            render_chat(self.engine.tokenizer, template_messages(conv), add_generation_prompt=add_generation_prompt,
+                        chat_template_kwargs=chat_template_kwargs),
             add_special_tokens=False)} for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
