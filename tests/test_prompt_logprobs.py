@@ -114,3 +114,31 @@ def test_reference_input_preparation_gives_the_same_rows():
     out = plain.generate({"prompt_token_ids": ids}, SamplingParams(max_tokens=1, prompt_logprobs=2),
                          use_tqdm=False)[0]
     check(out.prompt_logprobs, ids, direct_logprobs(plain, ids), 2)
+
+
+def test_prompt_logprob_chunks_and_row_slices_bound_memory(monkeypatch):
+    """A prompt asking for prompt logprobs is prefilled PROMPT_LOGPROB_CHUNK tokens at a time even when the budget
+    is larger, and its logits are reduced ROW_SLICE rows at a time; the values are those of a direct forward."""
+    from nanoserve.engine import prompt_logprobs, scheduler
+
+    monkeypatch.setattr(scheduler, "PROMPT_LOGPROB_CHUNK", 24)
+    monkeypatch.setattr(prompt_logprobs, "ROW_SLICE", 7)
+    with LLM("m3-tiny", optimizations=FAST_CPU, kv_cache_tokens=1024, max_num_batched_tokens=256,
+             max_model_len=256) as llm:
+        chunks: list[int] = []
+        schedule = llm.engine.scheduler.schedule
+
+        def recording():
+            out = schedule()
+            chunks.extend(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
+            return out
+
+        llm.engine.scheduler.schedule = recording
+        ids = prompt_ids(11, 60)
+        out = llm.generate({"prompt_token_ids": ids},
+                           SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=2), use_tqdm=False)[0]
+        check(out.prompt_logprobs, ids, direct_logprobs(llm, ids), 2)
+        assert chunks == [24, 24, 12]
+        chunks.clear()
+        llm.generate({"prompt_token_ids": prompt_ids(12, 60)}, SamplingParams(max_tokens=1), use_tqdm=False)
+        assert chunks == [60], "without prompt logprobs the whole prompt runs in one step"

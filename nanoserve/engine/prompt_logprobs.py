@@ -43,21 +43,31 @@ class DevicePromptLogprobs:
     top_ids: torch.Tensor | None
 
 
+ROW_SLICE = 1024
+"""Rows log-softmaxed and ranked at a time: each slice's fp32 temporaries are [ROW_SLICE, V], not [K, V]."""
+
+
 def compute(logits: torch.Tensor, rows: list[PromptLogprobRows], targets: list[int], as_logits: bool = False
             ) -> DevicePromptLogprobs:
     """logits [K, V] (K = sum of the rows' counts, in order) -> the logprob and rank of each target token and the
-    top-k, queued on the device. `as_logits`: report the logits themselves (logprobs_mode *_logits)."""
-    values = logits.float() if as_logits else torch.log_softmax(logits.float(), dim=-1)
+    top-k, queued on the device, ROW_SLICE rows at a time. `as_logits`: report the logits themselves
+    (logprobs_mode *_logits)."""
     idx = torch.tensor(targets, dtype=torch.long)
-    if values.device.type == "cuda":
-        idx = idx.pin_memory().to(values.device, non_blocking=True)
-    target = values.gather(1, idx[:, None])[:, 0]
-    # rank as vLLM counts it: 1 + the number of tokens strictly more likely
-    rank = (values > target[:, None]).sum(dim=-1) + 1
-    k = min(max((r.num_top for r in rows), default=0), values.shape[-1])
-    top_vals = top_ids = None
-    if k:
-        top_vals, top_ids = values.topk(k, dim=-1)
+    if logits.device.type == "cuda":
+        idx = idx.pin_memory().to(logits.device, non_blocking=True)
+    k = min(max((r.num_top for r in rows), default=0), logits.shape[-1])
+    parts: list[tuple] = []
+    for lo in range(0, logits.shape[0], ROW_SLICE):
+        values = logits[lo:lo + ROW_SLICE].float()
+        if not as_logits:
+            values = torch.log_softmax(values, dim=-1)
+        target = values.gather(1, idx[lo:lo + ROW_SLICE, None])[:, 0]
+        # rank as vLLM counts it: 1 + the number of tokens strictly more likely
+        rank = (values > target[:, None]).sum(dim=-1) + 1
+        parts.append((target, rank) + (values.topk(k, dim=-1) if k else (None, None)))
+    target, rank = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    top_vals = torch.cat([p[2] for p in parts]) if k else None
+    top_ids = torch.cat([p[3] for p in parts]) if k else None
     return DevicePromptLogprobs(rows, targets, target, rank, top_vals, top_ids)
 
 

@@ -12,6 +12,10 @@ The batch is ordered decodes first, then prefills (the attention kernels rely on
 continuous_batching off = a new batch is admitted only when the previous one has finished; chunked_prefill off =
 a prompt is scheduled whole or not at all; paged_kv off = a sequence reserves max_model_len tokens of KV when
 admitted; prefix_caching off = no cache lookups.
+
+A prompt that asks for prompt logprobs is chunked at PROMPT_LOGPROB_CHUNK tokens even when the budget is larger:
+each of its positions becomes a row of fp32 logits over the whole vocabulary (8192 rows x 200k tokens would be
+6.5 GB), so the chunk bounds that memory.
 """
 
 from __future__ import annotations
@@ -23,6 +27,10 @@ from dataclasses import dataclass, field
 from nanoserve.config import Optimizations
 from nanoserve.engine.block_manager import BlockManager, EventHook
 from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+PROMPT_LOGPROB_CHUNK = 2048
+"""Most prompt tokens per step of a sequence that needs prompt logprobs (chunked prefill on): 2048 fp32 rows of a
+200k vocabulary are 1.6 GB."""
 
 
 @dataclass
@@ -98,7 +106,7 @@ class Scheduler:
         while queue and budget > 0:
             seq = queue.pop(0)
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget) if chunked else remaining
+            n = self._chunk(seq, remaining, budget, chunked)
             if n > budget:
                 continue  # unchunked prefill that does not fit this step's leftover budget
             while not self.bm.allocate(seq, seq.num_computed_tokens + n):
@@ -118,7 +126,7 @@ class Scheduler:
             computed = self.bm.computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
             remaining = seq.num_tokens - num_cached
-            n = min(remaining, budget) if chunked else remaining
+            n = self._chunk(seq, remaining, budget, chunked)
             if n > budget:
                 break
             reserve = num_cached + n if self.opts.paged_kv else max(self.config.max_model_len, seq.num_tokens)
@@ -143,6 +151,16 @@ class Scheduler:
         # decodes (one new token) first: the attention kernels take the batch in that order
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
+
+    @staticmethod
+    def _chunk(seq: Sequence, remaining: int, budget: int, chunked: bool) -> int:
+        """How many of `seq`'s remaining tokens to run this step: all of them unchunked, else what the budget
+        leaves, and at most PROMPT_LOGPROB_CHUNK while the sequence still needs prompt logprobs."""
+        if not chunked:
+            return remaining
+        if seq.needs_prompt_logprobs:
+            budget = min(budget, PROMPT_LOGPROB_CHUNK)
+        return min(remaining, budget)
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput, needed_by: Sequence | None = None) -> None:
         """Preemption by recompute: free the blocks, requeue at the front; its tokens are recomputed later
