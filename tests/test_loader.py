@@ -18,7 +18,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from nanoserve.config import Optimizations
-from nanoserve.model.checkpoint_names import weight_loaders
+from nanoserve.model.checkpoint_names import canonical_names, name_map, weight_loaders
 from nanoserve.model.loader import CheckpointError, MXFP8Slice, SafeSlice, load_model, read_config
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.mxfp8 import MXFP8_BLOCK, dequantize_mxfp8, quantize_mxfp8
@@ -92,7 +92,9 @@ def test_every_checkpoint_tensor_lands_where_its_name_says(tiny_dir):
     model, tok_dir = load_model(tiny_dir, Optimizations.reference(), torch.float32)
     assert tok_dir == tiny_dir and os.path.isfile(os.path.join(tok_dir, "tokenizer.json"))
     ckpt = tensors_of(tiny_dir)
-    assert set(ckpt) == set(checkpoint_specs(cfg)) == set(weight_loaders(model))
+    # the released spelling of each target is the table's first (aliases follow it)
+    released = {aliases[0] for aliases in canonical_names(name_map(model)).values()}
+    assert set(ckpt) == set(checkpoint_specs(cfg)) == released and released < set(weight_loaders(model))
     p = "language_model.model"
     eq = torch.equal
 
@@ -587,3 +589,61 @@ def test_make_checkpoint_cli_rejects_bad_layer_count(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["make_checkpoint", "--out", str(tmp_path / "x"), "--num-layers", "0"])
     with pytest.raises(SystemExit, match="--num-layers must be >= 1"):
         make_checkpoint.main()
+
+
+# -- the dense MLP under either spelling --------------------------------------------------------------------------
+
+DENSE_MLP = re.compile(r"(language_model\.model\.layers\.\d+)\.mlp\.((?:gate|up|down)_proj\.weight(?:_scale_inv)?)")
+
+
+def spelled_as_transformers_5_17(model_dir: str, dst) -> str:
+    """A copy of the checkpoint with the dense layers' MLP (and its MXFP8 scales) saved under block_sparse_moe, as
+    transformers 5.17's save_pretrained names it."""
+    d = copy_dir(model_dir, dst)
+    t = tensors_of(d)
+    renamed = {DENSE_MLP.sub(r"\1.block_sparse_moe.\2", k): v for k, v in t.items()}
+    assert sum(k != DENSE_MLP.sub(r"\1.block_sparse_moe.\2", k) for k in t) >= 3  # layer 0 is dense
+    rewrite_tensors(d, renamed)
+    return d
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp8"])
+def test_dense_mlp_loads_under_either_spelling(fmt, tiny_dir, mxfp8_dir, tmp_path):
+    """`mlp.{gate,up,down}_proj` (the released checkpoint, newer transformers) and `block_sparse_moe.{gate,up,
+    down}_proj` (transformers 5.17) fill the same parameters - fp8 weights and their scales too - and give the same
+    greedy tokens; a checkpoint with both spellings is refused, naming both."""
+    from nanoserve import LLM, SamplingParams
+
+    src = tiny_dir if fmt == "bf16" else mxfp8_dir
+    old = spelled_as_transformers_5_17(src, tmp_path / "old")
+    keys = set(tensors_of(old))
+    assert "language_model.model.layers.0.block_sparse_moe.gate_proj.weight" in keys
+    assert not any(DENSE_MLP.fullmatch(k) for k in keys)
+    if fmt == "mxfp8":
+        assert "language_model.model.layers.0.block_sparse_moe.down_proj.weight_scale_inv" in keys
+    opts = Optimizations.reference_kernels().replace(cuda_graphs=False)  # mxfp8_weights on: fp8 kept as stored
+    new_model, _ = load_model(src, opts, torch.float32)
+    old_model, _ = load_model(old, opts, torch.float32)
+    assert new_model.weight_format == old_model.weight_format == ("mxfp8" if fmt == "mxfp8" else None)
+    new_params, old_params = dict(new_model.named_parameters()), dict(old_model.named_parameters())
+    assert new_params.keys() == old_params.keys()
+    for name, p in new_params.items():
+        assert p.dtype == old_params[name].dtype and torch.equal(p.float(), old_params[name].float()), name
+    if fmt == "mxfp8":
+        assert new_params["layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+
+    prompts = [{"prompt_token_ids": random_ids(n, seed=n)} for n in (70, 9)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    tokens = []
+    for d in (src, old):
+        with LLM(d, optimizations=opts, device="cpu", dtype="float32", max_model_len=256,
+                 num_gpu_blocks_override=32) as llm:
+            tokens.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+    assert tokens[0] == tokens[1] and all(len(t) == 8 for t in tokens[0])
+
+    both = copy_dir(old, tmp_path / "both")
+    key = "language_model.model.layers.0.mlp.up_proj.weight"
+    rewrite_tensors(both, {**tensors_of(old), **{k: v for k, v in tensors_of(src).items() if k.startswith(key)}})
+    with pytest.raises(CheckpointError, match=r"named twice: \S*layers\.0\.mlp\.up_proj\.weight and \S*layers\.0\."
+                                              r"block_sparse_moe\.up_proj\.weight \(two spellings"):
+        load_model(both, opts, torch.float32)

@@ -12,8 +12,11 @@ shared expert is either a slot of the expert stack or its own MLP. What remains 
 must fill, each from exactly one tensor.
 
 Adding a name is one row. An alias - a second name for the same target, such as another checkpoint's spelling -
-is a row with the same parameter and shard; a checkpoint may then use either name (not both). An extra tensor
-(e.g. a per-block scale) is a row whose parameter is the one that stores it.
+is a row with the same parameter and shard; a checkpoint may then use either name (not both: the loader refuses a
+checkpoint that fills one target twice). The dense layers' MLP has such aliases: the released checkpoint (and
+newer transformers, 5.25 for one) spells it `mlp.{gate,up,down}_proj`, transformers 5.17 saves it as
+`block_sparse_moe.{gate,up,down}_proj`. An MXFP8 weight's E8M0 scale is named after its weight (`<weight name>
+_scale_inv`) and read with it, so every alias covers its scale too.
 """
 
 from __future__ import annotations
@@ -61,6 +64,10 @@ WEIGHT_NAMES: tuple[NameRule, ...] = (
     NameRule(f"{L}.mlp.gate_proj.weight", "layers.{layer}.mlp.gate_up_proj.weight", "gate"),
     NameRule(f"{L}.mlp.up_proj.weight", "layers.{layer}.mlp.gate_up_proj.weight", "up"),
     NameRule(f"{L}.mlp.down_proj.weight", "layers.{layer}.mlp.down_proj.weight"),
+    # ... the same three as transformers 5.17 saves them, under block_sparse_moe (aliases: one spelling per file)
+    NameRule(f"{MOE}.gate_proj.weight", "layers.{layer}.mlp.gate_up_proj.weight", "gate"),
+    NameRule(f"{MOE}.up_proj.weight", "layers.{layer}.mlp.gate_up_proj.weight", "up"),
+    NameRule(f"{MOE}.down_proj.weight", "layers.{layer}.mlp.down_proj.weight"),
     # MoE layers: the fp32 router and its selection bias, then the routed experts stacked into w13 (w1|w3) and w2
     NameRule(f"{MOE}.gate.weight", "layers.{layer}.mlp.gate"),
     NameRule(f"{MOE}.e_score_correction_bias", "layers.{layer}.mlp.e_score_correction_bias"),

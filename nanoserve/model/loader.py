@@ -194,7 +194,8 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
                 parts.append(f"{len(unexpected)} unexpected tensor(s): {', '.join(sorted(unexpected)[:8])}"
                              + (" ..." if len(unexpected) > 8 else ""))
             if twice:
-                parts.append(f"{len(twice)} parameter(s) named twice: {', '.join(sorted(twice)[:8])}")
+                parts.append(f"{len(twice)} parameter(s) named twice: {', '.join(sorted(twice)[:8])} (two "
+                             f"spellings of one tensor; a checkpoint must use one)")
             raise CheckpointError(f"{model_dir}: " + "; ".join(parts))
         for key in chosen:
             src: Any = source(key)
