@@ -31,6 +31,12 @@ class StructuredOutputsParams:
     """JSON schema only: objects without an explicit additionalProperties get additionalProperties: false."""
     whitespace_pattern: str | None = None
     """Not supported by the xgrammar backend: setting it raises ValueError (vLLM's xgrammar backend rejects it too)."""
+    reasoning_end_token_id: int | None = None
+    """The output starts in the model's thinking, which the format does not hold: the format applies from the
+    token after the first time this token (the end-of-thinking marker, M3's `</mm:think>`) is generated; until
+    then the output is sampled unconstrained. None: the format applies from the first token. Not a request
+    field: the server sets it with --reasoning-parser (docs/agent_api.md), as vLLM applies structured outputs
+    only after the reasoning ends."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -61,6 +67,10 @@ class StructuredOutputsParams:
         for name in ("disable_any_whitespace", "disable_additional_properties"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"structured_outputs.{name} must be true or false")
+        if self.reasoning_end_token_id is not None and (not isinstance(self.reasoning_end_token_id, int)
+                                                        or isinstance(self.reasoning_end_token_id, bool)
+                                                        or self.reasoning_end_token_id < 0):
+            raise ValueError("structured_outputs.reasoning_end_token_id must be a token id (an int >= 0)")
         if self.whitespace_pattern is not None:
             raise ValueError("structured_outputs.whitespace_pattern is not supported (the xgrammar backend has no "
                              "custom whitespace pattern); use disable_any_whitespace instead")

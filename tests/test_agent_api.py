@@ -23,6 +23,7 @@ import subprocess
 import sys
 
 import httpx
+import jsonschema
 import openai
 import pytest
 
@@ -339,6 +340,52 @@ def test_forced_tool_choice_emits_a_valid_call(client, choice, stream):
             assert call.function.name == "get_weather"
 
 
+# -- response_format with thinking: the format holds the answer after </mm:think>, not the thinking ----------------
+ANSWER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                           "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                                           "hourly": {"type": "boolean"}},
+          "required": ["city", "days", "hourly"], "additionalProperties": False}
+ANSWER_FORMAT = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": ANSWER}}
+
+
+def test_response_format_holds_the_answer_not_the_thinking(client, tok):
+    """--reasoning-parser: with thinking on, the reasoning is sampled unconstrained and the content after
+    </mm:think> follows the schema; with thinking off the whole answer does. m3-tiny rarely closes its thinking by
+    itself, so a logit_bias on </mm:think> and a seed (the same on the request without a format) make it close
+    after a few tokens; the constrained request's reasoning must be exactly the unconstrained one's (a seeded
+    request draws the same tokens while nothing is masked)."""
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    end = tok.convert_tokens_to_ids("</mm:think>")
+
+    def ask(mode, seed=None, max_tokens=160, stream=False, **kw):
+        extra = {"chat_template_kwargs": {"thinking_mode": mode}}
+        if "response_format" in kw:
+            extra["structured_outputs"] = {"disable_any_whitespace": True}
+        sampling = dict(temperature=1.0, seed=seed, logit_bias={str(end): 4}) if seed is not None else \
+            dict(temperature=0.0)
+        return client.chat.completions.create(model=MODEL, messages=messages, max_tokens=max_tokens, stream=stream,
+                                              extra_body=extra, **sampling, **kw)
+    # a seed whose unconstrained thinking closes after some text, within 24 tokens
+    for seed in range(40):
+        free = ask("enabled", seed, max_tokens=24).choices[0].message
+        if free.content is not None and free.reasoning_content:
+            break
+    else:
+        pytest.fail("no seed closes the thinking after a few tokens")
+    held = ask("enabled", seed, response_format=ANSWER_FORMAT).choices[0]
+    assert held.message.reasoning_content == free.reasoning_content
+    assert held.finish_reason == "stop", held
+    jsonschema.validate(json.loads(held.message.content), ANSWER)
+    off = ask("disabled", response_format=ANSWER_FORMAT).choices[0]
+    assert off.message.reasoning_content is None and off.finish_reason == "stop"
+    jsonschema.validate(json.loads(off.message.content), ANSWER)
+    # streamed, thinking on: the same reasoning and answer in the deltas
+    chunks = list(ask("enabled", seed, stream=True, response_format=ANSWER_FORMAT))
+    assert "".join(getattr(c.choices[0].delta, "reasoning_content", None) or "" for c in chunks if c.choices) == \
+        held.message.reasoning_content
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == held.message.content
+
+
 @pytest.mark.parametrize("extra, param, words", [
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
@@ -357,6 +404,8 @@ def test_forced_tool_choice_emits_a_valid_call(client, choice, stream):
     ({"priority": 1}, "priority", "first come, first served"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools"),
     ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when stream is true"),
+    ({"structured_outputs": {"regex": "[0-9]+", "reasoning_end_token_id": 5}}, "structured_outputs",
+     "unknown field(s): reasoning_end_token_id"),
 ])
 def test_bad_requests_name_the_field(client, extra, param, words):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **extra}

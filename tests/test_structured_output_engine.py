@@ -135,3 +135,58 @@ def test_overlap_and_preemption_do_not_change_constrained_outputs():
         assert got == expected, f"overlap_scheduling={overlap}"
         assert small.engine.stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
         assert_all_blocks_free(small)
+
+
+# -- a format held until the thinking ends (reasoning_end_token_id; the server's --reasoning-parser) ----------------
+THINKING_PROMPT = "]~b]user\nIs 91 prime?[e~[\n]~b]ai\n<mm:think>"  # a chat turn whose prompt opened the thinking
+
+
+def think_end_bias(llm, end: int, lo: int = 3, hi: int = 16) -> tuple[float, int]:
+    """A logit_bias on the end-of-thinking token that makes the greedy model close its thinking after lo..hi
+    tokens (m3-tiny's random weights would rarely close it at all): (bias, index of the closing token)."""
+    for bias in range(0, 60):
+        ids = run(llm, THINKING_PROMPT, sp(hi + 1, ignore_eos=True, logit_bias={end: float(bias)}))[0].outputs[0].token_ids
+        if end in ids:
+            k = ids.index(end)
+            if lo <= k <= hi:
+                return float(bias), k
+            if k < lo:
+                break
+    raise AssertionError("no logit_bias closes the thinking after a few tokens")
+
+
+def test_format_holds_only_after_the_thinking_ends(llm):
+    """The output starts in an open thinking block: the reasoning is sampled unconstrained (the tokens up to and
+    including </mm:think> are those of the same request without a format), and the answer after it follows the
+    JSON schema to its end."""
+    end = llm.get_tokenizer().convert_tokens_to_ids("</mm:think>")
+    bias, k = think_end_bias(llm, end)
+    free, held, whole = (o.outputs[0] for o in run(llm, [THINKING_PROMPT] * 3, [
+        sp(80, logit_bias={end: bias}, skip_special_tokens=False),
+        sp(80, logit_bias={end: bias}, skip_special_tokens=False,
+           structured_outputs=so(json=PERSON, disable_any_whitespace=True, reasoning_end_token_id=end)),
+        sp(80, logit_bias={end: bias}, skip_special_tokens=False,
+           structured_outputs=so(json=PERSON, disable_any_whitespace=True))]))
+    assert held.token_ids[:k + 1] == free.token_ids[:k + 1]
+    reasoning, answer = held.text.split("</mm:think>", 1)
+    assert held.finish_reason == "stop", held
+    jsonschema.validate(json.loads(answer), PERSON)
+    assert reasoning and not reasoning.lstrip().startswith("{")
+    # without the gate the format holds from the first token: no thinking at all, just the JSON
+    assert whole.finish_reason == "stop" and "</mm:think>" not in whole.text
+    jsonschema.validate(json.loads(whole.text), PERSON)
+    assert_all_blocks_free(llm)
+
+
+def test_thinking_that_never_ends_is_never_constrained(llm):
+    """Until the end-of-thinking token comes, nothing is masked: a request whose thinking runs to max_tokens gives
+    exactly the tokens of the same request without a format (greedy, and with sampling from one seed)."""
+    end = llm.get_tokenizer().convert_tokens_to_ids("</mm:think>")
+    never = {end: -100.0}
+    gate = so(regex="[0-9]{3}", reasoning_end_token_id=end)
+    for extra in (dict(), dict(temperature=1.0, seed=5)):
+        free, held = (o.outputs[0] for o in run(llm, [THINKING_PROMPT] * 2, [
+            sp(24, logit_bias=never, ignore_eos=True, **extra),
+            sp(24, logit_bias=never, ignore_eos=True, structured_outputs=gate, **extra)]))
+        assert held.token_ids == free.token_ids and held.finish_reason == "length"
+    assert_all_blocks_free(llm)

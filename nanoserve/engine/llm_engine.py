@@ -178,7 +178,8 @@ class LLMEngine:
                 for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
-                seq.grammar = self.structured_output.new_grammar(compiled)
+                seq.grammar = self.structured_output.new_grammar(
+                    compiled, params.structured_outputs.reasoning_end_token_id)
         self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, arrival)
         for seq in seqs:
             self.scheduler.add(seq)

@@ -128,25 +128,37 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
 
 
 class SequenceGrammar:
-    """One sequence's grammar state: an xgrammar GrammarMatcher and how many tokens it has accepted."""
+    """One sequence's grammar state: an xgrammar GrammarMatcher, and how many of the sequence's output tokens it
+    has seen.
 
-    __slots__ = ("matcher", "num_accepted")
+    With `reasoning_end` set (StructuredOutputsParams.reasoning_end_token_id) the output starts in the model's
+    thinking: tokens pass unconstrained and unseen by the matcher up to and including the first `reasoning_end`,
+    and the format holds from the next token on (`active`). This is vLLM's rule with a reasoning parser: the end
+    of the reasoning is found on the generated token ids, and the grammar advances from the step after it."""
 
-    def __init__(self, matcher):
+    __slots__ = ("matcher", "num_seen", "reasoning_end", "active")
+
+    def __init__(self, matcher, reasoning_end: int | None = None):
         self.matcher = matcher
-        self.num_accepted = 0
+        self.num_seen = 0  # output tokens handled: passed as reasoning, or accepted by the matcher
+        self.reasoning_end = reasoning_end
+        self.active = reasoning_end is None  # the format holds the next token
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar forbids it (the mask should have prevented that)."""
+        if not self.active:
+            self.num_seen += 1
+            self.active = token == self.reasoning_end
+            return True
         ok = self.matcher.accept_token(token)
         if ok:
-            self.num_accepted += 1
+            self.num_seen += 1
         return ok
 
     @property
     def is_terminated(self) -> bool:
         """The grammar reached its end and accepted a stop token: nothing more may be generated."""
-        return self.matcher.is_terminated()
+        return self.active and self.matcher.is_terminated()
 
 
 @dataclass
@@ -245,11 +257,12 @@ class StructuredOutputManager:
                 self._cache.popitem(last=False)
         return compiled
 
-    def new_grammar(self, compiled) -> SequenceGrammar:
-        """A fresh matcher at the start of `compiled` (one per sequence: n > 1 gives each its own)."""
+    def new_grammar(self, compiled, reasoning_end: int | None = None) -> SequenceGrammar:
+        """A fresh matcher at the start of `compiled` (one per sequence: n > 1 gives each its own); with
+        `reasoning_end`, held until the thinking ends (SequenceGrammar)."""
         import xgrammar as xgr
 
-        return SequenceGrammar(xgr.GrammarMatcher(compiled))
+        return SequenceGrammar(xgr.GrammarMatcher(compiled), reasoning_end)
 
     # -- the step's mask and the tokens drawn with it (engine thread) ---------------------------------------
     @staticmethod
@@ -264,16 +277,17 @@ class StructuredOutputManager:
 
     def bitmask(self, seqs: list[ConstrainedSeq]) -> GrammarBitmask | None:
         """The token bitmask of one step whose sampled rows are `seqs` (in row order), or None when no row is
-        constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel)."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel); a sequence
+        still in its thinking (SequenceGrammar.active false) is not constrained yet."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
         if not rows:
             return None
         import xgrammar as xgr
 
         for i in rows:
             s = seqs[i]
-            if s.grammar.num_accepted != len(s.output_token_ids):
-                raise RuntimeError(f"sequence {s.seq_id}: its grammar accepted {s.grammar.num_accepted} tokens but "
+            if s.grammar.num_seen != len(s.output_token_ids):
+                raise RuntimeError(f"sequence {s.seq_id}: its grammar saw {s.grammar.num_seen} tokens but "
                                    f"it has {len(s.output_token_ids)}; the mask would be stale")
         if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
             self._max_batch = max(self._max_batch, len(seqs))

@@ -63,6 +63,12 @@ def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepar
     prompts = [tokenize(server, p, req.add_special_tokens) for p in raw]
     for _, ids in prompts:
         check_length(server, ids, params, req, "prompt")
+    # a raw prompt that leaves a thinking block open: the format holds what follows the thinking. One that does
+    # not is not a chat turn the model may think in, so the format holds from the first token.
+    if server.reasoning_parser and all(
+            server.reasoning_parser.prompt_state(text if text is not None else server.tokenizer.decode(ids)) == "open"
+            for text, ids in prompts):
+        hold_format_after_reasoning(server, params)
     if req.echo:  # the echoed text of a token-id prompt is its decoding
         prompts = [(text if text is not None else server.tokenizer.decode(ids), ids) for text, ids in prompts]
     return Prepared(prompts, params, model, structured_field(req))
@@ -84,6 +90,8 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
         setup.reasoning_state = setup.reasoning_parser.prompt_state(text)
     if setup.tool_choice.forced:
         apply_forced_tool_choice(server, params, setup)
+    elif setup.reasoning_state != "closed":  # the model may think first (open: it is thinking; none: it decides)
+        hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
     last = messages[-1]
     if req.echo and last.get("role") == ("assistant" if req.add_generation_prompt else last.get("role")):
@@ -135,6 +143,13 @@ def forced_call_format(setup: ChatSetup) -> dict[str, Any]:
     if setup.reasoning_parser:
         tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state)
     return tag
+
+
+def hold_format_after_reasoning(server: OpenAIServer, params: SamplingParams) -> None:
+    """With --reasoning-parser, a request's output format (response_format / structured_outputs) holds the answer,
+    not the thinking (vLLM's rule): the engine samples unconstrained until the end-of-thinking token."""
+    if params.structured_outputs is not None and server.reasoning_end_id is not None:
+        params.structured_outputs.reasoning_end_token_id = server.reasoning_end_id
 
 
 def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup) -> None:

@@ -80,6 +80,20 @@ class OpenAIServer:
         special = {t.content for t in decoder.values() if getattr(t, "special", False)}
         markers = [m for p in (self.tool_parser, self.reasoning_parser) if p for m in p.markers]
         self.parsers_need_special_tokens = any(m in special for m in markers)
+        self.reasoning_end_id = self._reasoning_end_id()
+
+    def _reasoning_end_id(self) -> int | None:
+        """The token of the reasoning parser's end-of-thinking marker: structured outputs apply after it (vLLM's
+        rule with a reasoning parser). None without a parser, or when the marker is not one token (the format then
+        holds the whole output, as before this rule, and the log says so)."""
+        if self.reasoning_parser is None:
+            return None
+        ids = self.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
+        if len(ids) == 1:
+            return ids[0]
+        logger.warning("the reasoning parser's end marker %r is %d tokens in this tokenizer, not one: structured "
+                       "outputs will hold the thinking too", self.reasoning_parser.end, len(ids))
+        return None
 
     @property
     def tokenizer(self):
