@@ -235,6 +235,9 @@ class EngineConfig:
     served_model_name: str | None = None
     distributed_init_method: str | None = None
     """torch.distributed rendezvous (tcp://host:port or env://); None picks a free loopback port."""
+    worker_timeout: float | None = None
+    """Tensor parallelism: seconds after which a worker that does not answer (no heartbeat, or a step's peers
+    silent) fails the engine; None = $NANOSERVE_WORKER_TIMEOUT, else 30; 0 = never (distributed/watchdog.py)."""
     optimizations: Optimizations = field(default_factory=Optimizations)
 
     def __post_init__(self) -> None:
@@ -295,5 +298,9 @@ class EngineConfig:
         need(is_int(self.seed), "seed", "an integer")
         int_in("max_waiting_requests", 1)
         int_in("max_logprobs", 0, 1000)
+        need(self.worker_timeout is None or (isinstance(self.worker_timeout, (int, float))
+                                             and not isinstance(self.worker_timeout, bool)
+                                             and self.worker_timeout >= 0), "worker_timeout",
+             "a number of seconds >= 0 (0 = no hang detection) or None")
         need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}")
         need(isinstance(self.optimizations, Optimizations), "optimizations", "an Optimizations instance")

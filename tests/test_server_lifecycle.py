@@ -208,8 +208,25 @@ def test_cli_has_a_flag_pair_per_switch_and_vllm_aliases():
         cli_config(parser.parse_args(["--enable-prefix-caching", "--no-prefix-caching"]), parser)
     with pytest.raises(SystemExit):
         cli_config(parser.parse_args(["--gpu-memory-utilization", "1.5"]), parser)
+    assert cli_config(parser.parse_args(["--worker-timeout", "7.5"]), parser).worker_timeout == 7.5
+    assert cli_config(parser.parse_args([]), parser).worker_timeout is None  # $NANOSERVE_WORKER_TIMEOUT, else 30
+    with pytest.raises(SystemExit):
+        cli_config(parser.parse_args(["--worker-timeout", "-1"]), parser)
     args = parser.parse_args([])
     assert (args.host, args.port, args.api_key) == ("127.0.0.1", 8000, None)
+
+
+def test_worker_timeout_resolution(monkeypatch):
+    from nanoserve.distributed.watchdog import DEFAULT_WORKER_TIMEOUT_S, resolve_worker_timeout
+
+    monkeypatch.delenv("NANOSERVE_WORKER_TIMEOUT", raising=False)
+    assert resolve_worker_timeout(None) == DEFAULT_WORKER_TIMEOUT_S
+    monkeypatch.setenv("NANOSERVE_WORKER_TIMEOUT", "12")
+    assert resolve_worker_timeout(None) == 12 and resolve_worker_timeout(3) == 3  # the argument wins
+    for bad in ("soon", "-2"):
+        monkeypatch.setenv("NANOSERVE_WORKER_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="NANOSERVE_WORKER_TIMEOUT"):
+            resolve_worker_timeout(None)
 
 
 def test_engine_imports_no_web_stack():

@@ -229,3 +229,70 @@ def test_a_dead_worker_turns_every_route_and_exits_1(tiny_dir, tmp_path):
     assert "worker 1 died" in health.json()["error"]["message"]
     assert models.status_code == 500 and "worker 1 died" in models.json()["error"]["message"], models.text
     assert rc == 1, log
+
+
+HANG_TIMEOUT = 4.0
+"""--worker-timeout in the stopped-worker test: short, so the test is quick."""
+
+
+def test_a_stopped_worker_fails_requests_and_exits_1_within_the_worker_timeout(tiny_dir, tmp_path):
+    """TP=2 on gloo: the worker is alive but stopped (SIGSTOP) when a streaming and a plain request arrive. Rank 0
+    must not wait for it in a collective: within --worker-timeout the stream gets an error event and [DONE], the
+    plain request a 500 JSON error, both naming the worker, /health turns 503, and the process exits 1."""
+    plain_body = dict(model=MODEL, prompt="Hi", max_tokens=4, ignore_eos=True)
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--tensor-parallel-size", "2", "--worker-timeout",
+                       str(HANG_TIMEOUT)) as srv:
+        assert httpx.post(f"{srv.url}/v1/completions", json=plain_body, timeout=60).status_code == 200
+        [worker] = worker_pids(srv.proc.pid)
+        streamed: list[str] = []
+        answers: dict[str, httpx.Response] = {}
+        health: list[httpx.Response] = []
+        done = threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", f"{srv.url}/v1/completions", json=dict(plain_body, stream=True),
+                              timeout=60) as r:
+                streamed.extend(line for line in r.iter_lines() if line.startswith("data: "))
+
+        def plain() -> None:
+            answers["plain"] = httpx.post(f"{srv.url}/v1/completions", json=plain_body, timeout=60)
+
+        def probe() -> None:  # /health until the server is gone
+            while not done.is_set():
+                try:
+                    health.append(httpx.get(f"{srv.url}/health", timeout=5))
+                except httpx.TransportError:
+                    return
+                time.sleep(0.05)
+
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.monotonic()
+        try:
+            threads = [threading.Thread(target=f) for f in (stream, plain, probe)]
+            for t in threads:
+                t.start()
+            rc = srv.proc.wait(timeout=HANG_TIMEOUT + 30)
+            elapsed = time.monotonic() - t0
+            done.set()
+            for t in threads:
+                t.join(timeout=10)
+        finally:
+            done.set()
+            for sig in (signal.SIGCONT, signal.SIGKILL):
+                try:
+                    os.kill(worker, sig)
+                except ProcessLookupError:
+                    pass
+        log = srv.log()
+    print(f"\n[hang] worker stopped -> server exited {rc} after {elapsed:.2f} s")
+    verdict = f"tensor-parallel worker 1 did not answer within {HANG_TIMEOUT:g} s"
+    assert rc == 1, log
+    assert HANG_TIMEOUT * 0.75 <= elapsed < HANG_TIMEOUT + 8, (elapsed, log)  # silence counts from the last beat
+    answer = answers["plain"]
+    assert answer.status_code == 500 and answer.headers["content-type"] == "application/json", answer.text
+    assert verdict in answer.json()["error"]["message"], answer.text
+    assert streamed[-1] == "data: [DONE]", streamed[-3:]
+    error = json.loads(streamed[-2][6:])["error"]
+    assert error["code"] == 500 and verdict in error["message"], error
+    unhealthy = [r for r in health if r.status_code != 200]
+    assert unhealthy and unhealthy[0].status_code == 503 and verdict in unhealthy[0].text, [r.text for r in health]

@@ -16,13 +16,16 @@ What runs where, within the budget of two CPU cores:
 - Offline generate at TP=2, and the same script under torchrun (`python -m torch.distributed.run`, i.e. torchrun,
   --nproc-per-node 2), give TP=1's greedy tokens; `python -m nanoserve.server --tensor-parallel-size 2` serves them.
 - A worker killed mid-run (or while idle) fails the engine with "tensor-parallel worker 1 died (exit code -9)"
-  within FAIL_FAST_S; the server then answers 500 and /health 503.
+  within FAIL_FAST_S; the server then answers 500 and /health 503. A worker stopped with SIGSTOP while idle fails
+  it within the worker timeout (its heartbeats stop); a collective stuck while every heartbeat runs fails rank 0's
+  step within it too.
 
 Run: python -m pytest tests/test_tensor_parallel.py -q
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import multiprocessing
 import os
@@ -41,7 +44,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.executor import MultiprocExecutor, free_loopback_port
-from nanoserve.distributed.watchdog import WorkerFailure
+from nanoserve.distributed.watchdog import WorkerFailure, WorkerWatchdog
 from nanoserve.executor.base import Executor
 from nanoserve.executor.local import LocalExecutor
 from nanoserve.model import loader
@@ -50,7 +53,7 @@ from nanoserve.parallel_state import get_tp, kv_head_range, set_tp
 from nanoserve.presets.catalog import get_preset
 from nanoserve.presets.make_checkpoint import write_checkpoint
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from tests.tp_helpers import CPU_REFERENCE, channel_messages, channel_peer
+from tests.tp_helpers import CPU_REFERENCE, channel_messages, channel_peer, stuck_peer
 
 TP_RTOL = 1e-5
 """fp32: max |tp logits - tp=1 logits| <= TP_RTOL x max |tp=1 logit| (measured: about 5e-7)."""
@@ -470,6 +473,72 @@ def test_worker_death_while_idle_is_reported(tiny_dir):
             executor.execute_model(parity_steps()[0])
     finally:
         executor.shutdown()
+
+
+HANG_TIMEOUT_S = 2.0
+"""worker_timeout of the hang tests: short, so they are quick."""
+
+
+def test_stopped_worker_while_idle_fails_within_the_worker_timeout(tiny_dir):
+    config = EngineConfig.from_kwargs(model=tiny_dir, tensor_parallel_size=2, worker_timeout=HANG_TIMEOUT_S,
+                                      **ENGINE_ARGS)
+    executor = MultiprocExecutor(config)
+    [pid] = executor.worker_pids
+    try:
+        executor.initialize_cache(MAX_MODEL_LEN, 8192, 16)
+        executor.execute_model(parity_steps()[0])
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+
+        def reported() -> bool:
+            try:
+                executor.check_health()
+            except WorkerFailure:
+                return True
+            return False
+
+        wait_until(reported, HANG_TIMEOUT_S + 10, "check_health to report the stopped worker")
+        elapsed = time.monotonic() - t0
+        # silence counts from the last heartbeat, which came up to one interval (T/4) before the stop
+        assert HANG_TIMEOUT_S * 0.75 <= elapsed < HANG_TIMEOUT_S + 2, elapsed
+        with pytest.raises(WorkerFailure, match=r"^tensor-parallel worker 1 did not answer within 2 s$"):
+            executor.execute_model(parity_steps()[0])  # failed for good, at once
+    finally:
+        executor.shutdown()  # kills the stopped worker
+        assert not pid_alive(pid)
+
+
+def test_stuck_collective_with_live_heartbeats_is_bounded():
+    """A worker that still sends heartbeats but never joins rank 0's collective (a deadlock): once steps are
+    bounded, rank 0's gloo collective gives up after the worker timeout instead of waiting for it."""
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    init = f"tcp://127.0.0.1:{free_loopback_port()}"
+    peer = ctx.Process(target=stuck_peer, args=(init, child, 0.25), daemon=True)
+    peer.start()
+    child.close()
+    watchdog = WorkerWatchdog(timeout=HANG_TIMEOUT_S)
+    watchdog.watch(1, peer, parent)
+    watchdog.start()
+    try:
+        dist.init_process_group("gloo", init_method=init, rank=0, world_size=2,
+                                timeout=datetime.timedelta(seconds=60))
+        dist.barrier()
+        watchdog.bound_steps([dist.group.WORLD])
+        t0 = time.monotonic()
+        with pytest.raises(WorkerFailure, match=r"worker\(s\) 1 did not answer within 2 s; every worker still "
+                                                r"sends heartbeats"):
+            watchdog.guarded(dist.all_reduce, torch.ones(4))
+        assert HANG_TIMEOUT_S <= time.monotonic() - t0 < HANG_TIMEOUT_S + 2
+        with pytest.raises(WorkerFailure, match="did not answer"):  # the verdict stands
+            watchdog.raise_if_failed()
+    finally:
+        watchdog.stop()
+        peer.kill()
+        peer.join()
+        watchdog.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 # -- the server -------------------------------------------------------------------------------------------------

@@ -42,3 +42,17 @@ def channel_peer(init_method: str) -> None:
     channel.agree_min(int(intact))
     channel.agree_min(5)
     dist.destroy_process_group()
+
+
+def stuck_peer(init_method: str, conn, heartbeat_s: float) -> None:
+    """Rank 1 of a two-process gloo group that joins, then never takes part in another collective while its
+    heartbeat thread keeps saying it is alive: a deadlocked worker, as rank 0 sees it. Exits when rank 0 closes
+    the pipe."""
+    from nanoserve.distributed.watchdog import WorkerPipe
+
+    pipe = WorkerPipe(conn)
+    pipe.start_heartbeat(heartbeat_s)
+    dist.init_process_group("gloo", init_method=init_method, rank=1, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    dist.barrier()
+    pipe.wait_for_parent_exit()

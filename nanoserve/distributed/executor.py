@@ -36,7 +36,8 @@ from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.commands import Configure, InitCache, Step, Stop
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
-from nanoserve.distributed.watchdog import WATCH_INTERVAL_S, WorkerWatchdog, report_error
+from nanoserve.distributed.watchdog import (WATCH_INTERVAL_S, WorkerPipe, WorkerWatchdog, heartbeat_interval,
+                                            resolve_worker_timeout)
 from nanoserve.distributed.worker import (MULTICAST_OFF_ENV, ControlChannel, RankInfo, build_runner, initialize_cache,
                                           join_process_groups, leave_process_groups, rank_device, run_worker)
 from nanoserve.executor.base import Executor
@@ -55,25 +56,27 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawned_worker_main(config: EngineConfig, info: RankInfo, conn: multiprocessing.connection.Connection) -> None:
-    """Entry point of a spawned worker process. `conn` is its pipe to rank 0: an exception's traceback goes up it,
-    and its end-of-file means rank 0 is gone, so the worker exits rather than outlive the engine."""
+def _spawned_worker_main(config: EngineConfig, info: RankInfo, conn: multiprocessing.connection.Connection,
+                         heartbeat_s: float | None) -> None:
+    """Entry point of a spawned worker process. `conn` is its pipe to rank 0: heartbeats (every `heartbeat_s`
+    seconds; None: none) and an exception's traceback go up it, and its end-of-file means rank 0 is gone, so the
+    worker exits rather than outlive the engine."""
+    pipe = WorkerPipe(conn)
 
     def exit_when_parent_gone() -> None:
-        try:
-            conn.recv()  # rank 0 never writes: this returns (or raises) only when its end closes
-        except (EOFError, OSError):
-            pass
+        pipe.wait_for_parent_exit()
         os._exit(1)
 
     threading.Thread(target=exit_when_parent_gone, daemon=True, name="nanoserve-tp-parent-watch").start()
+    if heartbeat_s:
+        pipe.start_heartbeat(heartbeat_s)
     # Ctrl-C in a terminal reaches the whole process group; only rank 0 decides when to stop (it may be draining
     # in-flight requests), so a worker ignores SIGINT and leaves on rank 0's stop command or when rank 0 is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         run_worker(config, info)
     except BaseException:
-        report_error(conn, traceback.format_exc())
+        pipe.report_error(traceback.format_exc())
         raise
 
 
@@ -85,7 +88,8 @@ class MultiprocExecutor(Executor):
             raise RuntimeError("torch.distributed is already initialised in this process (another tensor-parallel "
                                "engine still running?): shut it down first")
         self.config = config
-        self.watchdog = WorkerWatchdog()  # the spawned workers (none under torchrun) and the failure verdict
+        # the spawned workers (none under torchrun), hang detection and the failure verdict
+        self.watchdog = WorkerWatchdog(resolve_worker_timeout(config.worker_timeout))
         self._closed = False
         self.channel: ControlChannel | None = None
         self.runner: ModelRunner | None = None
@@ -135,6 +139,7 @@ class MultiprocExecutor(Executor):
             return initialize_cache(self.runner, self.channel, max_model_len, max_num_batched_tokens, max_num_seqs)
 
         self.num_blocks = self.watchdog.guarded(init)
+        self.watchdog.bound_steps([dist.group.WORLD, self.channel.group])  # warmed up: steps are bounded now
         return self.num_blocks
 
     def execute_model(self, inp: ModelInput) -> torch.Tensor:
@@ -197,11 +202,12 @@ class MultiprocExecutor(Executor):
     # -- start-up -----------------------------------------------------------------------------------------
     def _spawn_workers(self, config: EngineConfig, info: RankInfo) -> None:
         ctx = torch_mp.get_context("spawn")
+        timeout = self.watchdog.timeout
         for rank in range(1, info.world_size):
             parent_end, child_end = ctx.Pipe()
             worker_info = RankInfo(rank, info.world_size, rank, info.init_method)
-            proc = ctx.Process(target=_spawned_worker_main, args=(config, worker_info, child_end), daemon=True,
-                               name=f"nanoserve-tp-worker-{rank}")
+            proc = ctx.Process(target=_spawned_worker_main, daemon=True, name=f"nanoserve-tp-worker-{rank}",
+                               args=(config, worker_info, child_end, heartbeat_interval(timeout) if timeout else None))
             proc.start()
             child_end.close()
             self.watchdog.watch(rank, proc, parent_end)

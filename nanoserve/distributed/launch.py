@@ -10,8 +10,8 @@ through env:// instead of spawning workers. Every other rank becomes a worker as
 the process when rank 0 shuts down. The server calls it before binding its port; `LLM(...)` reaches it through
 MultiprocExecutor. `python -m nanoserve.distributed.launch` is a bare worker, for ranks > 0 started on their own.
 
-When a rank dies, torchrun's agent stops the others on its host (and the rendezvous the other hosts); the model
-group's bounded timeout (NANOSERVE_DIST_TIMEOUT) covers a rank that hangs without dying.
+When a rank dies, torchrun's agent stops the others on its host (and the rendezvous the other hosts); rank 0's
+step bound (--worker-timeout, distributed/watchdog.py) covers a rank that hangs without dying.
 """
 
 from __future__ import annotations

@@ -12,11 +12,13 @@ Two process groups join the same N processes:
 
 - the model group (the default group): nccl on GPUs (RCCL on ROCm builds), gloo on the CPU. The layers'
   all-reduces and the LM head's all-gather run here. Its timeout is bounded (`NANOSERVE_DIST_TIMEOUT`, seconds)
-  so a peer that stops answering turns into an error, never a hang.
+  so a peer that stops answering turns into an error, never a hang; once warmed up, rank 0 waits much less
+  (the worker timeout, distributed/watchdog.py).
 - the control group: gloo, always on the CPU. Rank 0 broadcasts each command over it (distributed/commands.py;
   a step carries its pickled ModelInput), so sending a step never touches the GPU stream. Its timeout is
   effectively infinite because an idle worker (a server with no requests) waits here for the next step; a dead
-  peer still fails it at once, because gloo sees the closed socket.
+  peer still fails it at once, because gloo sees the closed socket. Rank 0 only sends on it, and once warmed up
+  a send to a peer that stopped reading gives up after the worker timeout.
 
 Every rank takes the EngineConfig from rank 0 (the first command), so all shards are built from one config even
 when torchrun started each rank with its own command line; the rank's own config only picks backend and device.

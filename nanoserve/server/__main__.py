@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--enable-expert-parallel", action="store_true",
                    help="split whole experts across ranks instead of each expert's matrices")
+    e.add_argument("--worker-timeout", type=float, default=None, metavar="SECONDS",
+                   help="tensor parallelism: a worker that does not answer this long (no heartbeat, or a step's "
+                        "peers silent) fails the engine (default: $NANOSERVE_WORKER_TIMEOUT, else 30; 0: never)")
     e.add_argument("--max-model-len", type=int, default=None, help="default: the model's max_position_embeddings")
     e.add_argument("--block-size", type=int, default=None, help="KV block size; must equal the model's MSA block")
     e.add_argument("--max-num-seqs", type=int, default=256)
@@ -144,6 +147,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         return EngineConfig.from_kwargs(
             model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
             tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
+            worker_timeout=args.worker_timeout,
             max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_tokens=args.kv_cache_tokens,
