@@ -1,14 +1,17 @@
-"""The offline API's life cycle: shutdown(), the context manager, the finalizer, and two tensor-parallel LLMs one
-after another in one process (TP=2 on gloo, CPU)."""
+"""The engines' life cycle: shutdown(), the context managers, the finalizer, and tensor-parallel engines one after
+another in one process (TP=2 on gloo, CPU) - for the offline LLM and for AsyncLLMEngine."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import EngineConfig
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine, EngineShutdownError
 from nanoserve.parallel_state import get_tp
 from tests.server_utils import FAST_CPU
 
@@ -44,6 +47,60 @@ def test_two_tp_llms_one_after_another_and_shutdown_forms(tiny_dir):
     assert llm.generate(["Hello there"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids == first
     llm.shutdown()
     llm.shutdown()  # idempotent
+
+
+def async_engine(model_dir: str, tp: int) -> AsyncLLMEngine:
+    return AsyncLLMEngine.from_config(EngineConfig.from_kwargs(model=model_dir, tensor_parallel_size=tp, **ARGS))
+
+
+async def greedy_tokens(engine: AsyncLLMEngine, request_id: str = "r") -> list[int]:
+    outs = [o async for o in engine.generate(request_id, "Hello there", GREEDY)]
+    return outs[-1].outputs[0].token_ids
+
+
+def test_async_engines_one_after_another_and_shutdown_forms(tiny_dir):
+    """`async with` (TP=2), `await shutdown()` (TP=1), a plain `with` around asyncio.run (TP=1) and the finalizer
+    (TP=2): each releases the engine (its workers exit, the process groups are left), so the next one works."""
+    async def first_two() -> tuple[list[int], list[int]]:
+        async with async_engine(tiny_dir, 2) as engine:  # started on entering
+            first = await greedy_tokens(engine)
+            pids = engine.engine.executor.worker_pids
+        assert not any(alive(p) for p in pids) and get_tp().size == 1
+        with pytest.raises(EngineShutdownError, match="shut down"):
+            await engine.add_request("late", "Hello there", GREEDY)
+        with pytest.raises(RuntimeError, match="shut down"):
+            await engine.start()
+
+        engine = async_engine(tiny_dir, 1)  # a single-process one after it
+        await engine.start()
+        second = await greedy_tokens(engine)
+        await engine.shutdown()
+        await engine.shutdown()  # idempotent
+        return first, second
+
+    first, second = asyncio.run(first_two())
+    assert len(first) == 4 and second == first
+
+    with async_engine(tiny_dir, 1) as engine:  # the event loop ends inside; leaving the block releases it
+        async def use() -> list[int]:
+            await engine.start()
+            return await greedy_tokens(engine)  # no shutdown: asyncio.run cancels the engine loop
+
+        assert asyncio.run(use()) == first
+    with pytest.raises(RuntimeError, match="shut down"):
+        asyncio.run(engine.start())
+
+    engine = async_engine(tiny_dir, 2)
+    pids = engine.engine.executor.worker_pids
+
+    async def use_and_drop() -> list[int]:
+        await engine.start()
+        return await greedy_tokens(engine)
+
+    assert asyncio.run(use_and_drop()) == first
+    del engine  # the last reference: the finalizer stops the workers
+    gc.collect()
+    assert not any(alive(p) for p in pids) and get_tp().size == 1
 
 
 def test_cpu_threads_default_override_and_errors(monkeypatch):

@@ -17,6 +17,11 @@ Failure rules: a full waiting queue raises QueueFullError (HTTP 503 + Retry-Afte
 stream gets an EngineDeadError (HTTP 500), the engine is marked dead (/health answers 503) and new requests fail
 at once - never a hang.
 
+Life cycle, as the offline LLM's: `await shutdown()` (or leaving `async with engine:`) drains, stops the loop and
+releases the engine - its tensor-parallel workers exit and the process groups are left, so another engine of any
+tensor-parallel size can be built in the same process. Where no event loop runs any more, `close()` (or leaving
+a plain `with engine:`) releases it; so does dropping the last reference (a finalizer), or the interpreter's exit.
+
 This module imports no web framework: the server (nanoserve/server) builds on it.
 """
 
@@ -26,6 +31,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
@@ -119,21 +125,45 @@ class RequestStream:
             self._on_close(self.request_id)
 
 
+def _set_engine_thread_device(device) -> None:
+    """The engine thread's initializer: the current CUDA device is per thread; it must be the engine's. (A plain
+    function: a bound method would keep the AsyncLLMEngine alive for as long as the thread lives.)"""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.set_device(device)
+
+
+def _release_engine(engine: LLMEngine, thread: ThreadPoolExecutor) -> None:
+    """Shut the engine down on its own thread (after any job still running there), then end that thread. The
+    AsyncLLMEngine's finalizer: it holds the engine and the thread, never the AsyncLLMEngine."""
+    try:
+        thread.submit(engine.shutdown).result()
+    except RuntimeError:  # the pool no longer takes jobs (the interpreter is exiting): its thread is idle
+        engine.shutdown()
+    thread.shutdown(wait=True)
+
+
 class AsyncLLMEngine:
     """Runs an LLMEngine in a background loop and serves many concurrent requests from asyncio code.
 
-        stream = await engine.add_request(request_id, prompt, params)   # raises at once if invalid / full
-        async for output in stream: ...                                 # cumulative RequestOutputs
+        async with AsyncLLMEngine.from_config(config) as engine:         # start(); shutdown() on leaving
+            stream = await engine.add_request(request_id, prompt, params)   # raises at once if invalid / full
+            async for output in stream: ...                                 # cumulative RequestOutputs
     or, in one call, `async for output in engine.generate(request_id, prompt, params)`.
 
-    `start()` and `shutdown()` must be awaited in the event loop that serves the requests."""
+    `start()` and `shutdown()` must be awaited in the event loop that serves the requests; `close()` is the
+    synchronous release for when that loop is gone (see the module docstring)."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
         self.config: EngineConfig = engine.config
         self.max_model_len: int = engine.max_model_len
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="nanoserve-engine",
-                                          initializer=self._init_engine_thread)
+                                          initializer=_set_engine_thread_device,
+                                          initargs=(engine.executor.device,))
+        # runs once: at shutdown() / close(), when this object is collected, or at the interpreter's exit
+        self._finalizer = weakref.finalize(self, _release_engine, engine, self._thread)
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: list[str] = []
         self._wakeup: asyncio.Event | None = None
@@ -148,14 +178,6 @@ class AsyncLLMEngine:
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
         """Build the engine (loads the model: slow, blocking) and wrap it."""
         return cls(LLMEngine(config))
-
-    def _init_engine_thread(self) -> None:
-        # The current CUDA device is per thread; the engine thread must use the engine's.
-        device = self.engine.executor.device
-        if device.type == "cuda":
-            import torch
-
-            torch.cuda.set_device(device)
 
     def get_tokenizer(self):
         """A tokenizer of the server's own (same files as the engine's). Hugging Face fast tokenizers must not be
@@ -181,6 +203,8 @@ class AsyncLLMEngine:
     # -- lifecycle ----------------------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the engine loop in the running event loop."""
+        if not self._finalizer.alive:
+            raise RuntimeError("this AsyncLLMEngine has been shut down; build a new one")
         if self._loop_task is not None:
             raise RuntimeError("the engine loop is already started")
         self._wakeup = asyncio.Event()
@@ -208,18 +232,41 @@ class AsyncLLMEngine:
             await asyncio.gather(self._loop_task, return_exceptions=True)
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(self._thread, self._abort_all_and_release)
+            if self._finalizer.alive:
+                await loop.run_in_executor(self._thread, self._abort_all)
         finally:
-            self._thread.shutdown(wait=True)
+            await loop.run_in_executor(None, self._finalizer)  # blocking: the engine thread, then the workers
         logger.info("engine shut down")
 
-    def _abort_all_and_release(self) -> None:
+    def close(self) -> None:
+        """Release the engine without an event loop: for an engine whose loop was never started or whose event
+        loop has ended (asyncio.run returned). A running engine loop is stopped with `await shutdown()`.
+        Idempotent; afterwards no request is accepted."""
+        if self._loop_task is not None and not self._loop_task.done():
+            raise RuntimeError("the engine loop is still running: await engine.shutdown() in its event loop")
+        self._stopping, self.accepting = True, False
+        self._finalizer()
+
+    async def __aenter__(self) -> "AsyncLLMEngine":
+        if self._loop_task is None:
+            await self.start()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.shutdown()
+
+    def __enter__(self) -> "AsyncLLMEngine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _abort_all(self) -> None:
         try:
             self.engine.abort_request(list(self.engine.requests))
             self.snapshot = self._take_snapshot()
         except Exception:  # a failed engine may not abort cleanly; the device is released all the same
             logger.exception("could not abort the remaining requests at shutdown")
-        self.engine.shutdown()
 
     # -- requests -----------------------------------------------------------------------------------------
     async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
@@ -272,6 +319,8 @@ class AsyncLLMEngine:
             await stream.aclose()
 
     def _check_alive(self) -> None:
+        if not self._finalizer.alive:
+            raise EngineShutdownError("this engine has been shut down and accepts no requests")
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine has stopped after an error: {self.dead_error}")
         if not self.accepting:
