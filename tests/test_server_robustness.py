@@ -1,6 +1,6 @@
 """One bad client cannot stall the server, and the server ends well: against real `python -m nanoserve.server`
 processes - the event loop answers /health while huge prompts are refused or tokenized, request limits (413, 400),
-a half-sent body is dropped (408, connection closed), SIGTERM drains in order (error events + [DONE], JSON errors,
+half-sent headers or body are dropped (408, connection closed), SIGTERM drains in order (error events + [DONE], JSON errors,
 503 for new requests, exit 0), a second signal exits at once."""
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ MODEL = "tiny"
 BODY_LIMIT = 12_000_000
 PROMPT_CHARS = 500_000
 BODY_TIMEOUT = 1.0
+HEADER_TIMEOUT = 1.0
 
 
 def words(n_chars: int) -> str:
@@ -34,7 +35,7 @@ def srv(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("robust") / "server.log"
     with ServerProcess(tiny_dir, log, "--max-request-body-bytes", str(BODY_LIMIT), "--max-prompt-chars",
                        str(PROMPT_CHARS), "--max-prompts-per-request", "4", "--request-body-timeout",
-                       str(BODY_TIMEOUT)) as s:
+                       str(BODY_TIMEOUT), "--request-header-timeout", str(HEADER_TIMEOUT)) as s:
         yield s
 
 
@@ -108,6 +109,81 @@ def test_half_sent_body_is_answered_408_and_dropped(srv):
     assert b"--request-body-timeout" in data
     assert BODY_TIMEOUT * 0.9 <= elapsed < BODY_TIMEOUT + 5, elapsed
     assert httpx.get(f"{srv.url}/health", timeout=5).status_code == 200
+
+
+def read_until_closed(s: socket.socket, drip: bytes = b"") -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took; `drip`: bytes to send
+    one by one, 0.2 s apart, while waiting (a client that trickles its headers)."""
+    t0 = time.monotonic()
+    data = b""
+    s.settimeout(0.2 if drip else 10)
+    while True:
+        assert time.monotonic() - t0 < 15, "the server did not close the connection"
+        try:
+            chunk = s.recv(65536)
+        except socket.timeout:
+            assert drip, "the server did not close the connection"
+            try:
+                s.sendall(drip[:1])
+            except OSError:  # closed by the server meanwhile
+                pass
+            drip = drip[1:] or b"x"
+            continue
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - t0
+
+
+def test_stalled_headers_are_answered_408_and_dropped(srv):
+    """Half a request line and headers, then nothing; headers trickled a byte at a time; a connection that sends
+    nothing; half of a second request on a kept-alive connection: each is closed within --request-header-timeout
+    (408 in OpenAI's shape where part of a request came), while the server keeps answering others."""
+    results: dict[str, tuple[bytes, float]] = {}
+    half = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty"
+
+    def client(key: str) -> None:
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
+            if key == "half":
+                s.sendall(half)
+                results[key] = read_until_closed(s)
+            elif key == "drip":
+                results[key] = read_until_closed(s, drip=half * 4)
+            elif key == "silent":
+                results[key] = read_until_closed(s)
+            else:  # kept alive: one whole request, its answer, then half of the next one
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                first = b""
+                while b"\r\n\r\n" not in first or not first.endswith(b"}"):
+                    first += s.recv(65536)
+                s.sendall(b"GET /heal")
+                data, elapsed = read_until_closed(s)
+                results[key] = (first, 0.0)
+                results["second"] = (data, elapsed)
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in ("half", "drip", "silent", "kept")]
+    for t in threads:
+        t.start()
+    with httpx.Client(base_url=srv.url, timeout=5) as http:
+        while any(t.is_alive() for t in threads):  # others are served meanwhile
+            assert http.get("/health").status_code == 200
+            time.sleep(0.05)
+    for t in threads:
+        t.join()
+    assert results["kept"][0].startswith(b"HTTP/1.1 200"), results["kept"]
+    for key in ("half", "drip", "second"):
+        data, elapsed = results[key]
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408"), (key, data[:300])
+        error = json.loads(body)["error"]
+        assert error["code"] == 408 and "--request-header-timeout" in error["message"], (key, error)
+        assert HEADER_TIMEOUT * 0.9 <= elapsed < HEADER_TIMEOUT + 3, (key, elapsed)
+    data, elapsed = results["silent"]
+    assert data == b"" and HEADER_TIMEOUT * 0.9 <= elapsed < HEADER_TIMEOUT + 3, (data, elapsed)
+    ok = httpx.post(f"{srv.url}/v1/completions", json=dict(model=MODEL, prompt="Hi", max_tokens=2), timeout=30)
+    assert ok.status_code == 200, ok.text
 
 
 def sse_lines(resp: httpx.Response) -> list[str]:

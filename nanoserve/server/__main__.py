@@ -30,7 +30,7 @@ import sys
 from nanoserve.config import DEVICES, DTYPES, LOGPROBS_MODES, SWITCH_ALIASES, EngineConfig, Optimizations
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                     DEFAULT_REQUEST_BODY_TIMEOUT_S, ServerLimits)
+                                     DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
 
 logger = logging.getLogger("nanoserve.server")
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+                   help="seconds a request's line and headers may take to arrive before the client gets 408 and "
+                        "its connection is closed (0: no limit)")
     s.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_REQUEST_BODY_BYTES,
                    help="larger request bodies get 413 (0: no limit)")
     s.add_argument("--request-body-timeout", type=float, default=DEFAULT_REQUEST_BODY_TIMEOUT_S,
@@ -176,7 +179,8 @@ def log_configuration(config: EngineConfig) -> None:
 
 def server_limits(args: argparse.Namespace, parser: argparse.ArgumentParser) -> ServerLimits:
     try:
-        return ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+        return ServerLimits(request_header_timeout=args.request_header_timeout,
+                            max_request_body_bytes=args.max_request_body_bytes,
                             request_body_timeout=args.request_body_timeout,
                             max_prompts_per_request=args.max_prompts_per_request,
                             max_prompt_chars=args.max_prompt_chars)
@@ -203,6 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     from nanoserve.cpu_threads import configure_cpu_threads
     from nanoserve.entrypoints.async_engine import AsyncLLMEngine
     from nanoserve.server.app import build_app
+    from nanoserve.server.limits import header_timeout_protocol
     from nanoserve.server.shutdown import GracefulServer
 
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
@@ -226,8 +231,9 @@ def main(argv: list[str] | None = None) -> None:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")
     # GracefulServer drains before uvicorn's own shutdown starts, which then only closes idle connections
+    http = header_timeout_protocol(limits.request_header_timeout) if limits.request_header_timeout else "auto"
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5), app.state.lifecycle)
+                                           timeout_graceful_shutdown=5, http=http), app.state.lifecycle)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1; /tokenize, /detokenize, /health, /metrics, "
                 "/version, /load, /ping, /invocations)", ", ".join(f"`{n}`" for n in names), args.host, args.port)
     server.run()

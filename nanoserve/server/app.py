@@ -3,7 +3,8 @@ assembles it (lifespan, exception handlers, routers, shared state); each concern
 
 Follow one POST /v1/chat/completions from the socket to the engine and back:
 
-    uvicorn                   reads the HTTP request off the socket and calls the FastAPI app (ASGI)
+    uvicorn                   reads the HTTP request off the socket and calls the FastAPI app (ASGI); a client
+                              whose headers stall gets 408 (limits.py: --request-header-timeout)
     shutdown.py               LifecycleMiddleware: counts the request in flight; 503 while the server drains,
                               500 once the engine has died
     limits.py                 BodyLimitMiddleware: 413 for a body over --max-request-body-bytes, 408 for one

@@ -1,8 +1,11 @@
-"""What one request may cost the server before the engine sees it: the size of its body, how long the body may
-take to arrive, how many prompts it carries and how many characters a prompt may have before it is tokenized.
+"""What one request may cost the server before the engine sees it: how long its headers and its body may take to
+arrive, the size of its body, how many prompts it carries and how many characters a prompt may have before it is
+tokenized.
 
-    ServerLimits       the limits (flags --max-request-body-bytes, --request-body-timeout, --max-prompts-per-request,
-                       --max-prompt-chars; docs/operating.md)
+    ServerLimits       the limits (flags --request-header-timeout, --max-request-body-bytes, --request-body-timeout,
+                       --max-prompts-per-request, --max-prompt-chars; docs/operating.md)
+    header_timeout_protocol  uvicorn's h11 connection with a deadline on the request line and headers: a client
+                       that sends part of them and stalls gets 408 and its connection closed
     BodyLimitMiddleware  an ASGI middleware: 413 for a body over the limit (from Content-Length at once, or while
                        a chunked body arrives), 408 and a closed connection for a body that stalls
     check_prompt_count / check_prompt_chars   400s naming the field, called by convert.py before any tokenizing
@@ -15,9 +18,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
 from nanoserve.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 64 << 20
+DEFAULT_REQUEST_HEADER_TIMEOUT_S = 30.0
 DEFAULT_REQUEST_BODY_TIMEOUT_S = 30.0
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 1024
 CHARS_PER_TOKEN_BOUND = 16
@@ -29,6 +36,9 @@ prompt this long cannot fit the context, and refusing it costs nothing while tok
 class ServerLimits:
     """Per-request limits; 0 turns a limit off."""
 
+    request_header_timeout: float = DEFAULT_REQUEST_HEADER_TIMEOUT_S
+    """Seconds from a connection's start (or a kept-alive connection's first byte of its next request) to the end
+    of the request's headers."""
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES
     request_body_timeout: float = DEFAULT_REQUEST_BODY_TIMEOUT_S
     """Seconds between two pieces of a request body (and for the first piece after the headers)."""
@@ -40,8 +50,9 @@ class ServerLimits:
         for name in ("max_request_body_bytes", "max_prompts_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
-        if self.request_body_timeout < 0:
-            raise ValueError(f"request_body_timeout must be >= 0 (0 = no limit), got {self.request_body_timeout}")
+        for name in ("request_header_timeout", "request_body_timeout"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit), got {getattr(self, name)}")
         if self.max_prompt_chars is not None and self.max_prompt_chars < 0:
             raise ValueError(f"max_prompt_chars must be >= 0 (0 = no limit), got {self.max_prompt_chars}")
 
@@ -63,6 +74,71 @@ def check_prompt_chars(limits: ServerLimits, max_model_len: int, text: str, fiel
     if limit and len(text) > limit:
         raise APIError(400, f"{field} is too long: {len(text)} characters, but the server tokenizes at most "
                             f"{limit} (--max-prompt-chars; max_model_len is {max_model_len} tokens)", param=field)
+
+
+# -- the request headers ---------------------------------------------------------------------------------------
+def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
+    """uvicorn's h11 connection protocol with a deadline on each request's request line and headers (pass it as
+    uvicorn.Config(http=...)).
+
+    uvicorn bounds only an idle kept-alive connection (--timeout-keep-alive); a connection that never sends a
+    whole request - nothing at all, or half a request line - is held forever, and an ASGI middleware cannot help
+    because the app is called only once the headers are complete. So the deadline lives in the connection: it
+    starts when the connection opens, or when the first byte of the next request arrives on a kept-alive one, and
+    is not moved by further bytes (a client sending a byte a second must not hold the connection). When it
+    passes before the headers are complete, a client that sent part of a request gets 408 in OpenAI's error shape
+    and the connection is closed; one that sent nothing is just closed."""
+    error = APIError(408, f"the request headers did not arrive within {seconds:g} s (--request-header-timeout)")
+    body = error.body().model_dump_json().encode()
+    response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body))
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        _header_deadline: asyncio.TimerHandle | None = None
+        _bytes_of_request = False
+
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            waiting = self.conn.their_state is h11.IDLE  # no complete request line + headers yet
+            super().data_received(data)
+            if self.conn.their_state is h11.IDLE:  # still (or again, after a pipelined request) in the headers
+                self._bytes_of_request = True
+                if self._header_deadline is None:
+                    self._arm()
+            elif waiting or self._header_deadline is not None:
+                self._disarm()
+
+        def on_response_complete(self) -> None:
+            self._disarm()  # the kept-alive connection now idles: uvicorn's keep-alive timeout bounds that
+            super().on_response_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            self._header_deadline = self.loop.call_later(seconds, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_deadline is not None:
+                self._header_deadline.cancel()
+                self._header_deadline = None
+            self._bytes_of_request = False
+
+        def _headers_too_slow(self) -> None:
+            self._header_deadline = None
+            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+                return
+            if self._bytes_of_request:
+                self.logger.warning("closing a connection whose request headers did not arrive within %g s "
+                                    "(--request-header-timeout)", seconds)
+                self.transport.write(response)
+            self.transport.close()
+
+    return HeaderTimeoutH11Protocol
 
 
 # -- the request body ------------------------------------------------------------------------------------------
