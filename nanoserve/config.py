@@ -136,6 +136,12 @@ class Optimizations:
         True, ENGINE, "engine/llm_engine.py", "schedule and launch step N+1 before detokenising step N's tokens, "
         "so the host work on outputs runs while the device computes",
         "each step waits for its tokens and finishes them first")
+    overlap_grammar: bool = switch(
+        True, ENGINE, "engine/structured_output.py", "structured outputs' host work runs while the forward runs: "
+        "the grammars accept the previous step's tokens in one batched call after the forward is launched (EOS, "
+        "which may end a format, at once), and the masks are filled into two pinned buffers that are copied up "
+        "directly", "each token is accepted by its grammar as it is received, before the next step is scheduled, "
+        "and the mask is filled into a pageable buffer and staged through a fresh pinned copy")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)

@@ -267,6 +267,44 @@ def test_chat_renders_the_template(llm):
         llm.chat([], use_tqdm=False)
 
 
+@pytest.fixture(scope="module")
+def chat_llm() -> LLM:
+    return LLM("m3-tiny", optimizations=engine_opts(), max_model_len=1024)  # a prompt with tools is ~600 tokens
+
+
+def test_chat_takes_tools_template_kwargs_and_continuation(chat_llm):
+    """LLM.chat as vLLM's: tools go into the prompt as the template writes them (the server's rendering), the
+    template variables and continue_final_message apply, a template string replaces the model's, and it generates."""
+    from nanoserve.chat_template import render_chat, template_messages
+
+    tok = chat_llm.get_tokenizer()
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                               "parameters": {"type": "object",
+                                                              "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    out = chat_llm.chat(messages, params, use_tqdm=False, tools=tools,
+                   chat_template_kwargs={"thinking_mode": "enabled"})[0]
+    prompt = tok.decode(out.prompt_token_ids, skip_special_tokens=False)
+    assert out.prompt_token_ids == tok.encode(render_chat(tok, template_messages(messages), tools=tools,
+                                                          chat_template_kwargs={"thinking_mode": "enabled"}),
+                                              add_special_tokens=False)
+    assert "# Tools" in prompt and '"name": "get_weather"' in prompt and prompt.endswith("]~b]ai\n<mm:think>")
+    assert len(out.outputs[0].token_ids) == 5
+    plain = chat_llm.chat(messages, params, use_tqdm=False)[0]
+    assert "get_weather" not in tok.decode(plain.prompt_token_ids, skip_special_tokens=False)
+    cont = chat_llm.chat(messages + [{"role": "assistant", "content": "It is"}], params, use_tqdm=False,
+                    add_generation_prompt=False, continue_final_message=True)[0]
+    assert tok.decode(cont.prompt_token_ids, skip_special_tokens=False).endswith("It is")
+    own = chat_llm.chat(messages, params, use_tqdm=False,
+                   chat_template="{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")[0]
+    assert tok.decode(own.prompt_token_ids, skip_special_tokens=False) == "<user>Weather in Oslo?"
+    with pytest.raises(ValueError, match=r"tools\[0\].function.name"):
+        chat_llm.chat(messages, params, use_tqdm=False, tools=[{"type": "function", "function": {}}])
+    with pytest.raises(ValueError, match="continue_final_message"):
+        chat_llm.chat(messages, params, use_tqdm=False, continue_final_message=True)
+
+
 def test_progress_bar_shows_prefill_and_decode_rates(llm, capsys):
     rng = random.Random(9)
     llm.generate([{"prompt_token_ids": random_tokens(rng, 40)} for _ in range(3)],

@@ -116,8 +116,9 @@ def test_format_end_stops_even_under_ignore_eos_and_max_tokens_still_ends(llm):
 
 
 def test_overlap_and_preemption_do_not_change_constrained_outputs():
-    """Constrained greedy requests, run with overlap scheduling on and off and with a pool small enough to
-    preempt, give the same tokens as each alone with every switch off."""
+    """Constrained greedy requests, run with overlap scheduling and overlap_grammar (the grammar work after the
+    forward's launch, batched) on and off and with a pool small enough to preempt, give the same tokens as each
+    alone with every switch off."""
     rng = random.Random(3)
     prompts = [{"prompt_token_ids": [rng.randrange(9, 512) for _ in range(n)]} for n in (60, 45, 70, 50)]
     params = [sp(40, structured_outputs=so(json=PERSON, disable_any_whitespace=True)),
@@ -125,14 +126,15 @@ def test_overlap_and_preemption_do_not_change_constrained_outputs():
               sp(20, structured_outputs=so(regex="[a-z]{2,8}[0-9]{1,3}")),
               sp(30, structured_outputs=so(choice=["one", "two", "three"]))]
     ref = LLM("m3-tiny", optimizations=engine_opts(paged_kv=False, prefix_caching=False, chunked_prefill=False,
-                                                   continuous_batching=False, overlap_scheduling=False),
+                                                   continuous_batching=False, overlap_scheduling=False,
+                                                   overlap_grammar=False),
               kv_cache_tokens=2048, max_model_len=256)
     expected = [run(ref, p, q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
-    for overlap in (True, False):
-        small = LLM("m3-tiny", optimizations=engine_opts(overlap_scheduling=overlap), num_gpu_blocks_override=12,
-                    max_num_batched_tokens=64, max_model_len=128)
+    for overlap, grammar in ((True, True), (False, True), (True, False)):
+        small = LLM("m3-tiny", optimizations=engine_opts(overlap_scheduling=overlap, overlap_grammar=grammar),
+                    num_gpu_blocks_override=12, max_num_batched_tokens=64, max_model_len=128)
         got = [o.outputs[0].token_ids for o in run(small, prompts, params)]
-        assert got == expected, f"overlap_scheduling={overlap}"
+        assert got == expected, f"overlap_scheduling={overlap}, overlap_grammar={grammar}"
         assert small.engine.stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
         assert_all_blocks_free(small)
 
@@ -190,3 +192,26 @@ def test_thinking_that_never_ends_is_never_constrained(llm):
             sp(24, logit_bias=never, ignore_eos=True, structured_outputs=gate, **extra)]))
         assert held.token_ids == free.token_ids and held.finish_reason == "length"
     assert_all_blocks_free(llm)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_rejected_token_ends_the_sequence_with_error_in_both_grammar_paths(monkeypatch, overlap):
+    """If a sampled token broke the grammar (here: the mask is not applied, so the random model writes what it
+    likes), the sequence ends with finish_reason "error" and the rejected token last, whether the grammar accepts
+    each token on receipt (overlap_grammar off) or in the batched catch-up after the next launch (on, where the
+    next step's token is dropped). The other requests of the batch go on as alone."""
+    from nanoserve.engine import structured_output
+
+    monkeypatch.setattr(structured_output.GrammarBitmask, "apply", lambda self, logits: None)
+    prompts = ["Digits:", "A serving engine"]
+    params = [sp(12, structured_outputs=so(regex="[0-9]{6}")), sp(8, ignore_eos=True)]
+    outs = {}
+    for grammar in (False, True):
+        llm = LLM("m3-tiny", optimizations=engine_opts(overlap_scheduling=overlap, overlap_grammar=grammar),
+                  max_model_len=256)
+        outs[grammar] = [o.outputs[0] for o in run(llm, prompts, params)]
+        assert_all_blocks_free(llm)
+    bad, plain = outs[True]
+    assert bad.finish_reason == "error" and not re.fullmatch("[0-9]*", bad.text), bad
+    assert [(o.token_ids, o.finish_reason) for o in outs[True]] == [(o.token_ids, o.finish_reason) for o in outs[False]]
+    assert len(plain.token_ids) == 8

@@ -75,7 +75,8 @@ class LaunchedStep:
     prompt_seqs: dict[int, Sequence] = field(default_factory=dict)
 
 
-Received = tuple[Sequence, SampleResult, int]  # a sequence, its step's draw on the host, its row in it
+Received = tuple[Sequence, SampleResult | None, int]  # a sequence, its step's draw on the host (None: it ended
+# without a token of this step), its row in it
 
 
 class LLMEngine:
@@ -118,6 +119,8 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         # read once: a step in flight must be finished by the path that launched it
         self.overlap = opts.overlap_scheduling
+        self.overlap_grammar = opts.overlap_grammar
+        self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -233,8 +236,13 @@ class LLMEngine:
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
         logits = self.executor.execute_model(inp)
         sampled = [s.seq for s in sched.scheduled if s.samples]
-        # structured outputs: the constrained rows' token masks, filled on the host while the forward runs
-        grammar = self.structured_output.bitmask(sampled) if sampled else None
+        # structured outputs, on the host while the forward runs: the grammars catch up on the last tokens
+        # (overlap_grammar; else _receive accepted them) and the constrained rows' token masks are filled
+        grammar = None
+        if sampled:
+            if self.overlap_grammar:
+                self.structured_output.catch_up(sampled)
+            grammar = self.structured_output.bitmask(sampled, pinned=self.pinned_masks)
         # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
         sample = self.sampler.sample(logits[: len(sampled)], sampled, grammar, self.executor.last_argmax()) \
             if sampled else None
@@ -255,18 +263,36 @@ class LLMEngine:
         if launched.sample is None:
             return []
         result = self.sampler.to_host(launched.sample)
-        received = []
+        received: list[Received] = []
         for i, seq in enumerate(launched.seqs):
             if seq.is_finished:
                 continue
-            seq.output_token_ids.append(result.token_ids[i])
+            if seq.grammar is not None and seq.grammar.failed:  # rejected its previous token at catch-up
+                self._finish(seq, FinishReason.ERROR, None)  # this step's (unmasked) token is dropped
+                received.append((seq, None, i))
+                continue
+            token = result.token_ids[i]
+            seq.output_token_ids.append(token)
             self.stats.num_generation_tokens += 1
-            if not self.structured_output.accept(seq):  # its grammar rejected the token (the mask should prevent it)
+            if not self._grammar_accepts(seq, token):  # rejected (the mask should prevent it)
                 self._finish(seq, FinishReason.ERROR, None)
             else:
                 self._finish_if(seq, self.stop_checker.check_token(seq))  # a sequence it ends has its text done
             received.append((seq, result, i))
         return received
+
+    def _grammar_accepts(self, seq: Sequence, token: int) -> bool:
+        """The grammar takes the token now - always with overlap_grammar off; with it on only EOS, which may end
+        the format (and so the sequence, even under ignore_eos) before the next schedule. The other tokens wait for
+        the catch-up after the next forward is launched (_launch)."""
+        if seq.grammar is None:
+            return True
+        if not self.overlap_grammar:
+            return self.structured_output.accept(seq)
+        if token == self.eos_token_id:
+            self.structured_output.catch_up([seq])
+            return not seq.grammar.failed
+        return True
 
     def _process(self, received: list[Received]) -> list[RequestOutput]:
         """(b): logprobs, detokenisation and stop strings for the tokens `_receive` appended; the outputs."""
@@ -274,6 +300,9 @@ class LLMEngine:
         touched: dict[str, RequestState] = {}
         gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
         for seq, result, i in received:
+            if result is None:  # ended without a token (its grammar failed at catch-up)
+                touched[seq.request_id] = self.requests[seq.request_id]
+                continue
             if seq.first_token_time is not None:
                 gaps.append(now - seq.last_token_time)
             record_token(seq, result, i, now)

@@ -136,13 +136,14 @@ class SequenceGrammar:
     and the format holds from the next token on (`active`). This is vLLM's rule with a reasoning parser: the end
     of the reasoning is found on the generated token ids, and the grammar advances from the step after it."""
 
-    __slots__ = ("matcher", "num_seen", "reasoning_end", "active")
+    __slots__ = ("matcher", "num_seen", "reasoning_end", "active", "failed")
 
     def __init__(self, matcher, reasoning_end: int | None = None):
         self.matcher = matcher
         self.num_seen = 0  # output tokens handled: passed as reasoning, or accepted by the matcher
         self.reasoning_end = reasoning_end
         self.active = reasoning_end is None  # the format holds the next token
+        self.failed = False  # the matcher rejected a token (overlap_grammar: the engine ends the sequence)
 
     def accept(self, token: int) -> bool:
         """Advance by one sampled token; False if the grammar forbids it (the mask should have prevented that)."""
@@ -164,24 +165,62 @@ class SequenceGrammar:
 @dataclass
 class GrammarBitmask:
     """One step's token bitmask (int32 [S, ceil(V/32)] on the host, bit = token allowed) and the batch rows it
-    constrains; the other rows' bits are not filled and not applied."""
+    constrains; the other rows' bits are not filled and not applied. `buffer`: the PinnedMasks slot the mask lives
+    in (overlap_grammar), None for a pageable mask."""
 
     bitmask: torch.Tensor
     rows: list[int]
     vocab_size: int
+    buffer: "PinnedMasks | None" = None
+    slot: int = 0
 
     def apply(self, logits: torch.Tensor) -> None:
         """Set the forbidden tokens of the constrained rows of `logits` [S, V] to -inf, in place. On a GPU the
-        mask goes up through pinned memory without waiting for the device (xgrammar's Triton kernel applies it)."""
+        mask goes up without waiting for the device (xgrammar's Triton kernel applies it to every constrained row
+        in one launch): from its pinned buffer, or staged through a fresh pinned copy."""
         import xgrammar as xgr
 
         vocab = min(self.vocab_size, logits.shape[-1])
         if logits.device.type == "cpu":
             xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=vocab, indices=self.rows)
             return
-        mask = self.bitmask.pin_memory().to(logits.device, non_blocking=True)
+        host = self.bitmask if self.buffer is not None else self.bitmask.pin_memory()
+        mask = host.to(logits.device, non_blocking=True)
+        if self.buffer is not None:
+            self.buffer.copied(self.slot)
         rows = torch.tensor(self.rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
         xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
+
+
+class PinnedMasks:
+    """Two pinned host bitmasks used in turn (overlap_grammar), so a step's mask is copied to the device straight
+    from the buffer it was filled in. An event recorded after each copy guards its buffer: filling a buffer waits
+    for the copy queued from it two masks ago (long done in practice: the engine waited for a step in between)."""
+
+    def __init__(self, rows: int, vocab_size: int):
+        import xgrammar as xgr
+
+        shape = xgr.allocate_token_bitmask(1, vocab_size).shape[1]
+        self.buffers = [torch.full((rows, shape), -1, dtype=torch.int32, pin_memory=True) for _ in range(2)]
+        self.events: list[Any] = [None, None]
+        self.next = 0
+
+    @property
+    def rows(self) -> int:
+        return self.buffers[0].shape[0]
+
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The next buffer to fill, once the copy from it has finished, and its slot."""
+        slot, self.next = self.next, 1 - self.next
+        if self.events[slot] is not None:
+            self.events[slot].synchronize()
+            self.events[slot] = None
+        return self.buffers[slot], slot
+
+    def copied(self, slot: int) -> None:
+        """A copy from buffer `slot` was just queued on the current stream."""
+        self.events[slot] = torch.cuda.Event()
+        self.events[slot].record()
 
 
 @functools.lru_cache(maxsize=8)
@@ -217,6 +256,7 @@ class StructuredOutputManager:
         self._batch_matcher = None
         self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()
         self._bitmask: torch.Tensor | None = None
+        self._pinned: PinnedMasks | None = None
         self._max_batch = max_batch
         self.num_compiled = 0  # compilations actually run (cache misses)
 
@@ -275,11 +315,38 @@ class StructuredOutputManager:
                      seq.request_id, seq.output_token_ids[-1])
         return False
 
-    def bitmask(self, seqs: list[ConstrainedSeq]) -> GrammarBitmask | None:
+    @staticmethod
+    def catch_up(seqs: list[ConstrainedSeq]) -> None:
+        """overlap_grammar: the grammars of `seqs` accept the output tokens they have not seen yet (one per
+        sequence after a step), the active ones in one batched xgrammar call. A grammar that rejects its token is
+        marked failed (the engine ends its sequence with finish_reason "error" when the step's token comes)."""
+        pending = [s for s in seqs if s.grammar is not None and not s.grammar.failed
+                   and s.grammar.num_seen < len(s.output_token_ids)]
+        while pending:
+            batch = [s for s in pending if s.grammar.active]
+            for s in pending:
+                if not s.grammar.active:  # thinking: passes unseen by the matcher
+                    s.grammar.accept(s.output_token_ids[s.grammar.num_seen])
+            if batch:
+                import xgrammar as xgr
+
+                tokens = [s.output_token_ids[s.grammar.num_seen] for s in batch]
+                ok = xgr.BatchGrammarMatcher.batch_accept_token([s.grammar.matcher for s in batch], tokens)
+                for s, accepted, token in zip(batch, ok, tokens):
+                    if accepted:
+                        s.grammar.num_seen += 1
+                    else:
+                        s.grammar.failed = True
+                        logger.error("request %s: the structured-output grammar rejected sampled token %d; ending it",
+                                     s.request_id, token)
+            pending = [s for s in pending if not s.grammar.failed and s.grammar.num_seen < len(s.output_token_ids)]
+
+    def bitmask(self, seqs: list[ConstrainedSeq], pinned: bool = False) -> GrammarBitmask | None:
         """The token bitmask of one step whose sampled rows are `seqs` (in row order), or None when no row is
         constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel); a sequence
-        still in its thinking (SequenceGrammar.active false) is not constrained yet."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active]
+        still in its thinking (SequenceGrammar.active false) is not constrained yet, nor is one whose grammar
+        failed (it ends when this step's token comes). `pinned`: fill one of two pinned buffers (PinnedMasks)."""
+        rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active and not s.grammar.failed]
         if not rows:
             return None
         import xgrammar as xgr
@@ -289,11 +356,17 @@ class StructuredOutputManager:
             if s.grammar.num_seen != len(s.output_token_ids):
                 raise RuntimeError(f"sequence {s.seq_id}: its grammar saw {s.grammar.num_seen} tokens but "
                                    f"it has {len(s.output_token_ids)}; the mask would be stale")
-        if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
-            self._max_batch = max(self._max_batch, len(seqs))
-            self._bitmask = xgr.allocate_token_bitmask(self._max_batch, self.vocab_size)
+        if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher()
+        self._max_batch = max(self._max_batch, len(seqs))
+        if pinned:
+            if self._pinned is None or self._pinned.rows < len(seqs):
+                self._pinned = PinnedMasks(self._max_batch, self.vocab_size)
+            mask, slot = self._pinned.take()
+            self._batch_matcher.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], mask, rows)
+            return GrammarBitmask(mask[: len(seqs)], rows, self.vocab_size, self._pinned, slot)
+        if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
+            self._bitmask = xgr.allocate_token_bitmask(self._max_batch, self.vocab_size)
         self._batch_matcher.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], self._bitmask,
                                                           rows)
         return GrammarBitmask(self._bitmask[: len(seqs)], rows, self.vocab_size)
-

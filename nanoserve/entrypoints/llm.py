@@ -24,7 +24,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.chat_template import render_chat, template_messages
+from nanoserve.chat_template import load_chat_template, render_chat, template_messages
+from nanoserve.parsers.tools import check_tools
 from nanoserve.sampling import SamplingParams
 
 
@@ -87,13 +88,24 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None
-             ) -> list[RequestOutput]:
-        """Render one conversation (or a list of them) with the model's chat template and generate."""
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Render one conversation (or a list of them) with the chat template and generate, as vLLM's LLM.chat.
+        The rendering is the server's (chat_template.render_chat): `tools` (OpenAI function tools, checked as the
+        server checks them) go into the prompt as the template writes them, `chat_template` (a jinja string or a
+        file) replaces the tokenizer's, `chat_template_kwargs` are the template's variables (M3's `thinking_mode`),
+        and `continue_final_message` continues the last message (with add_generation_prompt=False). The output is
+        the raw text: tool calls and reasoning are not parsed (nanoserve.parsers does that). Bad input raises
+        ValueError naming the parameter."""
+        if tools is not None:
+            check_tools(tools)
+        template = load_chat_template(chat_template)
         convs = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(
-            render_chat(self.engine.tokenizer, template_messages(conv), add_generation_prompt=add_generation_prompt,
-                        chat_template_kwargs=chat_template_kwargs),
+            render_chat(self.engine.tokenizer, template_messages(conv), tools=tools,
+                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                        chat_template=template, chat_template_kwargs=chat_template_kwargs),
             add_special_tokens=False)} for conv in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
