@@ -5,14 +5,17 @@ or a structural tag, with xgrammar (the grammar engine vLLM and SGLang use).
     StructuredOutputManager.new_grammar(cg)   one SequenceGrammar (an xgrammar GrammarMatcher) per sequence
     StructuredOutputManager.bitmask(seqs)     the step's token bitmask, filled for the constrained rows only
     GrammarBitmask.apply(logits)              forbidden tokens -> -inf (the sampler's first step)
-    StructuredOutputManager.accept(seq)       the newest appended token advances seq's matcher
+    StructuredOutputManager.accept(seq)       the newest appended token advances seq's matcher (overlap_grammar off)
+    StructuredOutputManager.catch_up(seqs)    every unseen token advances its matcher, batched (overlap_grammar on)
 
 The life of a constrained request: `LLMEngine.add_request` compiles its spec (in the caller's thread; the server
 compiles it earlier, while converting the request, so that a schema xgrammar rejects is an HTTP 400) and gives each
 of its n sequences its own matcher. Each step, after the forward is queued, the engine fills one bitmask row per
 constrained sequence (on the host, while the device computes) and the sampler applies it to the logits before
 anything else, so penalties, temperature, top-k/p and the logprobs all see the masked logits (vLLM's order);
-unconstrained rows of the same batch are left alone. When a token is appended the matcher accepts it; a matcher
+unconstrained rows of the same batch are left alone. The matcher accepts each appended token: at once (switch
+overlap_grammar off), or, with it on, in one batched catch-up after the next forward is launched, so that this
+host work too runs while the device computes (an EOS, which can end the format, is still accepted at once); a matcher
 that reaches its end (it accepts EOS only where the grammar may end) finishes the sequence with "stop". max_tokens
 ends a constrained sequence like any other, so nothing waits for a token the mask forbids.
 
