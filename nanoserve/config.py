@@ -201,7 +201,10 @@ SWITCH_ALIASES: dict[str, tuple[str, bool]] = {
 }
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = (None, "mxfp8")
+QUANTIZATIONS = (None, "mxfp8", "bf16")
+"""`quantization=` values (vLLM's `--quantization`): None = the checkpoint's format (config.json's
+`quantization_config`), "mxfp8" = MXFP8 weights (a bf16 checkpoint is quantized at load), "bf16" = 16-bit weights in
+the model dtype (an MXFP8 checkpoint is dequantized at load). docs/mxfp8.md."""
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_TOKENS = 32768
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -216,8 +219,9 @@ class EngineConfig:
     tokenizer: str | None = None
     dtype: str = "auto"
     quantization: str | None = None
-    """Weight format: None = the checkpoint's (bf16, or MXFP8 when config.json says so); "mxfp8" also quantises a
-    bf16 checkpoint or preset at load (vLLM's `--quantization`)."""
+    """Weight format (vLLM's `--quantization`): None = the checkpoint's (bf16, or MXFP8 when config.json's
+    quantization_config says so); "mxfp8" quantizes a bf16 checkpoint or preset at load; "bf16" dequantizes an MXFP8
+    checkpoint at load (to the model dtype)."""
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int | None = None
@@ -289,7 +293,7 @@ class EngineConfig:
         need(self.tokenizer is None or (isinstance(self.tokenizer, str) and bool(self.tokenizer)), "tokenizer",
              "a tokenizer directory or None")
         need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
-        need(self.quantization in QUANTIZATIONS, "quantization", "None or 'mxfp8'")
+        need(self.quantization in QUANTIZATIONS, "quantization", "None (the checkpoint's), 'mxfp8' or 'bf16'")
         need(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
         int_in("max_model_len", 1, optional=True)
         int_in("block_size", 1, optional=True)

@@ -7,14 +7,14 @@ import socket
 import threading
 import time
 
-from nanoserve.config import EngineConfig, Optimizations
+from nanoserve.config import KERNEL, EngineConfig, Optimizations
 
 # Triton kernels run in the interpreter on the CPU (slow); the server tests exercise the reference paths.
 FAST_CPU = Optimizations.reference_kernels().replace(cuda_graphs=False)
 MAX_MODEL_LEN = 512
 KV_CACHE_TOKENS = 4096
-SWITCH_FLAGS = ["--no-triton-attention", "--no-triton-msa", "--no-fused-moe", "--no-fold-shared-expert",
-                "--no-fused-qk-norm-rope", "--no-fused-add-rmsnorm", "--no-cuda-graphs"]
+SWITCH_FLAGS = [f"--no-{name.replace('_', '-')}" for name in Optimizations.names(KERNEL)] + ["--no-cuda-graphs"]
+"""FAST_CPU as server flags: every KERNEL switch off (kernels in Triton's interpreter are slow), no CUDA graphs."""
 
 
 def engine_config(model_dir: str, **overrides) -> EngineConfig:

@@ -145,3 +145,73 @@ def test_unquantized_names_follow_the_checkpoint(mxfp8_dir):
             t = h.get_slice(key)
             stored_fp8 = t.get_dtype().startswith("F8")
             assert is_quantized_matrix(key, tuple(t.get_shape())) == stored_fp8, key
+
+
+# -- quantization= on LLM and --quantization on the server ----------------------------------------------------------
+
+
+def greedy(llm: LLM, prompts: list[list[int]], n: int = 8) -> list[list[int]]:
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+
+
+def served_model(llm: LLM) -> M3ForCausalLM:
+    return llm.engine.executor.runner.model
+
+
+def test_llm_quantization_argument(tiny_dir, mxfp8_dir):
+    """None reads the format from config.json; "mxfp8" quantizes the bf16 checkpoint at load (the model the MXFP8
+    checkpoint of the same draw gives); "bf16" dequantizes the MXFP8 checkpoint at load (the mxfp8_weights-off
+    model). In fp32 on the CPU all of them compute on the same weight values: the same greedy tokens."""
+    prompts = [random_ids(n, seed=n) for n in (70, 13)]
+    runs = {}
+    for label, model, quant in (("auto", mxfp8_dir, None), ("quantized", tiny_dir, "mxfp8"),
+                                ("dequantized", mxfp8_dir, "bf16"), ("bf16 as is", tiny_dir, "bf16")):
+        with LLM(model, quantization=quant, optimizations=NATIVE, **ENGINE_ARGS) as llm:
+            m = served_model(llm)
+            runs[label] = (m.weight_format, {n: p.clone() for n, p in m.named_parameters()}, greedy(llm, prompts))
+    assert runs["auto"][0] == runs["quantized"][0] == "mxfp8"
+    assert runs["dequantized"][0] is None and runs["bf16 as is"][0] is None
+    assert not any(p.dtype == torch.float8_e4m3fn for p in runs["dequantized"][1].values())
+    dequantised, _ = load_model(mxfp8_dir, DEQUANTISED, torch.float32)  # the switch-off path
+    for name, p in dequantised.named_parameters():
+        assert torch.equal(runs["dequantized"][1][name], p), name
+    assert runs["auto"][2] == runs["quantized"][2] == runs["dequantized"][2]
+    with pytest.raises(ValueError, match="quantization='fp8' is invalid"):
+        LLM(tiny_dir, quantization="fp8", **ENGINE_ARGS)
+
+
+def test_server_quantization_flag(tiny_dir, tmp_path):
+    """A real server process with `--quantization mxfp8` on the bf16 m3-tiny checkpoint: it logs the format it
+    serves, its greedy tokens equal LLM(quantization="mxfp8")'s, its KV-cache info metric is the usual one; an
+    unknown format is refused naming the flag."""
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    from tests.server_utils import FAST_CPU, KV_CACHE_TOKENS, MAX_MODEL_LEN, ServerProcess, metric
+
+    prompts = [random_ids(n, seed=n) for n in (70, 13)]
+    with LLM(tiny_dir, quantization="mxfp8", optimizations=FAST_CPU, device="cpu", max_model_len=MAX_MODEL_LEN,
+             kv_cache_tokens=KV_CACHE_TOKENS) as llm:
+        assert served_model(llm).weight_format == "mxfp8"
+        offline = greedy(llm, prompts)
+        blocks = llm.engine.block_manager.num_blocks
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--quantization", "mxfp8") as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        online = []
+        for p in prompts:
+            out = client.completions.create(model="tiny", prompt=p, max_tokens=8, temperature=0.0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            online.append(out.choices[0].token_ids)
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        log = srv.log()
+    assert online == offline
+    assert "quantization=mxfp8" in log and "weights: mxfp8 (fp8 e4m3" in log
+    assert metric(text, "vllm:cache_config_info", num_gpu_blocks=str(blocks), block_size="16") == 1.0
+    bad = subprocess.run([sys.executable, "-m", "nanoserve.server", "--model", tiny_dir, "--quantization", "fp8"],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "argument --quantization/-q: invalid choice: 'fp8'" in bad.stderr

@@ -85,9 +85,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--peak-gbps", type=float, default=None, help="bandwidth ceiling (default: H200 4260)")
     ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 ceiling (default: H200 772)")
-    ap.add_argument("--quantization", default=None, help="weight format (vLLM's flag): mxfp8 quantizes the bf16 "
-                    "weights at load (m3-slice: the same random draw); a comma list (bf16,mxfp8) runs every "
-                    "workload in each format and prints them side by side")
+    ap.add_argument("--quantization", default=None, help="weight format (vLLM's flag; default auto = the "
+                    "checkpoint's): mxfp8 quantizes bf16 weights at load (m3-slice: the same random draw), bf16 "
+                    "dequantizes an MXFP8 checkpoint; a comma list (bf16,mxfp8) runs every workload in each format "
+                    "and prints them side by side")
     ap.add_argument("--micro", default=None, help="kernel micro-benchmarks in bf16 and MXFP8 weights (GPU): moe, "
                     "linear (comma list)")
     ap.add_argument("--micro-tokens", default=None, help="token counts of --micro (default 1,16,64,256,1024,4096)")
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     return _run(args, session, model, scale)
 
 
-QUANT_NAMES = {"bf16": None, "none": None, "mxfp8": "mxfp8"}
+QUANT_NAMES = {"auto": None, "bf16": "bf16", "mxfp8": "mxfp8"}
+"""--quantization names -> EngineConfig.quantization (auto: the checkpoint's format)."""
 
 
 def _formats(text: str | None) -> list[str | None]:
@@ -160,8 +162,8 @@ def _side_by_side(args, formats: list[str | None], base: dict) -> int:
     sessions: dict[str, BenchSession] = {}
     for q in formats:
         left = None if args.time_budget is None else args.time_budget - (time.perf_counter() - t0)
-        out = os.path.join(args.out, q or "bf16") if args.out else None
-        sessions[q or "bf16"] = BenchSession(SessionConfig(out_dir=out, time_budget_s=left, quantization=q, **base))
+        out = os.path.join(args.out, q or "auto") if args.out else None
+        sessions[q or "auto"] = BenchSession(SessionConfig(out_dir=out, time_budget_s=left, quantization=q, **base))
     first = next(iter(sessions.values()))
     scale = args.scale or ("full" if first.device.type == "cuda" else "small")
     if args.micro:

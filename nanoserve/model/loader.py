@@ -4,7 +4,8 @@ Reads config.json in either dialect, then the safetensors files (one file, or sh
 `model.safetensors.index.json`) by the released key names, which model/checkpoint_names.py maps to parameters.
 Each rank reads only its slice of each tensor through safetensors' lazy slices. MXFP8 weights (fp8 e4m3 + per-1x32
 E8M0 `weight_scale_inv`) reach a parameter's weight_loader paired with their scales, which shards both alike; it
-keeps them as stored when the `mxfp8_weights` switch is on, else they are dequantised on load.
+keeps them as stored when the `mxfp8_weights` switch is on, else they are dequantised on load (as they are for a
+model built with `quantization="bf16"`: a layer without MXFP8 parameters slices the pair, which dequantises).
 MTP and vision tensors are skipped with one log line each. Preset names are resolved to a directory (or to
 weights drawn on the device) above this module, in nanoserve/presets/resolve.py.
 """
@@ -134,14 +135,22 @@ def checkpoint_quantization(model_dir: str) -> str | None:
     return method
 
 
+UNQUANTIZED = "bf16"
+"""The `quantization=` value asking for 16-bit weights in the model dtype, whatever the checkpoint holds."""
+
+
 def resolve_quantization(checkpoint: str | None, requested: str | None, where: str) -> str | None:
-    """The weight format to serve: the checkpoint's, or `requested` ("mxfp8" quantises a bf16 checkpoint at
-    load). A request that contradicts the checkpoint is an error, as in vLLM."""
-    if requested is not None and requested not in QUANT_METHODS:
-        raise ValueError(f"quantization={requested!r} is invalid: None or one of {', '.join(QUANT_METHODS)}")
-    if checkpoint is not None and requested is not None and requested != checkpoint:
-        raise ValueError(f"quantization={requested!r} does not match {where}, which is {checkpoint}")
-    return checkpoint or requested
+    """The weight format to serve, None (the model dtype) or "mxfp8", from the checkpoint's (config.json) and the
+    `quantization=` asked for: None = the checkpoint's; "mxfp8" quantizes a bf16 checkpoint at load; "bf16"
+    dequantizes an MXFP8 checkpoint at load."""
+    if requested is not None and requested != UNQUANTIZED and requested not in QUANT_METHODS:
+        raise ValueError(f"quantization={requested!r} is invalid: None (the checkpoint's format) or one of "
+                         f"{', '.join((*QUANT_METHODS, UNQUANTIZED))}")
+    served = checkpoint if requested is None else (None if requested == UNQUANTIZED else requested)
+    if served != checkpoint:
+        logger.info("%s holds %s weights: %s them at load (quantization=%r)", where, checkpoint or "bf16",
+                    "quantizing" if served else "dequantizing", requested)
+    return served
 
 
 def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = False) -> None:
@@ -222,7 +231,8 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
 def load_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", quantization: str | None = None) -> tuple[M3ForCausalLM, str]:
     """Build the model for a checkpoint directory and load its weights. Returns (model, directory holding the
-    tokenizer - the same directory). `quantization="mxfp8"` serves a bf16 checkpoint as MXFP8."""
+    tokenizer - the same directory). `quantization` (see `resolve_quantization`): None serves the checkpoint's
+    format, "mxfp8" a bf16 checkpoint as MXFP8, "bf16" an MXFP8 checkpoint dequantized."""
     if not os.path.isdir(model_dir):
         raise CheckpointError(f"model directory {model_dir!r} does not exist")
     cfg = read_config(model_dir)

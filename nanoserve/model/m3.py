@@ -128,6 +128,17 @@ class M3ForCausalLM(nn.Module):
         picked = table.index_select(0, positions)
         return picked[:, 0], picked[:, 1]
 
+    def weight_summary(self) -> str:
+        """One line for the startup log: the weight format this rank serves and the bytes its parameters take."""
+        held = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.weight_format == "mxfp8":
+            what = "mxfp8 (fp8 e4m3 + one E8M0 scale per 32 weights; embeddings, lm_head, norms, router unquantized)"
+        elif self.quantization == "mxfp8":
+            what = f"{str(self.dtype).removeprefix('torch.')} (the MXFP8 weights dequantized at load)"
+        else:
+            what = str(self.dtype).removeprefix("torch.")
+        return f"{what}, {held / 2**30:.2f} GiB of parameters"
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -58,7 +58,8 @@ def load_model_or_preset(model: str, opts: Optimizations | None = None, dtype: t
                          device: torch.device | str = "cpu", quantization: str | None = None
                          ) -> tuple[M3ForCausalLM, str]:
     """Build and fill the model named by `model` (a preset or a directory). Returns (model, directory holding the
-    tokenizer). `quantization="mxfp8"` serves bf16 weights as MXFP8, quantised at load."""
+    tokenizer). `quantization` as in loader.resolve_quantization: "mxfp8" serves bf16 weights as MXFP8, quantised
+    at load (presets are bf16)."""
     if model in PRESETS and get_preset(model).draw_on_device:
         quant = resolve_quantization(None, quantization, f"preset {model}")
         m = M3ForCausalLM(get_preset(model).config, opts, dtype, device, quantization=quant)

@@ -51,6 +51,7 @@ class ModelRunner:
         self.model, self.model_dir = load_model_or_preset(config.model, config.optimizations, self.dtype,
                                                           self.device, config.quantization)
         self.model.eval()
+        logger.info("weights: %s", self.model.weight_summary())
         self.cfg: M3Config = self.model.cfg
         self.block_size = self.cfg.index_block_size
         self.num_blocks = 0

@@ -27,7 +27,8 @@ import os
 import signal
 import sys
 
-from nanoserve.config import DEVICES, DTYPES, LOGPROBS_MODES, SWITCH_ALIASES, EngineConfig, Optimizations
+from nanoserve.config import (DEVICES, DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SWITCH_ALIASES, EngineConfig,
+                              Optimizations)
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
@@ -88,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a checkpoint directory, or a preset: m3-tiny (default, generated on first use), m3-slice")
     e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     e.add_argument("--dtype", default="auto", choices=DTYPES)
+    e.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
+                   help="weight format (default: the checkpoint's, from config.json's quantization_config): mxfp8 "
+                        "quantizes a bf16 checkpoint at load; bf16 dequantizes an MXFP8 checkpoint at load "
+                        "(docs/mxfp8.md)")
     e.add_argument("--device", default="auto", choices=DEVICES, help="auto = the GPU if there is one, else the CPU")
     e.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     e.add_argument("--enable-expert-parallel", action="store_true",
@@ -148,7 +153,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                          f"{switch.replace('_', '-')}")
     try:
         return EngineConfig.from_kwargs(
-            model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, device=args.device,
+            model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, quantization=args.quantization,
+            device=args.device,
             tensor_parallel_size=args.tensor_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
             worker_timeout=args.worker_timeout,
             max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
