@@ -19,8 +19,9 @@ from typing import Any
 
 ENGINE, MODEL, KERNEL = "engine", "model", "kernel"
 """The layer a switch touches. ENGINE: read by the scheduler, block manager, engine loop or model runner, so it
-takes effect in the next engine built. MODEL: read by the model's layers at forward time. KERNEL: selects a Triton
-kernel (or its kernels/reference.py twin) inside a model layer, also at forward time. MODEL and KERNEL switches are
+takes effect in the next engine built. MODEL: read by the model's layers at forward time, or - a `build_time`
+switch - when the model is built (it decides the parameters), so it takes effect in the next model built. KERNEL:
+selects a Triton kernel (or its kernels/reference.py twin) inside a model layer, also at forward time. MODEL and KERNEL switches are
 baked into captured CUDA graphs, so flipping one drops them; on the CPU the tests turn the KERNEL ones off."""
 LAYERS = (ENGINE, MODEL, KERNEL)
 
@@ -37,6 +38,7 @@ class Switch:
     reference: str  # what runs instead when it is off
     exact: bool  # False: an approximation that changes outputs (off by default)
     entry_points: tuple[str, ...]  # KERNEL: the functions the model imports from `module` (the bench probes them)
+    build_time: bool = False  # read when the model is built (parameter dtypes, layouts): flipping it needs a rebuild
 
     @property
     def import_path(self) -> str:
@@ -55,7 +57,7 @@ class Switch:
 
 
 def switch(default: bool, layer: str, module: str, does: str, reference: str, *, exact: bool = True,
-           entry_points: tuple[str, ...] = ()) -> Any:
+           entry_points: tuple[str, ...] = (), build_time: bool = False) -> Any:
     """Declare one optimization switch as a field of `Optimizations` (see `Switch` for the arguments)."""
     if layer not in LAYERS:
         raise ValueError(f"switch layer must be one of {', '.join(LAYERS)}, got {layer!r}")
@@ -63,8 +65,10 @@ def switch(default: bool, layer: str, module: str, does: str, reference: str, *,
         raise ValueError("an approximation must be off by default")
     if layer == KERNEL and not entry_points:
         raise ValueError("a kernel switch must name the functions it selects (entry_points)")
+    if build_time and layer != MODEL:
+        raise ValueError("only a MODEL switch can be read when the model is built (build_time)")
     spec = dict(default=default, layer=layer, module=module, does=does, reference=reference, exact=exact,
-                entry_points=tuple(entry_points))
+                entry_points=tuple(entry_points), build_time=build_time)
     return field(default=default, metadata={"switch": spec})
 
 
@@ -117,7 +121,7 @@ class Optimizations:
         True, MODEL, "model/layers/linear.py", "keep an MXFP8 checkpoint's fp8 weights + E8M0 scales as the "
         "parameters of every quantized linear and of the expert stacks, dequantised inside the GEMM (MODEL, not "
         "KERNEL: it decides the parameters' dtype when the model is built, and the plain-PyTorch path reads fp8 "
-        "too); no effect on bf16 checkpoints", "dequantise to the model dtype at load")
+        "too); no effect on bf16 checkpoints", "dequantise to the model dtype at load", build_time=True)
     triton_fp8_linear: bool = switch(
         True, KERNEL, "kernels/fp8_linear.py", "the Triton GEMM for MXFP8 weights (dequantised in registers) in every "
         "quantized linear", "kernels/reference.py fp8_linear, dequantise then F.linear", entry_points=("fp8_linear",))
@@ -161,6 +165,11 @@ class Optimizations:
     def names(cls, *layers: str) -> list[str]:
         """Every switch name, or those of the given layers (ENGINE, MODEL, KERNEL)."""
         return [s.name for s in cls.switches() if not layers or s.layer in layers]
+
+    @classmethod
+    def build_time(cls) -> list[str]:
+        """Switches read when the model is built: flipping one takes a new model (the ablation rebuilds it)."""
+        return [s.name for s in cls.switches() if s.build_time]
 
     @classmethod
     def approximations(cls) -> list[str]:

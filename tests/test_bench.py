@@ -125,15 +125,38 @@ def test_ablation_lists_every_switch(bench, tmp_path):
     for name in REFERENCE:
         assert "off in the base run" in rows[name]["note"] and "output_tok_s" not in rows[name]
     # the exact (non-approximation) switches that were measured must not change greedy tokens (fp32 CPU)
+    assert rows["mxfp8_weights"]["note"].startswith("not applicable: the weights are not MXFP8")
     for name, r in rows.items():
-        if name not in REFERENCE and name not in Optimizations.approximations():
+        if name not in REFERENCE and name not in Optimizations.approximations() and name != "mxfp8_weights":
             assert r["identical"], f"{name} changed the tokens (from position {r['first_divergence']})"
-            assert r["ratio"] > 0
+            assert r["ratio"] > 0 and r["weight_format"] == "float32"
     assert "overlap_scheduling" in abl["table"] and rows["overlap_scheduling"]["note"] == ""
     assert bench.opts.as_dict() == Optimizations(**REFERENCE).as_dict()  # restored
     from nanoserve.bench.report import plot_ablation
 
     assert plot_ablation(abl, str(tmp_path / "abl.png")) and (tmp_path / "abl.png").exists()
+
+
+def test_ablating_a_build_time_switch_rebuilds_the_model():
+    """On an MXFP8 run, the mxfp8_weights-off row runs a model built again with dequantized weights (fp32 here: no
+    fp8 parameter, about 4x the bytes), the all-on rows the fp8 one; in fp32 both give the same greedy tokens. The
+    base model is back after the row."""
+    assert "mxfp8_weights" in Optimizations.build_time()
+    b = NanoBench("m3-tiny", "cpu", "float32", Optimizations(**REFERENCE), max_model_len=256, max_num_seqs=8,
+                  kv_tokens=2048, quantization="mxfp8")
+    try:
+        base_model = b.runner.model
+        abl = ablate(b, tiny_workload(prompt_len=70), warmup_tokens=1, only=["mxfp8_weights"])
+        rows = {r["label"]: r for r in abl["rows"]}
+        on, off = rows["all on"], rows["mxfp8_weights off"]
+        assert on["weight_format"] == "mxfp8" and "float8_e4m3fn" in on["extra"]["parameter_bytes_by_dtype"]
+        assert off["weight_format"] == "float32" and set(off["extra"]["parameter_bytes_by_dtype"]) == {"float32"}
+        assert off["weight_bytes"] > 3 * on["weight_bytes"]
+        assert off["identical"] and "model rebuilt" in off["note"]
+        assert "mxfp8 " in abl["table"] and "float32 " in abl["table"]
+        assert b.runner.model is not base_model and b.runner.model.weight_format == "mxfp8" and b.opts.mxfp8_weights
+    finally:
+        b.close()
 
 
 def test_first_divergence():

@@ -3,7 +3,9 @@ alone, since they are off by default), on one model build.
 
 Model-side switches are flipped on the shared Optimizations object (the layers read it at forward time) and the
 kernels they select are warmed up before the timed run; engine-side switches take effect in the fresh engine each
-row gets. "Same tokens" compares every request's greedy output with the all-on row: kernels and their references
+row gets. A switch read when the model is built (`build_time`: mxfp8_weights, which decides whether the weights are
+fp8 or dequantized) gets a model built again for its row, and the base model back after it (two builds); each row
+records the weights it ran on (format, bytes), so such a row shows that it ran what it claims. "Same tokens" compares every request's greedy output with the all-on row: kernels and their references
 agree to rounding, so in bf16 a long greedy continuation may legitimately drift - the first diverging position
 is shown.
 """
@@ -39,7 +41,8 @@ def _row(label: str, switch: str | None, res: RunResult | None, base: RunResult 
     if res is None:
         return row
     row.update(output_tok_s=res.output_tok_s, ttft_ms=res.ttft_ms["p50"], tpot_ms=res.tpot_ms["mean"],
-               wall_s=res.wall_s, switches=res.switches, extra=res.extra)
+               wall_s=res.wall_s, switches=res.switches, extra=res.extra,
+               weight_format=res.extra.get("weight_format"), weight_bytes=res.extra.get("parameter_bytes"))
     if base is not None:
         row["ratio"] = res.output_tok_s / base.output_tok_s if base.output_tok_s else None
         row["tpot_ratio"] = res.tpot_ms["mean"] / base.tpot_ms["mean"] if base.tpot_ms["n"] and res.tpot_ms["n"] \
@@ -66,6 +69,7 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
                          f"{', '.join(switches.names())}")
     approximations = set(switches.approximations())
     engine_side = set(switches.names(ENGINE))
+    build_time = set(switches.build_time())
     device = bench.device.type
     rows: list[dict] = []
     t0 = time.perf_counter()
@@ -91,13 +95,21 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
                         f"off in the base run: {base_notes.get(name, 'turned off on the command line')}"))
             continue
         note = ""
+        if name == "mxfp8_weights" and bench.weights["weight_format"] != "mxfp8":
+            record(_row(f"{name} off", name, None, None, "not applicable: the weights are not MXFP8 (an MXFP8 "
+                        "checkpoint or --quantization mxfp8)"))
+            continue
         if name == "cuda_graphs" and device != "cuda":
             note = f"not applicable on {device} (decode is eager either way)"
         elif approx:
             note = "APPROXIMATION (changes outputs), off by default; this row turns it ON"
         label = f"{name} {'ON' if approx else 'off'}"
+        if name in build_time:
+            note = (note + "; " if note else "") + "model rebuilt for this row"
         setattr(opts, name, not value)
         try:
+            if name in build_time:
+                bench.rebuild()  # the row's model: built with the switch flipped
             if name not in engine_side:
                 bench.warmup(wl, max_tokens=warmup_tokens)  # compile the kernels this setting selects
             res = bench.run(wl, mode=label)
@@ -107,7 +119,10 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
             record(_row(label, name, None, None, f"FAILED: {type(e).__name__}: {e}", approx))
         finally:
             setattr(opts, name, value)
-            if name not in engine_side:
+            if name in build_time:
+                bench.rebuild()  # the base model again, for the rows after this one
+                bench.warmup(wl, max_tokens=warmup_tokens)
+            elif name not in engine_side:
                 bench.capture_graphs(wl)  # graphs are dropped when a model-side switch changes
     meta = meta or {}
     out = {"workload": wl.name, "description": wl.description, "model": model_name,
@@ -125,12 +140,16 @@ def ablation_table(abl: dict) -> str:
     for r in abl["rows"]:
         setting = r["label"].split(" ", 1)[1] if r["switch"] else r["label"]
         if "output_tok_s" not in r:
-            rows.append([r["switch"] or "-", setting, None, None, None, None, "-", r["note"]])
+            rows.append([r["switch"] or "-", setting, "-", None, None, None, None, "-", r["note"]])
             continue
         same = "-" if r["label"] == "all on" else (
             "yes" if r.get("identical") else f"no (from token {r.get('first_divergence')})")
         ratio = r.get("ratio")
-        rows.append([r["switch"] or "(all)", setting, r["output_tok_s"], r["ttft_ms"], r["tpot_ms"],
+        weights = r.get("weight_format") or "-"
+        if r.get("weight_bytes"):
+            b = r["weight_bytes"]
+            weights += f" {b / 2**30:.2f} GiB" if b >= 2**30 else f" {b / 2**20:.1f} MiB"
+        rows.append([r["switch"] or "(all)", setting, weights, r["output_tok_s"], r["ttft_ms"], r["tpot_ms"],
                      "-" if ratio is None else f"{ratio:.2f}x", same, r["note"]])
-    return table(("switch", "setting", "out tok/s", "TTFT p50 ms", "TPOT ms", "x all-on", "same tokens", "note"),
-                 rows, title)
+    return table(("switch", "setting", "weights", "out tok/s", "TTFT p50 ms", "TPOT ms", "x all-on", "same tokens",
+                  "note"), rows, title)

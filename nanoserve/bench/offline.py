@@ -3,7 +3,8 @@
 `NanoBench` builds the model and its KV pool once (an executor) and hands out a new `LLMEngine` around it per run,
 so each run starts with an empty prefix cache and fresh counters, and the ablation can flip switches between runs
 without rebuilding 50 GB of weights. Model-side switches are read from the shared `Optimizations` object at
-forward time; engine-side ones take effect in the next engine built.
+forward time; engine-side ones take effect in the next engine built; a `build_time` switch (mxfp8_weights) only in
+a model built again (`rebuild`). Every run records the weights it ran on (format and bytes).
 """
 
 from __future__ import annotations
@@ -138,6 +139,13 @@ class NanoBench:
         self.config = EngineConfig(model=model, device=self.device.type, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                    seed=seed, optimizations=self.opts, quantization=quantization)
+        self._kv_tokens = kv_tokens
+        self._build()
+
+    def _build(self) -> None:
+        """The executor (model + KV pool) for self.config, with the switches self.opts holds now."""
+        max_model_len, max_num_seqs = self.config.max_model_len, self.config.max_num_seqs
+        self.config.num_gpu_blocks_override = None
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             before = torch.cuda.memory_allocated(self.device)
@@ -152,14 +160,32 @@ class NanoBench:
         self.cost = ModelCost(self.model_config, weight_bytes=torch.empty((), dtype=dtype_t).element_size(),
                               kv_bytes=torch.empty((), dtype=dtype_t).element_size(),
                               quantization=self.weight_memory.get("weight_format"))
-        if kv_tokens is not None:
-            self.config.num_gpu_blocks_override = self._kv_blocks(kv_tokens, max_model_len, dtype_t)
-        budget = max_num_batched_tokens or 8192
+        if self._kv_tokens is not None:
+            self.config.num_gpu_blocks_override = self._kv_blocks(self._kv_tokens, max_model_len, dtype_t)
+        budget = self.config.max_num_batched_tokens or 8192
         t0 = time.perf_counter()
         self.num_blocks = self.executor.initialize_cache(max_model_len, budget, max_num_seqs)
         self.cache_s = time.perf_counter() - t0
         logger.info("nanoserve bench: model built in %.1f s, KV pool of %d blocks in %.1f s", self.build_s,
                     self.num_blocks, self.cache_s)
+
+    def rebuild(self) -> None:
+        """Drop the model and build it again with the switches self.opts holds now (a `build_time` switch that
+        changed: the new model has other parameters). The old one goes first, so the two never share the device."""
+        self.executor.shutdown()
+        self.executor = self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._build()
+
+    @property
+    def weights(self) -> dict:
+        """What a run's weights were: the format served (mxfp8, or the dtype) and the parameters' bytes."""
+        w = self.weight_memory
+        fmt = w.get("weight_format") or (str(self.runner.dtype).removeprefix("torch.") if self.runner else None)
+        return {"weight_format": fmt, "parameter_bytes": w.get("parameter_bytes"),
+                "parameter_bytes_by_dtype": w.get("parameter_bytes_by_dtype")}
 
     def _weight_memory(self, allocated_before: int) -> dict:
         """What the model's weights take on this process's device: parameter bytes by dtype, and (GPU) the
@@ -230,8 +256,10 @@ class NanoBench:
         engine = self.engine_for(wl, max_num_batched_tokens)
         self.sync()
         outputs, wall = drive(engine, wl, tag)
-        return result_from_outputs(wl, outputs, wall, "nanoserve", mode, self.opts, self.cost, self.hw,
-                                   engine.stats, keep_tokens)
+        res = result_from_outputs(wl, outputs, wall, "nanoserve", mode, self.opts, self.cost, self.hw,
+                                  engine.stats, keep_tokens)
+        res.extra.update(self.weights)
+        return res
 
     def close(self) -> None:
         self.executor.shutdown()

@@ -200,9 +200,8 @@ class BenchSession:
             nano.warmup(wl)
         res = nano.run(wl)
         res.extra["description"] = wl.description
-        res.extra["weight_format"] = nano.weight_memory.get("weight_format") or "bf16"
-        if "parameter_bytes" in nano.weight_memory:
-            res.extra["weight_gib"] = nano.weight_memory["parameter_bytes"] / 2**30
+        if res.extra.get("parameter_bytes"):  # (run() records the weight format and bytes)
+            res.extra["weight_gib"] = res.extra["parameter_bytes"] / 2**30
         self.nano_tokens[wl.name] = res.token_ids
         self.results.add("runs", res.as_dict())
         self.say(report.runs_table([res.as_dict()]))
