@@ -49,3 +49,30 @@ def test_engine_sizes_its_pool_with_the_plan():
             assert allocated == 3 * 16 * kv_bytes_per_token(cfg, 2, tp)
         finally:
             set_tp(0, 1)
+
+
+def test_memory_table_comes_from_the_plan_of_the_real_config():
+    """Every row of the docs/mxfp8.md memory table (`python -m nanoserve.bench --memory-plan`) is memory_plan() of
+    the released config: KV bytes by part as counted by hand, the pool by the engine's rule (kv_pool_bytes), and
+    the docs quote the table as the code prints it."""
+    from pathlib import Path
+
+    from nanoserve.model.memory_plan import (ACTIVATION_RESERVE_BYTES, CONTEXTS, GPUS, kv_pool_bytes,
+                                             markdown_table)
+
+    table = markdown_table(REAL)
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]
+    assert len(rows) == 2 * 2 * 2  # GPUs x layouts x formats
+    for gpu, layout, fmt, weights, kv, pool, tokens, *seqs in rows:
+        p = memory_plan(REAL, GPUS[gpu], 8, None if fmt == "bf16" else fmt, expert_parallel=layout == "TP=8+EP")
+        # 3 dense layers x 2 (K, V) x 1 KV head per rank x 128 x 2 B; 57 MSA layers the same; 57 index keys x 256 B
+        assert kv == "1,536 + 29,184 + 14,592 = 45,312" and p.kv.total == 45_312
+        assert weights == f"{p.weights.total / 2**30:.1f} GiB"
+        assert p.pool_bytes == kv_pool_bytes(GPUS[gpu], 0.9, p.weights.total + ACTIVATION_RESERVE_BYTES) \
+            == int(GPUS[gpu] * 0.9) - p.weights.total - ACTIVATION_RESERVE_BYTES
+        assert pool == f"{p.pool_bytes / 2**30:.1f} GiB" and tokens == f"{p.pool_bytes // 45_312:,}"
+        assert seqs == [str(p.pool_bytes // 45_312 // c) for c in CONTEXTS]
+    tp, ep = (weight_bytes_per_gpu(REAL, 8, "mxfp8", expert_parallel=e) for e in (False, True))
+    assert tp == ep  # 128 experts / 8 ranks whole, or each expert's 3072 columns / 8: the same bytes
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "mxfp8.md").read_text()
+    assert table in doc, "docs/mxfp8.md's memory table is stale: paste `python -m nanoserve.bench --memory-plan`"

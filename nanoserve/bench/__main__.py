@@ -11,6 +11,7 @@
     python -m nanoserve.bench --scale small                     # CPU-sized workloads (m3-tiny)
     python -m nanoserve.bench --quantization bf16,mxfp8 --workloads W1,W2,W4,W5 --micro moe,linear
                                                                 # bf16 and MXFP8 weights side by side
+    python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -95,12 +96,20 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: $NANOSERVE_CPU_THREADS, else every physical "
                          "core)")
+    ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model (weights "
+                    "and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.memory_plan:
+        from nanoserve.model.m3_config import M3Config
+        from nanoserve.model.memory_plan import markdown_table
+
+        print(markdown_table(M3Config()))
+        return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch

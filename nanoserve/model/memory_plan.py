@@ -1,15 +1,21 @@
 """What one GPU holds for an M3 model: weight bytes, KV-cache bytes per token, and the context x concurrency the
 rest leaves.
 
-`kv_bytes_per_token` is what the engine sizes its KV pool with (runner/kv_cache.py `kv_cache_bytes_per_block`);
-`weight_bytes_per_gpu` follows the sharding rules of the layers (model/layers/): query heads, the dense MLP and
-the shared expert split over tensor-parallel ranks; KV and index heads split while tp <= num_key_value_heads and
-replicated beyond; the single index-key head, the router, the norms replicated; the embedding and lm_head split
-by vocabulary rows; routed experts split by intermediate dim (TP) or by whole experts (EP), the same bytes either
-way. MXFP8 (`quantization="mxfp8"`): every quantized matrix costs 1 byte per weight plus one E8M0 byte per 32;
-the embedding, lm_head, norms and router stay as in bf16. docs/memory.md tabulates the real model with these.
+`kv_bytes_per_token` is what the engine sizes its KV pool with (runner/kv_cache.py `kv_cache_bytes_per_block`),
+and `kv_pool_bytes` is the budget rule it divides (runner/model_runner.py `determine_num_blocks`): the device's
+total memory x gpu_memory_utilization, less what is in use at the peak of a worst-case step (the weights plus that
+step's activations, measured at start) and what other processes hold. `memory_plan` applies the same two
+functions to a configuration on paper, with the weights counted by `weight_bytes_per_gpu` and a fixed reserve for
+the activations.
 
-    python -m nanoserve.model.memory_plan      # the docs/memory.md tables for the released M3 config
+`weight_bytes_per_gpu` follows the sharding rules of the layers (model/layers/): query heads, the dense MLP and the
+shared expert split over tensor-parallel ranks; KV and index-query heads split while tp <= num_key_value_heads and
+replicated beyond; the single index-key head, the router, the norms replicated; the embedding and lm_head split by
+vocabulary rows; routed experts split by intermediate dim (TP) or by whole experts (EP). MXFP8
+(`quantization="mxfp8"`): every quantized matrix costs 1 byte per weight plus one E8M0 byte per 32; the embedding,
+lm_head and norms stay 16-bit, the router fp32. docs/mxfp8.md tabulates the released model with these:
+
+    python -m nanoserve.bench --memory-plan          # the docs/mxfp8.md memory table, for the released M3 config
 """
 
 from __future__ import annotations
@@ -23,12 +29,40 @@ MXFP8_BLOCK = 32
 QUANTIZATIONS = (None, "mxfp8")
 
 
+@dataclass(frozen=True)
+class KVBytes:
+    """KV-cache bytes one token costs on one rank, all layers, by part."""
+
+    dense: int
+    """K + V of this rank's KV heads on the dense-attention layers."""
+    msa: int
+    """K + V of this rank's KV heads on the MSA layers."""
+    index_keys: int
+    """The MSA index key (one head, replicated on every rank) on every MSA layer."""
+
+    @property
+    def total(self) -> int:
+        return self.dense + self.msa + self.index_keys
+
+
+def kv_bytes_by_part(cfg: M3Config, item_bytes: int, tp_size: int = 1, rank: int = 0) -> KVBytes:
+    k0, k1 = kv_head_range(cfg.num_key_value_heads, rank, tp_size)
+    kv_per_layer = 2 * (k1 - k0) * cfg.head_dim * item_bytes
+    sparse = cfg.num_sparse_attn_layers
+    return KVBytes(dense=(cfg.num_hidden_layers - sparse) * kv_per_layer, msa=sparse * kv_per_layer,
+                   index_keys=sparse * cfg.index_head_dim * item_bytes)
+
+
 def kv_bytes_per_token(cfg: M3Config, item_bytes: int, tp_size: int = 1, rank: int = 0) -> int:
     """KV-cache bytes one token costs on `rank` of `tp_size`, all layers: K + V of this rank's KV heads on every
     layer, plus the index key (one replicated head) on every MSA layer."""
-    k0, k1 = kv_head_range(cfg.num_key_value_heads, rank, tp_size)
-    per_token = cfg.num_hidden_layers * 2 * (k1 - k0) * cfg.head_dim + cfg.num_sparse_attn_layers * cfg.index_head_dim
-    return per_token * item_bytes
+    return kv_bytes_by_part(cfg, item_bytes, tp_size, rank).total
+
+
+def kv_pool_bytes(total_bytes: int, gpu_memory_utilization: float, used_bytes: int) -> int:
+    """The bytes the KV pool gets: total x gpu_memory_utilization, less what is in use at the peak of a step
+    (weights, activations, other processes). The engine's rule (runner/model_runner.py) and the plan's."""
+    return int(total_bytes * gpu_memory_utilization - used_bytes)
 
 
 @dataclass(frozen=True)
@@ -50,8 +84,10 @@ class WeightBytes:
 
 
 def weight_bytes_per_gpu(cfg: M3Config, tp_size: int = 1, quantization: str | None = None,
-                         rank: int = 0) -> WeightBytes:
-    """The weight bytes `rank` of `tp_size` holds (expert parallel or not: the same count)."""
+                         rank: int = 0, expert_parallel: bool = False) -> WeightBytes:
+    """The weight bytes `rank` of `tp_size` holds. Routed experts: each expert's intermediate dim split over the
+    ranks (TP), or whole experts, num_local_experts / tp_size of them per rank (EP) - the same bytes when both
+    divide evenly, as they do for M3 at TP=8."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization={quantization!r} is invalid: one of {QUANTIZATIONS}")
     h, d, di, tp = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim, tp_size
@@ -68,7 +104,10 @@ def weight_bytes_per_gpu(cfg: M3Config, tp_size: int = 1, quantization: str | No
             matrices += kv_local * di * h + di * h  # index_q (sharded like KV), index_k (replicated)
             norms += 2 * di
         if cfg.is_moe(layer):
-            matrices += cfg.num_local_experts * 3 * cfg.intermediate_size * h // tp
+            if expert_parallel:
+                matrices += (cfg.num_local_experts // tp) * 3 * cfg.intermediate_size * h
+            else:
+                matrices += cfg.num_local_experts * 3 * (cfg.intermediate_size // tp) * h
             matrices += 3 * cfg.shared_intermediate_size * h // tp
             router += cfg.num_local_experts * h + cfg.num_local_experts
         else:
@@ -82,56 +121,71 @@ def weight_bytes_per_gpu(cfg: M3Config, tp_size: int = 1, quantization: str | No
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """One configuration's budget on one GPU."""
+    """One configuration's budget on one GPU (rank 0; the ranks differ only in which heads they hold)."""
 
     gpu_bytes: int
     tp_size: int
+    expert_parallel: bool
     quantization: str | None
     weights: WeightBytes
-    kv_per_token: int
-    usable_bytes: int
-    """gpu_bytes x utilization - weights - activation reserve: what the KV pool gets."""
+    kv: KVBytes
+    pool_bytes: int
+    """kv_pool_bytes(gpu_bytes, utilization, weights + activation reserve): what the KV pool gets."""
+
+    @property
+    def kv_per_token(self) -> int:
+        return self.kv.total
 
     @property
     def kv_tokens(self) -> int:
         """Tokens of context the KV pool holds (all sequences together)."""
-        return max(self.usable_bytes, 0) // self.kv_per_token
+        return max(self.pool_bytes, 0) // self.kv_per_token
 
     def concurrency(self, context: int) -> int:
         """Sequences of `context` tokens that fit at once."""
         return self.kv_tokens // context
 
 
+ACTIVATION_RESERVE_BYTES = 4 * 2**30
+"""The plan's stand-in for the activations of the worst-case step, which the engine measures at start instead
+(4 GiB: what m3-slice's 8192-token prefill step peaked at)."""
+
+
 def memory_plan(cfg: M3Config, gpu_bytes: int, tp_size: int, quantization: str | None = None,
-                kv_item_bytes: int = 2, gpu_memory_utilization: float = 0.9,
-                activation_reserve_bytes: int = 4 * 2**30) -> MemoryPlan:
-    """The budget of rank 0 (the ranks differ only in which heads they hold): weights, KV bytes per token, and
-    the pool left under `gpu_memory_utilization` after the weights and a reserve for activations of a prefill
-    step (the engine measures that peak at start; 4 GiB is what m3-slice's 8192-token step peaked at)."""
-    weights = weight_bytes_per_gpu(cfg, tp_size, quantization)
-    kv = kv_bytes_per_token(cfg, kv_item_bytes, tp_size)
-    usable = int(gpu_bytes * gpu_memory_utilization) - weights.total - activation_reserve_bytes
-    return MemoryPlan(gpu_bytes, tp_size, quantization, weights, kv, usable)
+                expert_parallel: bool = False, kv_item_bytes: int = 2, gpu_memory_utilization: float = 0.9,
+                activation_reserve_bytes: int = ACTIVATION_RESERVE_BYTES) -> MemoryPlan:
+    """The budget of rank 0: weights, KV bytes per token, and the pool left under `gpu_memory_utilization` after
+    the weights and the activation reserve (the engine's rule, `kv_pool_bytes`)."""
+    weights = weight_bytes_per_gpu(cfg, tp_size, quantization, expert_parallel=expert_parallel)
+    kv = kv_bytes_by_part(cfg, kv_item_bytes, tp_size)
+    pool = kv_pool_bytes(gpu_bytes, gpu_memory_utilization, weights.total + activation_reserve_bytes)
+    return MemoryPlan(gpu_bytes, tp_size, expert_parallel, quantization, weights, kv, pool)
 
 
-GPUS = {"H200 (141 GB)": 141 * 10**9, "MI355X (288 GB)": 288 * 10**9}
-CONTEXTS = (131_072, 1_048_576)
+GPUS = {"H200": 143_771 * 2**20, "MI355X": 288 * 2**30}
+"""Total device memory, as the engine reads it (torch.cuda.mem_get_info): an H200 (sold as 141 GB) reports
+143,771 MiB; an MI355X is sold as 288 GB, taken here as 288 GiB."""
+LAYOUTS = {"TP=8": (8, False), "TP=8+EP": (8, True)}
+CONTEXTS = (32_768, 131_072, 1_048_576)
 
 
-def markdown_tables(cfg: M3Config) -> str:
-    """The docs/memory.md table: per GPU x layout x format."""
-    lines = ["| GPU | layout | weights | weights / GPU | KV B/token/GPU | KV pool / GPU | tokens in KV | "
-             "128k-token seqs | 1M-token seqs |", "|---|---|---|---|---|---|---|---|---|"]
-    for gpu, nbytes in GPUS.items():
-        for layout in ("TP=8", "TP=8+EP"):
-            for quant in (None, "mxfp8"):
-                p = memory_plan(cfg, nbytes, 8, quant)
-                pool = f"{p.usable_bytes / 1e9:.1f} GB" if p.usable_bytes > 0 else "none"
-                lines.append(f"| {gpu} | {layout} | {quant or 'bf16'} | {p.weights.total / 1e9:.1f} GB | "
-                             f"{p.kv_per_token:,} | {pool} | {p.kv_tokens:,} | {p.concurrency(CONTEXTS[0])} | "
-                             f"{p.concurrency(CONTEXTS[1])} |")
+def plans(cfg: M3Config) -> list[tuple[str, str, MemoryPlan]]:
+    """(GPU, layout, plan) for every GPU x layout x format of the table."""
+    return [(gpu, layout, memory_plan(cfg, nbytes, tp, quant, expert_parallel=ep))
+            for gpu, nbytes in GPUS.items() for layout, (tp, ep) in LAYOUTS.items() for quant in (None, "mxfp8")]
+
+
+def markdown_table(cfg: M3Config) -> str:
+    """The docs/mxfp8.md memory table: per GPU x layout x format, from `memory_plan`."""
+    ctx = [f"{c // 1024}k" if c < 2**20 else f"{c // 2**20}M" for c in CONTEXTS]
+    lines = ["| GPU | layout | weights | weights / GPU | KV B/token/GPU: dense + MSA + index keys = total | "
+             "KV pool / GPU | tokens in KV | " + " | ".join(f"{c}-token seqs" for c in ctx) + " |",
+             "|---|---|---|---|---|---|---|" + "---|" * len(CONTEXTS)]
+    for gpu, layout, p in plans(cfg):
+        pool = f"{p.pool_bytes / 2**30:.1f} GiB" if p.pool_bytes > 0 else "none"
+        kv = p.kv
+        lines.append(f"| {gpu} | {layout} | {p.quantization or 'bf16'} | {p.weights.total / 2**30:.1f} GiB | "
+                     f"{kv.dense:,} + {kv.msa:,} + {kv.index_keys:,} = {kv.total:,} | {pool} | {p.kv_tokens:,} | "
+                     + " | ".join(str(p.concurrency(c)) for c in CONTEXTS) + " |")
     return "\n".join(lines)
 
-
-if __name__ == "__main__":
-    print(markdown_tables(M3Config()))

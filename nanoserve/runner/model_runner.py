@@ -14,6 +14,7 @@ import torch
 from nanoserve.batch import AttentionMetadata, ModelInput
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from nanoserve.model.m3_config import M3Config
+from nanoserve.model.memory_plan import kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
 from nanoserve.runner.input_prep import InputPreparer, reference_prepare
@@ -85,7 +86,7 @@ class ModelRunner:
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
         used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = total * cfg.gpu_memory_utilization - peak - used_by_others
+        budget = kv_pool_bytes(total, cfg.gpu_memory_utilization, peak + used_by_others)
         per_block = kv_cache_bytes_per_block(self.cfg, self.block_size, self.dtype)
         blocks = int(budget // per_block)
         logger.info("KV cache: %.2f GiB for %d blocks of %d tokens (peak step memory %.2f GiB)",
