@@ -172,7 +172,8 @@ class NanoBench:
     def rebuild(self) -> None:
         """Drop the model and build it again with the switches self.opts holds now (a `build_time` switch that
         changed: the new model has other parameters). The old one goes first, so the two never share the device."""
-        self.executor.shutdown()
+        if self.executor is not None:  # (None: an earlier build failed part way)
+            self.executor.shutdown()
         self.executor = self.runner = None
         gc.collect()
         if self.device.type == "cuda":
