@@ -20,7 +20,9 @@ at once - never a hang.
 Life cycle, as the offline LLM's: `await shutdown()` (or leaving `async with engine:`) drains, stops the loop and
 releases the engine - its tensor-parallel workers exit and the process groups are left, so another engine of any
 tensor-parallel size can be built in the same process. Where no event loop runs any more, `close()` (or leaving
-a plain `with engine:`) releases it; so does dropping the last reference (a finalizer), or the interpreter's exit.
+a plain `with engine:`) releases it; so does dropping the last reference (a finalizer; a step still running on the
+engine thread, say one abandoned when asyncio.run returned, holds a reference until it ends), or the interpreter's
+exit.
 
 This module imports no web framework: the server (nanoserve/server) builds on it.
 """
