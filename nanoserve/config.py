@@ -99,6 +99,11 @@ class Optimizations:
     triton_msa: bool = switch(
         True, KERNEL, "kernels/msa.py", "Triton MSA indexer scores, block top-k and block-sparse attention",
         "kernels/reference.py msa_select and sparse_attention", entry_points=("msa_select", "sparse_attention"))
+    msa_sparse_by_block: bool = switch(
+        True, KERNEL, "kernels/msa.py", "MSA prefill attention grouped by KV block: the (token, block) pairs sorted "
+        "by block, each selected block read once per tile of up to 8 tokens that chose it, partial results merged "
+        "per token", "the per-token-tile Triton kernel, which reads every selected block once per token",
+        entry_points=("sparse_attention",))
     fused_moe: bool = switch(
         True, KERNEL, "kernels/moe.py",
         "Triton fused MoE (device-side alignment, grouped GEMMs with the SwiGLU-OAI epilogue)",

@@ -1,24 +1,23 @@
-"""Prefill speed on one GPU in one device call: profile, sweep, choose, measure again.
+"""Long-context prefill on one GPU in one device call: kernels old vs new, choose, W4 end to end, profile.
 
-    OUT=/tmp/out BUDGET=300 python scripts/gpu_prefill.py
+    OUT=/tmp/out BUDGET=240 python scripts/gpu_prefill.py
 
-In order, each part guarded (an error is recorded and the next part runs) and skipped when the time budget
-(BUDGET seconds, default 300) cannot hold it; results are flushed to $OUT/gpu_prefill.json after every part.
+"Old" kernels are the ones in OLD_KERNELS (a directory holding an earlier checkout's kernels/attention.py and
+kernels/msa.py, default ../nanoserve/kernels: the checkout this one was copied beside), loaded as separate modules;
+a missing directory skips the old columns. In order, each part guarded (an error is recorded and the next part
+runs) and skipped when the time budget (BUDGET seconds) cannot hold it; results go to $OUT/gpu_prefill.json after
+every part.
 
-1. Build m3-slice (bf16 random weights), then the prefill profile (nanoserve/bench/prefill_profile.py) of W4 at
-   128k (chunks of 8192, the default budget) and of W2 in 4096-token steps, with the tiles as they are.
-2. Kernel sweeps at the 128k shape, one chunk of 8192 queries at the end of a 131,072-token context (the
-   `_long` entries of kernels/configs.py): dense causal attention tiles, MSA indexer score tiles, block-sparse
-   attention query-tile widths (random and slowly drifting index queries; the choice minimises the worse of the
-   two slowdowns against each data kind's best). Each candidate: one untimed call (compile), then the median of
-   3 event-timed calls. The chosen tiles are checked in bf16 against kernels/reference.py on a long-context
-   shape small enough for the reference (256 queries at 32,768 tokens); a failing choice reverts to the table's.
-3. The fused MoE at large M: scripts/tune_moe.py's coordinate descent at 4096 and 16384 tokens (8192 if time
-   is left), winners checked against fp32.
-4. With the chosen tiles in place (in this process): W4-128k prefill wall time at 8192 / 16384 / 32768 tokens
-   per step, then the profiles of step 1 again at the best chunk, and the W4-128k run (TTFT, TPOT) at it.
+1. Kernel micro-timings, one chunk of 8192 queries at the end of a 131,072- and a 32,768-token context: dense
+   causal attention (old kernel; new kernel with and without TMA tiles), block-sparse attention (old per-token
+   kernel; the by-block kernel at several tile sizes) with random and slowly drifting index queries, and the MSA
+   selection. Each: one untimed call (compile), the median of 3 event-timed calls. The fastest new tiles are
+   checked in bf16 against kernels/reference.py (256 queries at 32,768 tokens) and applied in this process.
+2. m3-slice (bf16 random weights): the W4-128k prefill wall time at 8192 / 16384 / 32768 tokens per step with the
+   previous kernel choice (msa_sparse_by_block off, no TMA) and the new one, with the peak device memory of each;
+   the prefill profile at the best; W4 at 32k and 128k (TTFT, TPOT) at the engine's default chunk and at the best.
 
-Prints a short table last: the chosen tiles (paste them into kernels/configs.py) and the before/after numbers.
+Prints a short table last.
 """
 
 from __future__ import annotations
@@ -37,28 +36,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import gpu_attention_bench as AB  # noqa: E402
-import tune_moe  # noqa: E402
-from gpu_moe_bench import Problem  # noqa: E402
 from nanoserve.bench import workloads as W  # noqa: E402
 from nanoserve.bench.prefill_profile import prefill_steps, profile_prefill  # noqa: E402
 from nanoserve.bench.session import BenchSession, SessionConfig  # noqa: E402
-from nanoserve.kernels import configs, moe, reference  # noqa: E402
+from nanoserve.kernels import configs, reference  # noqa: E402
 from nanoserve.kernels.attention import paged_attention  # noqa: E402
 from nanoserve.kernels.msa import msa_select, sparse_attention  # noqa: E402
 
-BUDGET = float(os.environ.get("BUDGET", "300"))
+BUDGET = float(os.environ.get("BUDGET", "240"))
 OUT = os.environ.get("OUT", "prefill-out")
+OLD_KERNELS = os.environ.get("OLD_KERNELS", os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..",
+                                                          "nanoserve", "kernels"))
 T0 = time.perf_counter()
 CTX, CHUNK = 131072, 8192
 CHUNKS = (8192, 16384, 32768)
 Tl = configs.Tiles
-DENSE = [Tl(128, 64, 8, 3), Tl(128, 128, 8, 3), Tl(128, 128, 8, 2), Tl(128, 64, 4, 3), Tl(128, 64, 8, 4),
-         Tl(64, 64, 4, 3), Tl(64, 128, 4, 3), Tl(128, 32, 4, 3)]
-SCORE = [Tl(128, 0, 8, 3), Tl(64, 0, 4, 3), Tl(128, 0, 4, 3), Tl(128, 0, 8, 4), Tl(256, 0, 8, 3), Tl(256, 0, 8, 2),
-         Tl(64, 0, 4, 4)]
-SPARSE = [Tl(8, 64, 8, 3), Tl(1, 64, 4, 3), Tl(2, 64, 4, 3), Tl(4, 64, 4, 3), Tl(4, 64, 8, 3), Tl(16, 64, 8, 3),
-          Tl(8, 128, 8, 3)]
-R: dict = {"meta": {}, "profiles": [], "sweeps": {}, "chosen": {}, "checks": [], "moe": [], "chunks": [],
+DENSE = [Tl(128, 128, 8, 3), Tl(128, 128, 8, 3, True), Tl(128, 64, 8, 3, True), Tl(128, 128, 8, 2, True)]
+BY_BLOCK = [Tl(8, 64, 8, 3), Tl(8, 128, 8, 3), Tl(4, 64, 4, 3), Tl(16, 64, 8, 3)]
+R: dict = {"meta": {}, "micro": [], "profiles": [], "sweeps": {}, "chosen": {}, "checks": [], "chunks": [],
            "runs": [], "errors": [], "skipped": []}
 
 
@@ -135,11 +130,6 @@ def profile(tag: str, wl_key: str, chunk: int) -> None:
 # -- 2. attention sweeps -----------------------------------------------------------------------------------------
 
 
-def attention_inputs() -> None:
-    meta, kv, q, icache, iq = AB.build([CHUNK], [CTX])
-    state["attn"] = dict(meta=meta, kv=kv, q=q, icache=icache, iq=iq, smooth=AB.smooth_index_queries(CHUNK))
-
-
 def sweep(kernel: str, candidates: list, runs: dict, flops: float, share_s: float) -> dict:
     """Time every candidate for each data kind in `runs`; returns {repr(cfg): {kind: ms}}."""
     default = configs.TABLES[kernel]["cuda"]
@@ -178,103 +168,107 @@ def choose(kernel: str, candidates: list, timed: dict) -> configs.Tiles:
     return pick
 
 
+def load_old():
+    """The earlier checkout's attention and MSA kernels as modules of their own (None where absent)."""
+    import importlib.util
+
+    mods = {}
+    for name in ("attention", "msa"):
+        path = os.path.join(OLD_KERNELS, name + ".py")
+        if not os.path.exists(path):
+            return None
+        spec = importlib.util.spec_from_file_location(f"old_{name}", path)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        mods[name] = mod
+    return mods
+
+
+def micro(ctx: int, full: bool) -> None:
+    """Old vs new kernels at one chunk of CHUNK queries ending at ctx; full: every candidate tile, then choose."""
+    meta, kv, q, icache, iq = AB.build([CHUNK], [ctx])
+    smooth = AB.smooth_index_queries(CHUNK)
+    scale = AB.D ** -0.5
+    start = ctx - CHUNK
+    keys = (ctx * (ctx + 1) - start * (start + 1)) / 2
+    dense_flops = 4 * AB.HQ * AB.D * keys
+    sparse_flops = 4 * AB.HQ * AB.D * CHUNK * AB.TOPK * AB.BLOCK
+    old = state.get("old")
+    row: dict = {"ctx": ctx}
+    sel_r = msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL)
+    sel_s = msa_select(smooth, icache, meta, AB.TOPK, AB.LOCAL)
+    row["select_ms"] = time_ms(lambda: msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL))
+    if old:
+        row["dense_old_ms"] = time_ms(lambda: old["attention"].paged_attention(q, kv, meta, scale))
+        row["sparse_old_random_ms"] = time_ms(lambda: old["msa"].sparse_attention(q, kv, meta, sel_r, scale))
+        row["sparse_old_smooth_ms"] = time_ms(lambda: old["msa"].sparse_attention(q, kv, meta, sel_s, scale))
+    dense_name, bb_name = configs.prefill_kernel("paged_prefill", ctx), configs.prefill_kernel("sparse_by_block", ctx)
+    if full:
+        t = sweep(dense_name, DENSE, {"dense": lambda: paged_attention(q, kv, meta, scale)}, dense_flops, 60)
+        state["jobs"].append((dense_name, DENSE, t))
+        t = sweep(bb_name, BY_BLOCK, {"random": lambda: sparse_attention(q, kv, meta, sel_r, scale, by_block=True),
+                                      "smooth": lambda: sparse_attention(q, kv, meta, sel_s, scale, by_block=True)},
+                  sparse_flops, 50)
+        state["jobs"].append((bb_name, BY_BLOCK, t))
+        for kernel, cands, timed in state["jobs"]:
+            if not timed:
+                continue
+            pick = choose(kernel, cands, timed)
+            if check_long(kernel, pick):
+                configs.TABLES[kernel]["cuda"] = pick
+                log(f"  chose {kernel}: {pick}")
+            else:
+                R["chosen"][kernel]["applied"] = False
+                log(f"  {kernel}: keeping {configs.TABLES[kernel]['cuda']}")
+    row["dense_new_ms"] = time_ms(lambda: paged_attention(q, kv, meta, scale))
+    row["sparse_new_random_ms"] = time_ms(lambda: sparse_attention(q, kv, meta, sel_r, scale, by_block=True))
+    row["sparse_new_smooth_ms"] = time_ms(lambda: sparse_attention(q, kv, meta, sel_s, scale, by_block=True))
+    row["dense_tflops_new"] = dense_flops / row["dense_new_ms"] / 1e9
+    row["dense_tiles"] = repr(configs.TABLES[dense_name]["cuda"])
+    row["by_block_tiles"] = repr(configs.TABLES[bb_name]["cuda"])
+    R["micro"].append(row)
+    log(f"  micro ctx {ctx}: {row}")
+    torch.cuda.empty_cache()
+
+
 def check_long(kernel: str, pick: configs.Tiles) -> bool:
-    """bf16 check of the chosen long-context tiles against the reference (256 queries at 32,768 tokens)."""
+    """bf16 check of chosen tiles against the reference (256 queries at 32,768 tokens, the _long entries)."""
     was = configs.TABLES[kernel]["cuda"]
     configs.TABLES[kernel]["cuda"] = pick
     try:
         meta, kv, q, icache, iq = AB.build([256], [32768], seed=5)
         scale = AB.D ** -0.5
-        if kernel == "paged_prefill_long":
+        if kernel.startswith("paged_prefill"):
             with AB.Poisoned():
                 out = paged_attention(q, kv, meta, scale)
-            err = AB.rel_err(out, reference.paged_attention(q, kv, meta, scale))
-            ok, detail = err < AB.BF16_REL_TOL and not out.isnan().any(), {"rel_err": err}
-        elif kernel == "msa_score_prefill_long":
-            sel = msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL)
-            ref = reference.msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL)
-            differ, bad = AB.selection_ok(sel, ref, iq, icache, meta)
-            ok, detail = bad == 0, {"rows_differing": differ, "not_near_ties": bad}
+            ref = reference.paged_attention(q, kv, meta, scale)
         else:
             sel = reference.msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL)
             with AB.Poisoned():
-                out = sparse_attention(q, kv, meta, sel, scale)
-            err = AB.rel_err(out, reference.sparse_attention(q, kv, meta, sel, scale))
-            ok, detail = err < AB.BF16_REL_TOL and not out.isnan().any(), {"rel_err": err}
+                out = sparse_attention(q, kv, meta, sel, scale, by_block=True)
+            ref = reference.sparse_attention(q, kv, meta, sel, scale)
+        err = AB.rel_err(out, ref)
+        ok = err < AB.BF16_REL_TOL and not out.isnan().any()
     finally:
         configs.TABLES[kernel]["cuda"] = was
-    R["checks"].append({"kernel": kernel, "tiles": repr(pick), "ok": bool(ok), **detail})
-    log(f"  check {kernel} {pick}: {'ok' if ok else 'FAILED'} {detail}")
+    R["checks"].append({"kernel": kernel, "tiles": repr(pick), "ok": bool(ok), "rel_err": err})
+    log(f"  check {kernel} {pick}: {'ok' if ok else 'FAILED'} rel_err {err:.2e}")
     return bool(ok)
-
-
-def attention_sweeps() -> None:
-    a = state["attn"]
-    meta, kv, q, icache, iq = a["meta"], a["kv"], a["q"], a["icache"], a["iq"]
-    scale = AB.D ** -0.5
-    start = CTX - CHUNK
-    keys = (CTX * (CTX + 1) - start * (start + 1)) / 2
-    jobs = []
-    dense_flops = 4 * AB.HQ * AB.D * keys
-    t = sweep("paged_prefill_long", DENSE, {"dense": lambda: paged_attention(q, kv, meta, scale)}, dense_flops, 45)
-    jobs.append(("paged_prefill_long", DENSE, t))
-    score_flops = 2 * AB.G * AB.DI * keys
-    t = sweep("msa_score_prefill_long", SCORE, {"select": lambda: msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL)},
-              score_flops, 30)
-    jobs.append(("msa_score_prefill_long", SCORE, t))
-    sel_r = msa_select(iq, icache, meta, AB.TOPK, AB.LOCAL)
-    sel_s = msa_select(a["smooth"], icache, meta, AB.TOPK, AB.LOCAL)
-    sparse_flops = 4 * AB.HQ * AB.D * CHUNK * AB.TOPK * AB.BLOCK
-    t = sweep("sparse_prefill_long", SPARSE, {"random": lambda: sparse_attention(q, kv, meta, sel_r, scale),
-                                             "smooth": lambda: sparse_attention(q, kv, meta, sel_s, scale)},
-              sparse_flops, 40)
-    jobs.append(("sparse_prefill_long", SPARSE, t))
-    for kernel, cands, timed in jobs:
-        if not timed:
-            continue
-        pick = choose(kernel, cands, timed)
-        if pick != configs.TABLES[kernel]["cuda"] and check_long(kernel, pick):
-            configs.TABLES[kernel]["cuda"] = pick
-            log(f"  chose {kernel}: {pick}")
-        else:
-            R["chosen"][kernel]["applied"] = False
-            log(f"  {kernel}: keeping {configs.TABLES[kernel]['cuda']}")
-
-
-# -- 3. MoE --------------------------------------------------------------------------------------------------------
-
-
-def moe_tune() -> None:
-    p = Problem(6144, 3072, 128, 4, "cuda", seed=0)
-    shape = (6144, 3072, 128)
-    try:
-        for tokens, share in ((4096, 35), (16384, 25), (8192, 15)):
-            if left() < share + 60:
-                log(f"  MoE T={tokens}: skipped (time)")
-                continue
-            row = tune_moe.tune(p, tokens, time.perf_counter() + share, log=log)
-            R["moe"].append(row)
-            flush()
-            moe.H200_CONFIGS[shape][tokens] = moe._cfg(*row["best"])
-        if 16384 in moe.H200_CONFIGS[shape]:
-            moe.TOKEN_BUCKETS = tuple(sorted(moe.H200_CONFIGS[shape]))
-    finally:
-        del p
-        torch.cuda.empty_cache()
 
 
 # -- 4. chunk sizes and the end-to-end numbers ----------------------------------------------------------------
 
 
-def prefill_wall(chunk: int) -> float:
+def prefill_wall(chunk: int, tag: str) -> float:
     nano, wl = state["nano"], state["w4"]
     steps = len(prefill_steps([CTX], chunk))
     walls = []
+    torch.cuda.reset_peak_memory_stats()
     for rep in range(2):  # the first compiles what this chunk size needs
         e = nano.engine_for(wl, max_num_batched_tokens=chunk)
         from nanoserve.sampling import SamplingParams
 
-        e.add_request(f"chunk-{chunk}-{rep}", {"prompt_token_ids": wl.requests[0].prompt_ids},
+        e.add_request(f"chunk-{tag}-{chunk}-{rep}", {"prompt_token_ids": wl.requests[0].prompt_ids},
                       SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         nano.sync()
         t0 = time.perf_counter()
@@ -282,26 +276,61 @@ def prefill_wall(chunk: int) -> float:
             e.step()
         nano.sync()
         walls.append((time.perf_counter() - t0) * 1e3)
-    R["chunks"].append({"chunk": chunk, "steps": steps, "wall_ms": walls[-1], "first_ms": walls[0]})
-    log(f"  W4-128k prefill at {chunk} tokens/step ({steps} steps): {walls[-1]:.1f} ms (first {walls[0]:.1f})")
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    R["chunks"].append({"tag": tag, "chunk": chunk, "steps": steps, "wall_ms": walls[-1], "first_ms": walls[0],
+                        "peak_gib": peak, "kv_blocks": nano.num_blocks})
+    log(f"  [{tag}] W4-128k prefill at {chunk} tokens/step ({steps} steps): {walls[-1]:.1f} ms (first "
+        f"{walls[0]:.1f}), peak allocated {peak:.1f} GiB, KV pool {nano.num_blocks} blocks")
     return walls[-1]
 
 
+def set_kernels(new: bool) -> None:
+    """new: by-block sparse prefill + the chosen dense tiles; old: the per-token sparse kernel, no TMA."""
+    nano = state["nano"]
+    nano.opts.msa_sparse_by_block = new
+    for name in ("paged_prefill", "paged_prefill_long"):
+        cur = configs.TABLES[name]["cuda"]
+        if new:
+            configs.TABLES[name]["cuda"] = state["dense_pick"].get(name, cur)
+        else:
+            state["dense_pick"].setdefault(name, cur)
+            configs.TABLES[name]["cuda"] = Tl(cur.block_m, cur.block_n, cur.num_warps, cur.num_stages)
+
+
 def chunk_sweep() -> None:
-    best = min(CHUNKS, key=lambda c: prefill_wall(c) if left() > 25 else float("inf"))
+    state["dense_pick"] = {}
+    set_kernels(False)
+    if left() > 30:
+        prefill_wall(CHUNK, "old")
+    set_kernels(True)
+    best, best_ms = CHUNK, float("inf")
+    for c in CHUNKS:
+        if left() > 25:
+            ms = prefill_wall(c, "new")
+            if ms < best_ms:
+                best, best_ms = c, ms
     state["best_chunk"] = best
     R["chosen"]["max_num_batched_tokens (long prompts)"] = best
 
 
-def w4_run() -> None:
-    nano, wl = state["nano"], state["w4"]
-    chunk = state.get("best_chunk", CHUNK)
-    nano.capture_graphs(wl)  # outside the timed run: a lazy capture would land in the first token's time
-    res = nano.run(wl, max_num_batched_tokens=chunk, keep_tokens=False)
-    d = res.as_dict()
-    d["chunk"] = chunk
-    R["runs"].append(d)
-    log(f"  W4-128k at chunk {chunk}: TTFT {d['ttft_ms']['mean']:.1f} ms, TPOT {d['tpot_ms']['mean']:.3f} ms")
+def w4_runs() -> None:
+    nano = state["nano"]
+    vocab = state["session"].model_cfg.vocab_size
+    wls = W.build(["W4"], vocab, "full", w4_lens=[32768, CTX])
+    chunks = [state.get("best_chunk", CHUNK)]
+    for wl in wls:
+        nano.capture_graphs(wl)  # outside the timed run
+        for chunk in chunks:
+            if left() < 12:
+                R["skipped"].append(f"{wl.name} chunk {chunk}")
+                continue
+            res = nano.run(wl, max_num_batched_tokens=chunk, keep_tokens=False)
+            d = res.as_dict()
+            d["chunk"] = chunk
+            d["workload"] = wl.name
+            R["runs"].append(d)
+            log(f"  {wl.name} at chunk {d['chunk']}: TTFT {d['ttft_ms']['mean']:.1f} ms, "
+                f"TPOT {d['tpot_ms']['mean']:.3f} ms")
 
 
 def summary() -> None:
@@ -315,13 +344,14 @@ def summary() -> None:
             lines.append(f"    {g:14s} {v['us'] / 1e3:8.1f} ms  {tf or 0:6.0f} TFLOP/s  {v.get('gb_s') or 0:6.0f} GB/s")
     for k, v in R["chosen"].items():
         lines.append(f"chosen {k}: {v}")
-    for r in R["moe"]:
-        lines.append(f"moe T={r['tokens']}: {r['ms']:.3f} ms {r['tflop_s']:.0f} TFLOP/s (was {r['start_ms']:.3f} ms) "
-                     f"{r['best']} check {'ok' if r['check_ok'] else 'FAILED'}")
+    for m in R["micro"]:
+        lines.append(f"micro ctx {m['ctx']}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
+                                                            for k, v in m.items() if k != "ctx"))
     for c in R["chunks"]:
-        lines.append(f"chunk {c['chunk']}: W4-128k prefill {c['wall_ms']:.1f} ms")
+        lines.append(f"chunk [{c['tag']}] {c['chunk']}: W4-128k prefill {c['wall_ms']:.1f} ms peak {c['peak_gib']:.1f} GiB")
     for r in R["runs"]:
-        lines.append(f"run W4-128k chunk {r['chunk']}: TTFT {r['ttft_ms']['mean']:.1f} ms TPOT {r['tpot_ms']['mean']:.3f}")
+        lines.append(f"run {r['workload']} chunk {r['chunk']}: TTFT {r['ttft_ms']['mean']:.1f} ms "
+                     f"TPOT {r['tpot_ms']['mean']:.3f}")
     for c in R["checks"]:
         lines.append(f"check {c}")
     for e in R["errors"]:
@@ -337,22 +367,15 @@ def summary() -> None:
 def main() -> int:
     os.makedirs(OUT, exist_ok=True)
     log(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, budget {BUDGET:.0f} s")
-    part("build m3-slice", 120, build_model)
-    if "nano" in state:
-        part("profile W4-128k before", 40, lambda: profile("before", "w4", CHUNK))
-        part("profile W2 before", 20, lambda: profile("before", "w2", 4096))
-    part("attention inputs", 100, attention_inputs)
-    if "attn" in state:
-        part("attention sweeps", 100, attention_sweeps)
-        state.pop("attn")
-        torch.cuda.empty_cache()
-    part("MoE tune", 90, moe_tune)
+    state["old"] = part("load old kernels", 1, load_old)
+    state["jobs"] = []
+    part("micro 128k", 60, lambda: micro(CTX, True))
+    part("micro 32k", 15, lambda: micro(32768, False))
+    part("build m3-slice", 60, build_model)
     if "nano" in state:
         part("chunk sweep", 40, chunk_sweep)
-        chunk = state.get("best_chunk", CHUNK)
-        part("profile W4-128k after", 25, lambda: profile("after", "w4", chunk))
-        part("W4-128k run", 15, w4_run)
-        part("profile W2 after", 10, lambda: profile("after", "w2", 4096))
+        part("profile W4-128k new", 20, lambda: profile("new", "w4", state.get("best_chunk", CHUNK)))
+        part("W4 runs", 15, w4_runs)
     summary()
     flush()
     return 0

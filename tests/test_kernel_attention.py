@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from nanoserve.batch import AttentionMetadata
-from nanoserve.kernels import reference
+from nanoserve.kernels import configs, reference
 from nanoserve.kernels.attention import paged_attention
 
 TOLERANCE = {  # (rtol, atol) next to the dtype
@@ -147,3 +147,22 @@ def test_m3_tiny_kernels_match_reference_end_to_end(tiny_dir):
             last_tokens[r] = logits[-1].argmax(-1).tolist()
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
         assert last_tokens[1] == last_tokens[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_prefill_tma_tiles_match_reference(monkeypatch, dtype):
+    """Dense prefill with K/V through tensor descriptors (Tiles.tma): chunks that start mid-block, a sequence whose
+    last block is partly past its end, and never-written cache slots holding NaN (the descriptor reads whole key
+    tiles, so those keys must be masked out of the scores and zeroed in V)."""
+    monkeypatch.setitem(configs.TABLES["paged_prefill"], "interpret", configs.Tiles(16, 8, 1, 1, True))
+    meta, kv, q = make_batch([1, 20, 9, 33], [50, 45, 60, 33], dtype=dtype, seed=4)
+    for table, n in zip(meta.block_tables.tolist(), meta.seq_lens_cpu):
+        last = n // 16
+        if n % 16:
+            kv[table[last], :, n % 16:] = float("nan")
+    scale = q.shape[-1] ** -0.5
+    with poisoned_outputs():
+        out = paged_attention(q, kv, meta, scale)
+    assert not out.isnan().any()
+    rtol, atol = TOLERANCE[dtype]
+    torch.testing.assert_close(out, reference.paged_attention(q, kv, meta, scale), rtol=rtol, atol=atol)

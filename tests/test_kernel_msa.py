@@ -128,3 +128,47 @@ def test_long_context_prefill_tiles_match_reference(monkeypatch, dtype):
     assert not out.isnan().any() and not dense.isnan().any(), "some output element was never written"
     torch.testing.assert_close(out, reference.sparse_attention(q, kv, meta, selected, scale), rtol=rtol, atol=atol)
     torch.testing.assert_close(dense, reference.paged_attention(q, kv, meta, scale), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", ["prefill_only_long", "mixed_chunks_mid_block", "local_2_topk_4_gqa_4"])
+def test_sparse_prefill_by_block_matches_reference(monkeypatch, case, dtype):
+    """The by-block prefill (switch msa_sparse_by_block): pairs grouped by block in tiles of 3 tokens (so blocks
+    chosen by many tokens span several tiles, and a tile can end short), partial results written in several
+    passes (a lowered MAX_PARTIAL_BYTES), selections from the indexer and random ones with holes."""
+    monkeypatch.setitem(configs.TABLES["sparse_by_block"], "interpret", configs.Tiles(3, 16, 1, 1))
+    meta, kv, q, index_q, index_cache, topk, local = make_msa_batch(case, dtype, integer_index=False, seed=7)
+    hq, d = q.shape[1], q.shape[2]
+    monkeypatch.setattr(msa, "MAX_PARTIAL_BYTES", 13 * hq * (topk + 1) * (d * q.element_size() + 4))
+    scale = d ** -0.5
+    rtol, atol = TOLERANCE[dtype]
+    for selected in (reference.msa_select(index_q, index_cache, meta, topk, local),
+                     random_selection(meta, kv.shape[3], topk + 1, torch.Generator().manual_seed(11))):
+        with poisoned_outputs():
+            out = sparse_attention(q, kv, meta, selected, scale, by_block=True)
+        assert not out.isnan().any(), "some output element was never written"
+        expected = reference.sparse_attention(q, kv, meta, selected, scale)
+        torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
+        torch.testing.assert_close(out, sparse_attention(q, kv, meta, selected, scale), rtol=rtol, atol=atol)
+
+
+def test_by_block_tiles_group_pairs_of_one_block():
+    """Every selected (token, group, slot) pair lands in exactly one tile, a tile holds pairs of one key only and
+    at most tok_tile of them, and unselected slots are in none."""
+    gen = torch.Generator().manual_seed(3)
+    selected = torch.randint(-1, 5, (23, 2, 3), generator=gen, dtype=torch.int32)
+    seq_local = torch.tensor([0] * 10 + [1] * 13)
+    sorted_key, order, tile_start, n_tiles, bound = msa.by_block_tiles(selected, seq_local, 2, 5, 4)
+    n = int(n_tiles)
+    assert n <= bound
+    starts = tile_start[:n].tolist() + [int((sorted_key != torch.iinfo(torch.int64).max).sum())]
+    seen = []
+    for a, b in zip(starts, starts[1:]):
+        assert 0 < b - a <= 4 and len(set(sorted_key[a:b].tolist())) == 1
+        seen += order[a:b].tolist()
+    flat = selected.flatten()
+    assert sorted(seen) == [i for i in range(flat.numel()) if flat[i] >= 0]
+    for p in seen:
+        t, g, _ = p // 6, (p // 3) % 2, p % 3
+        key = int(sorted_key[order.tolist().index(p)])
+        assert key == (g * 2 + int(seq_local[t])) * 5 + int(flat[p])

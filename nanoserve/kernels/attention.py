@@ -77,7 +77,7 @@ def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, 
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
     if SPLIT_OUTPUT:
-        tl.store(part_out_ptrs, o, mask=mask)
+        tl.store(part_out_ptrs, o.to(part_out_ptrs.dtype.element_ty), mask=mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptrs, lse, mask=row_mask)
     else:
@@ -104,9 +104,10 @@ def _combine_splits_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, strid
     for s0 in range(0, num_splits, CHUNK_S):
         sc = s0 + tl.arange(0, CHUNK_S)
         lse = tl.load(part_lse_ptr + row + sc, mask=sc < num_splits, other=float("-inf"))
-        w = tl.where(lse > float("-inf"), tl.exp2(lse - m), 0.0)
+        used = lse > float("-inf")  # an empty split's partial output may never have been written
+        w = tl.where(used, tl.exp2(lse - m), 0.0)
         parts = tl.load(part_out_ptr + (row + sc[:, None]) * HEAD_DIM + d[None, :],
-                        mask=(sc[:, None] < num_splits) & (d[None, :] < HEAD_DIM), other=0.0)
+                        mask=(used & (sc < num_splits))[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
         total += w
         acc += tl.sum(parts * w[:, None], 0)
     norm = tl.sum(total, 0)
@@ -125,7 +126,8 @@ def split_buffers(num_tokens: int, num_heads: int, num_splits: int, head_dim: in
 
 
 def combine_splits(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
-    """Merge split-K partial results into out [T, H, D]."""
+    """Merge split-K partial results into out [T, H, D]. part_out may be fp32 or the output's dtype; a split whose
+    log-sum-exp is -inf is empty and its partial output is not read."""
     t, h, num_splits, d = part_out.shape
     if t == 0:
         return
@@ -232,32 +234,50 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
 
 
 @triton.jit
-def _attend_key_tile(q, kv_head, bt_row, n0, rows_pos, seq_len, m_i, l_i, acc, d, d_ok, qk_scale,
-                     stride_kv_block, stride_kv_kind, stride_kv_tok,
-                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr):
+def _attend_key_tile(q, kv_head, k_desc, v_desc, desc_col, bt_row, n0, rows_pos, seq_len, m_i, l_i, acc, d, d_ok,
+                     qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
+                     BLOCK_N: tl.constexpr, PAGE: tl.constexpr, CAUSAL: tl.constexpr, TMA: tl.constexpr):
     """Fold keys n0 .. n0+BLOCK_N of one sequence into the running softmax of a query tile. CAUSAL: mask key j
-    for the rows whose position is < j (and keys past the sequence); otherwise every key is visible to every row."""
+    for the rows whose position is < j (and keys past the sequence); otherwise every key is visible to every row.
+    TMA: K and V come through tensor descriptors over the cache viewed as [blocks * 2 * PAGE, kv heads * D]
+    (BLOCK_N divides PAGE, so a key tile lies in one KV block); keys past the sequence are then read too, and
+    zeroed in V (a never-written cache slot may hold NaN). The scale is folded into the exponent's FMA."""
     toks = n0 + tl.arange(0, BLOCK_N)
     key_ok = toks < seq_len
-    page = tl.load(bt_row + toks // PAGE, mask=key_ok, other=0).to(tl.int64)
-    offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
-    kv_mask = key_ok[:, None] & d_ok[None, :]
-    k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+    if TMA:
+        page = tl.load(bt_row + n0 // PAGE).to(tl.int32)
+        row = page * (2 * PAGE) + n0 % PAGE
+        k = k_desc.load([row, desc_col])
+    else:
+        page = tl.load(bt_row + toks // PAGE, mask=key_ok, other=0).to(tl.int64)
+        offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if CAUSAL:
         s = tl.where((toks[None, :] <= rows_pos[:, None]) & key_ok[None, :], s, MASKED_SCORE)
-    v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
-    return _softmax_step(s, v, m_i, l_i, acc)
+    if TMA:
+        v = v_desc.load([row + PAGE, desc_col])
+        if CAUSAL:
+            v = tl.where(key_ok[:, None], v, 0.0)
+    else:
+        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s * qk_scale - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, l_i, acc
 
 
 @triton.jit(do_not_specialize=["first_seq"])
 def _paged_prefill_kernel(
-        q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, out_ptr,
+        q_ptr, kv_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, out_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
         first_seq, qk_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
+        BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TMA: tl.constexpr):
     seq = first_seq + tl.program_id(0)
     tile = tl.program_id(1)
     head = tl.program_id(2)
@@ -283,17 +303,31 @@ def _paged_prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         bt_row = block_tables_ptr + seq * stride_bt
         kv_head = kv_ptr + (head // GROUP) * stride_kv_head
+        desc_col = (head // GROUP) * HEAD_DIM
         for n0 in range(0, shared_end, BLOCK_N):
-            m_i, l_i, acc = _attend_key_tile(q, kv_head, bt_row, n0, pos, seq_len, m_i, l_i, acc, d, d_ok,
-                                             qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
-                                             BLOCK_N, PAGE, False)
+            m_i, l_i, acc = _attend_key_tile(q, kv_head, k_desc, v_desc, desc_col, bt_row, n0, pos, seq_len, m_i,
+                                             l_i, acc, d, d_ok, qk_scale, stride_kv_block, stride_kv_kind,
+                                             stride_kv_tok, BLOCK_N, PAGE, False, TMA)
         for n0 in range(shared_end, end, BLOCK_N):
-            m_i, l_i, acc = _attend_key_tile(q, kv_head, bt_row, n0, pos, seq_len, m_i, l_i, acc, d, d_ok,
-                                             qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok,
-                                             BLOCK_N, PAGE, True)
+            m_i, l_i, acc = _attend_key_tile(q, kv_head, k_desc, v_desc, desc_col, bt_row, n0, pos, seq_len, m_i,
+                                             l_i, acc, d, d_ok, qk_scale, stride_kv_block, stride_kv_kind,
+                                             stride_kv_tok, BLOCK_N, PAGE, True, TMA)
         o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qd_mask)
+
+
+def _kv_descriptors(kv_cache: torch.Tensor, block_n: int, block_d: int):
+    """TMA descriptors for K and V tiles of [block_n keys, block_d] over the cache [blocks, 2, PAGE, kv heads, D]
+    viewed as [blocks * 2 * PAGE, kv heads * D]; None where that view does not work (non-contiguous cache, a head
+    dim that is not a power of two, or key tiles that would cross a KV block)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    blocks, _, page, num_kv, d = kv_cache.shape
+    if not kv_cache.is_contiguous() or d != block_d or page % block_n:
+        return None
+    flat = kv_cache.view(blocks * 2 * page, num_kv * d)
+    return TensorDescriptor(flat, flat.shape, flat.stride(), [block_n, block_d])
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
@@ -303,14 +337,17 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
     first = meta.num_decode_seqs
     max_q = max(meta.query_lens_cpu[first:])
     cfg = tiles(prefill_kernel("paged_prefill", max(meta.seq_lens_cpu[first:])), q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    desc = _kv_descriptors(kv_cache, cfg.block_n, block_d) if cfg.tma else None
     grid = (meta.num_seqs - first, triton.cdiv(max_q, cfg.block_m), num_heads)
     _paged_prefill_kernel[grid](
-        q, kv_cache, meta.block_tables, meta.seq_lens, meta.positions, meta.query_start_loc, out,
+        q, kv_cache, desc or kv_cache, desc or kv_cache, meta.block_tables, meta.seq_lens, meta.positions,
+        meta.query_start_loc, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         first, scale * LOG2E,
-        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_cache.shape[2],
+        GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_cache.shape[2], TMA=desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 

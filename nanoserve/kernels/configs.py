@@ -40,6 +40,8 @@ class Tiles:
     block_n: int
     num_warps: int
     num_stages: int
+    tma: bool = False
+    """Dense prefill only: load K/V tiles through TMA tensor descriptors (attention._kv_descriptors)."""
 
 
 TABLES: dict[str, dict[str, Tiles]] = {
@@ -60,6 +62,10 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # block_n = keys per tile of a KV block. Decode: one token, split-K over its selected blocks.
     "sparse_decode": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
     "sparse_prefill": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
+    # Block-sparse prefill grouped by KV block (switch msa_sparse_by_block), one program per tile of (token, KV
+    # group, slot) pairs that selected one block: block_m = pairs (tokens) per tile, times the GQA group as rows;
+    # block_n = keys per tile of the KV block.
+    "sparse_by_block": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(4, 64, 1, 1)},
     # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step). "cuda": measured by
     # `scripts/gpu_prefill.py` (2026-12-03, H200, Triton 3.6) on one chunk of 8,192 queries at the end of a
     # 131,072-token context, each against the short-context entry above:
@@ -74,6 +80,8 @@ TABLES: dict[str, dict[str, Tiles]] = {
     "msa_score_prefill_long": {"cuda": Tiles(128, 0, 4, 3), "hip": Tiles(64, 0, 4, 2),
                                "interpret": Tiles(64, 0, 1, 1)},
     "sparse_prefill_long": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
+    "sparse_by_block_long": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2),
+                             "interpret": Tiles(4, 64, 1, 1)},
     # QK-norm + RoPE + cache insert: block_m tokens per program, block_n (token, head) rows per step.
     "qk_norm_rope": {"cuda": Tiles(1, 32, 4, 1), "hip": Tiles(1, 32, 4, 1), "interpret": Tiles(16, 128, 1, 1)},
     # Residual add + RMSNorm, block_m rows per program.

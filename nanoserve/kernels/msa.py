@@ -354,18 +354,145 @@ def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         combine_splits(part_out, part_lse, out)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# Block-sparse prefill grouped by KV block (switch `msa_sparse_by_block`)
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit(do_not_specialize=["tok_lo", "n_pairs", "n_keyed_seqs", "n_blocks_key", "first_seq"])
+def _sparse_by_block_kernel(
+        q_ptr, kv_ptr, block_tables_ptr, positions_ptr, sorted_key_ptr, order_ptr, tile_start_ptr, n_tiles_ptr,
+        part_out_ptr, part_lse_ptr,
+        stride_qt, stride_qh, stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
+        tok_lo, n_pairs, n_keyed_seqs, n_blocks_key, first_seq, num_heads, qk_scale,
+        NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOK_TILE: tl.constexpr,
+        ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        PAGE: tl.constexpr, TOPK: tl.constexpr):
+    """One tile of the (token, KV group, slot) pairs sorted by (KV group, sequence, block): up to TOK_TILE pairs
+    that selected the same block, times the GQA group's query heads, as the rows of one tile. The block is read
+    once for all of them; each row's softmax over this block alone is written as a partial result (normalised
+    output + log2-sum-exp) at its (token, head, slot), for `combine_splits`."""
+    tile = tl.program_id(0)
+    if tile < tl.load(n_tiles_ptr):
+        start = tl.load(tile_start_ptr + tile)
+        key = tl.load(sorted_key_ptr + start)
+        b = (key % n_blocks_key).to(tl.int32)
+        rest = key // n_blocks_key
+        seq = first_seq + rest % n_keyed_seqs
+        kvh = (rest // n_keyed_seqs).to(tl.int32)
+        rows = tl.arange(0, ROWS)
+        e = rows // GROUP_PAD
+        idx = start + e
+        in_tile = (e < TOK_TILE) & (idx < n_pairs)
+        in_tile = in_tile & (tl.load(sorted_key_ptr + idx, mask=in_tile, other=-1) == key)
+        pair = tl.load(order_ptr + idx, mask=in_tile, other=0)  # flat index of [tokens, NUM_KV, TOPK]
+        t_local = pair // (NUM_KV * TOPK)
+        slot = pair % TOPK
+        tok = tok_lo + t_local
+        heads = kvh * GROUP + rows % GROUP_PAD
+        row_ok = in_tile & (rows % GROUP_PAD < GROUP)
+        d = tl.arange(0, BLOCK_D)
+        d_ok = d < HEAD_DIM
+        qd_mask = row_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask,
+                    other=0.0)
+        q = q.to(kv_ptr.dtype.element_ty)
+        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)
+        l_i = tl.zeros([ROWS], tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _attend_block(q, kv_ptr + kvh * stride_kv_head, page, b, row_ok, pos, m_i, l_i, acc, d,
+                                      d_ok, qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok, BLOCK_N, PAGE)
+        part_row = (t_local * num_heads + heads) * TOPK + slot
+        _store_partial(acc, m_i, l_i, part_out_ptr, qd_mask, part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :],
+                       part_lse_ptr + part_row, row_ok, True)
+
+
+def by_block_tiles(selected: torch.Tensor, seq_local: torch.Tensor, n_seqs: int, n_blocks: int,
+                   tok_tile: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Group the (token, KV group, slot) pairs of selected [n, G, topk] (-1 = none) by KV block, on the device and
+    without a host synchronisation. Key of a pair: (group * n_seqs + sequence) * n_blocks + block; pairs sorted by
+    key (stable), then cut into tiles of at most tok_tile pairs of one key. Returns (sorted keys with unselected
+    slots last, the flat pair index of each sorted entry, tile start offsets, the number of tiles as a device
+    scalar, an upper bound of that number for the grid)."""
+    n, g, topk = selected.shape
+    dev = selected.device
+    group = torch.arange(g, device=dev, dtype=torch.int64)[None, :, None]
+    key = (group * n_seqs + seq_local.to(torch.int64)[:, None, None]) * n_blocks + selected.to(torch.int64)
+    key = torch.where(selected >= 0, key, torch.iinfo(torch.int64).max).flatten()
+    sorted_key, order = torch.sort(key, stable=True)
+    i = torch.arange(key.numel(), device=dev)
+    new_key = torch.ones_like(sorted_key, dtype=torch.bool)
+    new_key[1:] = sorted_key[1:] != sorted_key[:-1]
+    seg_start = torch.cummax(torch.where(new_key, i, 0), 0).values
+    starts = ((i - seg_start) % tok_tile == 0) & (sorted_key != torch.iinfo(torch.int64).max)
+    bound = triton.cdiv(key.numel(), tok_tile) + min(key.numel(), g * n_seqs * n_blocks)
+    # tile k starts at the k-th start; the other entries scatter into a spare last slot (a boolean index would
+    # synchronise with the host)
+    slot = torch.where(starts, torch.cumsum(starts, 0) - 1, bound)
+    tile_start = torch.empty(bound + 1, dtype=torch.int64, device=dev).scatter_(0, slot, i)
+    n_tiles = starts.sum(dtype=torch.int32).reshape(1)
+    return sorted_key, order, tile_start, n_tiles, bound
+
+
+MAX_PARTIAL_BYTES = 2**30
+"""The by-block prefill writes partial results [tokens, heads, topk, D] of at most this many bytes at a time."""
+
+
+def _sparse_prefill_by_block(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                             selected: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    nd = meta.num_decode_seqs
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv, page = kv_cache.shape[3], kv_cache.shape[2]
+    topk = selected.shape[2]
+    group = num_heads // num_kv
+    group_pad = triton.next_power_of_2(group)
+    cfg = tiles(prefill_kernel("sparse_by_block", max(meta.seq_lens_cpu[nd:])), q.device)
+    tok_tile = max(1, cfg.block_m)
+    n_seqs = meta.num_seqs - nd
+    n_blocks = triton.cdiv(max(meta.seq_lens_cpu[nd:]), page)
+    first_tok = sum(meta.query_lens_cpu[:nd])
+    last_tok = first_tok + sum(meta.query_lens_cpu[nd:])
+    per_token = num_heads * topk * (head_dim * q.element_size() + 4)
+    step = max(1, MAX_PARTIAL_BYTES // per_token)
+    bounds = meta.query_start_loc[nd + 1:]
+    for lo in range(first_tok, last_tok, step):
+        hi = min(lo + step, last_tok)
+        toks = torch.arange(lo, hi, device=q.device, dtype=bounds.dtype)
+        seq_local = torch.searchsorted(bounds, toks, right=True)
+        sorted_key, order, tile_start, n_tiles, bound = by_block_tiles(selected[lo:hi], seq_local, n_seqs,
+                                                                        n_blocks, tok_tile)
+        part_out = torch.empty(hi - lo, num_heads, topk, head_dim, dtype=q.dtype, device=q.device)
+        part_lse = torch.full((hi - lo, num_heads, topk), float("-inf"), dtype=torch.float32, device=q.device)
+        _sparse_by_block_kernel[(bound,)](
+            q, kv_cache, meta.block_tables, meta.positions, sorted_key, order, tile_start, n_tiles, part_out,
+            part_lse,
+            q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+            meta.block_tables.stride(0),
+            lo, sorted_key.numel(), n_seqs, n_blocks, nd, num_heads, scale * LOG2E,
+            NUM_KV=num_kv, GROUP=group, GROUP_PAD=group_pad, TOK_TILE=tok_tile,
+            ROWS=max(MIN_DOT_ROWS, tok_tile * group_pad), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+            BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        combine_splits(part_out, part_lse, out[lo:hi])
+
+
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, by_block: bool = False) -> torch.Tensor:
     """Exact attention of q [T, Hq, D] over the blocks its KV group selected (selected [T, Hkv, topk], logical
     block indices, -1 = none, no block twice in one list), keys after the query's position masked. Same contract
-    as `reference.sparse_attention`."""
+    as `reference.sparse_attention`. by_block (switch `msa_sparse_by_block`): prefill tokens are grouped by the
+    blocks they selected, so each selected block is read once per tile of tokens that chose it."""
     out = torch.empty_like(q)
     nd = meta.num_decode_seqs
     topk = selected.shape[2]
     if nd:
         n_splits = num_decode_splits(nd * kv_cache.shape[3], topk, q.device)
         _launch_sparse(q, kv_cache, meta, selected, scale, out, 0, nd, 1, 1, n_splits, "sparse_decode")
-    if meta.num_seqs > nd:
+    if meta.num_seqs > nd and by_block:
+        _sparse_prefill_by_block(q, kv_cache, meta, selected, scale, out)
+    elif meta.num_seqs > nd:
         name = prefill_kernel("sparse_prefill", max(meta.seq_lens_cpu[nd:]))
         _launch_sparse(q, kv_cache, meta, selected, scale, out, nd, meta.num_seqs - nd,
                        max(meta.query_lens_cpu[nd:]), tiles(name, q.device).block_m, 1, name)

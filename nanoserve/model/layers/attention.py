@@ -138,5 +138,6 @@ class M3Attention(nn.Module):
         if self.opts.triton_msa and triton_usable(q):
             from nanoserve.kernels.msa import sparse_attention
 
-            return sparse_attention(q, self.kv_cache, meta, selection, self.scale)
+            return sparse_attention(q, self.kv_cache, meta, selection, self.scale,
+                                    by_block=self.opts.msa_sparse_by_block)
         return reference.sparse_attention(q, self.kv_cache, meta, selection, self.scale)
