@@ -53,6 +53,13 @@ CHUNKS = (8192, 16384, 32768)
 Tl = configs.Tiles
 DENSE = [Tl(128, 128, 8, 3), Tl(128, 128, 8, 3, True), Tl(128, 64, 8, 3, True), Tl(128, 128, 8, 2, True)]
 BY_BLOCK = [Tl(8, 64, 8, 3), Tl(8, 128, 8, 3), Tl(4, 64, 4, 3), Tl(16, 64, 8, 3)]
+COMBINE = [Tl(4, 0, 4, 1), Tl(8, 0, 8, 1), Tl(2, 0, 4, 1)]
+SWEEP = os.environ.get("SWEEP", "0") == "1"
+OLD_CHUNK = os.environ.get("OLD_CHUNK", "1") == "1"
+"""OLD_CHUNK=0 skips the W4-128k prefill with the earlier kernels at 8192 tokens per step."""
+MICRO_32K = os.environ.get("MICRO_32K", "1") == "1"
+"""SWEEP=1: time every DENSE and BY_BLOCK candidate at 128k and apply the fastest (checked) in this process;
+otherwise only the merge of the by-block partial results (COMBINE) is swept."""
 R: dict = {"meta": {}, "micro": [], "profiles": [], "sweeps": {}, "chosen": {}, "checks": [], "chunks": [],
            "runs": [], "errors": [], "skipped": []}
 
@@ -204,12 +211,15 @@ def micro(ctx: int, full: bool) -> None:
         row["sparse_old_smooth_ms"] = time_ms(lambda: old["msa"].sparse_attention(q, kv, meta, sel_s, scale))
     dense_name, bb_name = configs.prefill_kernel("paged_prefill", ctx), configs.prefill_kernel("sparse_by_block", ctx)
     if full:
-        t = sweep(dense_name, DENSE, {"dense": lambda: paged_attention(q, kv, meta, scale)}, dense_flops, 60)
-        state["jobs"].append((dense_name, DENSE, t))
-        t = sweep(bb_name, BY_BLOCK, {"random": lambda: sparse_attention(q, kv, meta, sel_r, scale, by_block=True),
-                                      "smooth": lambda: sparse_attention(q, kv, meta, sel_s, scale, by_block=True)},
-                  sparse_flops, 50)
-        state["jobs"].append((bb_name, BY_BLOCK, t))
+        runs = {"random": lambda: sparse_attention(q, kv, meta, sel_r, scale, by_block=True),
+                "smooth": lambda: sparse_attention(q, kv, meta, sel_s, scale, by_block=True)}
+        if SWEEP:
+            t = sweep(dense_name, DENSE, {"dense": lambda: paged_attention(q, kv, meta, scale)}, dense_flops, 60)
+            state["jobs"].append((dense_name, DENSE, t))
+            t = sweep(bb_name, BY_BLOCK, runs, sparse_flops, 50)
+            state["jobs"].append((bb_name, BY_BLOCK, t))
+        t = sweep("slot_combine", COMBINE, runs, sparse_flops, 20)
+        state["jobs"].append(("slot_combine", COMBINE, t))
         for kernel, cands, timed in state["jobs"]:
             if not timed:
                 continue
@@ -238,7 +248,7 @@ def check_long(kernel: str, pick: configs.Tiles) -> bool:
     try:
         meta, kv, q, icache, iq = AB.build([256], [32768], seed=5)
         scale = AB.D ** -0.5
-        if kernel.startswith("paged_prefill"):
+        if kernel.startswith("paged_prefill"):  # else the by-block sparse kernel or its merge
             with AB.Poisoned():
                 out = paged_attention(q, kv, meta, scale)
             ref = reference.paged_attention(q, kv, meta, scale)
@@ -298,17 +308,26 @@ def set_kernels(new: bool) -> None:
 
 
 def chunk_sweep() -> None:
+    """W4-128k prefill: the earlier kernel choice at the earlier default chunk (8192), then at 16384 the new dense
+    tiles without and with the by-block sparse kernel (SWEEP=1: the new kernels at every chunk size of CHUNKS)."""
     state["dense_pick"] = {}
     set_kernels(False)
-    if left() > 30:
+    if OLD_CHUNK:
         prefill_wall(CHUNK, "old")
     set_kernels(True)
-    best, best_ms = CHUNK, float("inf")
-    for c in CHUNKS:
-        if left() > 25:
+    nano = state["nano"]
+    nano.opts.msa_sparse_by_block = False
+    off = prefill_wall(16384, "dense TMA only") if left() > 20 else float("inf")
+    nano.opts.msa_sparse_by_block = True
+    best, best_ms = 16384, float("inf")
+    for c in CHUNKS if SWEEP else (16384,):
+        if left() > 20:
             ms = prefill_wall(c, "new")
             if ms < best_ms:
                 best, best_ms = c, ms
+    # what the W4 runs and the profile use: the by-block kernel only where it won
+    nano.opts.msa_sparse_by_block = best_ms <= off
+    R["chosen"]["msa_sparse_by_block"] = nano.opts.msa_sparse_by_block
     state["best_chunk"] = best
     R["chosen"]["max_num_batched_tokens (long prompts)"] = best
 
@@ -317,7 +336,7 @@ def w4_runs() -> None:
     nano = state["nano"]
     vocab = state["session"].model_cfg.vocab_size
     wls = W.build(["W4"], vocab, "full", w4_lens=[32768, CTX])
-    chunks = [state.get("best_chunk", CHUNK)]
+    chunks = [None]  # the engine's default
     for wl in wls:
         nano.capture_graphs(wl)  # outside the timed run
         for chunk in chunks:
@@ -326,7 +345,7 @@ def w4_runs() -> None:
                 continue
             res = nano.run(wl, max_num_batched_tokens=chunk, keep_tokens=False)
             d = res.as_dict()
-            d["chunk"] = chunk
+            d["chunk"] = chunk or "default"
             d["workload"] = wl.name
             R["runs"].append(d)
             log(f"  {wl.name} at chunk {d['chunk']}: TTFT {d['ttft_ms']['mean']:.1f} ms, "
@@ -370,12 +389,14 @@ def main() -> int:
     state["old"] = part("load old kernels", 1, load_old)
     state["jobs"] = []
     part("micro 128k", 60, lambda: micro(CTX, True))
-    part("micro 32k", 15, lambda: micro(32768, False))
-    part("build m3-slice", 60, build_model)
+    if MICRO_32K:
+        part("micro 32k", 15, lambda: micro(32768, False))
+    part("micro 16k", 45, lambda: micro(16384, False))
+    part("build m3-slice", 40, build_model)
     if "nano" in state:
-        part("chunk sweep", 40, chunk_sweep)
-        part("profile W4-128k new", 20, lambda: profile("new", "w4", state.get("best_chunk", CHUNK)))
-        part("W4 runs", 15, w4_runs)
+        part("chunk sweep", 30, chunk_sweep)
+        part("W4 runs", 12, w4_runs)
+        part("profile W4-128k new", 10, lambda: profile("new", "w4", state.get("best_chunk", CHUNK)))
     summary()
     flush()
     return 0

@@ -130,8 +130,8 @@ def test_long_context_prefill_tiles_match_reference(monkeypatch, dtype):
     torch.testing.assert_close(dense, reference.paged_attention(q, kv, meta, scale), rtol=rtol, atol=atol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
-@pytest.mark.parametrize("case", ["prefill_only_long", "mixed_chunks_mid_block", "local_2_topk_4_gqa_4"])
+@pytest.mark.parametrize("case,dtype", [("mixed_chunks_mid_block", torch.float32),
+                                        ("local_2_topk_4_gqa_4", torch.float16)], ids=["mixed-fp32", "gqa4-fp16"])
 def test_sparse_prefill_by_block_matches_reference(monkeypatch, case, dtype):
     """The by-block prefill (switch msa_sparse_by_block): pairs grouped by block in tiles of 3 tokens (so blocks
     chosen by many tokens span several tiles, and a tile can end short), partial results written in several
@@ -149,7 +149,6 @@ def test_sparse_prefill_by_block_matches_reference(monkeypatch, case, dtype):
         assert not out.isnan().any(), "some output element was never written"
         expected = reference.sparse_attention(q, kv, meta, selected, scale)
         torch.testing.assert_close(out, expected, rtol=rtol, atol=atol)
-        torch.testing.assert_close(out, sparse_attention(q, kv, meta, selected, scale), rtol=rtol, atol=atol)
 
 
 def test_by_block_tiles_group_pairs_of_one_block():

@@ -22,7 +22,7 @@ import torch
 from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
 from nanoserve.bench.workloads import Workload
 from nanoserve.config import KERNEL, EngineConfig, Optimizations
-from nanoserve.engine.builder import make_executor
+from nanoserve.engine.builder import DEFAULT_MAX_NUM_BATCHED_TOKENS, make_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.runner.kv_cache import kv_cache_bytes_per_block
@@ -162,7 +162,7 @@ class NanoBench:
                               quantization=self.weight_memory.get("weight_format"))
         if self._kv_tokens is not None:
             self.config.num_gpu_blocks_override = self._kv_blocks(self._kv_tokens, max_model_len, dtype_t)
-        budget = self.config.max_num_batched_tokens or 8192
+        budget = self.config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         t0 = time.perf_counter()
         self.num_blocks = self.executor.initialize_cache(max_model_len, budget, max_num_seqs)
         self.cache_s = time.perf_counter() - t0

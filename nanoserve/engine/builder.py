@@ -17,7 +17,7 @@ from nanoserve.executor.base import Executor
 from nanoserve.executor.local import LocalExecutor
 from nanoserve.model.m3_config import M3Config
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 16384
 
 
 def make_executor(config: EngineConfig) -> Executor:

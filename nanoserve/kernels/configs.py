@@ -65,7 +65,9 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # Block-sparse prefill grouped by KV block (switch msa_sparse_by_block), one program per tile of (token, KV
     # group, slot) pairs that selected one block: block_m = pairs (tokens) per tile, times the GQA group as rows;
     # block_n = keys per tile of the KV block.
-    "sparse_by_block": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(4, 64, 1, 1)},
+    # Merge of the by-block partial results, one program per (token, block_m query heads).
+    "slot_combine": {"cuda": Tiles(4, 0, 4, 1), "hip": Tiles(8, 0, 4, 1), "interpret": Tiles(4, 0, 1, 1)},
+    "sparse_by_block": {"cuda": Tiles(4, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(4, 64, 1, 1)},
     # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step). "cuda": measured by
     # `scripts/gpu_prefill.py` (2026-12-03, H200, Triton 3.6) on one chunk of 8,192 queries at the end of a
     # 131,072-token context, each against the short-context entry above:
@@ -75,12 +77,12 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # - sparse: one query token per program 5.9 ms (random index queries) / 5.6 ms (drifting ones) vs 8 tokens
     #   22.4 / 11.4 ms: at 1,024 candidate blocks the union of several tokens' selections is mostly blocks a
     #   given row does not use, so wider query tiles compute masked rows (2-16 tokens: 10-43 ms).
-    "paged_prefill_long": {"cuda": Tiles(128, 128, 8, 3), "hip": Tiles(128, 64, 4, 2),
+    "paged_prefill_long": {"cuda": Tiles(128, 128, 8, 3, True), "hip": Tiles(128, 64, 4, 2),
                            "interpret": Tiles(32, 32, 1, 1)},
     "msa_score_prefill_long": {"cuda": Tiles(128, 0, 4, 3), "hip": Tiles(64, 0, 4, 2),
                                "interpret": Tiles(64, 0, 1, 1)},
     "sparse_prefill_long": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
-    "sparse_by_block_long": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2),
+    "sparse_by_block_long": {"cuda": Tiles(4, 64, 4, 3), "hip": Tiles(4, 64, 4, 2),
                              "interpret": Tiles(4, 64, 1, 1)},
     # QK-norm + RoPE + cache insert: block_m tokens per program, block_n (token, head) rows per step.
     "qk_norm_rope": {"cuda": Tiles(1, 32, 4, 1), "hip": Tiles(1, 32, 4, 1), "interpret": Tiles(16, 128, 1, 1)},

@@ -423,9 +423,7 @@ def by_block_tiles(selected: torch.Tensor, seq_local: torch.Tensor, n_seqs: int,
     key = torch.where(selected >= 0, key, torch.iinfo(torch.int64).max).flatten()
     sorted_key, order = torch.sort(key, stable=True)
     i = torch.arange(key.numel(), device=dev)
-    new_key = torch.ones_like(sorted_key, dtype=torch.bool)
-    new_key[1:] = sorted_key[1:] != sorted_key[:-1]
-    seg_start = torch.cummax(torch.where(new_key, i, 0), 0).values
+    seg_start = torch.searchsorted(sorted_key, sorted_key)  # first entry of each entry's key
     starts = ((i - seg_start) % tok_tile == 0) & (sorted_key != torch.iinfo(torch.int64).max)
     bound = triton.cdiv(key.numel(), tok_tile) + min(key.numel(), g * n_seqs * n_blocks)
     # tile k starts at the k-th start; the other entries scatter into a spare last slot (a boolean index would
@@ -475,7 +473,45 @@ def _sparse_prefill_by_block(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
             ROWS=max(MIN_DOT_ROWS, tok_tile * group_pad), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-        combine_splits(part_out, part_lse, out[lo:hi])
+        _combine_slots(part_out, part_lse, out[lo:hi])
+
+
+@triton.jit
+def _combine_slots_kernel(part_out_ptr, part_lse_ptr, out_ptr, stride_ot, stride_oh, num_heads,
+                          HEADS: tl.constexpr, SLOTS: tl.constexpr, SLOTS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          BLOCK_D: tl.constexpr):
+    """out[t, h] = sum_s w_s * part_out[t, h, s] with w_s = 2^lse_s / sum 2^lse, for HEADS heads of one token per
+    program (an unselected slot has lse -inf, weighs 0 and its partial output is not read)."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * HEADS + tl.arange(0, HEADS)
+    s = tl.arange(0, SLOTS_PAD)
+    d = tl.arange(0, BLOCK_D)
+    h_ok = h < num_heads
+    row = (t * num_heads + h) * SLOTS  # [HEADS]
+    lse = tl.load(part_lse_ptr + row[:, None] + s[None, :], mask=h_ok[:, None] & (s < SLOTS)[None, :],
+                  other=float("-inf"))
+    m = tl.max(lse, 1)
+    used = lse > float("-inf")
+    w = tl.where(used, tl.exp2(lse - tl.where(m > float("-inf"), m, 0.0)[:, None]), 0.0)
+    parts = tl.load(part_out_ptr + (row[:, None, None] + s[None, :, None]) * HEAD_DIM + d[None, None, :],
+                    mask=used[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+    acc = tl.sum(parts.to(tl.float32) * w[:, :, None], 1)
+    norm = tl.sum(w, 1)
+    o = acc / tl.where(norm > 0.0, norm, 1.0)[:, None]
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], o.to(out_ptr.dtype.element_ty),
+             mask=h_ok[:, None] & (d < HEAD_DIM)[None, :])
+
+
+def _combine_slots(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge the by-block partial results [T, H, topk, D] into out [T, H, D], several heads per program (the
+    decode merge's one (token, head) per program is launch-bound at prefill sizes)."""
+    t, h, slots, d = part_out.shape
+    cfg = tiles("slot_combine", out.device)
+    heads = min(cfg.block_m, triton.next_power_of_2(h))
+    _combine_slots_kernel[(t, triton.cdiv(h, heads))](
+        part_out, part_lse, out, out.stride(0), out.stride(1), h,
+        HEADS=heads, SLOTS=slots, SLOTS_PAD=triton.next_power_of_2(slots), HEAD_DIM=d,
+        BLOCK_D=triton.next_power_of_2(d), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
