@@ -367,7 +367,8 @@ def summary() -> None:
         lines.append(f"micro ctx {m['ctx']}: " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}"
                                                             for k, v in m.items() if k != "ctx"))
     for c in R["chunks"]:
-        lines.append(f"chunk [{c['tag']}] {c['chunk']}: W4-128k prefill {c['wall_ms']:.1f} ms peak {c['peak_gib']:.1f} GiB")
+        lines.append(f"chunk [{c['tag']}] {c['chunk']}: W4-128k prefill {c['wall_ms']:.1f} ms "
+                     f"peak {c['peak_gib']:.1f} GiB")
     for r in R["runs"]:
         lines.append(f"run {r['workload']} chunk {r['chunk']}: TTFT {r['ttft_ms']['mean']:.1f} ms "
                      f"TPOT {r['tpot_ms']['mean']:.3f}")

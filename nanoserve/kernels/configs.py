@@ -64,10 +64,11 @@ TABLES: dict[str, dict[str, Tiles]] = {
     "sparse_prefill": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
     # Block-sparse prefill grouped by KV block (switch msa_sparse_by_block), one program per tile of (token, KV
     # group, slot) pairs that selected one block: block_m = pairs (tokens) per tile, times the GQA group as rows;
-    # block_n = keys per tile of the KV block.
-    # Merge of the by-block partial results, one program per (token, block_m query heads).
-    "slot_combine": {"cuda": Tiles(4, 0, 4, 1), "hip": Tiles(8, 0, 4, 1), "interpret": Tiles(4, 0, 1, 1)},
+    # block_n = keys per tile of the KV block. cuda: the long-context choice (below); at a 16,384-token context it
+    # ran 5.04 / 4.97 ms (random / drifting index queries) against the 8-token sparse_prefill tile's 8.46 / 2.85.
     "sparse_by_block": {"cuda": Tiles(4, 64, 4, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(4, 64, 1, 1)},
+    # Merge of the by-block partial results, one program per (token, block_m query heads) (cuda: see below).
+    "slot_combine": {"cuda": Tiles(4, 0, 4, 1), "hip": Tiles(8, 0, 4, 1), "interpret": Tiles(4, 0, 1, 1)},
     # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step). "cuda": measured by
     # `scripts/gpu_prefill.py` (2026-12-03, H200, Triton 3.6) on one chunk of 8,192 queries at the end of a
     # 131,072-token context, each against the short-context entry above:
@@ -77,6 +78,14 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # - sparse: one query token per program 5.9 ms (random index queries) / 5.6 ms (drifting ones) vs 8 tokens
     #   22.4 / 11.4 ms: at 1,024 candidate blocks the union of several tokens' selections is mostly blocks a
     #   given row does not use, so wider query tiles compute masked rows (2-16 tokens: 10-43 ms).
+    # Second pass (2026-12-03, same shape, `scripts/gpu_prefill.py` with SWEEP=1):
+    # - dense: K/V through TMA descriptors, 128 x 128, 8 warps, 3 stages 78.7 ms (433 TFLOP/s) vs the same tiles with
+    #   pointer loads 84.0 ms (and the kernel before the exponent's folded scale 86.1 ms); TMA 128 x 64 94.7 ms,
+    #   2 stages 79.3 ms.
+    # - by-block sparse (switch msa_sparse_by_block): 4 tokens per tile, 4 warps 8.55 / 8.32 ms (random / drifting
+    #   index queries, with the one-head-per-program merge) vs 8 tokens 9.63 / 9.32, 16 tokens 9.47 / 8.98,
+    #   8 tokens with 128-key tiles 9.87 / 9.48; with the 4-head merge (slot_combine) the whole call is
+    #   5.16 / 4.98 ms (2 heads 6.97 / 6.73, 8 heads 5.55 / 5.35).
     "paged_prefill_long": {"cuda": Tiles(128, 128, 8, 3, True), "hip": Tiles(128, 64, 4, 2),
                            "interpret": Tiles(32, 32, 1, 1)},
     "msa_score_prefill_long": {"cuda": Tiles(128, 0, 4, 3), "hip": Tiles(64, 0, 4, 2),

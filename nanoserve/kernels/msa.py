@@ -27,6 +27,15 @@ after its position masked. Decode (BLOCK_T = 1) walks the token's selection list
 candidate blocks of the tile once each, so a block that several neighbouring tokens selected is read once for all
 of them. A selection list must not repeat a block (top-k never does).
 
+Prefill grouped by KV block (`_sparse_by_block_kernel`, switch `msa_sparse_by_block`): the prefill's (token,
+group, slot) pairs are sorted by (group, sequence, block) and cut into tiles of up to block_m tokens that selected
+the same block (`by_block_tiles`, on the device, no host synchronisation; the grid is an upper bound and extra
+programs exit). A program reads its block once for all its tokens' query heads and writes each row's softmax
+over that block as a partial result (normalised output in the query dtype, log2-sum-exp) at (token, head,
+slot); `_combine_slots_kernel` merges a token's slots, unselected slots (lse -inf) weighing nothing. At 128k
+context a token's 16 blocks are mostly its own, so the per-token kernel reads ~1 MiB per token and group; grouped
+by block, each block is read about once per tile.
+
 Decode is CUDA-graph capturable: grids and workspaces depend only on the number of sequences, head counts and
 meta.max_seq_len. Prefill may use the host-side query lengths (it chunks its queries so the score workspace stays
 under MAX_SCORE_WORKSPACE_BYTES).
