@@ -2,15 +2,18 @@
 `reference.fp8_linear`, and the fused MoE with fp8 experts (kernels/moe.py) against `reference.moe_experts` with
 the same fp8 weights and scales (both dequantise, then compute).
 
-Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py; the interpreter loads float8_e4m3fn and uint8
-tensors and converts them exactly), or compiled on a GPU when one is present; activations in fp32 and fp16 (the
-interpreter computes bf16 wrongly; bf16 is checked on the GPU by scripts/gpu_mxfp8.py). Weights are drawn fresh
-per case, quantised with `quantize_mxfp8`, and include blocks whose scales differ by many octaves, so a scale
-applied to the wrong 32 columns shows.
+Every kernel variant (fp8_configs.FP8_VARIANTS: acc, gather, bcast, swap, scaled) is checked. Runs on the CPU
+under TRITON_INTERPRET=1 (tests/conftest.py; the interpreter loads float8_e4m3fn and uint8 tensors and converts
+them exactly), or compiled on a GPU when one is present; activations in fp32 and fp16 (the interpreter rounds
+elementwise bf16 wrongly, so bf16 is checked on the GPU by scripts/tune_fp8.py and scripts/gpu_mxfp8.py), except
+"scaled" (tl.dot_scaled takes bf16 activations only), which the interpreter computes right in bf16. Weights are
+drawn fresh per case, quantised with `quantize_mxfp8`, and include blocks whose scales differ by many octaves, so
+a scale applied to the wrong 32 columns shows.
 
 Tolerances, as max |kernel - reference| <= RTOL x max |reference|:
-    fp32: FP32_RTOL = 1e-5   (the dequantised weights are identical; only the summation order differs)
-    fp16: FP16_RTOL = 1e-2   (split-K partials and fused gate/up stay fp32 where the reference rounds to fp16)
+    fp32: 1e-5   (the dequantised weights are identical; only the summation order differs)
+    fp16: 1e-2   (split-K partials and fused gate/up stay fp32 where the reference rounds to fp16)
+    bf16: 2e-2   (as fp16, with bf16's 8-bit mantissa)
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ from nanoserve.kernels.fp8_linear import LinearTiles, fp8_linear
 from nanoserve.kernels.moe import GemmTiles, MoEConfig, fused_moe
 from nanoserve.model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 
-RTOL = {torch.float32: 1e-5, torch.float16: 1e-2}
+RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+VARIANT_DTYPES = [(v, d) for v in ("acc", "gather", "bcast", "swap") for d in (torch.float32, torch.float16)] + \
+    [("scaled", torch.bfloat16)]
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 ALPHA, LIMIT, SCALE = 1.702, 7.0, 2.0
 
@@ -54,26 +59,49 @@ def test_quantize_roundtrip_is_the_checkpoint_rule():
     assert (dequantize_mxfp8(q, s, torch.float32) - w).abs().max() <= w.abs().max() * 2 ** -3
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant,dtype", VARIANT_DTYPES)
 @pytest.mark.parametrize("m,n,k,split,block_m", [(1, 96, 128, None, 16), (5, 64, 192, 3, 16),
                                                  (37, 80, 96, 1, 64), (16, 33, 320, 2, 64)])
-def test_fp8_linear_matches_reference(dtype, m, n, k, split, block_m):
-    """Row tiles of 16 scale the accumulator per 32-column block; of 64, dequantise the weight tile first."""
+def test_fp8_linear_matches_reference(variant, dtype, m, n, k, split, block_m):
+    """Each variant over decode-like and ragged shapes: splits of K, a ragged last row / column tile, K not a
+    multiple of BLOCK_K with one split (where "acc", which needs full K tiles, runs "bcast")."""
     gen = torch.Generator().manual_seed(m * 1000 + n + k)
     w, s = mx_weight(n, k, gen, std=1.0 / k ** 0.5)
     x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
-    got = fp8_linear(x, w, s, tiles=LinearTiles(block_m, 32, 64, 4, 1), split_k=split)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(block_m, 32, 64, 4, 1, variant), split_k=split)
     assert got.dtype == dtype and got.shape == (m, n)
     close(got, reference.fp8_linear(x, w, s), dtype)
 
 
-def test_fp8_linear_ragged_k_and_leading_dims():
+@pytest.mark.parametrize("variant", ["gather", "bcast", "swap"])
+def test_fp8_linear_ragged_k_and_leading_dims(variant):
     """K not a multiple of BLOCK_K (masked tail, scales included) and a 3-D input."""
     gen = torch.Generator().manual_seed(7)
     w, s = mx_weight(48, 160, gen, std=0.1)
     x = torch.randn(2, 3, 160, generator=gen).to(DEVICE)
-    got = fp8_linear(x, w, s, tiles=LinearTiles(16, 32, 64, 4, 1), split_k=1)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(16, 32, 64, 4, 1, variant), split_k=1)
     close(got, reference.fp8_linear(x, w, s), torch.float32)
+
+
+def test_fp8_linear_tuned_table_file(tmp_path, monkeypatch):
+    """A tune_fp8.py JSON file named by NANOSERVE_FP8_TUNED_CONFIG is read over the built-in table (CUDA only;
+    here: the lookup itself), and a bad variant name is refused."""
+    from nanoserve.kernels import fp8_configs
+
+    path = tmp_path / "tuned.json"
+    path.write_text('{"linear": {"96,128": {"1": ["swap", 16, 64, 128, 4, 3], "64": ["bcast", 64, 64, 64, 4, 3]}},'
+                    ' "moe": {"64,32,6": {"16": ["scaled", 16, 1, [32, 64, 4, 3], [32, 64, 4, 3]]}}}')
+    monkeypatch.setenv(fp8_configs.TUNED_CONFIG_ENV, str(path))
+    assert fp8_configs.linear_entry("cuda", 96, 128, 1) == ("swap", 16, 64, 128, 4, 3)
+    assert fp8_configs.linear_entry("cuda", 96, 128, 20)[0] == "bcast"
+    assert fp8_configs.linear_entry("cuda", 96, 128, 4096)[0] == "bcast"  # past the last bucket: the last one
+    assert fp8_configs.linear_entry("cuda", 97, 128, 1) is None
+    assert fp8_configs.moe_entry("cuda", 64, 32, 6, 3) == ("scaled", 16, 1, (32, 64, 4, 3), (32, 64, 4, 3))
+    assert fp8_configs.linear_entry("hip", 96, 128, 1) is None
+    gen = torch.Generator().manual_seed(2)
+    w, s = mx_weight(32, 64, gen)
+    with pytest.raises(ValueError, match="variant"):
+        fp8_linear(torch.randn(2, 64, device=DEVICE), w, s, tiles=LinearTiles(16, 32, 64, 4, 1, "fast"))
 
 
 def test_fp8_linear_rejects_bad_inputs():
@@ -91,13 +119,13 @@ def make_mx_experts(slots: int, hidden: int, inter: int, gen: torch.Generator):
     return torch.stack(w13), torch.stack(s13), torch.stack(w2), torch.stack(s2)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("variant,dtype", VARIANT_DTYPES)
 @pytest.mark.parametrize("tokens,fold,use_map,block_m", [(3, False, False, 16), (21, True, False, 64),
                                                          (9, True, True, 16)])
-def test_fused_moe_fp8_experts_match_reference(dtype, tokens, fold, use_map, block_m):
+def test_fused_moe_fp8_experts_match_reference(variant, dtype, tokens, fold, use_map, block_m):
     """Routed experts (+ the folded shared expert in the last slot, + an expert-parallel map) with MXFP8
-    weights: the kernel dequantises in registers (BLOCK_M 16: scales on the accumulator per 32 columns; 64: the
-    weight tile dequantised before the dot), the reference per expert; the SwiGLU-OAI epilogue is shared."""
+    weights, dequantised in registers by each variant (GEMM 2's K = 96 is ragged for its 64-wide K tiles, so
+    "acc" runs "bcast" there), against the reference per expert; the SwiGLU-OAI epilogue is shared."""
     experts, top_k, hidden, inter = 6, 2, 64, 96
     gen = torch.Generator().manual_seed(tokens * 10 + fold)
     slots = experts + int(fold)
@@ -112,7 +140,7 @@ def test_fused_moe_fp8_experts_match_reference(dtype, tokens, fold, use_map, blo
         emap = emap.to(DEVICE)
     got = fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, expert_map=emap,
                     routed_scaling_factor=SCALE, fold_shared=fold, w13_scale=s13, w2_scale=s2,
-                    config=MoEConfig(block_m, 1, GemmTiles(32, 32, 4, 1), GemmTiles(32, 64, 4, 1)))
+                    config=MoEConfig(block_m, 1, GemmTiles(32, 32, 4, 1), GemmTiles(32, 64, 4, 1), variant))
     routed_w13 = w13[:experts] if not fold else w13[:-1]
     want = reference.moe_experts(x, routed_w13, w2[: routed_w13.shape[0]], ids, weights, ALPHA, LIMIT, emap,
                                  s13[: routed_w13.shape[0]], s2[: routed_w13.shape[0]]).float() * SCALE

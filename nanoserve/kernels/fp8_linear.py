@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import backend, sm_count
+from nanoserve.kernels.fp8_configs import FP8_VARIANTS, linear_entry
 
 MXFP8_BLOCK = 32
 SCALE_ACC_MAX_M = 32
@@ -45,15 +46,22 @@ class LinearTiles:
     block_k: int
     num_warps: int
     num_stages: int
+    variant: str = "auto"
+    """One of fp8_configs.FP8_VARIANTS, or "auto": "acc" for row tiles up to SCALE_ACC_MAX_M on full K tiles,
+    else "bcast"."""
 
 
-def select_tiles(m: int, n: int, k: int, device: torch.device) -> LinearTiles:
-    """Tiles by backend and batch size. Decode (M <= 16): one row tile, narrow N, long K (memory-bound);
-    mid batches: 64-row tiles; prefill: 128 x 128 tiles. BLOCK_K is a multiple of the 32-column scale block;
-    ROCm keeps 2 pipeline stages and tl.dot dims >= 16."""
+def select_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> LinearTiles:
+    """Tiles by backend and batch size: the tuned table (fp8_configs.py) for known shapes on CUDA, else a
+    heuristic. Decode (M <= 16): one row tile, narrow N, long K (memory-bound); mid batches: 64-row tiles;
+    prefill: 128 x 128 tiles. BLOCK_K is a multiple of the 32-column scale block; ROCm keeps 2 pipeline stages
+    and tl.dot dims >= 16."""
     kind = backend(device)
     if kind == "interpret":
         return LinearTiles(16, 32, 64, 4, 1)
+    entry = linear_entry(kind, n, k, m) if dtype.itemsize == 2 else None
+    if entry is not None:
+        return LinearTiles(*entry[1:], variant=entry[0])
     stages = 2 if kind == "hip" else None
     if m <= 16:
         t = LinearTiles(16, 64, 256, 4, 4)
@@ -78,6 +86,19 @@ def split_k_for(m: int, n: int, k: int, tiles: LinearTiles, device: torch.device
     return split
 
 
+def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype) -> int:
+    """The kernels' VARIANT constexpr for a variant name. "acc" needs full K tiles and "scaled" bf16 activations
+    (tl.dot_scaled's formats; its fp16 form would compute the scales in fp16, which cannot hold them all):
+    otherwise they become "bcast"."""
+    if variant == "auto":
+        variant = "acc" if block_m <= SCALE_ACC_MAX_M else "bcast"
+    if variant not in FP8_VARIANTS:
+        raise ValueError(f"unknown fp8 kernel variant {variant!r}; choose one of {FP8_VARIANTS} or 'auto'")
+    if (variant == "acc" and not even_k) or (variant == "scaled" and dtype != torch.bfloat16):
+        variant = "bcast"
+    return FP8_VARIANTS.index(variant)
+
+
 @triton.jit
 def _e8m0_to_float(s):
     """2^(s - 127) for a uint8 E8M0 exponent, built by placing s in fp32's exponent field (s = 0 gives 0)."""
@@ -87,7 +108,7 @@ def _e8m0_to_float(s):
 @triton.jit
 def dequant_fp8_tile(w_ptrs, s_ptrs, mask, out_dtype: tl.constexpr, MASKED: tl.constexpr):
     """Load an fp8 weight tile and its per-element scale pointers (k // 32 gathered), return it dequantised in
-    `out_dtype`. Shared by the linear and the fused MoE kernels."""
+    `out_dtype` (the "gather" variant)."""
     if MASKED:
         w = tl.load(w_ptrs, mask=mask, other=0.0)
         s = tl.load(s_ptrs, mask=mask, other=127)
@@ -98,11 +119,37 @@ def dequant_fp8_tile(w_ptrs, s_ptrs, mask, out_dtype: tl.constexpr, MASKED: tl.c
 
 
 @triton.jit
+def dequant_rows(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, out_dtype: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] fp8 with s [BLOCK_N, BLOCK_K // 32] E8M0 -> W in `out_dtype`, each scale broadcast
+    over its 32 columns in registers. bf16 multiplies in bf16 (a power of two times an e4m3 value is exact there);
+    other dtypes in fp32 (fp16 cannot hold every scale)."""
+    f = _e8m0_to_float(s)
+    if out_dtype == tl.bfloat16:
+        blocks = tl.reshape(w.to(tl.bfloat16), (BLOCK_N, BLOCK_K // 32, 32)) * f.to(tl.bfloat16)[:, :, None]
+    else:
+        blocks = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * f[:, :, None]
+    return tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(out_dtype)
+
+
+@triton.jit
+def mx_dot(acc, a, w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VARIANT: tl.constexpr):
+    """acc += a [BLOCK_M, BLOCK_K] @ dequant(w [BLOCK_N, BLOCK_K] fp8, s [BLOCK_N, BLOCK_K // 32])^T for the
+    "bcast" (2), "swap" (3, acc is [BLOCK_N, BLOCK_M] and gets W @ a^T) and "scaled" (4) variants."""
+    if VARIANT == 4:
+        return tl.dot_scaled(a, None, "bf16", w.T, s, "e4m3", acc, fast_math=True)
+    wd = dequant_rows(w, s, BLOCK_N, BLOCK_K, a.dtype)
+    # "ieee" only matters for fp32 operands (exact products instead of TF32); 16-bit operands ignore it.
+    if VARIANT == 3:
+        return tl.dot(wd, a.T, acc, input_precision="ieee")
+    return tl.dot(a, wd.T, acc, input_precision="ieee")
+
+
+@triton.jit
 def scaled_block_dot(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, k, BLOCK_K: tl.constexpr, dot_dtype: tl.constexpr):
     """acc += sum over the BLOCK_K // 32 scale blocks from column k of (a_blk @ fp8_blk) * 2^(s - 127).
 
-    The small-M form: each 32-column block is a bf16 dot of exact fp8 values, scaled on the fp32 accumulator by a
-    [BLOCK_N] vector of factors, so the scales are BLOCK_N byte loads per block (not one per weight) and every
+    The "acc" variant: each 32-column block is a bf16 dot of exact fp8 values, scaled on the fp32 accumulator by
+    a [BLOCK_N] vector of factors, so the scales are BLOCK_N byte loads per block (not one per weight) and every
     load is a contiguous 32-byte row. `a_ptrs` [BLOCK_M, 32], `w_ptrs` [32, BLOCK_N], `s_ptrs` [BLOCK_N] point at
     column block 0; full K tiles only (no K mask)."""
     for j in tl.static_range(BLOCK_K // 32):
@@ -120,8 +167,9 @@ def scaled_block_dot(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, k, BLOCK_K: tl.constex
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                        stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, SCALE_ACC: tl.constexpr):
-    """out[split, m, n] = sum over this split's K range of x[m, k] * W[n, k]."""
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, VARIANT: tl.constexpr):
+    """out[split, m, n] = sum over this split's K range of x[m, k] * W[n, k]. VARIANT: 0 acc, 1 gather,
+    2 bcast, 3 swap, 4 scaled (fp8_configs.FP8_VARIANTS)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -137,36 +185,65 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
     w_rows = (cols % N).to(tl.int64)  # the ragged last tile re-reads valid rows; those columns are not stored
     x_rows = (rows % M).to(tl.int64)
     k0 = split * k_per_split
+    k_end = tl.minimum(k0 + k_per_split, K)
     ks = k0 + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + x_rows[:, None] * stride_xm + ks[None, :]
-    w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]
-    s_ptrs = s_ptr + w_rows[None, :] * stride_sn + ks[:, None] // 32
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    k_end = tl.minimum(k0 + k_per_split, K)
-    if SCALE_ACC:  # small M, full K tiles: scales applied per 32-column block on the accumulator
+    if VARIANT == 0:  # scales applied per 32-column block on the accumulator (full K tiles)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k32 = tl.arange(0, 32)
         a32 = x_ptr + x_rows[:, None] * stride_xm + k32[None, :]
         w32 = w_ptr + w_rows[None, :] * stride_wn + k32[:, None]
         s32 = s_ptr + w_rows * stride_sn
         for k in range(k0, k_end, BLOCK_K):
             acc = scaled_block_dot(acc, a32, None, w32, s32, k, BLOCK_K, x_ptr.dtype.element_ty)
-        k_end = k0  # nothing left for the general loop below
-    for k in range(k0, k_end, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(x_ptrs)
-            w = dequant_fp8_tile(w_ptrs, s_ptrs, None, x_ptr.dtype.element_ty, False)
+    elif VARIANT == 1:  # the whole tile dequantised with a scale gathered per weight
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        w_ptrs = w_ptr + w_rows[None, :] * stride_wn + ks[:, None]
+        s_ptrs = s_ptr + w_rows[None, :] * stride_sn + ks[:, None] // 32
+        for k in range(k0, k_end, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                w = dequant_fp8_tile(w_ptrs, s_ptrs, None, x_ptr.dtype.element_ty, False)
+            else:
+                in_k = (k + tl.arange(0, BLOCK_K)) < k_end
+                a = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+                w = dequant_fp8_tile(w_ptrs, s_ptrs, in_k[:, None], x_ptr.dtype.element_ty, True)
+            acc = tl.dot(a, w, acc, input_precision="ieee")
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            s_ptrs += BLOCK_K // 32
+    else:  # bcast / swap / scaled: [BLOCK_N, BLOCK_K] weight rows with their [BLOCK_N, BLOCK_K // 32] scales
+        if VARIANT == 3:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         else:
-            in_k = (k + tl.arange(0, BLOCK_K)) < k_end
-            a = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
-            w = dequant_fp8_tile(w_ptrs, s_ptrs, in_k[:, None], x_ptr.dtype.element_ty, True)
-        # "ieee" only matters for fp32 operands (exact products instead of TF32); 16-bit operands ignore it.
-        acc = tl.dot(a, w, acc, input_precision="ieee")
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        s_ptrs += BLOCK_K // 32
-    mask = (rows[:, None] < M) & (cols[None, :] < N)
-    tl.store(out_ptr + split.to(tl.int64) * stride_os + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=mask)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+        w_ptrs = w_ptr + w_rows[:, None] * stride_wn + ks[None, :]
+        s_ptrs = s_ptr + w_rows[:, None] * stride_sn + kb[None, :]
+        for k in range(k0, k_end, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs)
+                w = tl.load(w_ptrs)
+                s = tl.load(s_ptrs)
+            else:
+                in_k = (k + tl.arange(0, BLOCK_K)) < k_end
+                in_kb = (k // 32 + tl.arange(0, BLOCK_K // 32)) < tl.cdiv(k_end, 32)
+                a = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+                s = tl.load(s_ptrs, mask=in_kb[None, :], other=127)
+            acc = mx_dot(acc, a, w, s, BLOCK_N, BLOCK_K, VARIANT)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+            s_ptrs += BLOCK_K // 32
+    out_base = out_ptr + split.to(tl.int64) * stride_os
+    if VARIANT == 3:  # acc is [BLOCK_N, BLOCK_M]: store it through transposed pointers
+        mask = (cols[:, None] < N) & (rows[None, :] < M)
+        tl.store(out_base + rows[None, :].to(tl.int64) * stride_om + cols[:, None],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        mask = (rows[:, None] < M) & (cols[None, :] < N)
+        tl.store(out_base + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -187,7 +264,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     if m == 0:
         return x.new_empty(*lead, n)
     weight, scale = weight.contiguous(), scale.contiguous()  # no-ops for the layer's parameters
-    t = tiles or select_tiles(m, n, k, x.device)
+    t = tiles or select_tiles(m, n, k, x.device, x.dtype)
     split = split_k if split_k is not None else split_k_for(m, n, k, t, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
     split = triton.cdiv(k, k_per_split)
@@ -197,8 +274,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     _fp8_linear_kernel[grid](
         x2, weight, scale, out, m, n, k, k_per_split,
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8,
-        EVEN_K=even_k, SCALE_ACC=even_k and t.block_m <= SCALE_ACC_MAX_M, num_warps=t.num_warps,
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k,
+        VARIANT=variant_code(t.variant, t.block_m, even_k, x.dtype), num_warps=t.num_warps,
         num_stages=t.num_stages)
     y = out[0] if split == 1 else out.sum(0).to(x.dtype)
     return y.reshape(*lead, n)

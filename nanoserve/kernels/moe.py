@@ -46,7 +46,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
-from nanoserve.kernels.fp8_linear import SCALE_ACC_MAX_M, dequant_fp8_tile, scaled_block_dot
+from nanoserve.kernels.fp8_configs import moe_entry
+from nanoserve.kernels.fp8_linear import dequant_fp8_tile, mx_dot, scaled_block_dot, variant_code
 from nanoserve.kernels.moe_align import moe_align, pair_expert
 
 MAX_TOKENS_PER_CALL = 16384
@@ -80,10 +81,14 @@ class MoEConfig:
     """GEMM 1: x @ w13^T with the SwiGLU-OAI epilogue."""
     down: GemmTiles
     """GEMM 2: act @ w2^T with the routing-weight epilogue."""
+    fp8_variant: str = "auto"
+    """MXFP8 experts only: how both GEMMs dequantise a weight tile (fp8_configs.FP8_VARIANTS; "auto": "acc" for
+    BLOCK_M up to SCALE_ACC_MAX_M on full K tiles, else "bcast")."""
 
 
-def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int]) -> MoEConfig:
-    return MoEConfig(block_m, group_m, GemmTiles(*up), GemmTiles(*down))
+def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int],
+         fp8_variant: str = "auto") -> MoEConfig:
+    return MoEConfig(block_m, group_m, GemmTiles(*up), GemmTiles(*down), fp8_variant)
 
 
 H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
@@ -121,13 +126,18 @@ def default_config(tokens: int, top_k: int, experts: int, on_rocm: bool) -> MoEC
 
 
 def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device,
-                  dtype: torch.dtype = torch.bfloat16) -> MoEConfig:
+                  dtype: torch.dtype = torch.bfloat16, w_fp8: bool = False) -> MoEConfig:
     """The tile configuration for this call: interpreter, tuned H200 table (16-bit operands: fp32 tiles would need
-    twice its shared memory), or the portable heuristic."""
+    twice its shared memory; MXFP8 experts use fp8_configs.py's table where it has the shape), or the portable
+    heuristic."""
     kind = backend(device)
     if kind == "interpret":
         return INTERPRETER_CONFIG
     sixteen_bit = dtype.itemsize == 2
+    if w_fp8 and sixteen_bit:
+        entry = moe_entry(kind, hidden, inter, experts, tokens)
+        if entry is not None:
+            return _cfg(*entry[1:], fp8_variant=entry[0])
     tuned = H200_CONFIGS.get((hidden, inter, experts)) if kind == "cuda" and sixteen_bit else None
     if tuned is not None:
         return tuned[token_bucket(tokens)]
@@ -156,8 +166,10 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       alpha, limit, s13_ptr, stride_se, stride_sn,
                       KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                      SCALE_ACC: tl.constexpr):
-    """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile."""
+                      VARIANT: tl.constexpr):
+    """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile.
+    MXFP8 weights (W_FP8) are dequantised as VARIANT says (fp8_linear.py: 0 acc, 1 gather, 2 bcast, 3 swap,
+    4 scaled)."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -179,7 +191,38 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = hidden
-    if SCALE_ACC:  # MXFP8, small BLOCK_M, full K tiles: scales on the accumulator per 32 columns (fp8_linear.py)
+    if VARIANT >= 2:  # [BLOCK_N, BLOCK_K] weight rows + [BLOCK_N, BLOCK_K // 32] scales (fp8_linear.py)
+        if VARIANT == 3:
+            acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        kb = tl.arange(0, BLOCK_K // 32)
+        g_rows = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + ks[None, :]
+        gs_rows = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn + kb[None, :]
+        for k in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
+                gw = tl.load(g_rows)
+                uw = tl.load(g_rows + inter * stride_wn)
+                gs = tl.load(gs_rows)
+                us = tl.load(gs_rows + inter * stride_sn)
+            else:
+                in_k = ks < hidden - k
+                in_kb = kb < (hidden - k) // 32
+                a = tl.load(x_ptrs, mask=real[:, None] & in_k[None, :], other=0.0)
+                gw = tl.load(g_rows, mask=in_k[None, :], other=0.0)
+                uw = tl.load(g_rows + inter * stride_wn, mask=in_k[None, :], other=0.0)
+                gs = tl.load(gs_rows, mask=in_kb[None, :], other=127)
+                us = tl.load(gs_rows + inter * stride_sn, mask=in_kb[None, :], other=127)
+            acc_gate = mx_dot(acc_gate, a, gw, gs, BLOCK_N, BLOCK_K, VARIANT)
+            acc_up = mx_dot(acc_up, a, uw, us, BLOCK_N, BLOCK_K, VARIANT)
+            x_ptrs += BLOCK_K
+            g_rows += BLOCK_K
+            gs_rows += BLOCK_K // 32
+        if VARIANT == 3:
+            acc_gate = tl.trans(acc_gate)
+            acc_up = tl.trans(acc_up)
+        k_end = 0
+    if VARIANT == 0:  # small BLOCK_M, full K tiles: scales on the accumulator per 32 columns
         k32 = tl.arange(0, 32)
         a32 = x_ptr + token[:, None] * stride_xt + k32[None, :]
         g32 = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + k32[:, None]
@@ -231,7 +274,7 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
                           routed_scale, s2_ptr, stride_se, stride_sn,
                           TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                          SCALE_ACC: tl.constexpr):
+                          VARIANT: tl.constexpr):
     """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared)."""
     KP: tl.constexpr = TOPK + FOLD
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
@@ -248,7 +291,31 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
     s_ptrs = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[None, :] * stride_sn + ks[:, None] // 32
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_end = inter
-    if SCALE_ACC:
+    if VARIANT >= 2:
+        if VARIANT == 3:
+            acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        kb = tl.arange(0, BLOCK_K // 32)
+        w_rows_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + ks[None, :]
+        s_rows_ptrs = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn + kb[None, :]
+        for k in range(0, inter, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs)
+                w = tl.load(w_rows_ptrs)
+                s = tl.load(s_rows_ptrs)
+            else:
+                in_k = ks < inter - k
+                in_kb = kb < (inter - k) // 32
+                a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
+                w = tl.load(w_rows_ptrs, mask=in_k[None, :], other=0.0)
+                s = tl.load(s_rows_ptrs, mask=in_kb[None, :], other=127)
+            acc = mx_dot(acc, a, w, s, BLOCK_N, BLOCK_K, VARIANT)
+            a_ptrs += BLOCK_K
+            w_rows_ptrs += BLOCK_K
+            s_rows_ptrs += BLOCK_K // 32
+        if VARIANT == 3:
+            acc = tl.trans(acc)
+        k_end = 0
+    if VARIANT == 0:
         k32 = tl.arange(0, 32)
         a32 = act_ptr + rows[:, None].to(tl.int64) * stride_ar + k32[None, :]
         w32 = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[None, :] * stride_wn + k32[:, None]
@@ -367,7 +434,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if expert_map is not None:
         expert_map = expert_map.to(torch.int32).contiguous()
     fold = bool(fold_shared)
-    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype)
+    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype, w_fp8)
 
     align = moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
@@ -378,7 +445,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         float(alpha), float(limit), s13, s13.stride(0), s13.stride(1),
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
-        SCALE_ACC=w_fp8 and hidden % up.block_k == 0 and cfg.block_m <= SCALE_ACC_MAX_M,
+        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype) if w_fp8 else 1,
         num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -389,8 +456,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1),
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
-        SCALE_ACC=w_fp8 and inter % down.block_k == 0 and cfg.block_m <= SCALE_ACC_MAX_M, num_warps=down.num_warps,
-        num_stages=down.num_stages)
+        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype) if w_fp8 else 1,
+        num_warps=down.num_warps, num_stages=down.num_stages)
 
     out = torch.empty_like(x)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
