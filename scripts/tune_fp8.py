@@ -404,8 +404,9 @@ def main() -> int:
         if name in skip:
             continue
         t1 = time.perf_counter()
+        part_deadline = t1 + 0.45 * (deadline - t1) if name == "linear" and "moe" not in skip else deadline
         try:
-            fn(args.preset, rows_list, dev, timer, rec, deadline)
+            fn(args.preset, rows_list, dev, timer, rec, part_deadline)
         except Exception:  # noqa: BLE001
             print(f"[{name}] FAILED: {traceback.format_exc()}", flush=True)
         print(f"[{name}] {time.perf_counter() - t1:.1f} s", flush=True)
