@@ -34,10 +34,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoserve.kernels.fp8_configs import FP8_VARIANTS  # noqa: E402
+
 OUT = os.environ.get("OUT", "/tmp/tune_fp8")
 RTOL = 2e-2
 WEIGHT_STD = 0.02
 SMALL_ROWS = 64
+VARIANTS = list(FP8_VARIANTS)
 """Batches up to this many rows are judged by GB/s of weights read; larger ones by TFLOP/s."""
 
 
@@ -48,6 +51,14 @@ SMALL_ROWS = 64
 
 def linear_candidates(m: int) -> list[tuple]:
     """(variant, block_m, block_n, block_k, warps, stages) entries to time at M rows."""
+    return [e for e in _linear_candidates(m) if e[0] in VARIANTS]
+
+
+def moe_candidates(t: int) -> list[tuple]:
+    return [e for e in _moe_candidates(t) if e[0] in VARIANTS]
+
+
+def _linear_candidates(m: int) -> list[tuple]:
     out = []
     if m <= SMALL_ROWS:
         bm = 16 if m <= 16 else (32 if m <= 32 else 64)
@@ -56,6 +67,7 @@ def linear_candidates(m: int) -> list[tuple]:
         for variant in ("bcast", "swap", "scaled"):
             for bn, bk, stages in ((64, 256, 3), (64, 128, 4), (128, 128, 4), (128, 256, 3)):
                 out.append((variant, bm, bn, bk, 4, stages))
+        out += [("swap", bm, 64, 256, 4, 4), ("swap", bm, 64, 512, 4, 3), ("swap", bm, 128, 256, 8, 3)]
     else:
         bm_small = 64 if m <= 128 else 128
         out.append(("gather", bm_small, 128, 64, 8 if bm_small == 128 else 4, 3))  # the old large-M path
@@ -63,10 +75,11 @@ def linear_candidates(m: int) -> list[tuple]:
             for tiles in ((bm_small, 128, 64, 4, 4), (bm_small, 128, 128, 8, 3), (128, 256, 64, 8, 3),
                           (bm_small, 256, 128, 8, 3)):
                 out.append((variant, *tiles))
+        out.append(("dequant", 128, 128, 64, 4, 4))  # tiles unused: dequantise, then F.linear
     return list(dict.fromkeys(out))
 
 
-def moe_candidates(t: int) -> list[tuple]:
+def _moe_candidates(t: int) -> list[tuple]:
     """(variant, block_m, group_m, up tiles, down tiles) entries to time at T tokens (top-4 of 128 experts: a
     routed expert sees ~T / 32 rows, the shared one T)."""
     out = []
@@ -372,11 +385,13 @@ def main() -> int:
     ap.add_argument("--sweep-budget", type=float, default=200.0, help="seconds for compile + sweep")
     ap.add_argument("--bench-budget", type=float, default=0.0)
     ap.add_argument("--skip", default="", help="comma list of linear,moe")
+    ap.add_argument("--variants", default=",".join(FP8_VARIANTS), help="comma list: time only these variants")
     args = ap.parse_args()
     t0 = time.perf_counter()
     deadline = t0 + args.sweep_budget
     os.makedirs(OUT, exist_ok=True)
     rows_list = [int(r) for r in args.rows.split(",")]
+    VARIANTS[:] = args.variants.split(",")
     skip = set(args.skip.split(","))
     dev = torch.device("cuda")
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,

@@ -83,6 +83,20 @@ def test_fp8_linear_ragged_k_and_leading_dims(variant):
     close(got, reference.fp8_linear(x, w, s), torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_kernel_is_the_reference_rule(dtype):
+    """The "dequant" variant's one-pass kernel gives exactly `dequantize_mxfp8` (ragged N and K tiles), and the
+    variant (that copy, then F.linear) matches the reference GEMM."""
+    from nanoserve.kernels.fp8_linear import dequantize
+
+    gen = torch.Generator().manual_seed(11)
+    w, s = mx_weight(40, 96, gen, std=0.5)
+    torch.testing.assert_close(dequantize(w, s, dtype), dequantize_mxfp8(w, s, dtype), rtol=0, atol=0)
+    x = torch.randn(3, 96, generator=gen).to(DEVICE, dtype)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(16, 32, 64, 4, 1, "dequant"))
+    close(got, reference.fp8_linear(x, w, s), dtype)
+
+
 def test_fp8_linear_tuned_table_file(tmp_path, monkeypatch):
     """A tune_fp8.py JSON file named by NANOSERVE_FP8_TUNED_CONFIG is read over the built-in table (CUDA only;
     here: the lookup itself), and a bad variant name is refused."""
@@ -96,6 +110,7 @@ def test_fp8_linear_tuned_table_file(tmp_path, monkeypatch):
     assert fp8_configs.linear_entry("cuda", 96, 128, 20)[0] == "bcast"
     assert fp8_configs.linear_entry("cuda", 96, 128, 4096)[0] == "bcast"  # past the last bucket: the last one
     assert fp8_configs.linear_entry("cuda", 97, 128, 1) is None
+    assert fp8_configs.linear_entry("cuda", 6144, 8192, 1) is not None  # the built-in entries stay
     assert fp8_configs.moe_entry("cuda", 64, 32, 6, 3) == ("scaled", 16, 1, (32, 64, 4, 3), (32, 64, 4, 3))
     assert fp8_configs.linear_entry("hip", 96, 128, 1) is None
     gen = torch.Generator().manual_seed(2)

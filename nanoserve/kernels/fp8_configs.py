@@ -9,6 +9,9 @@ Each entry names a *variant* (how a weight tile is dequantised and multiplied) a
 - "swap":   "bcast"'s dequantised tile as the dot's first operand, W @ x^T (the weight rows fill the MMA's long
             side and the tile can stay in registers; the token rows are the narrow side), transposed at the store.
 - "scaled": `tl.dot_scaled` (bf16 activations x e4m3 weights with E8M0 scales): the compiler does the upcast.
+- "dequant": (linear only) W dequantised to a transient 16-bit copy by one Triton pass, then F.linear (cuBLAS):
+            for prefill-sized batches, where the library GEMM outruns any in-register dequantisation and the extra
+            2 bytes per weight are small next to the GEMM.
 
 Tables are keyed by backend ("cuda" only so far), then by the GEMM's shape and a batch bucket; a batch of M rows
 (tokens for the MoE) uses the smallest bucket >= M (the largest beyond). Shapes missing from a table use the
@@ -25,20 +28,37 @@ import functools
 import json
 import os
 
-FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled")
+FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled", "dequant")
 TUNED_CONFIG_ENV = "NANOSERVE_FP8_TUNED_CONFIG"
 
 LinearEntry = tuple  # (variant, block_m, block_n, block_k, num_warps, num_stages)
 MoEEntry = tuple  # (variant, block_m, group_m, (up block_n, block_k, warps, stages), (down ...))
 
 FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
-    # backend -> (N, K) -> {row bucket: entry}
-    "cuda": {},
+    # backend -> (N, K) -> {row bucket: entry}. "cuda": m3-slice's projections (qkv+index, dense down, dense
+    # gate_up, o_proj) on an H200, `scripts/tune_fp8.py` (2026-12-03, Triton 3.6, commit f20bde6).
+    "cuda": {
+        (6144, 12288): {1: ('bcast', 16, 64, 128, 4, 4), 8: ('bcast', 16, 64, 128, 4, 4), 32: ('bcast', 32, 64, 128, 4, 4), 64: ('bcast', 64, 64, 128, 4, 4), 128: ('bcast', 64, 128, 64, 4, 4), 512: ('swap', 128, 128, 128, 8, 3), 4096: ('scaled', 128, 128, 64, 4, 4)},
+        (24576, 6144): {1: ('bcast', 16, 64, 128, 4, 4), 8: ('bcast', 16, 64, 128, 4, 4), 32: ('scaled', 32, 64, 128, 4, 4), 64: ('bcast', 64, 64, 128, 4, 4), 128: ('bcast', 64, 128, 64, 4, 4), 512: ('scaled', 128, 128, 64, 4, 4), 4096: ('scaled', 128, 128, 64, 4, 4)},
+        (6144, 8192): {1: ('scaled', 16, 64, 256, 4, 3), 8: ('bcast', 16, 64, 128, 4, 4), 32: ('bcast', 32, 64, 128, 4, 4), 64: ('scaled', 64, 128, 256, 4, 3), 128: ('scaled', 64, 128, 128, 8, 3), 512: ('scaled', 128, 128, 128, 8, 3), 4096: ('swap', 128, 128, 64, 4, 4)},
+        (9856, 6144): {1: ('bcast', 16, 64, 128, 4, 4), 8: ('bcast', 16, 64, 128, 4, 4), 32: ('bcast', 32, 64, 128, 4, 4), 64: ('scaled', 64, 128, 128, 4, 4), 128: ('bcast', 64, 128, 64, 4, 4), 512: ('swap', 128, 128, 64, 4, 4), 4096: ('scaled', 128, 128, 64, 4, 4)},
+    },
 }
 
 FP8_MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, MoEEntry]]] = {
-    # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}
-    "cuda": {},
+    # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}. "cuda": m3-slice's experts
+    # (top-4 + the folded shared expert) on an H200, `scripts/tune_fp8.py` (2026-12-03, Triton 3.6, f20bde6).
+    "cuda": {
+        (6144, 3072, 128): {
+            1: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
+            8: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
+            32: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
+            64: ('bcast', 16, 8, (32, 256, 4, 4), (64, 256, 4, 3)),
+            128: ('bcast', 16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
+            512: ('bcast', 32, 8, (128, 128, 4, 3), (128, 128, 4, 3)),
+            4096: ('scaled', 128, 16, (128, 128, 8, 3), (128, 128, 8, 3)),
+        },
+    },
 }
 
 
@@ -64,7 +84,8 @@ def _table(kind: str, backend: str) -> dict:
     path = os.environ.get(TUNED_CONFIG_ENV)
     if not path or backend != "cuda":
         return base
-    return {**base, **_tuned_file(path)[kind]}
+    tuned = _tuned_file(path)[kind]
+    return {shape: {**base.get(shape, {}), **tuned.get(shape, {})} for shape in {*base, *tuned}}
 
 
 def bucket_entry(buckets: dict[int, tuple], rows: int) -> tuple:
