@@ -67,7 +67,7 @@ def _linear_candidates(m: int) -> list[tuple]:
         for variant in ("bcast", "swap", "scaled"):
             for bn, bk, stages in ((64, 256, 3), (64, 128, 4), (128, 128, 4), (128, 256, 3)):
                 out.append((variant, bm, bn, bk, 4, stages))
-        out += [("swap", bm, 64, 256, 4, 4), ("swap", bm, 64, 512, 4, 3), ("swap", bm, 128, 256, 8, 3)]
+        out += [("swap", bm, 64, 256, 4, 4), ("swap", bm, 128, 256, 8, 3)]
     else:
         bm_small = 64 if m <= 128 else 128
         out.append(("gather", bm_small, 128, 64, 8 if bm_small == 128 else 4, 3))  # the old large-M path

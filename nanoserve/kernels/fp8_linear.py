@@ -3,20 +3,26 @@
     W[n, k] = fp8_e4m3[n, k] * 2^(S[n, k // 32] - 127)        (one E8M0 exponent per 1x32 block of a row)
 
 The weights stay in memory in their checkpoint form (fp8 [N, K] + uint8 scales [N, K / 32]), so a decode step
-streams 1 byte per weight (+ 1/32 byte of scale) instead of bf16's 2. Each program loads a [BLOCK_K, BLOCK_N] fp8
-tile and the matching scales, builds the power-of-two factors with an exponent-field shift (exact: no exp2, no
-table), multiplies in fp32 and rounds to the activation dtype. That rounding is exact (an e4m3 value times a
-power of two fits bf16's 8-bit mantissa and exponent), so the dot sees the very bf16 weights the dequantise-at-load
-path holds; results differ only by accumulation order. The dot is the activation dtype's (bf16 tensor cores on
-the GPU, fp32/fp16 under the CPU interpreter), accumulating in fp32.
+streams 1 byte per weight (+ 1/32 byte of scale) instead of bf16's 2. Each program loads fp8 weight tiles and
+their scales, builds the power-of-two factors with an exponent-field shift (exact: no exp2, no table) and rounds
+the products to the activation dtype. That rounding is exact (an e4m3 value times a power of two fits bf16's
+8-bit mantissa and exponent), so the dot sees the very bf16 weights the dequantise-at-load path holds; results
+differ only by accumulation order. The dot is the activation dtype's (bf16 tensor cores on the GPU, fp32/fp16
+under the CPU interpreter), accumulating in fp32.
+
+How a tile is dequantised and multiplied is a *variant* (fp8_configs.py lists them and holds the tuned tables):
+"acc" scales the accumulator per 32-column block (`scaled_block_dot`), "gather" loads a scale per weight,
+"bcast" loads the [BLOCK_N, BLOCK_K / 32] scales once and broadcasts them in registers (`dequant_rows`), "swap"
+does the same with the weight tile as the dot's first operand, "scaled" hands the tile to `tl.dot_scaled`, and
+"dequant" (large batches) writes a transient 16-bit copy of W in one pass and calls F.linear. `select_tiles`
+takes the variant and tiles from the tuned table for known shapes (`scripts/tune_fp8.py` writes it), else a
+heuristic.
 
 Small batches (decode) are bandwidth-bound and have few output tiles, so K is split across programs (SPLIT_K)
 until the grid covers the GPU a few times over; the fp32 partials are summed by one torch reduction (deterministic,
-no atomics). Large batches use square-ish tiles and no split. Small row tiles apply the scales on the fp32
-accumulator one 32-column block at a time (`scaled_block_dot`: a [BLOCK_N] vector of factors per block instead of
-one scale load per weight); large ones dequantise the whole weight tile in registers before a single dot. The
-same kernel serves every M. Activations are not quantised: Hopper has no block-scaled MMA, and applying a scale
-per 32 columns on the accumulator of an fp8 dot costs about as much as the bf16 MMA it would replace.
+no atomics). Large batches use square-ish tiles and no split. Activations are not quantised: Hopper has no
+block-scaled MMA, and scaling each 32-column block of an fp8 dot on the fp32 accumulator takes about as many
+CUDA-core operations as the bf16 MMA it would replace does tensor-core time.
 
 The plain-PyTorch reference is `reference.fp8_linear` (dequantise, then F.linear).
 """
@@ -300,7 +306,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
     weight, scale = weight.contiguous(), scale.contiguous()  # no-ops for the layer's parameters
     t = tiles or select_tiles(m, n, k, x.device, x.dtype)
     if t.variant == "dequant":  # large batches: a transient 16-bit copy of W, then the library GEMM
-        return F.linear(x2, dequantize(weight, scale, x.dtype)).reshape(*lead, n)
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return F.linear(x2, dequantize(weight, scale, x.dtype)).reshape(*lead, n)
+        # A captured decode graph would keep that copy in its memory pool, which the KV-cache plan does not
+        # count (it measures an eager step): dequantise in registers there.
+        t = LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, "bcast")
     split = split_k if split_k is not None else split_k_for(m, n, k, t, x.device)
     k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
     split = triton.cdiv(k, k_per_split)

@@ -34,7 +34,10 @@ kernels unchanged; the caller's all-reduce sums the ranks.
 Tile configurations come from kernels/configs.py's MOE_TILES (H200, bf16), keyed by (hidden, intermediate, routed
 experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on another card); other shapes and AMD
 GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU
-interpreter gets a small fixed tile.
+interpreter gets a small fixed tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
+written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is dequantised (`fp8_variant`; the
+variants are those of fp8_linear.py, sharing its jitted helpers); shapes missing from it fall back to the bf16
+table's tiles with "auto".
 """
 
 from __future__ import annotations
