@@ -37,7 +37,7 @@ MoEEntry = tuple  # (variant, block_m, group_m, (up block_n, block_k, warps, sta
 FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     # backend -> (N, K) -> {row bucket: entry}. "cuda": m3-slice's projections (qkv+index 9856 x 6144, o_proj
     # 6144 x 8192, dense gate_up 24576 x 6144, dense down 6144 x 12288) on an H200, from two runs of
-    # `scripts/tune_fp8.py` (2026-12-03, Triton 3.6; commits f20bde6 and 038d377: the second timed "swap", which
+    # `scripts/tune_fp8.py` (2026-12-03, Triton 3.6; commits 2a271b1 and aae03ba: the second timed "swap", which
     # did not compile in the first, and "dequant"), each entry the lowest mean time of the runs that timed it.
     # Decode-sized timings moved by up to 2x between the two runs for one entry (docs/benchmarks.md): entries
     # within that spread of each other are not told apart.
