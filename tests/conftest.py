@@ -19,6 +19,14 @@ os.environ.setdefault("NANOSERVE_CPU_THREADS", "1")  # the same for LLM and for 
 
 
 @pytest.fixture(scope="session")
+def device() -> torch.device:
+    """Where the kernel tests run: the GPU when there is one (compiled Triton), else the CPU (Triton's interpreter,
+    chosen above). Inputs are drawn on the CPU from seeded generators, then moved here with everything else the
+    kernel and its reference read: a tensor left on the CPU fails a GPU launch."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> str:
     """An m3-tiny checkpoint directory (real key names, bf16, tokenizer), written once per test session."""
     from nanoserve.presets.catalog import get_preset

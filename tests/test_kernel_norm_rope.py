@@ -1,5 +1,5 @@
 """Fused QK-norm + RoPE + cache insert and fused residual-add + RMSNorm (kernels/norm_rope.py) against the
-reference path, under the Triton interpreter on the CPU.
+reference path, on the `device` fixture (the GPU where there is one, else the Triton interpreter on the CPU).
 
 qk_norm_rope_insert is checked against the reference branch of M3Attention._norm_rope_insert, step for step:
 per-head Gemma norm rounded to the activation dtype, partial NeoX RoPE in fp32, K/V and index-key cache writes,
@@ -49,19 +49,21 @@ def reference_norm_rope_insert(qkv, sizes, head_dim, weights, cos, sin, slots, k
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("sparse", [False, True], ids=["dense_layer", "msa_layer"])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_qk_norm_rope_insert_matches_reference(shape, sparse, dtype):
+def test_qk_norm_rope_insert_matches_reference(shape, sparse, dtype, device):
     hq, hkv, d, g, di, rotary = SHAPES[shape]
     gen = torch.Generator().manual_seed(0)
     tokens, block_size, num_blocks = 21, 16, 4
     sizes = [hq * d, hkv * d, hkv * d] + ([g * di, di] if sparse else [])
-    qkv = (3 * torch.randn(tokens, sum(sizes), generator=gen)).to(dtype)
-    weights = [0.3 * torch.randn(d if i < 2 else di, generator=gen) for i in range(4)]  # fp32, as the layer keeps
-    positions = torch.randint(0, 4096, (tokens,), generator=gen)
-    cos, sin = reference.rope_cos_sin(positions, reference.rope_inv_freq(rotary, 5e6))
-    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    qkv = (3 * torch.randn(tokens, sum(sizes), generator=gen)).to(device, dtype)
+    weights = [(0.3 * torch.randn(d if i < 2 else di, generator=gen)).to(device)  # fp32, as the layer keeps
+               for i in range(4)]
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(device)
+    cos, sin = reference.rope_cos_sin(positions, reference.rope_inv_freq(rotary, 5e6, device))
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens].to(device)
     slots[[2, 11, 20]] = -1  # padding tokens
-    kv = torch.full((num_blocks, 2, block_size, hkv, d), float("nan"), dtype=dtype)
-    index_cache = torch.full((num_blocks, block_size, di), float("nan"), dtype=dtype) if sparse else None
+    kv = torch.full((num_blocks, 2, block_size, hkv, d), float("nan"), dtype=dtype, device=device)
+    index_cache = (torch.full((num_blocks, block_size, di), float("nan"), dtype=dtype, device=device) if sparse
+                   else None)
     kv_ref = kv.clone()
     index_ref = index_cache.clone() if sparse else None
 
@@ -85,11 +87,11 @@ def test_qk_norm_rope_insert_matches_reference(shape, sparse, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("shape", [(7, 128), (1, 96), (2, 3, 64), (37, 48)])
-def test_fused_add_rmsnorm_matches_reference(shape, dtype):
+def test_fused_add_rmsnorm_matches_reference(shape, dtype, device):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(shape, generator=gen).to(dtype)
-    residual = (4 * torch.randn(shape, generator=gen)).to(dtype)
-    weight = 0.2 * torch.randn(shape[-1], generator=gen)
+    x = torch.randn(shape, generator=gen).to(device, dtype)
+    residual = (4 * torch.randn(shape, generator=gen)).to(device, dtype)
+    weight = (0.2 * torch.randn(shape[-1], generator=gen)).to(device)
     with poisoned_outputs():
         normed, new_residual = fused_add_rmsnorm(x, residual, weight, EPS)
     normed_ref, residual_ref = reference.add_gemma_rmsnorm(x, residual, weight, EPS)
