@@ -265,6 +265,30 @@ def _attend_block(q, kv_head, page, b, row_selected, pos, m_i, l_i, acc, d, d_ok
     return m_i, l_i, acc
 
 
+@triton.jit
+def _query_rows(q_ptr, kv_ptr, positions_ptr, tok, kvh, rows, in_tile, stride_qt, stride_qh,
+                GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The query side of a sparse-attention tile whose row r is (token tok[r], query head r % GROUP_PAD of KV group
+    kvh): the rows' heads, which rows are real (in_tile and not GQA padding), the head dims d / d_ok, the [rows, d]
+    mask, the queries in the cache dtype (for the dot with K) and each row's position."""
+    heads = kvh * GROUP + rows % GROUP_PAD
+    row_ok = in_tile & (rows % GROUP_PAD < GROUP)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    qd_mask = row_ok[:, None] & d_ok[None, :]
+    q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
+    q = q.to(kv_ptr.dtype.element_ty)
+    pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+    return heads, row_ok, d, d_ok, qd_mask, q, pos
+
+
+@triton.jit
+def _softmax_start(ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """An empty online softmax for ROWS rows: running max -inf, running sum 0, accumulator 0."""
+    return (tl.full([ROWS], float("-inf"), tl.float32), tl.zeros([ROWS], tl.float32),
+            tl.zeros([ROWS, BLOCK_D], tl.float32))
+
+
 @triton.jit(do_not_specialize=["first_seq", "tiles_per_seq", "slots_per_split", "num_splits"])
 def _sparse_attention_kernel(
         q_ptr, kv_ptr, block_tables_ptr, positions_ptr, query_start_ptr, sel_ptr, out_ptr, part_out_ptr,
@@ -288,23 +312,15 @@ def _sparse_attention_kernel(
     if n_tok > 0:
         rows = tl.arange(0, ROWS)
         t = rows // GROUP_PAD
-        heads = kvh * GROUP + rows % GROUP_PAD
-        row_ok = (rows % GROUP_PAD < GROUP) & (t < n_tok)
         tok = (q_start + t0 + t).to(tl.int64)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        qd_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask,
-                    other=0.0)
-        q = q.to(kv_ptr.dtype.element_ty)
-        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        heads, row_ok, d, d_ok, qd_mask, q, pos = _query_rows(q_ptr, kv_ptr, positions_ptr, tok, kvh, rows,
+                                                               t < n_tok, stride_qt, stride_qh,
+                                                               GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D)
         sel_rows = sel_ptr + tok * stride_sel_t + kvh * stride_sel_g  # [ROWS] each row's token's selection
         bt_row = block_tables_ptr + seq * stride_bt
         kv_head = kv_ptr + kvh * stride_kv_head
 
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _softmax_start(ROWS, BLOCK_D)
         if BLOCK_T == 1:
             slot_lo = split * slots_per_split
             for slot in range(slot_lo, tl.minimum(slot_lo + slots_per_split, TOPK)):
@@ -398,19 +414,11 @@ def _sparse_by_block_kernel(
         t_local = pair // (NUM_KV * TOPK)
         slot = pair % TOPK
         tok = tok_lo + t_local
-        heads = kvh * GROUP + rows % GROUP_PAD
-        row_ok = in_tile & (rows % GROUP_PAD < GROUP)
-        d = tl.arange(0, BLOCK_D)
-        d_ok = d < HEAD_DIM
-        qd_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask,
-                    other=0.0)
-        q = q.to(kv_ptr.dtype.element_ty)
-        pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
+        heads, row_ok, d, d_ok, qd_mask, q, pos = _query_rows(q_ptr, kv_ptr, positions_ptr, tok, kvh, rows, in_tile,
+                                                               stride_qt, stride_qh,
+                                                               GROUP, GROUP_PAD, HEAD_DIM, BLOCK_D)
         page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)
-        l_i = tl.zeros([ROWS], tl.float32)
-        acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
+        m_i, l_i, acc = _softmax_start(ROWS, BLOCK_D)
         m_i, l_i, acc = _attend_block(q, kv_ptr + kvh * stride_kv_head, page, b, row_ok, pos, m_i, l_i, acc, d,
                                       d_ok, qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok, BLOCK_N, PAGE)
         part_row = (t_local * num_heads + heads) * TOPK + slot
