@@ -2,7 +2,7 @@
 `reference.fp8_linear`, and the fused MoE with fp8 experts (kernels/moe.py) against `reference.moe_experts` with
 the same fp8 weights and scales (both dequantise, then compute).
 
-Every kernel variant (fp8_configs.FP8_VARIANTS: acc, gather, bcast, swap, scaled) is checked. Runs on the CPU
+Every kernel variant (fp8_configs.FP8_VARIANTS: acc, gather, bcast, swap, scaled, dequant, gemv) is checked. Runs on the CPU
 under TRITON_INTERPRET=1 (tests/conftest.py; the interpreter loads float8_e4m3fn and uint8 tensors and converts
 them exactly), or compiled on a GPU when one is present; activations in fp32 and fp16 (the interpreter rounds
 elementwise bf16 wrongly, so bf16 is checked on the GPU by scripts/tune_fp8.py and scripts/gpu_mxfp8.py), except
@@ -97,6 +97,37 @@ def test_dequantize_kernel_is_the_reference_rule(dtype):
     close(got, reference.fp8_linear(x, w, s), dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,n,k,split,block_m", [(1, 96, 256, None, 1), (1, 40, 160, 2, 1), (3, 64, 192, 3, 4),
+                                                 (5, 33, 128, 1, 2)])
+def test_fp8_linear_gemv_matches_reference(dtype, m, n, k, split, block_m):
+    """The CUDA-core "gemv" variant (decode): one to a few rows per tile (5 rows in 2-row tiles: three row tiles,
+    the last one ragged), K split (by the heuristic, and into 2 or 3 ranges, the last one short), K not a multiple
+    of BLOCK_K (masked weights and scales), a ragged last column tile."""
+    gen = torch.Generator().manual_seed(m * 1000 + n + k + 5)
+    w, s = mx_weight(n, k, gen, std=1.0 / k ** 0.5)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    got = fp8_linear(x, w, s, tiles=LinearTiles(block_m, 32, 64, 4, 1, "gemv"), split_k=split)
+    assert got.dtype == dtype and got.shape == (m, n)
+    close(got, reference.fp8_linear(x, w, s), dtype)
+
+
+def test_sum_splits_is_the_split_k_reduction():
+    """The one-launch split-K reduction: the fp32 sum over splits, rounded once to the output dtype."""
+    from nanoserve.kernels.fp8_linear import sum_splits
+
+    gen = torch.Generator().manual_seed(4)
+    part = torch.randn(3, 5, 700, generator=gen).to(DEVICE)
+    torch.testing.assert_close(sum_splits(part, torch.float32), part.sum(0), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(sum_splits(part, torch.float16), part.sum(0).half(), rtol=0, atol=0)
+
+
+def test_linear_tiles_from_table_entry():
+    """A table entry's optional 7th element is the split-K target (programs per multiprocessor)."""
+    assert LinearTiles.from_entry(("gemv", 1, 64, 256, 4, 1, 8)) == LinearTiles(1, 64, 256, 4, 1, "gemv", 8)
+    assert LinearTiles.from_entry(("bcast", 16, 64, 128, 4, 4)).split_waves == 4
+
+
 def test_fp8_linear_tuned_table_file(tmp_path, monkeypatch):
     """A tune_fp8.py JSON file named by NANOSERVE_FP8_TUNED_CONFIG is read over the built-in table (CUDA only;
     here: the lookup itself), and a bad variant name is refused."""
@@ -166,6 +197,19 @@ def test_fused_moe_fp8_experts_match_reference(variant, dtype, tokens, fold, use
         act = reference.swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], ALPHA, LIMIT).to(dtype)
         want = want + torch.nn.functional.linear(act, down).float()
     close(got, want, dtype)
+
+
+def test_fused_moe_runs_linear_only_variants_as_bcast():
+    """"gemv" and "dequant" name linear kernels; an MoE table entry naming one runs "bcast" (same result)."""
+    gen = torch.Generator().manual_seed(8)
+    w13, s13, w2, s2 = make_mx_experts(4, 64, 64, gen)
+    x = torch.randn(5, 64, generator=gen).to(DEVICE)
+    weights, ids = reference.route(torch.randn(5, 4, generator=gen).to(DEVICE), torch.zeros(4, device=DEVICE), 2)
+    outs = [fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, w13_scale=s13, w2_scale=s2,
+                      config=MoEConfig(16, 1, GemmTiles(32, 32, 4, 1), GemmTiles(32, 32, 4, 1), v))
+            for v in ("bcast", "gemv", "dequant")]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0)
+    torch.testing.assert_close(outs[2], outs[0], rtol=0, atol=0)
 
 
 def test_fused_moe_fp8_needs_both_scales():

@@ -12,6 +12,11 @@ Each entry names a *variant* (how a weight tile is dequantised and multiplied) a
 - "dequant": (linear only) W dequantised to a transient 16-bit copy by one Triton pass, then F.linear (cuBLAS):
             for prefill-sized batches, where the library GEMM outruns any in-register dequantisation and the extra
             2 bytes per weight are small next to the GEMM.
+- "gemv":   (linear only; the fused MoE runs it as "bcast") no tensor cores: a few token rows times the fp8 tile
+            in fp32 on CUDA cores, each 32-column block summed before its scale (one multiply per 32 weights),
+            no shared memory, split over K until the grid has `split_waves` programs per multiprocessor. For
+            decode (1-4 rows), where the tensor-core variants spend their time dequantising tiles for an MMA that
+            is 94 % padding.
 
 Tables are keyed by backend ("cuda" only so far), then by the GEMM's shape and a batch bucket; a batch of M rows
 (tokens for the MoE) uses the smallest bucket >= M (the largest beyond). Shapes missing from a table use the
@@ -28,10 +33,10 @@ import functools
 import json
 import os
 
-FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled", "dequant")
+FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled", "dequant", "gemv")
 TUNED_CONFIG_ENV = "NANOSERVE_FP8_TUNED_CONFIG"
 
-LinearEntry = tuple  # (variant, block_m, block_n, block_k, num_warps, num_stages)
+LinearEntry = tuple  # (variant, block_m, block_n, block_k, num_warps, num_stages[, split_waves])
 MoEEntry = tuple  # (variant, block_m, group_m, (up block_n, block_k, warps, stages), (down ...))
 
 FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {

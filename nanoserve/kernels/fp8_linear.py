@@ -38,8 +38,9 @@ import triton.language as tl
 
 from nanoserve.kernels.configs import backend, sm_count
 from nanoserve.kernels.fp8_configs import FP8_VARIANTS, linear_entry
+from nanoserve.kernels.fp8_tile import MXFP8_BLOCK, dequant_fp8_tile, dequant_rows, mx_tile_dot, mx_tile_gemv, \
+    scaled_block_dot
 
-MXFP8_BLOCK = 32
 SCALE_ACC_MAX_M = 32
 """Row tiles up to this size scale the accumulator per 32-column block (few rows: the extra multiplies are cheap
 and the scale loads shrink 32x); larger ones dequantise the weight tile before one dot (the multiplies amortise
@@ -56,6 +57,13 @@ class LinearTiles:
     variant: str = "auto"
     """One of fp8_configs.FP8_VARIANTS, or "auto": "acc" for row tiles up to SCALE_ACC_MAX_M on full K tiles,
     else "bcast"."""
+    split_waves: int = 4
+    """Small batches split K until the grid has about this many programs per multiprocessor (`split_k_for`)."""
+
+    @classmethod
+    def from_entry(cls, entry: tuple) -> LinearTiles:
+        """An fp8_configs.py table entry: (variant, block_m, block_n, block_k, warps, stages[, split_waves])."""
+        return cls(*entry[1:6], variant=entry[0], **({"split_waves": entry[6]} if len(entry) > 6 else {}))
 
 
 def select_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> LinearTiles:
@@ -68,7 +76,7 @@ def select_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtyp
         return LinearTiles(16, 32, 64, 4, 1)
     entry = linear_entry(kind, n, k, m) if dtype.itemsize == 2 else None
     if entry is not None:
-        return LinearTiles(*entry[1:], variant=entry[0])
+        return LinearTiles.from_entry(entry)
     stages = 2 if kind == "hip" else None
     if m <= 16:
         t = LinearTiles(16, 64, 256, 4, 4)
@@ -82,10 +90,10 @@ def select_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtyp
 
 
 def split_k_for(m: int, n: int, k: int, tiles: LinearTiles, device: torch.device) -> int:
-    """K splits so that a small-M GEMM still gives every multiprocessor ~4 programs; each split gets a whole
-    number of BLOCK_K steps. 1 for large M (enough output tiles already)."""
+    """K splits so that a small-M GEMM still gives every multiprocessor ~`tiles.split_waves` programs; each split
+    gets a whole number of BLOCK_K steps. 1 for large M (enough output tiles already)."""
     programs = triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n)
-    want = 4 * sm_count(device)
+    want = tiles.split_waves * sm_count(device)
     k_steps = triton.cdiv(k, tiles.block_k)
     split = 1
     while programs * split * 2 <= want and k_steps // (split * 2) >= 2:
@@ -93,13 +101,13 @@ def split_k_for(m: int, n: int, k: int, tiles: LinearTiles, device: torch.device
     return split
 
 
-def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype) -> int:
+def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype, moe: bool = False) -> int:
     """The kernels' VARIANT constexpr for a variant name. "acc" needs full K tiles and "scaled" bf16 activations
     (tl.dot_scaled's formats; its fp16 form would compute the scales in fp16, which cannot hold them all):
-    otherwise they become "bcast"."""
+    otherwise they become "bcast". The fused MoE (`moe`) runs "dequant" and "gemv" as "bcast"."""
     if variant == "auto":
         variant = "acc" if block_m <= SCALE_ACC_MAX_M else "bcast"
-    if variant == "dequant":  # the fused MoE's form of it: dequantise in registers
+    if variant == "dequant" or (moe and variant == "gemv"):  # the fused MoE's form: dequantise in registers
         variant = "bcast"
     if variant not in FP8_VARIANTS:
         raise ValueError(f"unknown fp8 kernel variant {variant!r}; choose one of {FP8_VARIANTS} or 'auto'")
@@ -108,81 +116,13 @@ def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype) -
     return FP8_VARIANTS.index(variant)
 
 
-@triton.jit
-def _e8m0_to_float(s):
-    """2^(s - 127) for a uint8 E8M0 exponent, built by placing s in fp32's exponent field (s = 0 gives 0)."""
-    return (s.to(tl.int32) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def dequant_fp8_tile(w_ptrs, s_ptrs, mask, out_dtype: tl.constexpr, MASKED: tl.constexpr):
-    """Load an fp8 weight tile and its per-element scale pointers (k // 32 gathered), return it dequantised in
-    `out_dtype` (the "gather" variant)."""
-    if MASKED:
-        w = tl.load(w_ptrs, mask=mask, other=0.0)
-        s = tl.load(s_ptrs, mask=mask, other=127)
-    else:
-        w = tl.load(w_ptrs)
-        s = tl.load(s_ptrs)
-    return (w.to(tl.float32) * _e8m0_to_float(s)).to(out_dtype)
-
-
-@triton.jit
-def dequant_rows(w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, out_dtype: tl.constexpr):
-    """w [BLOCK_N, BLOCK_K] fp8 with s [BLOCK_N, BLOCK_K // 32] E8M0 -> W in `out_dtype`, each scale broadcast
-    over its 32 columns in registers. bf16 multiplies in bf16 (a power of two times an e4m3 value is exact there);
-    other dtypes in fp32 (fp16 cannot hold every scale)."""
-    f = _e8m0_to_float(s)
-    if out_dtype == tl.bfloat16:
-        blocks = tl.reshape(w.to(tl.bfloat16), (BLOCK_N, BLOCK_K // 32, 32)) * f.to(tl.bfloat16)[:, :, None]
-    else:
-        blocks = tl.reshape(w.to(tl.float32), (BLOCK_N, BLOCK_K // 32, 32)) * f[:, :, None]
-    return tl.reshape(blocks, (BLOCK_N, BLOCK_K)).to(out_dtype)
-
-
-@triton.jit
-def mx_dot(acc, a, w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VARIANT: tl.constexpr):
-    """acc += a [BLOCK_M, BLOCK_K] @ dequant(w [BLOCK_N, BLOCK_K] fp8, s [BLOCK_N, BLOCK_K // 32])^T for the
-    "bcast" (2), "swap" (3, acc is [BLOCK_N, BLOCK_M] and gets W @ a^T) and "scaled" (4) variants."""
-    # One return at the end: the compiler also traces statements after a return inside a constexpr branch.
-    if VARIANT == 4:
-        out = tl.dot_scaled(a, None, "bf16", w.T, s, "e4m3", acc, fast_math=True)
-    else:
-        wd = dequant_rows(w, s, BLOCK_N, BLOCK_K, a.dtype)
-        # "ieee" only matters for fp32 operands (exact products instead of TF32); 16-bit operands ignore it.
-        if VARIANT == 3:
-            out = tl.dot(wd, a.T, acc, input_precision="ieee")
-        else:
-            out = tl.dot(a, wd.T, acc, input_precision="ieee")
-    return out
-
-
-@triton.jit
-def scaled_block_dot(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, k, BLOCK_K: tl.constexpr, dot_dtype: tl.constexpr):
-    """acc += sum over the BLOCK_K // 32 scale blocks from column k of (a_blk @ fp8_blk) * 2^(s - 127).
-
-    The "acc" variant: each 32-column block is a bf16 dot of exact fp8 values, scaled on the fp32 accumulator by
-    a [BLOCK_N] vector of factors, so the scales are BLOCK_N byte loads per block (not one per weight) and every
-    load is a contiguous 32-byte row. `a_ptrs` [BLOCK_M, 32], `w_ptrs` [32, BLOCK_N], `s_ptrs` [BLOCK_N] point at
-    column block 0; full K tiles only (no K mask)."""
-    for j in tl.static_range(BLOCK_K // 32):
-        if a_mask is None:
-            a = tl.load(a_ptrs + k + j * 32)
-        else:
-            a = tl.load(a_ptrs + k + j * 32, mask=a_mask, other=0.0)
-        w = tl.load(w_ptrs + k + j * 32).to(dot_dtype)
-        f = _e8m0_to_float(tl.load(s_ptrs + k // 32 + j))
-        acc += tl.dot(a, w, input_precision="ieee") * f[None, :]
-    return acc
-
-
 @triton.jit(do_not_specialize=["M"])
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                        stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, VARIANT: tl.constexpr):
     """out[split, m, n] = sum over this split's K range of x[m, k] * W[n, k]. VARIANT: 0 acc, 1 gather,
-    2 bcast, 3 swap, 4 scaled (fp8_configs.FP8_VARIANTS)."""
+    2 bcast, 3 swap, 4 scaled, 6 gemv (fp8_configs.FP8_VARIANTS)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     num_pid_m = tl.cdiv(M, BLOCK_M)
@@ -225,9 +165,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             s_ptrs += BLOCK_K // 32
-    else:  # bcast / swap / scaled: [BLOCK_N, BLOCK_K] weight rows with their [BLOCK_N, BLOCK_K // 32] scales
+    else:  # bcast / swap / scaled / gemv: [BLOCK_N, BLOCK_K] weight rows with their [BLOCK_N, BLOCK_K // 32] scales
         if VARIANT == 3:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        elif VARIANT == 6:  # per-32-column-block partial sums, reduced after the loop
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
@@ -236,18 +178,17 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
         for k in range(k0, k_end, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs)
-                w = tl.load(w_ptrs)
-                s = tl.load(s_ptrs)
             else:
-                in_k = (k + tl.arange(0, BLOCK_K)) < k_end
-                in_kb = (k // 32 + tl.arange(0, BLOCK_K // 32)) < tl.cdiv(k_end, 32)
-                a = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
-                s = tl.load(s_ptrs, mask=in_kb[None, :], other=127)
-            acc = mx_dot(acc, a, w, s, BLOCK_N, BLOCK_K, VARIANT)
+                a = tl.load(x_ptrs, mask=(k + tl.arange(0, BLOCK_K))[None, :] < k_end, other=0.0)
+            if VARIANT == 6:
+                acc = mx_tile_gemv(acc, a, w_ptrs, s_ptrs, k_end - k, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
+            else:
+                acc = mx_tile_dot(acc, a, w_ptrs, s_ptrs, k_end - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             s_ptrs += BLOCK_K // 32
+        if VARIANT == 6:
+            acc = tl.sum(acc, axis=2)
     out_base = out_ptr + split.to(tl.int64) * stride_os
     if VARIANT == 3:  # acc is [BLOCK_N, BLOCK_M]: store it through transposed pointers
         mask = (cols[:, None] < N) & (rows[None, :] < M)
@@ -257,6 +198,29 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
         mask = (rows[:, None] < M) & (cols[None, :] < N)
         tl.store(out_base + rows[:, None].to(tl.int64) * stride_om + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _sum_splits_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over s of part[s, i] (fp32, in split order), stored in out's dtype: the split-K reduction and
+    the cast in one launch."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    ptrs = part_ptr + offs
+    for _ in tl.static_range(SPLIT):
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+        ptrs += numel
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def sum_splits(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """part [split, M, N] fp32 -> [M, N] in `dtype`, summed in split order (deterministic, no atomics)."""
+    split, m, n = part.shape
+    out = torch.empty(m, n, dtype=dtype, device=part.device)
+    block = 1024
+    _sum_splits_kernel[(triton.cdiv(m * n, block),)](part, out, m * n, SPLIT=split, BLOCK=block)
+    return out
 
 
 @triton.jit
@@ -323,5 +287,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k,
         VARIANT=variant_code(t.variant, t.block_m, even_k, x.dtype), num_warps=t.num_warps,
         num_stages=t.num_stages)
-    y = out[0] if split == 1 else out.sum(0).to(x.dtype)
+    y = out[0] if split == 1 else sum_splits(out, x.dtype)
     return y.reshape(*lead, n)

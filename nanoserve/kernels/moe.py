@@ -36,7 +36,7 @@ experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on an
 GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU
 interpreter gets a small fixed tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
 written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is dequantised (`fp8_variant`; the
-variants are those of fp8_linear.py, sharing its jitted helpers); shapes missing from it fall back to the bf16
+variants are those of fp8_linear.py, sharing the jitted K-tile helpers of fp8_tile.py); shapes missing from it fall back to the bf16
 table's tiles with "auto".
 """
 
@@ -50,7 +50,8 @@ import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
-from nanoserve.kernels.fp8_linear import dequant_fp8_tile, mx_dot, scaled_block_dot, variant_code
+from nanoserve.kernels.fp8_linear import variant_code
+from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, scaled_block_dot
 from nanoserve.kernels.moe_align import moe_align, pair_expert
 
 MAX_TOKENS_PER_CALL = 16384
@@ -204,20 +205,11 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
         for k in range(0, hidden, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
-                gw = tl.load(g_rows)
-                uw = tl.load(g_rows + inter * stride_wn)
-                gs = tl.load(gs_rows)
-                us = tl.load(gs_rows + inter * stride_sn)
             else:
-                in_k = ks < hidden - k
-                in_kb = kb < (hidden - k) // 32
-                a = tl.load(x_ptrs, mask=real[:, None] & in_k[None, :], other=0.0)
-                gw = tl.load(g_rows, mask=in_k[None, :], other=0.0)
-                uw = tl.load(g_rows + inter * stride_wn, mask=in_k[None, :], other=0.0)
-                gs = tl.load(gs_rows, mask=in_kb[None, :], other=127)
-                us = tl.load(gs_rows + inter * stride_sn, mask=in_kb[None, :], other=127)
-            acc_gate = mx_dot(acc_gate, a, gw, gs, BLOCK_N, BLOCK_K, VARIANT)
-            acc_up = mx_dot(acc_up, a, uw, us, BLOCK_N, BLOCK_K, VARIANT)
+                a = tl.load(x_ptrs, mask=real[:, None] & (ks < hidden - k)[None, :], other=0.0)
+            acc_gate = mx_tile_dot(acc_gate, a, g_rows, gs_rows, hidden - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
+            acc_up = mx_tile_dot(acc_up, a, g_rows + inter * stride_wn, gs_rows + inter * stride_sn, hidden - k,
+                                 BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
             x_ptrs += BLOCK_K
             g_rows += BLOCK_K
             gs_rows += BLOCK_K // 32
@@ -303,15 +295,9 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
         for k in range(0, inter, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs)
-                w = tl.load(w_rows_ptrs)
-                s = tl.load(s_rows_ptrs)
             else:
-                in_k = ks < inter - k
-                in_kb = kb < (inter - k) // 32
-                a = tl.load(a_ptrs, mask=in_k[None, :], other=0.0)
-                w = tl.load(w_rows_ptrs, mask=in_k[None, :], other=0.0)
-                s = tl.load(s_rows_ptrs, mask=in_kb[None, :], other=127)
-            acc = mx_dot(acc, a, w, s, BLOCK_N, BLOCK_K, VARIANT)
+                a = tl.load(a_ptrs, mask=(ks < inter - k)[None, :], other=0.0)
+            acc = mx_tile_dot(acc, a, w_rows_ptrs, s_rows_ptrs, inter - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
             a_ptrs += BLOCK_K
             w_rows_ptrs += BLOCK_K
             s_rows_ptrs += BLOCK_K // 32
@@ -448,7 +434,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         float(alpha), float(limit), s13, s13.stride(0), s13.stride(1),
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
-        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype) if w_fp8 else 1,
+        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype, moe=True)
+        if w_fp8 else 1,
         num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -459,7 +446,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1),
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
-        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype) if w_fp8 else 1,
+        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype, moe=True)
+        if w_fp8 else 1,
         num_warps=down.num_warps, num_stages=down.num_stages)
 
     out = torch.empty_like(x)
