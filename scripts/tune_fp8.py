@@ -136,7 +136,7 @@ def moe_config(entry: tuple):
 def linear_tiles(entry: tuple):
     from nanoserve.kernels.fp8_linear import LinearTiles
 
-    return LinearTiles(*entry[1:], variant=entry[0])
+    return LinearTiles.from_entry(entry)
 
 
 def quantize_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,13 +14,15 @@ How a tile is dequantised and multiplied is a *variant* (fp8_configs.py lists th
 "acc" scales the accumulator per 32-column block (`scaled_block_dot`), "gather" loads a scale per weight,
 "bcast" loads the [BLOCK_N, BLOCK_K / 32] scales once and broadcasts them in registers (`dequant_rows`), "swap"
 does the same with the weight tile as the dot's first operand, "scaled" hands the tile to `tl.dot_scaled`, and
-"dequant" (large batches) writes a transient 16-bit copy of W in one pass and calls F.linear. `select_tiles`
+"dequant" (large batches) writes a transient 16-bit copy of W in one pass and calls F.linear, and "gemv" (decode)
+multiplies a few rows by the widened tile on CUDA cores (`mx_tile_gemv`). The per-K-step code of every variant
+lives in fp8_tile.py, shared with the fused MoE. `select_tiles`
 takes the variant and tiles from the tuned table for known shapes (`scripts/tune_fp8.py` writes it), else a
 heuristic.
 
 Small batches (decode) are bandwidth-bound and have few output tiles, so K is split across programs (SPLIT_K)
-until the grid covers the GPU a few times over; the fp32 partials are summed by one torch reduction (deterministic,
-no atomics). Large batches use square-ish tiles and no split. Activations are not quantised: Hopper has no
+until the grid covers the GPU a few times over; the fp32 partials are summed by one small kernel that also casts
+(`sum_splits`: deterministic, no atomics). Large batches use square-ish tiles and no split. Activations are not quantised: Hopper has no
 block-scaled MMA, and scaling each 32-column block of an fp8 dot on the fp32 accumulator takes about as many
 CUDA-core operations as the bf16 MMA it would replace does tensor-core time.
 
