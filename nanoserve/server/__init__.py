@@ -12,9 +12,23 @@
     errors.py       APIError, the mapping of pydantic / engine exceptions to HTTP errors, the exception handlers
     metrics.py      Prometheus metrics in vLLM's names
 
-Only this package imports FastAPI, uvicorn and prometheus-client; the engine runs without them.
+Only this package imports FastAPI, uvicorn and prometheus-client; the engine runs without them. `build_app` is
+imported on first use, so that the body-parsing worker processes (parsing.py) load the request models alone.
 """
 
-from nanoserve.server.app import build_app
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from nanoserve.server.app import build_app
 
 __all__ = ["build_app"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "build_app":
+        from nanoserve.server.app import build_app
+
+        return build_app
+    raise AttributeError(f"module 'nanoserve.server' has no attribute {name!r}")

@@ -33,6 +33,7 @@ from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
+from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -80,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--offload-min-bytes", type=int, default=OFFLOAD_MIN_BYTES,
                    help="request bodies this large or larger are parsed, rendered and tokenized in a thread pool, "
                         "smaller ones on the event loop (0: every request in the pool)")
+    s.add_argument("--parse-processes", type=int, default=DEFAULT_PARSE_PROCESSES,
+                   help="worker processes that parse large request bodies, so that their parse does not hold "
+                        "the server's GIL (at most the CPU count; 0: every body is parsed in the server process)")
+    s.add_argument("--parse-process-min-bytes", type=int, default=PARSE_PROCESS_MIN_BYTES,
+                   help="request bodies this large or larger are parsed in the worker processes (0: every body)")
     s.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when the model runs on the CPU (default: $NANOSERVE_CPU_THREADS, "
                         "else every physical core)")
@@ -232,7 +238,8 @@ def main(argv: list[str] | None = None) -> None:
                         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                         enable_server_load_tracking=args.enable_server_load_tracking, limits=limits,
-                        offload_min_bytes=args.offload_min_bytes)
+                        offload_min_bytes=args.offload_min_bytes, parse_processes=args.parse_processes,
+                        parse_process_min_bytes=args.parse_process_min_bytes)
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")

@@ -11,8 +11,9 @@ Follow one POST /v1/chat/completions from the socket to the engine and back:
                               that stalls (--request-body-timeout)
     routes/common.py          check_api_key: 401 unless the Bearer token matches --api-key (when one is set);
                               json_body: bytes -> JSON -> ChatCompletionRequest (protocol/chat.py), a bad body
-                              is a 400 naming the field (errors.py: describe_validation_error); a large body is
-                              parsed, rendered and tokenized in a thread pool, off the event loop (offload.py)
+                              is a 400 naming the field (errors.py: describe_validation_error); a body of 1 MiB
+                              or more is parsed in a worker process (parsing.py), one of 64 KiB or more is
+                              rendered and tokenized in a thread pool, off the event loop (offload.py)
     routes/chat.py            the route: the steps below, in order
     convert.py                prepare_chat: the model name (404 if unknown), SamplingParams (400 if out of
                               range), the chat template renders the messages, the tokenizer turns the text into
@@ -42,6 +43,7 @@ from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server.errors import EXCEPTION_HANDLERS
 from nanoserve.server.limits import BodyLimitMiddleware, ServerLimits
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
+from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
 from nanoserve.server.routes import ROUTERS
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
@@ -74,7 +76,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
               shutdown_timeout: float = 10.0, chat: ChatOptions | None = None, allowed_origins: list[str] = ("*",),
               allowed_methods: list[str] = ("*",), allowed_headers: list[str] = ("*",),
               allow_credentials: bool = False, enable_server_load_tracking: bool = False,
-              limits: ServerLimits | None = None, offload_min_bytes: int = OFFLOAD_MIN_BYTES) -> FastAPI:
+              limits: ServerLimits | None = None, offload_min_bytes: int = OFFLOAD_MIN_BYTES,
+              parse_processes: int = DEFAULT_PARSE_PROCESSES,
+              parse_process_min_bytes: int = PARSE_PROCESS_MIN_BYTES) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine
     (GracefulServer in shutdown.py drains before uvicorn cancels anything; this is the fallback for other
     servers). `served_model_name`: the name clients send, or several (the first is the default and the metrics'
@@ -82,11 +86,13 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     flag when one is unusable). The CORS arguments are vLLM's --allowed-origins / --allowed-methods /
     --allowed-headers / --allow-credentials; `enable_server_load_tracking` makes GET /load count the requests
     in flight. `limits`: the per-request limits (limits.py); `offload_min_bytes`: from which body size a request
-    is prepared off the event loop (offload.py)."""
+    is prepared off the event loop (offload.py); `parse_processes` / `parse_process_min_bytes`: how many worker
+processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process)."""
     offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
+    parser = BodyParser(offloader, processes=parse_processes, process_min_bytes=parse_process_min_bytes)
     server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
                           enable_server_load_tracking=enable_server_load_tracking, limits=limits,
-                          offloader=offloader)
+                          offloader=offloader, parser=parser)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -97,6 +103,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
         finally:
             logger.info("shutting down: draining in-flight requests (up to %.0f s)", shutdown_timeout)
             await engine.shutdown(drain_timeout=shutdown_timeout)
+            server.parser.shutdown()
             server.offload.shutdown()
 
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for MiniMax M3", lifespan=lifespan,

@@ -1,6 +1,6 @@
 """OpenAIServer: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
-offload.py), the served model names, the per-request limits, the metrics, the API key, the count of requests in
-flight (/load) and the chat options (ChatOptions: tool calling, reasoning, the chat template, the generation
+offload.py), the body parser (parsing.py), the served model names, the per-request limits, the metrics, the API
+key, the count of requests in flight (/load) and the chat options (ChatOptions: tool calling, reasoning, the chat template, the generation
 defaults). build_app makes one and keeps it in `app.state.server`; routes get it through the `Server` dependency
 (routes/common.py)."""
 
@@ -18,6 +18,7 @@ from nanoserve.parsers import get_reasoning_parser, get_tool_call_parser
 from nanoserve.server.limits import ServerLimits
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.offload import Offloader
+from nanoserve.server.parsing import BodyParser
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +46,8 @@ class OpenAIServer:
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: str | list[str], api_key: str | None = None,
                  chat: ChatOptions | None = None, enable_server_load_tracking: bool = False,
-                 limits: ServerLimits | None = None, offloader: Offloader | None = None):
+                 limits: ServerLimits | None = None, offloader: Offloader | None = None,
+                 parser: BodyParser | None = None):
         self.engine = engine
         self.model_names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -55,6 +57,7 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.offload = offloader or Offloader(engine.get_tokenizer)
         self.offload.tokenizer()  # the event loop thread's, loaded now rather than by the first request
+        self.parser = parser or BodyParser(self.offload)  # request bodies -> request models (parsing.py)
         self.lifecycle: Any = None  # shutdown.Lifecycle, set by build_app: is the server draining?
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size

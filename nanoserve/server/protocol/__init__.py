@@ -25,8 +25,8 @@ from nanoserve.server.protocol.chat import (ChatChoice, ChatCompletionChunk, Cha
                                             FunctionDefinition, ResponseFunctionCall, ResponseToolCall, TextPart,
                                             ToolCallParam)
 from nanoserve.server.protocol.common import (ErrorInfo, ErrorResponse, Int, ModelCard, ModelList, PromptLogprob,
-                                              PromptTokensDetails, RequestModel, ResponseModel, SamplingRequest,
-                                              StreamOptions, UsageInfo)
+                                              PromptTokensDetails, RequestBody, RequestModel, ResponseModel,
+                                              SamplingRequest, StreamOptions, UsageInfo)
 from nanoserve.server.protocol.completions import (CompletionChoice, CompletionChunk, CompletionLogProbs,
                                                    CompletionRequest, CompletionResponse)
 from nanoserve.server.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
@@ -38,5 +38,6 @@ __all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCo
            "ResponseToolCall", "ToolCallParam",
            "CompletionChoice", "CompletionChunk", "CompletionLogProbs", "CompletionRequest", "CompletionResponse",
            "DeltaMessage", "DetokenizeRequest", "DetokenizeResponse", "ErrorInfo", "ErrorResponse", "Int",
-           "ModelCard", "ModelList", "PromptLogprob", "PromptTokensDetails", "RequestModel", "ResponseModel",
+           "ModelCard", "ModelList", "PromptLogprob", "PromptTokensDetails", "RequestBody", "RequestModel",
+           "ResponseModel",
            "SamplingRequest", "StreamOptions", "TextPart", "TokenizeRequest", "TokenizeResponse", "UsageInfo"]

@@ -4,9 +4,11 @@ the model list and OpenAI's error body."""
 from __future__ import annotations
 
 import time
+from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidatorFunctionWrapHandler,
+                      field_validator, model_validator)
 
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
@@ -31,6 +33,33 @@ class RequestModel(BaseModel):
     """A request body: strict types, unknown fields ignored."""
 
     model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class RequestBody(RequestModel):
+    """A whole request body (an endpoint's top-level model). It notes the top-level fields it ignored, which the
+    server logs as vLLM does; reading them off the parsed input costs nothing, where parsing the body a second
+    time to find them would cost as much as the first parse."""
+
+    _ignored_fields: tuple[str, ...] = PrivateAttr(default=())
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _note_ignored_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        model = handler(data)
+        if isinstance(data, dict) and isinstance(model, cls):
+            known = _known_keys(cls)
+            model._ignored_fields = tuple(sorted(k for k in data if k not in known))
+        return model
+
+    @property
+    def ignored_fields(self) -> tuple[str, ...]:
+        """The body's top-level keys that are not fields of this model (nor their aliases), sorted."""
+        return self._ignored_fields
+
+
+@cache
+def _known_keys(model: type[BaseModel]) -> frozenset[str]:
+    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
 
 
 class ResponseModel(BaseModel):
@@ -101,7 +130,7 @@ class ResponseFormat(RequestModel):
         return {}
 
 
-class SamplingRequest(RequestModel):
+class SamplingRequest(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions: the model and how to sample."""
 
     model: str | None = None

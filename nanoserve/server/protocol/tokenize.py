@@ -7,10 +7,10 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from nanoserve.server.protocol.chat import ChatMessage, ChatTool
-from nanoserve.server.protocol.common import RequestModel, ResponseModel
+from nanoserve.server.protocol.common import RequestBody, ResponseModel
 
 
-class TokenizeRequest(RequestModel):
+class TokenizeRequest(RequestBody):
     """POST /tokenize: a `prompt` (text, tokenized as /v1/completions does) or `messages` (rendered with the chat
     template first, as /v1/chat/completions does) - exactly one of them."""
 
@@ -48,7 +48,7 @@ class TokenizeResponse(ResponseModel):
     token_strs: list[str] | None = None
 
 
-class DetokenizeRequest(RequestModel):
+class DetokenizeRequest(RequestBody):
     """POST /detokenize: token ids -> text."""
 
     model: str | None = None

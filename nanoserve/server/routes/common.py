@@ -2,8 +2,9 @@
 behind the API-key check), and `json_body` / `request_body` (parse a body strictly, and describe it in
 /openapi.json).
 
-Bodies are parsed by pydantic straight from the bytes (model_validate_json) rather than by FastAPI's body
-parameter: that keeps JSON-mode strict parsing and lets describe_validation_error name the field. A body sent
+Bodies are parsed by pydantic straight from the bytes (parsing.py: model_validate_json, a large body in a
+worker process) rather than by FastAPI's body parameter: that keeps JSON-mode strict parsing and lets
+describe_validation_error name the field. A body sent
 with a Content-Type other than application/json gets vLLM's answer (400, "Unsupported Media Type"). `request_body` puts the same model's schema into the OpenAPI
 document, so the API's description still shows every field.
 """
@@ -11,7 +12,6 @@ document, so the API's description still shows every field.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 from typing import Annotated, Any
 
@@ -58,38 +58,29 @@ def check_json_content_type(request: Request) -> None:
         raise APIError(400, UNSUPPORTED_MEDIA_TYPE)
 
 
-def json_body(model: type[P.RequestModel]) -> Any:
+def json_body(model: type[P.RequestBody]) -> Any:
     """A dependency giving the request body parsed as `model`; a bad body is a 400 naming the field. Use it as
     `req: Annotated[Model, json_body(Model)]`."""
-    async def parse(request: Request) -> P.RequestModel:
+    async def parse(request: Request) -> P.RequestBody:
         check_json_content_type(request)
         body = await request.body()
-        def parse_and_log() -> P.RequestModel:
-            req = model.model_validate_json(body)
-            log_ignored_fields(body, model)
-            return req
-
-        try:  # a large body is parsed off the event loop
-            return await get_server(request).offload.run(len(body), parse_and_log)
+        try:  # a large body is parsed off the event loop, in a worker process (parsing.py)
+            req = await get_server(request).parser.parse(model, body)
         except ValidationError as exc:
             raise describe_validation_error(exc) from exc
+        log_ignored_fields(req)
+        return req
 
     return Depends(parse)
 
 
-def log_ignored_fields(body: bytes, model: type[P.RequestModel]) -> None:
+def log_ignored_fields(req: P.RequestBody) -> None:
     """Fields the API does not have are ignored (clients send `store`, `metadata`, ...), and logged, as vLLM does."""
-    try:
-        keys = json.loads(body).keys()
-    except (ValueError, AttributeError):
-        return
-    known = set(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
-    ignored = sorted(k for k in keys if k not in known)
-    if ignored:
-        logger.warning("The following fields were present in the request but ignored: %s", ignored)
+    if req.ignored_fields:
+        logger.warning("The following fields were present in the request but ignored: %s", list(req.ignored_fields))
 
 
-def request_body(model: type[P.RequestModel]) -> dict[str, Any]:
+def request_body(model: type[P.RequestBody]) -> dict[str, Any]:
     """`openapi_extra` for a route whose body json_body parses: `model`'s JSON schema as the request body (nested
     models inlined, so the schema is complete where it stands)."""
     schema = model.model_json_schema()

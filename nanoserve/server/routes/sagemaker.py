@@ -38,8 +38,8 @@ async def invocations(request: Request, server: Server) -> Response:
     check_json_content_type(request)
     body = await request.body()
     for model, handler in INVOCATION_TYPES:
-        try:
-            req = model.model_validate_json(body)
+        try:  # a large body in a worker process (parsing.py)
+            req = await server.parser.parse(model, body)
         except ValidationError:
             continue
         return await handler(request, server, req)
