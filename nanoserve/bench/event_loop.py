@@ -11,9 +11,10 @@ seconds each: `quiet` (the probe alone) and `loaded` (`--bad-clients` processes 
 in its own process, alternates GET /health and a one-token completion of a short prompt and records each latency.
 The table gives p50 / p99 / max per phase and what the loaded phase added to the p99.
 
-With the server's defaults a 10 MB prompt is refused (--max-prompt-chars) after its JSON is parsed in the
-server's thread pool; `--server-arg=--max-prompt-chars=0` makes the server tokenize it too (in the pool), and
-`--server-arg=--offload-min-bytes=1000000000` puts all of it back on the event loop, to see the difference.
+With the server's defaults a 10 MB prompt is parsed in one of the server's worker processes and refused
+(--max-prompt-chars) before it is tokenized; `--server-arg=--parse-processes=0` parses it in the server process
+instead, `--server-arg=--max-prompt-chars=0` makes the server tokenize it too (in its thread pool), and
+`--server-arg=--offload-min-bytes=1000000000` puts the tokenizing back on the event loop, to see the difference.
 """
 
 from __future__ import annotations
