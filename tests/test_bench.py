@@ -105,11 +105,70 @@ def test_cli_runs_every_offline_workload_and_writes_json(tmp_path):
                     "output_tok_s_fraction_of_floor"):
             assert key in r["perf"], key
         assert r["switches"] == meta["switches"]
+        # the warm-up ran the same shapes first: the timed run built no kernel (the interpreter builds none)
+        assert r["extra"]["triton_builds"] == 0 and r["extra"]["warmup_ttft_ms"] > 0
     w6 = next(r for r in data["runs"] if r["workload"] == "W6")
     # 64-token steps: the first request's prefix blocks are cached before the others are admitted
     assert w6["extra"]["prefix_cache_hit_rate"] > 0
     assert not data["errors"]
     assert (out / "summary.txt").exists() and (out / "runs.png").exists()
+
+
+def test_warmup_covers_the_timed_shapes(bench, monkeypatch):
+    """The warm-up runs every request at its full prompt length (the prefill tiles change with the context a chunk
+    attends to, so a shorter warm-up leaves kernel builds in the timed TTFT), on fresh prompts (no prefix-cache
+    hits carried into the timed run), with few output tokens; W5's 256 requests are all warmed too."""
+    ran: list[W.Workload] = []
+    real_run = bench.run
+    monkeypatch.setattr(bench, "run", lambda wl, **kw: ran.append(wl) or real_run(wl, **kw))
+    for wl in [*W.build(["W4"], 512, "small", output_len=6), W.build(["W5"], 512, "full")[0].scaled(max_tokens=1)]:
+        ran.clear()
+        if wl.family == "W5":  # the full-size W5 is too long for the CPU: check the warm-up's requests only
+            monkeypatch.setattr(bench, "run", lambda w, **kw: ran.append(w))
+            monkeypatch.setattr(bench, "capture_graphs", lambda w: 0)
+        res = bench.warmup(wl)
+        (warm,) = ran
+        assert [len(r.prompt_ids) for r in warm.requests] == [len(r.prompt_ids) for r in wl.requests]
+        assert all(w.prompt_ids != r.prompt_ids for w, r in zip(warm.requests, wl.requests))
+        assert all(w.max_tokens == min(4, r.max_tokens) for w, r in zip(warm.requests, wl.requests))
+        if wl.family == "W4":
+            assert res.ttft_ms["n"] == 1 and res.extra["triton_builds"] == 0
+            assert res.extra["computed_prefill_tokens"] == len(wl.requests[0].prompt_ids)
+
+
+def test_compile_watch_counts_the_builds_inside_its_block():
+    """Builds reported through Triton's post-compile hook are counted inside the block only, an already installed
+    hook still sees them, and it is back in place afterwards."""
+    from types import SimpleNamespace
+
+    from nanoserve.bench.compile_watch import CompileWatch
+
+    knobs = pytest.importorskip("triton").knobs.runtime
+    seen: list[str] = []
+    outer = lambda **kw: seen.append(kw["fn"].name)  # noqa: E731
+
+    def build(name: str) -> None:  # what triton's JIT does after compiling a kernel
+        hook = knobs.jit_post_compile_hook
+        if hook is not None:
+            hook(key=(), repr=name, fn=SimpleNamespace(name=name), compile={}, is_manual_warmup=False,
+                 already_compiled=False)
+
+    previous = knobs.jit_post_compile_hook
+    knobs.jit_post_compile_hook = outer
+    try:
+        build("before")
+        with CompileWatch() as w:
+            build("_paged_prefill_kernel")
+            with CompileWatch() as inner:
+                build("_up_swiglu_kernel")
+            build("_paged_prefill_kernel")
+        build("after")
+        assert knobs.jit_post_compile_hook is outer
+    finally:
+        knobs.jit_post_compile_hook = previous
+    assert inner.count == 1 and inner.kernels == ["_up_swiglu_kernel"]
+    assert w.count == 3 and w.summary() == "3 (_paged_prefill_kernel x2, _up_swiglu_kernel)"
+    assert seen == ["before", "_paged_prefill_kernel", "_up_swiglu_kernel", "_paged_prefill_kernel", "after"]
 
 
 def test_ablation_lists_every_switch(bench, tmp_path):

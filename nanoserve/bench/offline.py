@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from nanoserve.bench.compile_watch import CompileWatch
 from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
 from nanoserve.bench.workloads import Workload
 from nanoserve.config import KERNEL, EngineConfig, Optimizations
@@ -245,21 +246,31 @@ class NanoBench:
             return 0
         return self.runner.capture_decode_graphs(wl.max_total_len, wl.num_requests)
 
-    def warmup(self, wl: Workload, max_tokens: int = 4, max_requests: int = 64, max_prompt: int = 16384) -> None:
-        """Compile the kernels this workload's shapes need and capture its decode graphs, on fresh prompts (at
-        most max_prompt tokens each: two full prefill chunks meet every kernel variant a longer prompt would)."""
+    def warmup(self, wl: Workload, max_tokens: int = 4, max_requests: int | None = None,
+               max_prompt: int | None = None) -> RunResult:
+        """Build the kernels this workload's shapes need and capture its decode graphs, outside the timed run: the
+        same requests with fresh random prompts (no prefix-cache hits for the timed run) and `max_tokens` outputs.
+        The prompts keep their full length by default: the prefill tiles change with the context a chunk attends
+        to (configs.LONG_PREFILL_CONTEXT) and the MoE's with the tokens per step, so a warm-up cut to a few chunks
+        leaves first-time kernel builds inside the timed TTFT. Returns the warm-up's own run (its TTFT is the cold
+        one)."""
         small = wl.scaled(max_tokens=max_tokens, max_requests=max_requests, max_prompt=max_prompt, seed=1000)
-        self.run(small, tag="warmup")
+        res = self.run(small, tag="warmup", keep_tokens=False)
         self.capture_graphs(wl)
+        return res
 
     def run(self, wl: Workload, mode: str = "default", tag: str = "run", keep_tokens: bool = True,
             max_num_batched_tokens: int | None = None) -> RunResult:
         engine = self.engine_for(wl, max_num_batched_tokens)
         self.sync()
-        outputs, wall = drive(engine, wl, tag)
+        with CompileWatch() as builds:
+            outputs, wall = drive(engine, wl, tag)
         res = result_from_outputs(wl, outputs, wall, "nanoserve", mode, self.opts, self.cost, self.hw,
                                   engine.stats, keep_tokens)
         res.extra.update(self.weights)
+        res.extra["triton_builds"] = builds.count  # kernels built inside this run (a timed run should have 0)
+        if builds.count:
+            res.extra["triton_builds_kernels"] = builds.summary()
         return res
 
     def close(self) -> None:

@@ -196,10 +196,20 @@ class BenchSession:
 
     def run_nano(self, wl: Workload, warmup: bool = True) -> RunResult | None:
         nano = self.nano
-        if warmup:
-            nano.warmup(wl)
+        warm = nano.warmup(wl) if warmup else None
         res = nano.run(wl)
         res.extra["description"] = wl.description
+        if warm is not None:  # the same shapes cold: what the timed run would have cost without the warm-up
+            res.extra.update(warmup_ttft_ms=warm.ttft_ms["mean"], warmup_wall_s=warm.wall_s,
+                             warmup_triton_builds=warm.extra.get("triton_builds"))
+            self.say(f"[bench] {wl.name}: warm-up (cold) TTFT p50 {warm.ttft_ms['p50']:.1f} ms, "
+                     f"{warm.extra.get('triton_builds')} kernel builds; timed TTFT p50 {res.ttft_ms['p50']:.1f} ms, "
+                     f"{res.extra.get('triton_builds')} builds")
+        if res.extra.get("triton_builds"):
+            note = (f"{wl.name}: {res.extra['triton_builds']} Triton kernel build(s) inside the timed run "
+                    f"({res.extra.get('triton_builds_kernels')}): its timings include them")
+            self.say(f"[bench] WARNING {note}")
+            self.results.add("notes", note)
         if res.extra.get("parameter_bytes"):  # (run() records the weight format and bytes)
             res.extra["weight_gib"] = res.extra["parameter_bytes"] / 2**30
         self.nano_tokens[wl.name] = res.token_ids
