@@ -111,6 +111,10 @@ class Optimizations:
     fold_shared_expert: bool = switch(
         True, KERNEL, "kernels/moe.py", "run the shared expert as an extra always-selected slot of the fused MoE "
         "launch", "the shared expert as a separate PyTorch MLP", entry_points=("fused_moe",))
+    moe_tma: bool = switch(
+        True, KERNEL, "kernels/moe.py", "the fused MoE's GEMMs load weight tiles (and GEMM 2 its activation tiles) "
+        "through TMA tensor descriptors where the tile table's entry says \"tma\" (16-bit experts, prefill-sized "
+        "buckets)", "pointer loads with the same tiles", entry_points=("fused_moe",))
     fused_qk_norm_rope: bool = switch(
         True, KERNEL, "kernels/norm_rope.py",
         "per-head QK-norm + partial RoPE + K/V and index-key cache insert in one launch",

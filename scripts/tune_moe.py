@@ -2,14 +2,15 @@
 
     python scripts/tune_moe.py --tokens 4096,16384 [--budget 90] [--write-configs] [--out DIR]
 
-For each token count: coordinate descent from the table's current entry (BLOCK_M, then GEMM 1 tiles, GEMM 2 tiles,
-GROUP_M, BLOCK_M again), each candidate timed as the median of triton.testing.do_bench over the whole fused MoE
+For each token count: coordinate descent from the table's current entry (TMA descriptors on, BLOCK_M, GEMM 1
+tiles, GEMM 2 tiles, GROUP_M, BLOCK_M again, TMA flipped once more), each candidate timed as the median of triton.testing.do_bench over the whole fused MoE
 (alignment + both GEMMs + reduction, the shared expert folded in, as the model runs it) on random bf16 weights and
 a uniform random routing at the model's shapes (default m3-slice: hidden 6144, 128 experts of 3072, top-4). The
 winner is checked against an fp32 per-expert computation before it is accepted (a config that fails the check
 keeps the old entry). Candidates are limited to tiles that fit Hopper's shared memory; one that fails to compile
-or launch is skipped. Bounded by --budget seconds in all (a token count still running when it ends keeps its best
-so far).
+or launch is skipped. Bounded by --budget seconds in all, shared evenly by the token counts still to run (one
+that runs out keeps its best so far). --decode-check also times the table's entries at 1 and 16 tokens as GB/s of
+the expert weights they touch against the copy ceiling (what a prefill-bucket change must not cost).
 
 Results: `$OUT/tune_moe.json` (every candidate's time), the MOE_TILES lines printed last, and with
 --write-configs the shape's entries rewritten in place in nanoserve/kernels/configs.py (the token buckets are the
@@ -32,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from gpu_moe_bench import BF16_REL_TOL, PEAK_TFLOPS, Problem, bench_ms, rel_err  # noqa: E402
+from gpu_moe_bench import BF16_REL_TOL, COPY_CEILING_GBS, PEAK_TFLOPS, Problem, bench_ms, rel_err  # noqa: E402
 from nanoserve.kernels import configs, moe  # noqa: E402
 from nanoserve.kernels.moe import GemmTiles, MoEConfig  # noqa: E402
 
@@ -47,7 +48,9 @@ CONFIGS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def entry(cfg: MoEConfig) -> tuple:
-    return (cfg.block_m, cfg.group_m, dataclasses.astuple(cfg.up), dataclasses.astuple(cfg.down))
+    """The MOE_TILES tuple of a config (a 5th element "tma" when its GEMMs load through TMA descriptors)."""
+    base = (cfg.block_m, cfg.group_m, dataclasses.astuple(cfg.up), dataclasses.astuple(cfg.down))
+    return base + ("tma",) if cfg.tma else base
 
 
 def tune(p: Problem, tokens: int, deadline: float, log=print) -> dict:
@@ -68,10 +71,12 @@ def tune(p: Problem, tokens: int, deadline: float, log=print) -> dict:
         return timed[cfg]
 
     best = start
-    steps = ([dict(block_m=m) for m in BLOCK_M] + [dict(up=t) for t in UP_TILES] + [dict(down=t) for t in DOWN_TILES]
-             + [dict(group_m=g) for g in GROUP_M] + [dict(block_m=m) for m in BLOCK_M])
+    steps = ([dict(tma=True)] + [dict(block_m=m) for m in BLOCK_M] + [dict(up=t) for t in UP_TILES]
+             + [dict(down=t) for t in DOWN_TILES] + [dict(group_m=g) for g in GROUP_M]
+             + [dict(block_m=m) for m in BLOCK_M] + ["flip tma"])
     for change in steps:
-        cand = dataclasses.replace(best, **change)
+        cand = dataclasses.replace(best, tma=not best.tma) if change == "flip tma" else \
+            dataclasses.replace(best, **change)
         if measure(cand) < measure(best):
             best = cand
     ok, err = True, 0.0
@@ -85,12 +90,28 @@ def tune(p: Problem, tokens: int, deadline: float, log=print) -> dict:
             best = start
     ms = measure(best)
     tflops = p.flops(tokens, True) / ms / 1e9
+    other = timed.get(dataclasses.replace(best, tma=not best.tma), float("nan"))
     row = {"tokens": tokens, "bucket": tokens, "best": entry(best), "ms": ms, "tflop_s": tflops,
            "of_peak": tflops / PEAK_TFLOPS, "start": entry(start), "start_ms": measure(start),
+           "best_with_tma_flipped_ms": other,
            "checked_rel_err": err, "check_ok": ok, "candidates": {repr(entry(c)): t for c, t in timed.items()}}
     log(f"  T={tokens:5d}: {len(timed)} configs, best {ms:.3f} ms = {tflops:.0f} TFLOP/s "
-        f"({row['start_ms'] / ms:.2f}x the old entry {row['start_ms']:.3f} ms): {entry(best)}")
+        f"({row['start_ms'] / ms:.2f}x the old entry {row['start_ms']:.3f} ms; TMA flipped {other:.3f} ms): "
+        f"{entry(best)}")
     return row
+
+
+def decode_check(p: Problem, tokens=(1, 16), log=print) -> list[dict]:
+    """The table's entries at decode sizes: GB/s of the expert weights touched (routed + shared) vs the copy
+    ceiling."""
+    rows = []
+    for t in tokens:
+        x, weights, ids = p.inputs(t)
+        ms = bench_ms(lambda: p.fused(x, weights, ids, fold=True), rep=100)
+        gbs = p.bytes(ids, True) / ms / 1e6
+        rows.append({"tokens": t, "ms": ms, "gb_s": gbs, "of_copy_ceiling": gbs / COPY_CEILING_GBS})
+        log(f"  decode T={t}: {ms:.3f} ms, {gbs:.0f} GB/s = {gbs / COPY_CEILING_GBS:.0%} of {COPY_CEILING_GBS:.0f}")
+    return rows
 
 
 def table_lines(shape: tuple[int, int, int], rows: list[dict], date: str) -> dict[int, str]:
@@ -98,7 +119,8 @@ def table_lines(shape: tuple[int, int, int], rows: list[dict], date: str) -> dic
     out = {}
     for r in rows:
         b = r["bucket"]
-        out[b] = f"            {b}: {r['best']},  # {r['ms']:.3f} ms, {r['tflop_s']:.0f} TFLOP/s ({date})"
+        best = repr(tuple(r["best"])).replace("'", '"')
+        out[b] = f"            {b}: {best},  # {r['ms']:.3f} ms, {r['tflop_s']:.0f} TFLOP/s ({date})"
     return out
 
 
@@ -129,18 +151,23 @@ def main() -> int:
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=4)
     ap.add_argument("--write-configs", action="store_true", help="rewrite the entries in kernels/configs.py")
+    ap.add_argument("--decode-check", action="store_true", help="also time the table at 1 and 16 tokens (GB/s)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
     tokens = [int(t) for t in args.tokens.split(",") if t.strip()]
     p = Problem(args.hidden, args.inter, args.experts, args.top_k, "cuda", seed=0)
-    deadline = time.perf_counter() + args.budget
-    rows = [tune(p, t, deadline) for t in tokens]
+    end = time.perf_counter() + args.budget
+    rows = []
+    for i, t in enumerate(tokens):
+        rows.append(tune(p, t, time.perf_counter() + (end - time.perf_counter()) / (len(tokens) - i)))
+    decode = decode_check(p) if args.decode_check else []
     shape = (args.hidden, args.inter, args.experts)
     lines = table_lines(shape, rows, time.strftime("%Y-%m-%d"))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "tune_moe.json"), "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "rows": rows}, f, indent=1)
+            json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "rows": rows, "decode": decode}, f,
+                      indent=1)
     if args.write_configs:
         write_configs(shape, lines)
     print(f"MOE_TILES['cuda'][{shape}] entries ({torch.cuda.get_device_name()}):")

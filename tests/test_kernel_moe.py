@@ -248,6 +248,39 @@ def test_other_tile_configs(name, fold):
     check_case(45, 64, 32, 8, 3, torch.float32, fold, seed=7, config=CONFIGS[name])
 
 
+TMA_CONFIGS = {
+    # ragged N and K tiles in both GEMMs (hidden 80 and intermediate 48 against 32-wide tiles), row-tile swizzle
+    "ragged": MoEConfig(16, 2, GemmTiles(32, 32, 4, 1), GemmTiles(32, 32, 4, 1), tma=True),
+    # tiles that divide both dims; 32-row tiles over experts whose runs span several of them
+    "even": MoEConfig(32, 1, GemmTiles(16, 16, 4, 1), GemmTiles(16, 16, 4, 1), tma=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("name", sorted(TMA_CONFIGS))
+@pytest.mark.parametrize("fold", FOLDS)
+def test_tma_tiles_match_reference(dtype, name, fold):
+    """Switch moe_tma: weight tiles (and GEMM 2's activation tiles) through TMA descriptors over the flattened
+    expert stacks, on fresh routings; the same entry with tma=False (the switch off) gives the pointer-load
+    path's result. Tolerances as above (fp32 1e-5, fp16 1e-2 of max |reference|)."""
+    seed = 11 + sorted(TMA_CONFIGS).index(name)
+    gen = torch.Generator().manual_seed(seed)
+    tokens, hidden, inter, experts, top_k = 45, 80, 48, 8, 3
+    if name == "even":
+        hidden, inter = 64, 32
+    w13, w2 = make_weights(experts + int(fold), hidden, inter, dtype, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = random_routing(tokens, experts, top_k, gen)
+    ref = expected(x, w13, w2, weights, ids, fold)
+    cfg = TMA_CONFIGS[name]
+    out = run_fused(x, w13, w2, weights, ids, fold, config=cfg)
+    assert_close(out, ref, dtype)
+    with poisoned_allocations():
+        off = fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, routed_scaling_factor=SCALE,
+                        fold_shared=fold, config=cfg, tma=False)
+    assert_close(off, ref, dtype)
+
+
 def test_large_batches_run_in_chunks(monkeypatch):
     """Batches above MAX_TOKENS_PER_CALL are split into chunks with the same result."""
     monkeypatch.setattr(moe_mod, "MAX_TOKENS_PER_CALL", 16)
@@ -281,6 +314,7 @@ def test_config_table_is_well_formed():
         for size in (cfg.block_m, cfg.up.block_n, cfg.up.block_k, cfg.down.block_n, cfg.down.block_k):
             assert size >= 16 and size & (size - 1) == 0, cfg
         assert cfg.up.num_warps in (4, 8) and cfg.down.num_warps in (4, 8), cfg
+        assert not cfg.tma or all(b <= 256 for b in (cfg.block_m, cfg.up.block_n, cfg.down.block_n)), cfg
     for per_bucket in moe_mod.H200_CONFIGS.values():
         assert sorted(per_bucket) == list(moe_mod.TOKEN_BUCKETS)
 

@@ -88,17 +88,26 @@ class MoEConfig:
     fp8_variant: str = "auto"
     """MXFP8 experts only: how both GEMMs dequantise a weight tile (fp8_configs.FP8_VARIANTS; "auto": "acc" for
     BLOCK_M up to SCALE_ACC_MAX_M on full K tiles, else "bcast")."""
+    tma: bool = False
+    """16-bit experts only (switch moe_tma): both GEMMs load their weight tiles, and GEMM 2 its activation tiles,
+    through TMA tensor descriptors instead of pointer arithmetic (the token rows of GEMM 1 are a gather and stay
+    pointer loads)."""
 
 
 def _cfg(block_m: int, group_m: int, up: tuple[int, int, int, int], down: tuple[int, int, int, int],
-         fp8_variant: str = "auto") -> MoEConfig:
-    return MoEConfig(block_m, group_m, GemmTiles(*up), GemmTiles(*down), fp8_variant)
+         fp8_variant: str = "auto", tma: bool = False) -> MoEConfig:
+    return MoEConfig(block_m, group_m, GemmTiles(*up), GemmTiles(*down), fp8_variant, tma)
+
+
+def _table_cfg(entry: tuple) -> MoEConfig:
+    """A MOE_TILES entry: (block_m, group_m, GEMM 1 tiles, GEMM 2 tiles[, "tma"])."""
+    return _cfg(*entry[:4], tma=len(entry) > 4 and entry[4] == "tma")
 
 
 H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
     # (hidden, intermediate, routed experts) -> {token bucket: config}; the numbers, and how they were measured,
     # are in kernels/configs.py (MOE_TILES, written by scripts/tune_moe.py)
-    shape: {bucket: _cfg(*entry) for bucket, entry in buckets.items()}
+    shape: {bucket: _table_cfg(entry) for bucket, entry in buckets.items()}
     for shape, buckets in MOE_TILES["cuda"].items()
 }
 TOKEN_BUCKETS = tuple(sorted({b for buckets in H200_CONFIGS.values() for b in buckets}))
@@ -167,13 +176,13 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       num_pairs, num_blocks, inter, hidden, stride_xt, stride_we, stride_wn, stride_ar,
-                      alpha, limit, s13_ptr, stride_se, stride_sn,
+                      alpha, limit, s13_ptr, stride_se, stride_sn, w13_desc,
                       KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                      VARIANT: tl.constexpr):
+                      VARIANT: tl.constexpr, TMA: tl.constexpr):
     """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile.
     MXFP8 weights (W_FP8) are dequantised as VARIANT says (fp8_linear.py: 0 acc, 1 gather, 2 bcast, 3 swap,
-    4 scaled)."""
+    4 scaled). TMA: 16-bit weight tiles through w13_desc, a descriptor over w13 viewed as [S * 2I, H]."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -228,6 +237,22 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
             acc_up = scaled_block_dot(acc_up, a32, real[:, None], g32 + inter * stride_wn, gs32 + inter * stride_sn,
                                       k, BLOCK_K, x_ptr.dtype.element_ty)
         k_end = 0
+    if TMA:
+        # [BLOCK_N, BLOCK_K] tiles of the expert's gate rows and of its up rows. The descriptor reads zeros past H
+        # (no K mask); a ragged last column tile reads rows of the next part or expert, whose columns are not
+        # stored.
+        w_row = expert * (2 * inter) + pid_n * BLOCK_N
+        for k in range(0, hidden, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
+            else:
+                a = tl.load(x_ptrs, mask=real[:, None] & (ks[None, :] < hidden - k), other=0.0)
+            gate_w = w13_desc.load([w_row, k])
+            up_w = w13_desc.load([w_row + inter, k])
+            acc_gate = tl.dot(a, tl.trans(gate_w), acc_gate, input_precision="ieee")
+            acc_up = tl.dot(a, tl.trans(up_w), acc_up, input_precision="ieee")
+            x_ptrs += BLOCK_K
+        k_end = 0
     for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
             a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
@@ -266,11 +291,12 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_expert_ptr, topk_weights_ptr,
                           num_pairs, num_blocks, hidden, inter, stride_ar, stride_we, stride_wn, stride_ct,
-                          routed_scale, s2_ptr, stride_se, stride_sn,
+                          routed_scale, s2_ptr, stride_se, stride_sn, act_desc, w2_desc,
                           TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                          VARIANT: tl.constexpr):
-    """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared)."""
+                          VARIANT: tl.constexpr, TMA: tl.constexpr):
+    """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared).
+    TMA: 16-bit tiles through act_desc (over act [rows, I]) and w2_desc (over w2 viewed as [S * H, I])."""
     KP: tl.constexpr = TOPK + FOLD
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -311,6 +337,14 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
         s32 = s2_ptr + expert.to(tl.int64) * stride_se + w_rows * stride_sn
         for k in range(0, inter, BLOCK_K):
             acc = scaled_block_dot(acc, a32, None, w32, s32, k, BLOCK_K, act_ptr.dtype.element_ty)
+        k_end = 0
+    if TMA:  # zeros past I (no K mask); a ragged last column tile's extra rows are not stored
+        w_row = expert * hidden + pid_n * BLOCK_N
+        a_row = pid_m * BLOCK_M
+        for k in range(0, inter, BLOCK_K):
+            a = act_desc.load([a_row, k])
+            w = w2_desc.load([w_row, k])
+            acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
         k_end = 0
     for k in range(0, k_end, BLOCK_K):
         if EVEN_K:
@@ -365,11 +399,26 @@ def _sum_copies_kernel(copies_ptr, out_ptr, topk_ids_ptr, expert_map_ptr, num_pa
 # --------------------------------------------------------------------------------------------------------------
 
 
+def _tma_fits(w13: torch.Tensor, w2: torch.Tensor, act: torch.Tensor) -> bool:
+    """TMA descriptors need 16-bit (or fp32, in the interpreter's tests) contiguous operands whose rows start on
+    16-byte boundaries; MXFP8 weights are dequantised through registers and never use them."""
+    return all(t.dtype in (torch.bfloat16, torch.float16, torch.float32) and t.is_contiguous()
+               and (t.shape[-1] * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0 for t in (w13, w2, act))
+
+
+def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
+    """A host-side TMA descriptor over the 2-D tensor t, for [block_rows, block_cols] tiles (zeros past its edges)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, t.shape, t.stride(), [block_rows, block_cols])
+
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, alpha: float, limit: float, expert_map: torch.Tensor | None = None,
               routed_scaling_factor: float = 1.0, fold_shared: bool = False,
               config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, tma: bool = True) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
@@ -377,7 +426,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     weight 1 for every token. expert_map [E_global] int32: global id -> local slot, -1 = skip. `config` overrides
     the tile table (benchmarks). MXFP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [S, 2I, H/32] and
     w2_scale [S, H, I/32] (uint8 E8M0, one per 32 input columns), dequantised in registers (fp8_linear.py);
-    x stays in its dtype. Returns [T, H] in x's dtype."""
+    x stays in its dtype. tma=False (switch moe_tma off): pointer loads even where the tile entry asks for TMA
+    descriptors. Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -410,7 +460,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             out[part] = fused_moe(x[part], w13, w2, topk_weights[part], topk_ids[part], alpha=alpha, limit=limit,
                                   expert_map=expert_map, routed_scaling_factor=routed_scaling_factor,
                                   fold_shared=fold_shared, config=config, w13_scale=w13_scale,
-                                  w2_scale=w2_scale)
+                                  w2_scale=w2_scale, tma=tma)
         return out
 
     x = x.contiguous()
@@ -427,28 +477,31 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
 
     align = moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
-    up = cfg.up
+    up, down = cfg.up, cfg.down
+    use_tma = tma and cfg.tma and _tma_fits(w13, w2, act)
+    w13_desc = _descriptor(w13.view(slots * two_inter, hidden), up.block_n, up.block_k) if use_tma else w13
+    w2_desc = _descriptor(w2.view(slots * hidden, inter), down.block_n, down.block_k) if use_tma else w2
+    act_desc = _descriptor(act, cfg.block_m, down.block_k) if use_tma else act
     _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
         x, w13, act, align.sorted_pair_ids, align.block_expert,
         align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        float(alpha), float(limit), s13, s13.stride(0), s13.stride(1),
+        float(alpha), float(limit), s13, s13.stride(0), s13.stride(1), w13_desc,
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
         VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype, moe=True)
         if w_fp8 else 1,
-        num_warps=up.num_warps, num_stages=up.num_stages)
+        TMA=use_tma, num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
-    down = cfg.down
     _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
         act, w2, copies, align.sorted_pair_ids, align.block_expert, topk_weights,
         align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1),
+        copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1), act_desc, w2_desc,
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
         VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype, moe=True)
         if w_fp8 else 1,
-        num_warps=down.num_warps, num_stages=down.num_stages)
+        TMA=use_tma, num_warps=down.num_warps, num_stages=down.num_stages)
 
     out = torch.empty_like(x)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map

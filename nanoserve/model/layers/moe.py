@@ -98,7 +98,8 @@ class M3MoE(nn.Module):
             used = slice(None) if fold else slice(0, n)
             out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, alpha=alpha, limit=limit,
                             expert_map=self.expert_map, routed_scaling_factor=scale, fold_shared=fold,
-                            w13_scale=None if s13 is None else s13[used], w2_scale=None if s2 is None else s2[used])
+                            w13_scale=None if s13 is None else s13[used], w2_scale=None if s2 is None else s2[used],
+                            tma=self.opts.moe_tma)
             if not fold:
                 out = out + self._shared(x)
         else:
