@@ -112,7 +112,11 @@ MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
     # memory-bound), measured at 77-102% of the 4.26 TB/s copy ceiling (2026-12-02, `scripts/gpu_moe_bench.py`).
     # Bucket 1024: coordinate-descent sweep of `scripts/gpu_moe_bench.py --sweep-only` (2026-12-02). Buckets
     # 4096-16384: `scripts/tune_moe.py --tokens 4096,16384,8192` (run by `scripts/gpu_prefill.py`, 2026-12-03,
-    # H200, Triton 3.6; times of the whole fused MoE with the shared expert, random routing).
+    # H200, Triton 3.6; times of the whole fused MoE with the shared expert, random routing). Buckets 4096 and
+    # 16384 again, with TMA descriptor tiles as a coordinate ("tma", switch moe_tma): `OUT=$OUT python3
+    # scripts/tune_moe.py --tokens 4096,16384 --budget 120 --decode-check --write-configs` (run by
+    # scripts/gpu_prefill18c.sh, 2026-12-04, H200, Triton 3.6, commit c8a1f5b); the same tiles without TMA took
+    # 6.433 ms (4096) and 18.586 ms (16384).
     "cuda": {
         (6144, 3072, 128): {
             1: (16, 1, (32, 256, 4, 4), (64, 256, 4, 3)),
@@ -120,9 +124,9 @@ MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
             64: (16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
             256: (32, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
             1024: (64, 1, (256, 64, 8, 3), (128, 64, 4, 3)),  # 3.919 ms
-            4096: (64, 16, (256, 64, 8, 3), (128, 64, 8, 4)),  # 6.572 ms, 353 TFLOP/s (old entry 7.560 ms)
+            4096: (64, 32, (256, 64, 8, 3), (256, 64, 8, 4), "tma"),  # 6.283 ms, 369 TFLOP/s (2026-12-04)
             8192: (128, 32, (128, 64, 8, 4), (256, 64, 8, 3)),  # 10.966 ms, 423 TFLOP/s (old 11.994 ms)
-            16384: (128, 16, (128, 64, 8, 4), (256, 64, 8, 4)),  # 19.079 ms, 486 TFLOP/s (8192's entry 20.171)
+            16384: (128, 16, (128, 64, 8, 3), (256, 64, 8, 4), "tma"),  # 16.856 ms, 550 TFLOP/s (2026-12-04)
         },
     },
 }
