@@ -46,39 +46,42 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     # did not compile in the first, and "dequant"), each entry the lowest mean time of the runs that timed it.
     # Decode-sized timings moved by up to 2x between the two runs for one entry (docs/benchmarks.md): entries
     # within that spread of each other are not told apart.
+    # The 1/8/64-row entries were then re-picked by `python scripts/gpu_fp8dec.py --budget 170 --write-configs`
+    # (2026-12-04, H200, Triton 3.6, kernel sources of commit 4e6483c): the table's tensor-core entries against the
+    # CUDA-core "gemv" variant, each timed with the L2 flushed; "gemv" wins at 1 row (and at 8 rows of qkv+index).
     "cuda": {
         (6144, 12288): {
-            1: ('bcast', 16, 64, 128, 4, 4),
-            8: ('bcast', 16, 64, 128, 4, 4),
+            1: ('bcast', 16, 64, 128, 4, 4, 8),
+            8: ('bcast', 16, 64, 128, 4, 4, 4),
             32: ('bcast', 32, 64, 128, 4, 4),
-            64: ('bcast', 64, 64, 128, 4, 4),
+            64: ('bcast', 64, 64, 128, 4, 4, 8),
             128: ('dequant', 128, 128, 64, 4, 4),
             512: ('dequant', 128, 128, 64, 4, 4),
             4096: ('dequant', 128, 128, 64, 4, 4),
         },
         (24576, 6144): {
-            1: ('scaled', 16, 128, 128, 4, 4),
-            8: ('bcast', 16, 64, 128, 4, 4),
+            1: ('gemv', 1, 32, 256, 4, 1, 8),
+            8: ('scaled', 16, 64, 256, 4, 3, 8),
             32: ('scaled', 32, 64, 128, 4, 4),
-            64: ('bcast', 64, 64, 128, 4, 4),
+            64: ('bcast', 64, 64, 128, 4, 4, 8),
             128: ('bcast', 64, 128, 64, 4, 4),
             512: ('dequant', 128, 128, 64, 4, 4),
             4096: ('dequant', 128, 128, 64, 4, 4),
         },
         (6144, 8192): {
-            1: ('scaled', 16, 64, 256, 4, 3),
-            8: ('bcast', 16, 64, 128, 4, 4),
+            1: ('gemv', 1, 32, 256, 4, 1, 4),
+            8: ('scaled', 16, 64, 256, 4, 3, 8),
             32: ('bcast', 32, 64, 128, 4, 4),
-            64: ('swap', 64, 64, 256, 4, 4),
+            64: ('bcast', 64, 64, 128, 4, 4, 8),
             128: ('dequant', 128, 128, 64, 4, 4),
             512: ('dequant', 128, 128, 64, 4, 4),
             4096: ('dequant', 128, 128, 64, 4, 4),
         },
         (9856, 6144): {
-            1: ('bcast', 16, 64, 128, 4, 4),
-            8: ('bcast', 16, 64, 128, 4, 4),
+            1: ('gemv', 1, 32, 256, 4, 1, 4),
+            8: ('gemv', 2, 32, 256, 4, 1, 8),
             32: ('bcast', 32, 64, 128, 4, 4),
-            64: ('scaled', 64, 128, 128, 4, 4),
+            64: ('swap', 64, 64, 256, 4, 4, 8),
             128: ('dequant', 128, 128, 64, 4, 4),
             512: ('dequant', 128, 128, 64, 4, 4),
             4096: ('dequant', 128, 128, 64, 4, 4),
