@@ -186,6 +186,9 @@ class ModelRunner:
         return graphs.capture_all(min(max_seq_len, self.max_model_len), max_batch)
 
     def shutdown(self) -> None:
+        """Free the graphs, the KV pools and the weights. Idempotent: an engine's finalizer may call it again."""
+        if not hasattr(self, "model"):
+            return
         self.graphs = None
         self.allocate_kv_cache(0)
         del self.model
