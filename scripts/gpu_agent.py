@@ -42,8 +42,9 @@ TOOLS = [
     {"type": "function", "function": {
         "name": "get_weather", "description": "Current weather of a city",
         "parameters": {"type": "object", "properties": {
-            "city": {"type": "string", "enum": ["Oslo", "Rome", "Lima"]}, "days": {"type": "integer"},
-            "hourly": {"type": "boolean"}}, "required": ["city"]}}},
+            "city": {"type": "string", "enum": ["Oslo", "Rome", "Lima"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 14}, "hourly": {"type": "boolean"}},
+            "required": ["city"]}}},
     {"type": "function", "function": {
         "name": "book_trip", "description": "Book a trip",
         "parameters": {"type": "object", "properties": {
@@ -228,7 +229,7 @@ def run_cases(s: Session) -> None:
         r = s.chat(user, "disabled", tools=TOOLS, tool_choice="required")
         msg, fin = r.choices[0].message, r.choices[0].finish_reason
         calls = check_calls(msg.tool_calls, names)
-        assert fin in ("tool_calls", "length"), fin
+        assert fin == "tool_calls" and msg.content is None, (fin, msg.content)  # the call(s) only, then EOS
         return r, f"finish={fin}, calls={calls}"
     first = s.case("tool_choice required (thinking off)", required)
 
@@ -240,12 +241,15 @@ def run_cases(s: Session) -> None:
     s.case("tool_choice named book_trip", named)
 
     def required_thinking():
-        r = s.chat(user, "enabled", tools=TOOLS, tool_choice="required", **s.end_bias())
-        msg = r.choices[0].message
+        # no logit_bias: the format closes the thinking once it has taken max_tokens less the call's room
+        r = s.chat(user, "enabled", tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                   temperature=1.0, seed=0, max_tokens=2 * s.max_tokens)
+        msg, fin = r.choices[0].message, r.choices[0].finish_reason
         calls = check_calls(msg.tool_calls, names)
+        assert fin == "tool_calls" and msg.content is None, (fin, msg.content)
         reasoning = getattr(msg, "reasoning_content", None)
         assert isinstance(reasoning, str), f"reasoning_content {reasoning!r}"
-        return r, f"reasoning {len(reasoning)} chars ({s.end_bias()}), calls={calls}"
+        return r, f"reasoning {len(reasoning)} chars, {r.usage.completion_tokens} tokens, calls={calls}"
     s.case("tool_choice required (thinking on)", required_thinking)
 
     def multi_turn():

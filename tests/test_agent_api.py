@@ -340,6 +340,57 @@ def test_forced_tool_choice_emits_a_valid_call(client, choice, stream):
             assert call.function.name == "get_weather"
 
 
+
+# bounded values (enums, a bounded integer, a boolean): a random model's call cannot run on past max_tokens
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome", "Lima"]},
+                                         "days": {"type": "integer", "minimum": 1, "maximum": 14},
+                                         "hourly": {"type": "boolean"}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "book_trip", "parameters": {
+        "type": "object", "properties": {"from": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                         "to": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                         "class": {"type": "string", "enum": ["economy", "business"]}},
+        "required": ["from", "to", "class"], "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("thinking", ["enabled", "disabled", "adaptive"])
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_call_is_the_whole_answer_and_fits_the_schema(client, tok, thinking, choice):
+    """tool_choice "required" or named, sampled at temperature 1 over several seeds, with thinking on (the
+    prompt opens the block), off and left to the model: the answer is exactly one call (the thinking aside) that
+    validates against the tool's schema, finish_reason "tool_calls", no content. A logit_bias against
+    </mm:think> makes the model one that would think on: the format closes its thinking in time (at most
+    max_tokens less the call's room) for the call to fit; temperature 2 makes it one that would chatter on."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in FORCED_TOOLS}
+    end = tok.convert_tokens_to_ids("</mm:think>")
+
+    def ask(seed):
+        return client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo for two days?"}],
+            tools=FORCED_TOOLS, tool_choice=choice, parallel_tool_calls=False, temperature=2.0, seed=seed,
+            logit_bias={str(end): -100}, max_tokens=300,
+            extra_body={"chat_template_kwargs": {"thinking_mode": thinking}}).choices[0]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(ask, range(4)))
+    for seed, answer in enumerate(answers):
+        msg = answer.message
+        assert answer.finish_reason == "tool_calls", (seed, answer)
+        assert msg.content is None, (seed, msg)
+        assert len(msg.tool_calls) == 1, (seed, msg.tool_calls)
+        call = msg.tool_calls[0]
+        assert isinstance(choice, str) or call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+        if thinking == "enabled":
+            assert isinstance(msg.reasoning_content, str), (seed, msg)
+        if thinking == "disabled":
+            assert msg.reasoning_content is None, (seed, msg)
+
+
 # -- response_format with thinking: the format holds the answer after </mm:think>, not the thinking ----------------
 ANSWER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
                                            "days": {"type": "integer", "minimum": 1, "maximum": 9},

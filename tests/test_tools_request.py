@@ -127,6 +127,12 @@ def test_forced_call_structure_accepts_what_the_template_writes(tiny_tokenizer):
         MiniMaxM3ToolCallParser.structural_tag(tools, ToolChoice("required"), parallel_tool_calls=False)))
     assert accepts(single, call) and not accepts(single, two)  # parallel_tool_calls false: one call
     assert not accepts(required, "No call at all.")
+    for choice in (ToolChoice("required"), ToolChoice("named", "get_weather")):  # the call(s) only, then EOS
+        grammar = xgr.Grammar.from_structural_tag(json.dumps(MiniMaxM3ToolCallParser.structural_tag(tools, choice)))
+        assert accepts(grammar, weather), choice
+        assert not accepts(grammar, "Sure. " + weather), choice
+        assert not accepts(grammar, weather + " Done."), choice
+        assert not accepts(grammar, weather + weather), choice  # one block
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +167,81 @@ def test_forced_call_after_the_thinking_the_prompt_allows(tiny_tokenizer, state,
     for prefix in bad:
         assert not accepts(grammar, prefix + call), prefix
 
+
+
+
+def test_forced_call_markers_are_their_tokens(tiny_tokenizer):
+    """token_markers: the template's call, tokenized as the tokenizer does (NS, <tool_call> and </tool_call> are
+    one token each), is accepted token by token; the same text with NS spelled from smaller tokens is not."""
+    xgr = pytest.importorskip("xgrammar")
+    from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser as R
+
+    tools = check_tools([ORDER, WEATHER])
+    markers = frozenset(m for m in (*MiniMaxM3ToolCallParser.markers, *R.markers)
+                        if len(tiny_tokenizer.encode(m, add_special_tokens=False)) == 1)
+    assert "]<]minimax[>[" in markers and "</mm:think>" in markers
+    info = xgr.TokenizerInfo.from_huggingface(tiny_tokenizer, vocab_size=len(tiny_tokenizer),
+                                              stop_token_ids=[tiny_tokenizer.eos_token_id])
+    compiler = xgr.GrammarCompiler(info)
+
+    def accepts(tag, ids):
+        matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
+        return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tiny_tokenizer.eos_token_id)
+
+    call = rendered_call(tiny_tokenizer, "create_order", ARGS)
+    ids = tiny_tokenizer.encode(call, add_special_tokens=False)
+    ns = tiny_tokenizer.convert_tokens_to_ids("]<]minimax[>[")
+    spelled = tiny_tokenizer.encode("]<]", add_special_tokens=False) + \
+        tiny_tokenizer.encode("minimax[>[", add_special_tokens=False)
+    assert ns in ids and tiny_tokenizer.decode(spelled, skip_special_tokens=False) == "]<]minimax[>["
+    i = ids.index(ns, 1)  # the invoke's NS
+    for choice in (ToolChoice("required"), ToolChoice("named", "create_order")):
+        tag = MiniMaxM3ToolCallParser.structural_tag(tools, choice, True, markers)
+        assert accepts(tag, ids), choice
+        assert not accepts(tag, ids[:i] + spelled + ids[i + 1:]), choice
+        thinking = R.wrap_structural_tag(tag, "open", None, markers)
+        assert accepts(thinking, tiny_tokenizer.encode("Fine.</mm:think>", add_special_tokens=False) + ids)
+        assert not accepts(thinking, tiny_tokenizer.encode("Fine.</mm:think", add_special_tokens=False)
+                           + tiny_tokenizer.encode(">", add_special_tokens=False) + ids)
+
+@pytest.mark.parametrize("state", ["open", "none"])
+def test_forced_call_thinking_is_bounded_so_the_call_has_room(tiny_dir, tiny_tokenizer, state):
+    """max_reasoning_tokens: a model that would think on is made to close its thinking after that many tokens and
+    write the call. Random walks over the token masks (every allowed token equally likely, as a random model)
+    never think longer and always end in a call the parser reads, with the schema's required parameter."""
+    xgr = pytest.importorskip("xgrammar")
+    import random
+
+    from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser as R
+
+    # values a random walk cannot run on in (an enum, a bounded integer), so that every walk ends
+    tools = check_tools([fn(name="get_weather", parameters={"type": "object", "required": ["city"], "properties": {
+        "city": {"type": "string", "enum": ["Oslo", "Lima"]}, "days": {"type": "integer", "minimum": 1,
+                                                                       "maximum": 9}}})])
+    markers = frozenset(("]<]minimax[>[", "<tool_call>", "</tool_call>", "<mm:think>", "</mm:think>"))
+    tag = R.wrap_structural_tag(MiniMaxM3ToolCallParser.structural_tag(tools, ToolChoice("required"), False,
+                                                                       markers), state, 6, markers)
+    info = xgr.TokenizerInfo.from_huggingface(tiny_tokenizer, vocab_size=len(tiny_tokenizer),
+                                              stop_token_ids=[tiny_tokenizer.eos_token_id])
+    compiled = xgr.GrammarCompiler(info).compile_structural_tag(json.dumps(tag))
+    end = tiny_tokenizer.convert_tokens_to_ids(R.end)
+    mask = xgr.allocate_token_bitmask(1, info.vocab_size)
+    for seed in range(6):
+        rng, matcher, out = random.Random(seed), xgr.GrammarMatcher(compiled), []
+        while not matcher.is_terminated():
+            assert len(out) < 400, "the walk did not end"
+            matcher.fill_next_token_bitmask(mask)
+            allowed = [i for i in range(info.vocab_size) if (int(mask[0, i // 32]) >> (i % 32)) & 1]
+            # lean away from the end of thinking, as a model that would think on
+            pick = [i for i in allowed if i != end] or allowed
+            out.append(rng.choice(pick))
+            assert matcher.accept_token(out[-1])
+        text = tiny_tokenizer.decode(out[:-1], skip_special_tokens=False)  # the last token is EOS
+        if end in out:  # the thinking: at most 6 tokens (and the <mm:think> that opens it, for "none")
+            assert out.index(end) <= 6 + (state == "none"), text
+        _, calls = MiniMaxM3ToolCallParser(tools).parse(text[text.index(R.end) + len(R.end):] if R.end in text
+                                                        else text)
+        assert calls and all("city" in json.loads(c.arguments) for c in calls), text
 
 def test_prompt_state():
     from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser as R

@@ -46,18 +46,33 @@ class ReasoningParser:
         return cls.prompt_state(prompt) == "open"
 
     @classmethod
-    def wrap_structural_tag(cls, tag: dict, prompt_state: str) -> dict:
+    def wrap_structural_tag(cls, tag: dict, prompt_state: str, max_reasoning_tokens: int | None = None,
+                            token_markers: frozenset[str] = frozenset()) -> dict:
         """An xgrammar structural tag for the answer, preceded by the thinking the prompt allows: to the end of
-        the open block ("open"), nothing ("closed"), or a whole block, a bare closer or nothing ("none")."""
+        the open block ("open"), nothing ("closed"), or a whole block, a bare closer or nothing ("none").
+        `max_reasoning_tokens` bounds the thinking: past it the only way on is the end marker, then the answer
+        (so that an answer the request cannot do without, a forced tool call, still has room).
+        `token_markers`: the thinking markers that are single tokens; each is then matched as its token (the
+        thinking ends at that token, as the engine's reasoning end is found on token ids)."""
         answer = tag["format"]
+
+        def marker(text: str) -> dict | str:
+            return {"type": "token", "token": text} if text in token_markers else text
+
+        end = marker(cls.end)
+        thinking: dict = {"type": "any_tokens" if isinstance(end, dict) else "any_text"}
+        if max_reasoning_tokens is not None:
+            thinking["max_tokens"] = max(0, max_reasoning_tokens)
+        block = {"type": "tag", "begin": "", "content": thinking, "end": end}
         if prompt_state == "open":
-            fmt = {"type": "sequence", "elements": [
-                {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": cls.end}, answer]}
+            fmt = {"type": "sequence", "elements": [block, answer]}
         elif prompt_state == "none":
+            start = marker(cls.start)
+            start = start if isinstance(start, dict) else {"type": "const_string", "value": start}
+            closer = end if isinstance(end, dict) else {"type": "const_string", "value": end}
             fmt = {"type": "or", "elements": [
-                {"type": "sequence", "elements": [
-                    {"type": "tag", "begin": cls.start, "content": {"type": "any_text"}, "end": cls.end}, answer]},
-                {"type": "sequence", "elements": [{"type": "const_string", "value": cls.end}, answer]},
+                {"type": "sequence", "elements": [start, block, answer]},
+                {"type": "sequence", "elements": [closer, answer]},
                 answer]}
         else:
             fmt = answer

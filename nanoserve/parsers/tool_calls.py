@@ -341,69 +341,107 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
     # -- forced calls (structured decoding) -------------------------------------------------------------------
     @classmethod
     def structural_tag(cls, tools: dict[str, dict[str, Any] | None], choice: "ToolChoice",
-                       parallel_tool_calls: bool = True) -> dict[str, Any]:
-        """M3's markup for a forced call: `required` lets text come first and then needs at least one block
-        (one invoke when parallel_tool_calls is false); `named` is exactly one block with one invoke of that
-        tool. Parameters follow the declared order, required ones always, optional ones maybe; a string value is
-        raw text, a number/boolean/enum JSON, an object its fields as elements, an array `<item>` elements."""
-        single = not parallel_tool_calls
+                       parallel_tool_calls: bool = True, token_markers: frozenset[str] = frozenset()
+                       ) -> dict[str, Any]:
+        """M3's markup for a forced call, and nothing else (vLLM's rule: the answer is the call(s), then EOS):
+        `required` is one block of one or more invokes of the declared tools (exactly one when
+        parallel_tool_calls is false), `named` one block with one invoke of that tool. Parameters follow the
+        declared order, required ones always, optional ones maybe; a string value is raw text, a
+        number/boolean/enum JSON, an object its fields as elements, an array `<item>` elements.
+
+        `token_markers`: the markers (NS, `<tool_call>`, `</tool_call>`) that are single tokens of the
+        tokenizer the format is compiled for. Each is then that token, never spelled from smaller pieces: the
+        text the parser reads is the same, but a model cannot take a dozen tokens to write one NS (what a
+        near-uniform model does when every spelling is allowed, running out of max_tokens inside its call)."""
         if choice.mode == "named":
-            fmt = tag(BLOCK_START + "\n", invoke_format(choice.name, tools[choice.name]), BLOCK_END)
+            names = [choice.name]
         elif choice.mode == "required":
-            invokes = [invoke_format(name, params) for name, params in tools.items()]
-            block = tag(BLOCK_START + "\n", {"type": "tags_with_separator", "tags": invokes, "separator": "",
-                                              "at_least_one": True, "stop_after_first": single}, BLOCK_END)
-            fmt = {"type": "triggered_tags", "triggers": [BLOCK_START], "tags": [block], "at_least_one": True,
-                   "stop_after_first": single}
+            names = list(tools)
         else:
             raise ValueError(f"tool_choice {choice.mode!r} does not force a call")
-        return {"type": "structural_tag", "format": fmt}
-
-
-def tag(begin: str, content: dict[str, Any], end: str) -> dict[str, Any]:
-    return {"type": "tag", "begin": begin, "content": content, "end": end}
+        fmt = M3CallFormat(token_markers)
+        invokes = [fmt.invoke(name, tools[name]) for name in names]
+        one = invokes[0] if len(invokes) == 1 else {"type": "or", "elements": invokes}
+        single = choice.mode == "named" or not parallel_tool_calls
+        return {"type": "structural_tag", "format": fmt.seq(
+            fmt.lit(BLOCK_START + "\n"), one if single else {"type": "plus", "content": one}, fmt.lit(BLOCK_END))}
 
 
 ANY_TEXT = {"type": "any_text"}  # inside a tag: any text up to the tag's end
 
 
-def invoke_format(name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
-    root = parameters or {}
-    props = root.get("properties", {}) if isinstance(root.get("properties"), dict) else {}
-    required = set(root.get("required", []))
-    args = [param_format(key, schema, key in required, root, 0) for key, schema in props.items()]
-    content = {"type": "sequence", "elements": args} if args else {"type": "const_string", "value": ""}
-    return tag(f'{INVOKE_START} name="{name}">', content, INVOKE_END + "\n")
+class M3CallFormat:
+    """Builds the xgrammar structural tag of M3 tool calls as the chat template writes them (its to_xml macro).
+    `token_markers`: markers to match as their single token (see MiniMaxM3ToolCallParser.structural_tag)."""
 
+    def __init__(self, token_markers: frozenset[str] = frozenset()):
+        self.markers = sorted(token_markers, key=len, reverse=True)  # longest first: `NS` vs `NS<tool_call>`
 
-def param_format(key: str, schema: Any, required: bool, root: dict[str, Any], depth: int) -> dict[str, Any]:
-    element = tag(f"{NS}<{key}>", value_format(schema, root, depth), f"{NS}</{key}>")
-    return element if required else {"type": "or", "elements": [element, {"type": "const_string", "value": ""}]}
+    @staticmethod
+    def seq(*elements: dict[str, Any]) -> dict[str, Any]:
+        return {"type": "sequence", "elements": list(elements)}
 
+    def lit(self, text: str) -> dict[str, Any]:
+        """Literal text, its token markers as tokens."""
+        parts: list[dict[str, Any]] = []
+        while text:
+            hits = [(text.find(m), m) for m in self.markers if m in text]
+            if not hits:
+                parts.append({"type": "const_string", "value": text})
+                break
+            i, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
+            if i:
+                parts.append({"type": "const_string", "value": text[:i]})
+            parts.append({"type": "token", "token": marker})
+            text = text[i + len(marker):]
+        return parts[0] if len(parts) == 1 else self.seq(*parts) if parts else {"type": "const_string", "value": ""}
 
-def value_format(schema: Any, root: dict[str, Any], depth: int) -> dict[str, Any]:
-    """A value as the chat template writes it (the to_xml macro of M3's template): free text where the schema
-    does not pin the shape down."""
-    for _ in range(8):
-        if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
-            schema = resolve_ref(schema["$ref"], root)
-    vtype = value_type(schema, root, depth) if isinstance(schema, dict) else None
-    if vtype is None or depth > 8 or vtype.kind == "any_of":
-        return ANY_TEXT
-    if vtype.kind == "string":
-        values = schema.get("enum")
-        if isinstance(values, list) and values and all(isinstance(v, str) and v for v in values):
-            return {"type": "or", "elements": [{"type": "const_string", "value": v} for v in values]}
-        return ANY_TEXT
-    if vtype.kind == "object":
+    def element(self, name: str, value: dict[str, Any]) -> dict[str, Any]:
+        """`NS<name>` value `NS</name>`. A string's text ends at the NS token when NS is a token marker (it
+        cannot hold one); other free text, which may hold nested elements, ends at the closing tag's text."""
+        begin, end = f"{NS}<{name}>", f"{NS}</{name}>"
+        if value is ANY_TEXT_STRING and NS in self.markers:
+            return self.seq(self.lit(begin), {"type": "tag", "begin": "", "content": {"type": "any_tokens"},
+                                              "end": {"type": "token", "token": NS}}, self.lit(f"</{name}>"))
+        if value is ANY_TEXT or value is ANY_TEXT_STRING:
+            return {"type": "tag", "begin": begin, "content": ANY_TEXT, "end": end}
+        return self.seq(self.lit(begin), value, self.lit(end))
+
+    def invoke(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
+        root = parameters or {}
+        return self.seq(self.lit(f'{INVOKE_START} name="{name}">'), self.fields(root, root, 0),
+                        self.lit(INVOKE_END + "\n"))
+
+    def fields(self, schema: dict[str, Any], root: dict[str, Any], depth: int) -> dict[str, Any]:
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        if not props or vtype.additional is not None:
-            return ANY_TEXT  # undeclared keys: free text up to the closing tag
         required = set(schema.get("required", []))
-        return {"type": "sequence", "elements": [param_format(k, s, k in required, root, depth + 1)
-                                                 for k, s in props.items()]}
-    if vtype.kind == "array":
-        item = tag(f"{NS}<item>", value_format(schema.get("items"), root, depth + 1), f"{NS}</item>")
-        return {"type": "tags_with_separator", "tags": [item], "separator": "", "at_least_one": False,
-                "stop_after_first": False}
-    return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if k != "description"}}
+        args = []
+        for key, sub in props.items():
+            element = self.element(key, self.value(sub, root, depth))
+            args.append(element if key in required else {"type": "optional", "content": element})
+        return self.seq(*args) if args else {"type": "const_string", "value": ""}
+
+    def value(self, schema: Any, root: dict[str, Any], depth: int) -> dict[str, Any]:
+        """A value: free text where the schema does not pin the shape down."""
+        for _ in range(8):
+            if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
+                schema = resolve_ref(schema["$ref"], root)
+        vtype = value_type(schema, root, depth) if isinstance(schema, dict) else None
+        if vtype is None or depth > 8 or vtype.kind == "any_of":
+            return ANY_TEXT
+        if vtype.kind == "string":
+            values = schema.get("enum")
+            if isinstance(values, list) and values and all(isinstance(v, str) and v for v in values):
+                return {"type": "or", "elements": [{"type": "const_string", "value": v} for v in values]}
+            return ANY_TEXT_STRING
+        if vtype.kind == "object":
+            if not isinstance(schema.get("properties"), dict) or not schema["properties"] \
+                    or vtype.additional is not None:
+                return ANY_TEXT  # undeclared keys: free text up to the closing tag
+            return self.fields(schema, root, depth + 1)
+        if vtype.kind == "array":
+            return {"type": "star", "content": self.element("item", self.value(schema.get("items"), root, depth + 1))}
+        return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if k != "description"}}
+
+
+ANY_TEXT_STRING = {"type": "any_text"}  # a string value: free text (a distinct object, so `element` can tell)

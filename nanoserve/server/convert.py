@@ -89,7 +89,9 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
     if setup.reasoning_parser:
         setup.reasoning_state = setup.reasoning_parser.prompt_state(text)
     if setup.tool_choice.forced:
-        apply_forced_tool_choice(server, params, setup)
+        room = server.max_model_len - len(ids)
+        apply_forced_tool_choice(server, params, setup, room if params.max_tokens is None else
+                                 min(room, params.max_tokens))
     elif setup.reasoning_state != "closed":  # the model may think first (open: it is thinking; none: it decides)
         hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
@@ -136,12 +138,23 @@ def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
                      include_reasoning=req.include_reasoning)
 
 
-def forced_call_format(setup: ChatSetup) -> dict[str, Any]:
+FORCED_CALL_ROOM = 1024
+"""Tokens of a forced call's max_tokens kept for the call itself (at most half of them): the thinking before it
+may take the rest, then the grammar closes the thinking. Without it a model that thinks on would reach max_tokens
+inside (or before) its call, and the call would come back cut off."""
+
+
+def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
+                       token_markers: frozenset[str] = frozenset()) -> dict[str, Any]:
     """The xgrammar structural tag a forced tool_choice ("required", a named function) holds the output to: the
-    tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part)."""
-    tag = setup.tool_parser.structural_tag(setup.tools, setup.tool_choice, setup.parallel_tool_calls)
+    tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part),
+    which may take at most `max_tokens` less the call's room (FORCED_CALL_ROOM). `token_markers`: the parsers'
+    markers that are single tokens, matched as those tokens."""
+    tag = setup.tool_parser.structural_tag(setup.tools, setup.tool_choice, setup.parallel_tool_calls,
+                                           token_markers)
     if setup.reasoning_parser:
-        tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state)
+        budget = None if max_tokens is None else max_tokens - min(max_tokens // 2, FORCED_CALL_ROOM)
+        tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state, budget, token_markers)
     return tag
 
 
@@ -152,13 +165,16 @@ def hold_format_after_reasoning(server: OpenAIServer, params: SamplingParams) ->
         params.structured_outputs.reasoning_end_token_id = server.reasoning_end_id
 
 
-def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup) -> None:
+def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup,
+                             room: int) -> None:
     """Hold the output to forced_call_format(setup) by structured decoding, so that even a model that would not
-    choose a tool emits a valid call. A request that also sets its own output format cannot have both."""
+    choose a tool emits a valid call. `room`: the tokens the output may take (max_tokens, or what fits). A
+    request that also sets its own output format cannot have both."""
     if params.structured_outputs is not None:
         raise APIError(400, f"tool_choice: {setup.tool_choice.mode!r} cannot be combined with response_format / "
                             f"structured_outputs (both constrain the output)", param="tool_choice")
-    params.structured_outputs = StructuredOutputsParams(structural_tag=forced_call_format(setup))
+    params.structured_outputs = StructuredOutputsParams(structural_tag=forced_call_format(
+        setup, room, server.token_markers))
     setup.structured_field = "tool_choice"
 
 

@@ -83,6 +83,9 @@ class OpenAIServer:
         special = {t.content for t in decoder.values() if getattr(t, "special", False)}
         markers = [m for p in (self.tool_parser, self.reasoning_parser) if p for m in p.markers]
         self.parsers_need_special_tokens = any(m in special for m in markers)
+        # markers the tokenizer has as one token: a forced call's format matches each as that token
+        self.token_markers = frozenset(m for m in markers
+                                       if len(self.tokenizer.encode(m, add_special_tokens=False)) == 1)
         self.reasoning_end_id = self._reasoning_end_id()
 
     def _reasoning_end_id(self) -> int | None:
