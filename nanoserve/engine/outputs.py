@@ -24,6 +24,8 @@ class CompletionOutput:
     logprobs: list[dict[int, float]] | None  # per token: {chosen id: logprob, then top-N alternatives}
     finish_reason: str | None = None  # "stop", "length", "abort", "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    reasoning: str | None = None  # LLM(reasoning_parser=...).chat: the thinking (None: the model did not think)
+    content: str | None = None  # ... and the answer after it
 
 
 @dataclass

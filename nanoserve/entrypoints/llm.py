@@ -9,10 +9,16 @@
 `shutdown()` stops the engine: its tensor-parallel workers exit and the process groups are left, so another LLM
 (of any tensor-parallel size) can be built in the same process. Dropping the last reference to an LLM, or the
 interpreter exiting, shuts it down too (a finalizer).
+
+`LLM(..., reasoning_parser="minimax_m3")` (vLLM's engine argument) does offline what `--reasoning-parser` does on
+the server: a structured output applies to the answer, not the thinking (the grammar starts after `</mm:think>`
+when the prompt leaves thinking open or to the model), and `LLM.chat` splits each output into
+`CompletionOutput.reasoning` and `.content`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from typing import Any, Sequence as Seq
@@ -25,6 +31,7 @@ from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.chat_template import load_chat_template, render_chat, template_messages
+from nanoserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from nanoserve.parsers.tools import check_tools
 from nanoserve.sampling import SamplingParams
 
@@ -32,9 +39,16 @@ from nanoserve.sampling import SamplingParams
 class LLM:
     """Build an engine from vLLM-style keyword arguments and run batches of prompts to completion."""
 
-    def __init__(self, model: str = "m3-tiny", cpu_threads: int | None = None, **engine_args: Any):
+    def __init__(self, model: str = "m3-tiny", cpu_threads: int | None = None, reasoning_parser: str | None = None,
+                 **engine_args: Any):
         """`cpu_threads`: torch's intra-op threads when the model runs on the CPU (default:
-        $NANOSERVE_CPU_THREADS, else every physical core; nanoserve/cpu_threads.py)."""
+        $NANOSERVE_CPU_THREADS, else every physical core; nanoserve/cpu_threads.py). `reasoning_parser`: the
+        model's thinking format (see the module docstring); None: outputs are not read for thinking."""
+        try:
+            self.reasoning_parser: type[ReasoningParser] | None = \
+                get_reasoning_parser(reasoning_parser) if reasoning_parser else None
+        except ValueError as e:
+            raise ValueError(f"reasoning_parser: {e}") from None
         config = EngineConfig.from_kwargs(model=model, **engine_args)
         if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
             configure_cpu_threads(cpu_threads)
@@ -42,6 +56,28 @@ class LLM:
         self._counter = 0
         # holds the engine, not the LLM: runs once, at shutdown(), when the LLM is collected, or at exit
         self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
+        self._reasoning_end_id = self._reasoning_end() if self.reasoning_parser else None
+
+    def _reasoning_end(self) -> int:
+        ids = self.engine.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
+        if len(ids) != 1:
+            self.shutdown()
+            raise ValueError(f"reasoning_parser: its end marker {self.reasoning_parser.end!r} is {len(ids)} tokens "
+                             f"in this tokenizer, not one")
+        return ids[0]
+
+    def _for_prompt(self, params: SamplingParams, state: str, chat: bool) -> SamplingParams:
+        """`params` for one prompt whose last turn leaves thinking `state` (ReasoningParser.prompt_state): a
+        structured output waits for the end of the thinking when the model may think (a chat turn that did not
+        close the block; a raw prompt only when it left one open, as the server's completions), and a chat
+        decodes the markers the parser reads even when the tokenizer calls them special."""
+        so = params.structured_outputs
+        if so is not None and so.reasoning_end_token_id is None and (state == "open" or chat and state == "none"):
+            params = dataclasses.replace(params, structured_outputs=dataclasses.replace(
+                so, reasoning_end_token_id=self._reasoning_end_id))
+        if chat and params.skip_special_tokens:
+            params = dataclasses.replace(params, skip_special_tokens=False)
+        return params
 
     def shutdown(self) -> None:
         """Stop the engine and its tensor-parallel workers; the LLM cannot generate afterwards. Idempotent."""
@@ -74,6 +110,18 @@ class LLM:
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if self.reasoning_parser is not None:
+            params = [self._for_prompt(p, self.reasoning_parser.prompt_state(self._prompt_text(prompt)), False)
+                      for prompt, p in zip(prompts, params)]
+        return self._generate(prompts, params, use_tqdm)
+
+    def _prompt_text(self, prompt: Prompt) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
+        return self.engine.tokenizer.decode(list(ids or []), skip_special_tokens=False)
+
+    def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         ids = []
         try:
             for prompt, p in zip(prompts, params):
@@ -96,18 +144,33 @@ class LLM:
         server checks them) go into the prompt as the template writes them, `chat_template` (a jinja string or a
         file) replaces the tokenizer's, `chat_template_kwargs` are the template's variables (M3's `thinking_mode`),
         and `continue_final_message` continues the last message (with add_generation_prompt=False). The output is
-        the raw text: tool calls and reasoning are not parsed (nanoserve.parsers does that). Bad input raises
-        ValueError naming the parameter."""
+        the raw text; tool calls are not parsed (nanoserve.parsers does that). With `reasoning_parser`, the
+        text keeps the thinking markers and each CompletionOutput also has `reasoning` (None when the model did
+        not think) and `content`, split as the server splits them. Bad input raises ValueError naming the
+        parameter."""
         if tools is not None:
             check_tools(tools)
         template = load_chat_template(chat_template)
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(
-            render_chat(self.engine.tokenizer, template_messages(conv), tools=tools,
-                        add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                        chat_template=template, chat_template_kwargs=chat_template_kwargs),
-            add_special_tokens=False)} for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        texts = [render_chat(self.engine.tokenizer, template_messages(conv), tools=tools,
+                             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
+                             chat_template=template, chat_template_kwargs=chat_template_kwargs) for conv in convs]
+        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        if self.reasoning_parser is None:
+            return self.generate(prompts, sampling_params, use_tqdm)
+        self._check_alive()
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else \
+            [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        states = [self.reasoning_parser.prompt_state(t) for t in texts]
+        outs = self._generate(prompts, [self._for_prompt(p, st, True) for p, st in zip(params, states)], use_tqdm)
+        for out, state in zip(outs, states):
+            for c in out.outputs:
+                c.reasoning, c.content = self.reasoning_parser(state == "open").parse(c.text)
+        return outs
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
