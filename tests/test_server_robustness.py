@@ -30,13 +30,28 @@ def words(n_chars: int) -> str:
     return base[:n_chars]
 
 
+def limited_server(tiny_dir, tmp_path_factory, http: str):
+    log = tmp_path_factory.mktemp("robust") / "server.log"
+    return ServerProcess(tiny_dir, log, "--max-request-body-bytes", str(BODY_LIMIT), "--max-prompt-chars",
+                         str(PROMPT_CHARS), "--max-prompts-per-request", "4", "--request-body-timeout",
+                         str(BODY_TIMEOUT), "--request-header-timeout", str(HEADER_TIMEOUT), "--http", http)
+
+
 @pytest.fixture(scope="module")
 def srv(tiny_dir, tmp_path_factory):
-    log = tmp_path_factory.mktemp("robust") / "server.log"
-    with ServerProcess(tiny_dir, log, "--max-request-body-bytes", str(BODY_LIMIT), "--max-prompt-chars",
-                       str(PROMPT_CHARS), "--max-prompts-per-request", "4", "--request-body-timeout",
-                       str(BODY_TIMEOUT), "--request-header-timeout", str(HEADER_TIMEOUT)) as s:
+    """The server with its default HTTP parser (httptools)."""
+    with limited_server(tiny_dir, tmp_path_factory, "auto") as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def srv_h11(tiny_dir, tmp_path_factory):
+    """The same limits with uvicorn's other parser, h11 (the deadlines live in each parser's connection class)."""
+    with limited_server(tiny_dir, tmp_path_factory, "h11") as s:
+        yield s
+
+
+both_parsers = pytest.mark.parametrize("server_fixture", ["srv", "srv_h11"])
 
 
 def test_event_loop_answers_health_while_huge_prompts_arrive(srv):
@@ -96,7 +111,36 @@ def test_request_limits(srv):
     assert ok.status_code == 200 and len(ok.json()["choices"]) == 2
 
 
-def test_half_sent_body_is_answered_408_and_dropped(srv):
+def test_prompts_too_long_to_tokenize_keep_the_order_of_errors(srv):
+    """A body of 1 MiB or more is parsed in a worker process, which sends back only the length of a prompt too long
+    to tokenize; the server still checks in the usual order - the model name (404), the sampling fields, the prompt
+    count, then the characters - and a list keeps its short prompts."""
+    url = f"{srv.url}/v1/completions"
+    huge = "x" * 2_000_000
+
+    def post(**fields):
+        r = httpx.post(url, json=dict(dict(model=MODEL, max_tokens=1), **fields), timeout=60)
+        return r.status_code, r.json()["error"]
+
+    code, error = post(model="nope", prompt=huge)
+    assert code == 404 and error["param"] == "model", error
+    code, error = post(prompt=huge, temperature=-1.0)
+    assert code == 400 and error["param"] == "temperature", error
+    code, error = post(prompt=[huge] * 5)
+    assert code == 400 and "--max-prompts-per-request" in error["message"], error
+    code, error = post(prompt=["Hi", huge])
+    assert code == 400 and error["param"] == "prompt", error
+    assert f"{len(huge)} characters" in error["message"] and "--max-prompt-chars" in error["message"]
+    code, error = post(prompt=["y" * (PROMPT_CHARS + 1)])  # a small body, parsed in the server: the same answer
+    assert code == 400 and f"{PROMPT_CHARS + 1} characters" in error["message"], error
+    tok = httpx.post(f"{srv.url}/tokenize", json=dict(model=MODEL, prompt=huge), timeout=60)
+    assert tok.status_code == 400 and "--max-prompt-chars" in tok.json()["error"]["message"], tok.text
+    assert srv.healthy()
+
+
+@both_parsers
+def test_half_sent_body_is_answered_408_and_dropped(server_fixture, request):
+    srv = request.getfixturevalue(server_fixture)
     with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as s:
         s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 1000\r\n\r\n{\"model\": ")
@@ -137,10 +181,12 @@ def read_until_closed(s: socket.socket, drip: bytes = b"") -> tuple[bytes, float
     return data, time.monotonic() - t0
 
 
-def test_stalled_headers_are_answered_408_and_dropped(srv):
+@both_parsers
+def test_stalled_headers_are_answered_408_and_dropped(server_fixture, request):
     """Half a request line and headers, then nothing; headers trickled a byte at a time; a connection that sends
     nothing; half of a second request on a kept-alive connection: each is closed within --request-header-timeout
     (408 in OpenAI's shape where part of a request came), while the server keeps answering others."""
+    srv = request.getfixturevalue(server_fixture)
     results: dict[str, tuple[bytes, float]] = {}
     half = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty"
 

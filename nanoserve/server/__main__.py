@@ -30,6 +30,7 @@ import sys
 from nanoserve.config import (DEVICES, DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SWITCH_ALIASES, EngineConfig,
                               Optimizations)
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
+from nanoserve.server.http_protocol import HTTP_PARSERS, resolve_http
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
@@ -65,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--http", choices=HTTP_PARSERS, default="auto",
+                   help="uvicorn's HTTP/1.1 parser: httptools (C; the default when installed, as uvicorn's auto) "
+                        "or h11 (pure Python; copies large bodies several times on the event loop)")
     s.add_argument("--request-header-timeout", type=float, default=DEFAULT_REQUEST_HEADER_TIMEOUT_S,
                    help="seconds a request's line and headers may take to arrive before the client gets 408 and "
                         "its connection is closed (0: no limit)")
@@ -211,6 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     limits = server_limits(args, parser)
+    try:
+        http_parser = resolve_http(args.http)
+    except ValueError as exc:
+        parser.error(str(exc))
     log_configuration(config)
 
     import torch
@@ -219,7 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     from nanoserve.cpu_threads import configure_cpu_threads
     from nanoserve.entrypoints.async_engine import AsyncLLMEngine
     from nanoserve.server.app import build_app
-    from nanoserve.server.limits import header_timeout_protocol
+    from nanoserve.server.http_protocol import http_protocol
     from nanoserve.server.shutdown import GracefulServer
 
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")
     # GracefulServer drains before uvicorn's own shutdown starts, which then only closes idle connections
-    http = header_timeout_protocol(limits.request_header_timeout) if limits.request_header_timeout else "auto"
+    http = http_protocol(http_parser, limits.request_header_timeout)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, http=http), app.state.lifecycle)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1; /tokenize, /detokenize, /health, /metrics, "

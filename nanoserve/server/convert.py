@@ -235,12 +235,15 @@ def request_error(exc: ValueError, default_param: str) -> APIError:
     return APIError(400, message, param=param.split(".")[0].split("[")[0])
 
 
-def tokenize(server: OpenAIServer, prompt: str | list[int], add_special_tokens: bool = True
+def tokenize(server: OpenAIServer, prompt: str | P.ElidedText | list[int], add_special_tokens: bool = True
              ) -> tuple[str | None, list[int]]:
     """A text prompt's ids (add_special_tokens: the tokenizer's BOS etc., as vLLM's completions default);
-    token ids pass through as sent."""
-    if isinstance(prompt, str):
+    token ids pass through as sent. A prompt elided at parse time (too long to tokenize) is refused here, where
+    the character check has always stood, so errors keep their order (model, sampling, prompt count, length)."""
+    if isinstance(prompt, (str, P.ElidedText)):
         check_prompt_chars(server.limits, server.max_model_len, prompt, "prompt")
+        if isinstance(prompt, P.ElidedText):  # elided with the same limit, so the check above has refused it
+            raise RuntimeError(f"{prompt!r} passed the character limit it was elided by")
         return prompt, server.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     return None, prompt
 

@@ -4,22 +4,19 @@ tokenized.
 
     ServerLimits       the limits (flags --request-header-timeout, --max-request-body-bytes, --request-body-timeout,
                        --max-prompts-per-request, --max-prompt-chars; docs/operating.md)
-    header_timeout_protocol  uvicorn's h11 connection with a deadline on the request line and headers: a client
-                       that sends part of them and stalls gets 408 and its connection closed
     BodyLimitMiddleware  an ASGI middleware: 413 for a body over the limit (from Content-Length at once, or while
                        a chunked body arrives), 408 and a closed connection for a body that stalls
     check_prompt_count / check_prompt_chars   400s naming the field, called by convert.py before any tokenizing
 
-The token-count check against max_model_len (400) stays in convert.py, after tokenizing.
+The token-count check against max_model_len (400) stays in convert.py, after tokenizing; the deadline on the
+request headers (--request-header-timeout) lives in the connection itself (http_protocol.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sized
 from dataclasses import dataclass
-
-import h11
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from nanoserve.server.errors import APIError
 
@@ -69,76 +66,12 @@ def check_prompt_count(limits: ServerLimits, count: int, field: str) -> None:
                             f"{limits.max_prompts_per_request} (--max-prompts-per-request)", param=field)
 
 
-def check_prompt_chars(limits: ServerLimits, max_model_len: int, text: str, field: str) -> None:
+def check_prompt_chars(limits: ServerLimits, max_model_len: int, text: Sized, field: str) -> None:
+    """A 400 for a text (a str, or the ElidedText the parse left of a longer one) over --max-prompt-chars."""
     limit = limits.prompt_chars_limit(max_model_len)
     if limit and len(text) > limit:
         raise APIError(400, f"{field} is too long: {len(text)} characters, but the server tokenizes at most "
                             f"{limit} (--max-prompt-chars; max_model_len is {max_model_len} tokens)", param=field)
-
-
-# -- the request headers ---------------------------------------------------------------------------------------
-def header_timeout_protocol(seconds: float) -> type[H11Protocol]:
-    """uvicorn's h11 connection protocol with a deadline on each request's request line and headers (pass it as
-    uvicorn.Config(http=...)).
-
-    uvicorn bounds only an idle kept-alive connection (--timeout-keep-alive); a connection that never sends a
-    whole request - nothing at all, or half a request line - is held forever, and an ASGI middleware cannot help
-    because the app is called only once the headers are complete. So the deadline lives in the connection: it
-    starts when the connection opens, or when the first byte of the next request arrives on a kept-alive one, and
-    is not moved by further bytes (a client sending a byte a second must not hold the connection). When it
-    passes before the headers are complete, a client that sent part of a request gets 408 in OpenAI's error shape
-    and the connection is closed; one that sent nothing is just closed."""
-    error = APIError(408, f"the request headers did not arrive within {seconds:g} s (--request-header-timeout)")
-    body = error.body().model_dump_json().encode()
-    response = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
-                b"content-length: %d\r\n\r\n%s" % (len(body), body))
-
-    class HeaderTimeoutH11Protocol(H11Protocol):
-        _header_deadline: asyncio.TimerHandle | None = None
-        _bytes_of_request = False
-
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            waiting = self.conn.their_state is h11.IDLE  # no complete request line + headers yet
-            super().data_received(data)
-            if self.conn.their_state is h11.IDLE:  # still (or again, after a pipelined request) in the headers
-                self._bytes_of_request = True
-                if self._header_deadline is None:
-                    self._arm()
-            elif waiting or self._header_deadline is not None:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            self._disarm()  # the kept-alive connection now idles: uvicorn's keep-alive timeout bounds that
-            super().on_response_complete()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-        def _arm(self) -> None:
-            self._header_deadline = self.loop.call_later(seconds, self._headers_too_slow)
-
-        def _disarm(self) -> None:
-            if self._header_deadline is not None:
-                self._header_deadline.cancel()
-                self._header_deadline = None
-            self._bytes_of_request = False
-
-        def _headers_too_slow(self) -> None:
-            self._header_deadline = None
-            if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
-                return
-            if self._bytes_of_request:
-                self.logger.warning("closing a connection whose request headers did not arrive within %g s "
-                                    "(--request-header-timeout)", seconds)
-                self.transport.write(response)
-            self.transport.close()
-
-    return HeaderTimeoutH11Protocol
 
 
 # -- the request body ------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ thread) some 10-20 ms whichever thread parses it. `BodyParser` therefore parses 
 `process_min_bytes` (--parse-process-min-bytes, default 1 MiB) in a small pool of worker processes
 (--parse-processes, default 2; 0 parses every body in this process). Sending the body there and the parsed
 request back costs this process about a millisecond a 10 MB body (pickling is a copy); a request that fails to
-parse comes back as its ValidationError, the same one the in-process parse raises. Smaller bodies - almost all
+parse comes back as its ValidationError, the same one the in-process parse raises, and a prompt too long to
+tokenize comes back as its length alone (parse_body's eliding), so the server never unpickles it. Smaller bodies - almost all
 of them - are parsed here, inline or in the Offloader's threads (offload.py), since a process hop costs more
 than their parse.
 
@@ -46,9 +47,14 @@ DEFAULT_PARSE_PROCESSES = 2
 be parsed side by side; more would only compete for the cores the engine and the event loop need."""
 
 
-def parse_body(model: type[M], body: bytes) -> M:
-    """`body` parsed as `model` (strict JSON); ValidationError if it does not parse or validate."""
-    return model.model_validate_json(body)
+def parse_body(model: type[M], body: bytes, max_prompt_chars: int = 0) -> M:
+    """`body` parsed as `model` (strict JSON); ValidationError if it does not parse or validate. Text prompts
+    longer than `max_prompt_chars` (0: none) are elided (RequestBody.elide_long_prompts): they are refused later,
+    in the usual order of checks, and only their length crosses back from a worker process."""
+    req = model.model_validate_json(body)
+    if max_prompt_chars:
+        req.elide_long_prompts(max_prompt_chars)
+    return req
 
 
 def _worker_init() -> None:
@@ -86,17 +92,19 @@ class BodyParser:
         """Whether a body of `size` bytes is parsed in the worker processes."""
         return self.processes > 0 and size >= self.process_min_bytes and not self._closed
 
-    async def parse(self, model: type[M], body: bytes) -> M:
-        """`body` parsed as `model`; ValidationError as parse_body raises it, wherever the parse ran."""
+    async def parse(self, model: type[M], body: bytes, max_prompt_chars: int = 0) -> M:
+        """`body` parsed as `model`, text prompts over `max_prompt_chars` elided (parse_body); ValidationError as
+        parse_body raises it, wherever the parse ran."""
         if self.in_process_pool(len(body)):
             pool = self._get_pool()
             try:
-                return await asyncio.get_running_loop().run_in_executor(pool, parse_body, model, body)
+                return await asyncio.get_running_loop().run_in_executor(pool, parse_body, model, body,
+                                                                         max_prompt_chars)
             except BrokenProcessPool:
                 logger.warning("a body-parsing worker process died; parsing this request in the server process "
                                "and starting new workers for the next large body")
                 self._discard(pool)
-        return await self.offloader.run(len(body), parse_body, model, body)
+        return await self.offloader.run(len(body), parse_body, model, body, max_prompt_chars)
 
     def worker_pids(self) -> list[int]:
         """The worker processes' ids (none before the first large body)."""

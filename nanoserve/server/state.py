@@ -102,6 +102,11 @@ class OpenAIServer:
         return None
 
     @property
+    def prompt_chars_limit(self) -> int:
+        """--max-prompt-chars in effect (0: no limit): prompts longer than this are refused before tokenizing."""
+        return self.limits.prompt_chars_limit(self.max_model_len)
+
+    @property
     def tokenizer(self):
         """The calling thread's tokenizer (fast tokenizers must not be shared between threads)."""
         return self.offload.tokenizer()

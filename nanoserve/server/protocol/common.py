@@ -56,6 +56,28 @@ class RequestBody(RequestModel):
         """The body's top-level keys that are not fields of this model (nor their aliases), sorted."""
         return self._ignored_fields
 
+    def elide_long_prompts(self, max_chars: int) -> None:
+        """Replace each text prompt of more than `max_chars` characters by an ElidedText of its length (the
+        prompt would be refused by --max-prompt-chars anyway). A body parsed in a worker process comes back to
+        the server without its huge prompt, so the server neither unpickles nor holds it. Endpoints without
+        text prompts of their own keep this no-op."""
+
+
+class ElidedText:
+    """A text prompt dropped after parsing because it is longer than the server tokenizes: only its length,
+    which the character-limit check (limits.check_prompt_chars) reads to refuse it with the usual 400."""
+
+    __slots__ = ("chars",)
+
+    def __init__(self, chars: int):
+        self.chars = chars
+
+    def __len__(self) -> int:
+        return self.chars
+
+    def __repr__(self) -> str:
+        return f"ElidedText({self.chars} characters)"
+
 
 @cache
 def _known_keys(model: type[BaseModel]) -> frozenset[str]:

@@ -7,7 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nanoserve.server.protocol.common import Int, PromptLogprob, ResponseModel, SamplingRequest, UsageInfo, now
+from nanoserve.server.protocol.common import (ElidedText, Int, PromptLogprob, ResponseModel, SamplingRequest,
+                                              UsageInfo, now)
 
 
 class CompletionRequest(SamplingRequest):
@@ -71,10 +72,18 @@ class CompletionRequest(SamplingRequest):
             return self.logprobs
         return self.prompt_logprobs
 
-    def prompts(self) -> list[str | list[int]]:
+    def elide_long_prompts(self, max_chars: int) -> None:
+        p = self.prompt
+        if isinstance(p, str) and len(p) > max_chars:
+            self.prompt = ElidedText(len(p))  # type: ignore[assignment]
+        elif isinstance(p, list) and any(isinstance(x, str) and len(x) > max_chars for x in p):
+            self.prompt = [ElidedText(len(x)) if isinstance(x, str) and len(x) > max_chars else x  # type: ignore
+                           for x in p]
+
+    def prompts(self) -> list[str | ElidedText | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""
         p = self.prompt
-        if isinstance(p, str):
+        if isinstance(p, (str, ElidedText)):
             return [p]
         if all(isinstance(t, int) for t in p):
             return [list(p)]  # type: ignore[arg-type]

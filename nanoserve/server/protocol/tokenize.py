@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from nanoserve.server.protocol.chat import ChatMessage, ChatTool
-from nanoserve.server.protocol.common import RequestBody, ResponseModel
+from nanoserve.server.protocol.common import ElidedText, RequestBody, ResponseModel
 
 
 class TokenizeRequest(RequestBody):
@@ -39,6 +39,10 @@ class TokenizeRequest(RequestBody):
         if self.messages is not None and not self.messages:
             raise ValueError("messages: must not be empty")
         return self
+
+    def elide_long_prompts(self, max_chars: int) -> None:
+        if isinstance(self.prompt, str) and len(self.prompt) > max_chars:
+            self.prompt = ElidedText(len(self.prompt))  # type: ignore[assignment]
 
 
 class TokenizeResponse(ResponseModel):

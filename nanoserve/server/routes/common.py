@@ -64,8 +64,9 @@ def json_body(model: type[P.RequestBody]) -> Any:
     async def parse(request: Request) -> P.RequestBody:
         check_json_content_type(request)
         body = await request.body()
+        server = get_server(request)
         try:  # a large body is parsed off the event loop, in a worker process (parsing.py)
-            req = await get_server(request).parser.parse(model, body)
+            req = await server.parser.parse(model, body, server.prompt_chars_limit)
         except ValidationError as exc:
             raise describe_validation_error(exc) from exc
         log_ignored_fields(req)

@@ -39,7 +39,7 @@ async def invocations(request: Request, server: Server) -> Response:
     body = await request.body()
     for model, handler in INVOCATION_TYPES:
         try:  # a large body in a worker process (parsing.py)
-            req = await server.parser.parse(model, body)
+            req = await server.parser.parse(model, body, server.prompt_chars_limit)
         except ValidationError:
             continue
         return await handler(request, server, req)
