@@ -1,6 +1,7 @@
 """The types that describe one step's batch, shared by every layer that touches it.
 
     ModelInput          the engine -> runner description: plain lists (picklable, broadcast to tensor-parallel ranks)
+    TokenFeed           input ids taken from the previous step's sampled tokens on the device (async scheduling)
     AttentionMetadata   what the attention layers and kernels need about the flat batch, as device tensors
 
 This module imports nothing of nanoserve, so the engine, the runner, the model and the kernels may all use it.
@@ -31,6 +32,23 @@ class ModelInput:
     prompt_rows: list[int] = field(default_factory=list)
     """Tokens (by index into input_ids) whose logits are wanted too: the prompt positions of the requests that
     asked for prompt logprobs (only those). Their logits follow the sample rows' in what the runner returns."""
+
+
+@dataclass
+class TokenFeed:
+    """Input ids that are still on the device (async scheduling): `input_ids[dst[j]]` of this step is the token
+    that the previous step sampled in row `src[j]` of `tokens`. The host list holds a placeholder there; the
+    runner copies the token in on the device, so the step is launched before the previous one's tokens reach the
+    host. Only a runner in the engine's process (tensor_parallel_size 1) can take one."""
+
+    dst: list[int]
+    src: list[int]
+    tokens: torch.Tensor  # [S] int64, the previous step's sampled tokens, on the device
+
+    @property
+    def is_prefix(self) -> bool:
+        """dst and src are both 0, 1, ..., k-1 (a decode batch in the previous step's order): one plain copy."""
+        return self.dst == self.src == list(range(len(self.dst)))
 
 
 @dataclass

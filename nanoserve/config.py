@@ -149,6 +149,13 @@ class Optimizations:
         True, ENGINE, "engine/llm_engine.py", "schedule and launch step N+1 before detokenising step N's tokens, "
         "so the host work on outputs runs while the device computes",
         "each step waits for its tokens and finishes them first")
+    async_scheduling: bool = switch(
+        True, ENGINE, "engine/llm_engine.py", "with overlap_scheduling, step N+1 is launched before step N's tokens "
+        "reach the host: a decode's input token is copied from step N's sampled tokens on the device, so the "
+        "device does not wait through the host's turn (receive, schedule, stage) between steps (tensor_parallel_size "
+        "1; a step waits for the tokens first when a running request's sampling reads its own output on the host: "
+        "structured outputs, bad_words, penalties, or prompt logprobs)",
+        "each step is launched once the previous step's tokens are on the host")
     overlap_grammar: bool = switch(
         True, ENGINE, "engine/structured_output.py", "structured outputs' host work runs while the forward runs: "
         "the grammars accept the previous step's tokens in one batched call after the forward is launched (EOS, "

@@ -144,13 +144,44 @@ def test_captured_argmax_under_real_graphs(tiny_dir):
         used = []
         execute = llm.engine.executor.runner.execute
 
-        def spy(inp, execute=execute, runner=llm.engine.executor.runner, used=used):
-            out = execute(inp)
+        def spy(inp, feed=None, execute=execute, runner=llm.engine.executor.runner, used=used):
+            out = execute(inp, feed)
             used.append(runner.last_argmax is not None)
             return out
 
         llm.engine.executor.runner.execute = spy
         outs[on] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert any(used) == on
+        llm.engine.shutdown()
+    assert outs[True] == outs[False]
+
+
+@gpu
+@pytest.mark.gpu
+def test_async_scheduling_under_real_graphs(tiny_dir):
+    """Switch async_scheduling under real CUDA graphs: a decode step's input tokens are copied into the graph's
+    static input ids on the device from the previous step's sampled tokens (a TokenFeed); greedy and seeded
+    sampled generation give the same tokens with the switch on and off, and the fed replays happened."""
+    from nanoserve import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": [(3 * i + j) % 500 for j in range(15 + 13 * i)]} for i in range(5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=20, ignore_eos=True, logprobs=2)]
+    outs = {}
+    for on in (True, False):
+        llm = LLM(tiny_dir, device="cuda", dtype="float32", max_model_len=512, num_gpu_blocks_override=200,
+                  optimizations=Optimizations(async_scheduling=on))
+        runner = llm.engine.executor.runner
+        fed_replays = []
+        execute = runner.execute
+
+        def spy(inp, feed=None, execute=execute, fed_replays=fed_replays):
+            fed_replays.append(feed is not None and len(inp.input_ids) == len(inp.query_lens))
+            return execute(inp, feed)
+
+        runner.execute = spy
+        outs[on] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]
+        assert runner.graphs is not None and runner.graphs.graphs
+        assert any(fed_replays) == on
         llm.engine.shutdown()
     assert outs[True] == outs[False]

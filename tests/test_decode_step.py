@@ -106,15 +106,15 @@ def test_captured_argmax_same_tokens_emulated_graphs():
     runs = {}
     for on in (True, False):
         for batch in (requests[:3], requests):
-            llm = make_llm(True, cuda_graphs=True, max_num_seqs=4, num_gpu_blocks_override=32)
+            llm = make_llm("async", cuda_graphs=True, max_num_seqs=4, num_gpu_blocks_override=32)
             llm.engine.config.optimizations.captured_argmax = on
             runner = llm.engine.executor.runner
             runner.graph_capture = lambda fn: fn
             seen = []
             run = runner.execute
 
-            def spy(inp, run=run, runner=runner, seen=seen):
-                out = run(inp)
+            def spy(inp, feed=None, run=run, runner=runner, seen=seen):
+                out = run(inp, feed)
                 seen.append(runner.last_argmax is not None)
                 return out
 

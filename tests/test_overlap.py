@@ -1,7 +1,11 @@
-"""Overlap scheduling (switch `overlap_scheduling`, engine/llm_engine.py) against the synchronous step it replaces:
-every output a user sees - token ids, text, finish and stop reasons, logprobs - must be the same with the switch
-on and off, only returned one step() later; aborts must free blocks at once and stop the outputs. CPU, m3-tiny,
-reference kernels (tests/test_engine.py's setup)."""
+"""Overlap scheduling (switch `overlap_scheduling`) and async scheduling on top of it (switch `async_scheduling`,
+engine/llm_engine.py) against the synchronous step they replace: every output a user sees - token ids, text, finish
+and stop reasons, logprobs - must be the same in all three modes, only returned one step() later; aborts must free
+blocks at once and stop the outputs. CPU, m3-tiny, reference kernels (tests/test_engine.py's setup).
+
+The modes: "sync" (both off, the reference), "overlap" (overlap on, async off: the same batches as sync, bit for
+bit), "async" (both on, the default: a step is launched before the previous step's tokens are received, so a
+sequence finishing at a step boundary holds its blocks one step longer and batches may differ there)."""
 
 from __future__ import annotations
 
@@ -27,17 +31,23 @@ from tests.test_engine import (MAX_MODEL_LEN, MIXED_PARAMS, SMALL_BUDGET, SMALL_
 LOGPROB_ATOL = 1e-5  # fp32: the same sequence's logits computed in differently composed batches
 
 
-def make_llm(overlap: bool, cuda_graphs: bool = False, **kwargs) -> LLM:
+MODES = {"sync": dict(overlap_scheduling=False, async_scheduling=False),
+         "overlap": dict(overlap_scheduling=True, async_scheduling=False),
+         "async": dict(overlap_scheduling=True, async_scheduling=True)}
+OVERLAPPED = ("overlap", "async")
+
+
+def make_llm(mode: str, cuda_graphs: bool = False, **kwargs) -> LLM:
     args = dict(num_gpu_blocks_override=SMALL_POOL_BLOCKS, max_num_batched_tokens=SMALL_BUDGET,
                 max_model_len=MAX_MODEL_LEN)
-    opts = engine_opts(overlap_scheduling=overlap).replace(cuda_graphs=cuda_graphs)
+    opts = engine_opts(**MODES[mode]).replace(cuda_graphs=cuda_graphs)
     return LLM("m3-tiny", optimizations=opts, **{**args, **kwargs})
 
 
 @pytest.fixture(scope="module")
-def llms() -> dict[bool, LLM]:
-    """overlap_scheduling on (True) and off (False); a pool and budget small enough to preempt and chunk."""
-    return {on: make_llm(on) for on in (True, False)}
+def llms() -> dict[str, LLM]:
+    """One LLM per mode; a pool and budget small enough to preempt and chunk."""
+    return {mode: make_llm(mode) for mode in MODES}
 
 
 def snapshot(out: RequestOutput) -> tuple:
@@ -93,14 +103,14 @@ def test_mixed_batch_same_outputs_one_step_later(llms):
                              logprobs=(3 if i % 2 else None)) for i, p in enumerate(MIXED_PARAMS)]
     requests = [(f"m{i}", p, sp) for i, (p, sp) in enumerate(zip(mixed_prompts(), params))]
     runs = {}
-    for on, llm in llms.items():
+    for mode, llm in llms.items():
         stats = llm.engine.stats
         before = (stats.num_preemptions, stats.num_steps)
         streams, calls = drive(llm.engine, requests)
-        runs[on] = streams, calls, stats.num_preemptions - before[0], stats.num_steps - before[1]
+        runs[mode] = streams, calls, stats.num_preemptions - before[0], stats.num_steps - before[1]
         assert_all_blocks_free(llm)
     (on_streams, on_calls, on_preempt, on_steps), (off_streams, off_calls, off_preempt, off_steps) = \
-        runs[True], runs[False]
+        runs["overlap"], runs["sync"]
     assert off_preempt > 0, "the pool was meant to be small enough to preempt"
     # the same schedule, so the same batches: every output equal, bit for bit, in the same order per request
     assert (on_preempt, on_steps) == (off_preempt, off_steps)
@@ -109,6 +119,11 @@ def test_mixed_batch_same_outputs_one_step_later(llms):
     assert on_calls == off_calls + 1
     outs = final(on_streams)
     assert [len(outs[f"m{i}"][1][0][1]) for i in range(len(MIXED_PARAMS))] == [p.max_tokens for p in MIXED_PARAMS]
+    # async: sequences ending at a step boundary hold their blocks one step longer, so later batches (and the
+    # preemptions) may differ; every final output is the same
+    async_streams, _, async_preempt, _ = runs["async"]
+    assert async_preempt > 0
+    assert_same_outputs(final(async_streams), outs)
 
 
 def test_outputs_are_detokenised_while_the_next_step_runs(llms, monkeypatch):
@@ -122,15 +137,49 @@ def test_outputs_are_detokenised_while_the_next_step_runs(llms, monkeypatch):
         return real_detokenize(tokenizer, seq)
 
     monkeypatch.setattr(stop_checker, "detokenize_step", detokenize)
-    for on, llm in llms.items():
+    for mode, llm in llms.items():
         executor = llm.engine.executor
         real_execute = executor.execute_model
-        monkeypatch.setattr(executor, "execute_model", lambda inp: (events.append("forward"), real_execute(inp))[1])
+        monkeypatch.setattr(executor, "execute_model",
+                            lambda *args: (events.append("forward"), real_execute(*args))[1])
         events.clear()
         drive(llm.engine, [("one", random_tokens(random.Random(2), 12),
                             SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))])
         order = "".join("F" if e == "forward" else "t" for e in events)
-        assert order == ("FFtFtFtt" if on else "FtFtFtFt"), order
+        assert order == ("FtFtFtFt" if mode == "sync" else "FFtFtFtt"), (mode, order)
+
+
+def test_async_steps_launch_before_the_tokens_arrive(llms, monkeypatch):
+    """Async scheduling's order: each decode step is launched before the previous step's tokens are received, and
+    takes its input token from them on the device (a TokenFeed); overlap alone receives first, feeding nothing.
+    A request whose sampling reads its own output (penalties) makes async wait for its tokens, as overlap does."""
+    for mode in OVERLAPPED:
+        engine = llms[mode].engine
+        events: list[str] = []
+        real_execute, real_to_host = engine.executor.execute_model, engine.sampler.to_host
+
+        def execute(inp, feed=None):
+            events.append("F" + ("+feed" if feed is not None else ""))
+            return real_execute(inp, feed) if feed is not None else real_execute(inp)
+
+        def to_host(sample):
+            events.append("R")
+            return real_to_host(sample)
+
+        monkeypatch.setattr(engine.executor, "execute_model", execute)
+        monkeypatch.setattr(engine.sampler, "to_host", to_host)
+        prompt = random_tokens(random.Random(5), 12)
+        for penalised in (False, True):
+            events.clear()
+            sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True,
+                                presence_penalty=0.5 if penalised else 0.0)
+            drive(engine, [("one", prompt, sp)])
+            got = " ".join(events)
+            if mode == "async" and not penalised:
+                assert got == "F F+feed R F+feed R F+feed R R", got
+            else:
+                assert got == "F R F R F R F R", (mode, penalised, got)
+        monkeypatch.undo()
 
 
 # -- stops: which step ends a sequence ----------------------------------------------------------------------
@@ -158,7 +207,7 @@ def stop_string_in(llm: LLM, text: str, tokens: list[int], after: int) -> tuple[
 @pytest.fixture(scope="module")
 def stop_requests(llms) -> list[tuple[str, list[int], SamplingParams]]:
     """Requests ending every way, several mid-batch (a stop string ends a sequence already scheduled again)."""
-    ref = llms[False]
+    ref = llms["sync"]
     greedy = dict(temperature=0.0, max_tokens=24, ignore_eos=True)
     reqs = []
     for k in range(4):  # stop strings, some with the stop string kept, some with logprobs
@@ -203,7 +252,7 @@ def count_launched_rows(engine: LLMEngine) -> Counter:
 
 def test_every_stop_gives_the_same_outputs(llms, stop_requests):
     finals, dropped = {}, {}
-    for on, llm in llms.items():
+    for mode, llm in llms.items():
         engine = llm.engine
         launched = count_launched_rows(engine)
         generated = engine.stats.num_generation_tokens
@@ -211,19 +260,26 @@ def test_every_stop_gives_the_same_outputs(llms, stop_requests):
             streams, _ = drive(engine, stop_requests)
         finally:
             engine.observers.clear()
-        finals[on] = final(streams)
-        dropped[on] = launched["sampled rows"] - (engine.stats.num_generation_tokens - generated)
+        finals[mode] = final(streams)
+        dropped[mode] = launched["sampled rows"] - (engine.stats.num_generation_tokens - generated)
         assert_all_blocks_free(llm)
-    assert_same_outputs(finals[True], finals[False])
-    reasons = {rid: (out[1][0][3], out[1][0][4]) for rid, out in finals[False].items()}
+    for mode in OVERLAPPED:
+        assert_same_outputs(finals[mode], finals["sync"])
+    reasons = {rid: (out[1][0][3], out[1][0][4]) for rid, out in finals["sync"].items()}
     assert all(reasons[f"stop-str-{k}"][0] == "stop" and isinstance(reasons[f"stop-str-{k}"][1], str)
                for k in range(4))
     assert reasons["stop-str-last"][0] == "stop" and reasons["length"] == ("length", None)
     assert reasons["eos"] == ("stop", None) and isinstance(reasons["stop-id-False"][1], int)
-    # off, nothing is computed in vain; on, every sequence that a stop string ended while it still had tokens
-    # to go had already been scheduled for one more, which was dropped
+    # sync computes nothing in vain; overlap had already scheduled one more token of every sequence that a stop
+    # string ended while it still had tokens to go, and dropped it; async also of those that EOS or a stop id
+    # ended (their token is known only after the next step is launched). Neither schedules a sequence whose last
+    # allowed token it has sampled.
+    max_tokens = {rid: sp.max_tokens for rid, _, sp in stop_requests}
     mid_batch = sum(1 for rid, (r, s) in reasons.items() if isinstance(s, str) and rid != "stop-str-last")
-    assert dropped[False] == 0 and dropped[True] == mid_batch >= 4
+    stopped_early = sum(1 for rid, out in finals["sync"].items()
+                        if out[1][0][3] == "stop" and len(out[1][0][1]) < max_tokens[rid])
+    assert dropped["sync"] == 0 and dropped["overlap"] == mid_batch >= 4
+    assert dropped["async"] == stopped_early > mid_batch
 
 
 # -- sampling: seeds, penalties, n > 1 ------------------------------------------------------------------------
@@ -241,16 +297,17 @@ def test_seeded_n_completions_are_reproducible(llms):
         ("greedy", random_tokens(rng, 70), SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)),
     ]
     runs = {}
-    for on, llm in llms.items():
+    for mode, llm in llms.items():
         llm.engine.sampler.generator.manual_seed(0)  # the engine-wide generator the unseeded request draws from
         streams, _ = drive(llm.engine, requests)
-        runs[on] = streams
+        runs[mode] = streams
         assert_all_blocks_free(llm)
-    assert runs[True] == runs[False]  # no stop ends anything early: the same batches, bit for bit
-    seeded = final(runs[True])["seeded"][1]
+    for mode in OVERLAPPED:  # no stop ends anything early: the same batches, bit for bit
+        assert runs[mode] == runs["sync"], mode
+    seeded = final(runs["async"])["seeded"][1]
     assert len({tuple(c[1]) for c in seeded}) == 3, "seeded completions of one request must differ"
-    again, _ = drive(llms[True].engine, requests[:2])  # seeded: the same tokens in another batch
-    assert_same_outputs(final(again), {rid: final(runs[True])[rid] for rid in again})
+    again, _ = drive(llms["async"].engine, requests[:2])  # seeded: the same tokens in another batch
+    assert_same_outputs(final(again), {rid: final(runs["async"])[rid] for rid in again})
 
 
 def test_seeded_n_completions_ended_by_a_stop_string(llms):
@@ -258,14 +315,15 @@ def test_seeded_n_completions_ended_by_a_stop_string(llms):
     others running on: the same outputs (no unseeded request shares the batch, see docs/optimizations.md)."""
     prompt = random_tokens(random.Random(57), 22)
     sp = dict(n=3, temperature=1.0, seed=23, max_tokens=16, ignore_eos=True, logprobs=1)
-    free = final(drive(llms[False].engine, [("free", prompt, SamplingParams(**sp))])[0])["free"][1]
+    free = final(drive(llms["sync"].engine, [("free", prompt, SamplingParams(**sp))])[0])["free"][1]
     tokens, text = free[0][1], free[0][2]
-    stop, _ = stop_string_in(llms[False], text, tokens, after=2)
+    stop, _ = stop_string_in(llms["sync"], text, tokens, after=2)
     requests = [("stopped", prompt, SamplingParams(**sp, stop=stop)),
                 ("other", random_tokens(random.Random(58), 40), SamplingParams(**{**sp, "n": 1, "seed": 3}))]
-    outs = {on: final(drive(llm.engine, requests)[0]) for on, llm in llms.items()}
-    assert_same_outputs(outs[True], outs[False])
-    completions = outs[True]["stopped"][1]
+    outs = {mode: final(drive(llm.engine, requests)[0]) for mode, llm in llms.items()}
+    for mode in OVERLAPPED:
+        assert_same_outputs(outs[mode], outs["sync"])
+    completions = outs["async"]["stopped"][1]
     assert completions[0][3:5] == ("stop", stop) and len(completions[0][1]) < 16
     assert any(c[3] == "length" for c in completions[1:]), "the other completions were meant to run on"
 
@@ -302,8 +360,9 @@ def test_exponential_race_is_torch_multinomial(shape):
 
 # -- abort ----------------------------------------------------------------------------------------------------
 
-def test_abort_with_a_step_in_flight(llms):
-    engine = llms[True].engine
+@pytest.mark.parametrize("mode", OVERLAPPED)
+def test_abort_with_a_step_in_flight(llms, mode):
+    engine = llms[mode].engine
     bm = engine.block_manager
     rng = random.Random(3)
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -329,9 +388,9 @@ def test_abort_with_a_step_in_flight(llms):
     assert seen == {"kept"}, "an aborted request produced an output"
     assert [len(s.output_token_ids) for s in doomed] == tokens, "a token in flight reached an aborted sequence"
     assert all(s.finish_reason.value == "abort" for s in doomed)
-    ref = llms[False].generate({"prompt_token_ids": kept}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    ref = llms["sync"].generate({"prompt_token_ids": kept}, sp, use_tqdm=False)[0].outputs[0].token_ids
     assert finished["kept"].outputs[0].token_ids == ref
-    assert_all_blocks_free(llms[True])
+    assert_all_blocks_free(llms[mode])
 
     # abort everything while a step is in flight: nothing is left running, and the next request is unaffected
     engine.add_request("gone", short, sp)
@@ -339,10 +398,10 @@ def test_abort_with_a_step_in_flight(llms):
     engine.step()
     engine.abort_request("gone")
     assert not engine.has_unfinished_requests() and engine._in_flight is not None
-    assert_all_blocks_free(llms[True])
-    again = llms[True].generate({"prompt_token_ids": kept}, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert_all_blocks_free(llms[mode])
+    again = llms[mode].generate({"prompt_token_ids": kept}, sp, use_tqdm=False)[0].outputs[0].token_ids
     assert again == ref
-    assert_all_blocks_free(llms[True])
+    assert_all_blocks_free(llms[mode])
 
 
 # -- CUDA graphs' static logits (emulated on the CPU) ---------------------------------------------------------
@@ -356,15 +415,16 @@ def test_emulated_decode_graphs_same_outputs():
                                                                 ignore_eos=True))
                 for i, (n, t) in enumerate([(12, 0.0), (30, 1.0), (7, 0.0)])]
     finals = {}
-    for on in (True, False):
-        llm = make_llm(on, cuda_graphs=True, max_num_seqs=4, num_gpu_blocks_override=32)
+    for mode in MODES:
+        llm = make_llm(mode, cuda_graphs=True, max_num_seqs=4, num_gpu_blocks_override=32)
         runner = llm.engine.executor.runner
         runner.graph_capture = lambda fn: fn
         streams, _ = drive(llm.engine, requests)
         assert runner.graphs is not None and runner.graphs.graphs, "no decode step replayed a graph"
-        finals[on] = streams
+        finals[mode] = streams
         llm.engine.shutdown()
-    assert finals[True] == finals[False]
+    for mode in OVERLAPPED:  # async: the decode graphs' input ids come from the device (the staged list holds 0)
+        assert finals[mode] == finals["sync"], mode
 
 
 # -- the async server bridge ----------------------------------------------------------------------------------
@@ -374,7 +434,7 @@ def test_async_engine_finishes_every_request(llms, stop_requests):
     finished output as the offline engine's, and a stream closed early aborts its request and frees its blocks.
     (tests/test_server.py runs the HTTP server with the switch on, its default.)"""
     ids = [rid for rid, *_ in stop_requests]
-    offline = llms[False].generate([{"prompt_token_ids": p} for _, p, _ in stop_requests],
+    offline = llms["sync"].generate([{"prompt_token_ids": p} for _, p, _ in stop_requests],
                                    [sp for *_, sp in stop_requests], use_tqdm=False)
     ref = {rid: snapshot(out) for rid, out in zip(ids, offline)}
     config = EngineConfig.from_kwargs(model="m3-tiny", optimizations=engine_opts(overlap_scheduling=True),

@@ -109,7 +109,7 @@ def test_engine_failure_gives_500_and_health_503(tiny_dir):
     with ServerThread(build_app(engine, MODEL)) as srv, httpx.Client(base_url=srv.url, timeout=30) as http:
         assert http.get("/health").status_code == 200
 
-        def broken_device(inp):
+        def broken_device(inp, feed=None):
             raise RuntimeError("injected device failure")
 
         # a stream in flight when the engine dies ends with an error event and [DONE]: no hang

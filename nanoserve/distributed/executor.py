@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from nanoserve.batch import ModelInput
+from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.commands import Configure, InitCache, Step, Stop
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
@@ -142,7 +142,10 @@ class MultiprocExecutor(Executor):
         self.watchdog.bound_steps([dist.group.WORLD, self.channel.group])  # warmed up: steps are bounded now
         return self.num_blocks
 
-    def execute_model(self, inp: ModelInput) -> torch.Tensor:
+    def execute_model(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
+        if feed is not None:  # the workers get plain lists: a token still on rank 0's device cannot reach them
+            raise ValueError("a tensor-parallel executor takes no TokenFeed (supports_token_feed is False)")
+
         def step() -> torch.Tensor:
             switches = self.runner.config.optimizations.as_dict()
             changed = switches if switches != self._sent_switches else None

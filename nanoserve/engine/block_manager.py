@@ -152,7 +152,8 @@ class BlockManager:
             return
         hashes = self._hashes.setdefault(seq.seq_id, [])
         table = self.tables.get(seq.seq_id, [])
-        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # pending tokens (async scheduling) are computed but not yet known: their blocks are hashed once they are
+        full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(table))
         tokens = None
         while len(hashes) < full:
             i = len(hashes)

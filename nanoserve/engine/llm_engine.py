@@ -16,6 +16,17 @@ for step N's tokens, schedules and launches step N+1 (forward and device-side sa
 a last call with nothing left to schedule returns the final ones. A sequence that a stop string ends in (b) is
 already in step N+1: it is finished there (its blocks freed: later steps are queued behind N+1 on the device) and
 its N+1 token is dropped when it arrives, as an aborted sequence's is.
+
+Async scheduling (switch `async_scheduling`, on top of overlap scheduling; reference: overlap alone). Overlap
+still waits for step N's tokens before it schedules step N+1, so the device idles through the host's receive,
+schedule and input staging. With async scheduling, step N+1 is scheduled and launched first: each token sampled
+in step N counts as pending in its sequence (`Sequence.num_pending`: its KV position is held, its value is not
+known), a decode's input id at that position comes from step N's sampled tokens on the device (`TokenFeed`), and
+only then (a) receives step N's tokens, while the device runs N+1. A sequence that step N's token ends (EOS, a
+stop id) is already in N+1 and is handled as one a stop string ends; one whose last allowed token is pending is
+not scheduled again. A step waits for the tokens first, as overlap alone does, when a running sequence's sampling
+reads its own output on the host (structured outputs, bad_words, penalties: `reads_own_output`), when the step in
+flight computes prompt logprobs, or when the executor cannot feed tokens (tensor parallelism).
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nanoserve.batch import ModelInput
+from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
 from nanoserve.engine import prompt_logprobs as prompt_lp
 from nanoserve.engine.block_manager import BlockManager
@@ -119,6 +130,7 @@ class LLMEngine:
         self.requests: dict[str, RequestState] = {}
         # read once: a step in flight must be finished by the path that launched it
         self.overlap = opts.overlap_scheduling
+        self.async_scheduling = self.overlap and opts.async_scheduling and self.executor.supports_token_feed
         self.overlap_grammar = opts.overlap_grammar
         self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
@@ -221,20 +233,31 @@ class LLMEngine:
             launched = self._launch()
             return self._process(self._receive(launched)) if launched is not None else []
         previous, self._in_flight = self._in_flight, None
-        received = self._receive(previous) if previous is not None else []
-        self._in_flight = self._launch()
+        ahead = previous is not None and self._can_launch_ahead(previous)
+        received = self._receive(previous) if previous is not None and not ahead else []
+        self._in_flight = self._launch(previous if ahead else None)
+        if ahead:  # step N's tokens, while the device computes step N+1
+            received = self._receive(previous)
         return self._process(received)
 
-    def _launch(self) -> LaunchedStep | None:
-        """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works."""
+    def _can_launch_ahead(self, previous: LaunchedStep) -> bool:
+        """May the next step be launched before `previous`'s tokens are received (async scheduling)?"""
+        if not self.async_scheduling or previous.prompt_logprobs is not None:
+            return False  # prompt logprobs: the next schedule reads how many a sequence has
+        return not any(reads_own_output(seq) for seq in previous.seqs if not seq.is_finished)
+
+    def _launch(self, previous: LaunchedStep | None = None) -> LaunchedStep | None:
+        """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works.
+        `previous`: the step still in flight whose tokens this one may take on the device (async scheduling)."""
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
             return None
         self._count_step(sched)
-        inp, prompt_rows, targets = model_input(sched, self.model_config.vocab_size)
+        inp, prompt_rows, targets, fed = model_input(sched, self.model_config.vocab_size)
+        feed = token_feed(fed, previous)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
-        logits = self.executor.execute_model(inp)
+        logits = self.executor.execute_model(inp, feed) if feed is not None else self.executor.execute_model(inp)
         sampled = [s.seq for s in sched.scheduled if s.samples]
         # structured outputs, on the host while the forward runs: the grammars catch up on the last tokens
         # (overlap_grammar; else _receive accepted them) and the constrained rows' token masks are filled
@@ -251,6 +274,8 @@ class LLMEngine:
             launched.prompt_logprobs = prompt_lp.compute(logits[len(sampled):], prompt_rows, targets,
                                                          as_logits=self.config.logprobs_mode.endswith("logits"))
             launched.prompt_seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        for seq in sampled:  # its token is on the device until _receive takes it
+            seq.num_pending += 1
         self.scheduler.update_after_step(sched)
         return launched
 
@@ -265,8 +290,9 @@ class LLMEngine:
         result = self.sampler.to_host(launched.sample)
         received: list[Received] = []
         for i, seq in enumerate(launched.seqs):
-            if seq.is_finished:
+            if seq.is_finished:  # (finishing dropped its pending tokens)
                 continue
+            seq.num_pending -= 1
             if seq.grammar is not None and seq.grammar.failed:  # rejected its previous token at catch-up
                 self._finish(seq, FinishReason.ERROR, None)  # this step's (unmasked) token is dropped
                 received.append((seq, None, i))
@@ -350,11 +376,34 @@ class LLMEngine:
         self.executor.shutdown()
 
 
+def reads_own_output(seq: Sequence) -> bool:
+    """Does sampling seq's next token read its output tokens on the host? (a structured-output grammar, bad_words,
+    repetition / presence / frequency penalties). Such a sequence's tokens must be received before its next step
+    is built, so async scheduling waits for them."""
+    p = seq.params
+    return (seq.grammar is not None or bool(p.bad_words_token_ids) or p.repetition_penalty != 1.0
+            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+
+
+def token_feed(fed: list[tuple[int, Sequence]], previous: LaunchedStep | None) -> TokenFeed | None:
+    """The TokenFeed for the input positions `fed` (index into input_ids, the sequence whose pending token goes
+    there): each pending token is the one `previous` sampled for that sequence."""
+    if not fed:
+        return None
+    if previous is None or previous.sample is None:
+        raise RuntimeError("a scheduled token is still on the device, but no step in flight sampled it")
+    rows = {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
+    return TokenFeed([dst for dst, _ in fed], [rows[seq.seq_id] for _, seq in fed], previous.sample.token_ids)
+
+
 def model_input(sched: SchedulerOutput, vocab_size: int
-                ) -> tuple[ModelInput, list[prompt_lp.PromptLogprobRows], list[int]]:
-    """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table; and for the
-    sequences that need prompt logprobs, which extra logits rows give them and the prompt tokens those score."""
+                ) -> tuple[ModelInput, list[prompt_lp.PromptLogprobRows], list[int], list[tuple[int, Sequence]]]:
+    """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table; for the
+    sequences that need prompt logprobs, which extra logits rows give them and the prompt tokens those score; and
+    the input positions whose token is still pending on the device (a placeholder 0 in the list, with its
+    sequence: async scheduling feeds it)."""
     ids: list[int] = []
+    fed: list[tuple[int, Sequence]] = []
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
     prompt_token_rows: list[int] = []
     prompt_rows: list[prompt_lp.PromptLogprobRows] = []
@@ -374,15 +423,19 @@ def model_input(sched: SchedulerOutput, vocab_size: int
                                                                vocab_size if num == -1 else num))
                 targets.extend(seq.prompt_token_ids[first + 1: last + 1])
         # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
+        known = min(end, seq.num_known_tokens)
         if start >= prompt_len:
-            ids.extend(seq.output_token_ids[start - prompt_len: end - prompt_len])
-        elif end <= prompt_len:
-            ids.extend(seq.prompt_token_ids[start:end])
+            ids.extend(seq.output_token_ids[start - prompt_len: known - prompt_len])
+        elif known <= prompt_len:
+            ids.extend(seq.prompt_token_ids[start:known])
         else:
-            ids.extend(seq.token_ids[start:end])
+            ids.extend(seq.token_ids[start:known])
+        for _ in range(max(start, known), end):  # pending tokens: filled in on the device
+            fed.append((len(ids), seq))
+            ids.append(0)
         query_lens.append(s.num_new_tokens)
         seq_lens.append(start + s.num_new_tokens)
         tables.append(list(seq.block_table))
         if s.samples:
             sample_rows.append(row)
-    return ModelInput(ids, query_lens, seq_lens, tables, sample_rows, prompt_token_rows), prompt_rows, targets
+    return ModelInput(ids, query_lens, seq_lens, tables, sample_rows, prompt_token_rows), prompt_rows, targets, fed

@@ -89,7 +89,7 @@ def plain_greedy(seq: Sequence) -> bool:
     step that changes a logit: allowed_token_ids, bad_words, min_tokens still pending, logit_bias, penalties.)"""
     p = seq.params
     return (p.greedy and p.logprobs is None and p.allowed_token_ids is None and not p.bad_words_token_ids
-            and len(seq.output_token_ids) >= p.min_tokens and not p.logit_bias and p.repetition_penalty == 1.0
+            and seq.num_output_tokens >= p.min_tokens and not p.logit_bias and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0)
 
 
@@ -270,7 +270,7 @@ class Sampler:
         """min_tokens: EOS (unless ignored) and the stop token ids are masked until that many tokens exist."""
         rows, ids = [], []
         for i, s in enumerate(seqs):
-            if len(s.output_token_ids) < s.params.min_tokens:
+            if s.num_output_tokens < s.params.min_tokens:  # pending tokens count: they precede this one
                 stop_ids = list(s.params.stop_token_ids or [])
                 if self.eos_token_id is not None and not s.params.ignore_eos:
                     stop_ids.append(self.eos_token_id)

@@ -105,6 +105,8 @@ class Scheduler:
         queue = list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
+            if seq.num_pending and seq.reached_length_limit(self.config.max_model_len):
+                continue  # its last token is still on the device (async scheduling): nothing left to compute
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = self._chunk(seq, remaining, budget, chunked)
             if n > budget:
@@ -192,6 +194,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.bm.free_seq(seq)
+        seq.num_pending = 0  # a token of it still in flight is dropped when it arrives
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finished_time = time.monotonic()

@@ -63,6 +63,10 @@ class Sequence:
     num_preemptions: int = 0
     # structured outputs: this sequence's grammar matcher (None: unconstrained)
     grammar: SequenceGrammar | None = None
+    num_pending: int = 0
+    """Tokens sampled on the device whose value the host has not received yet (the step that samples one is in
+    flight). They count in num_tokens - the scheduler and the KV cache hold their positions, and async scheduling
+    feeds them to the next step from the device - but not in output_token_ids, which holds known tokens only."""
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,10 +74,27 @@ class Sequence:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt + generated tokens, the pending ones included (what the KV cache will hold)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Prompt + generated tokens the host has (num_tokens less the pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens, the pending ones included (what max_tokens and min_tokens count)."""
+        return len(self.output_token_ids) + self.num_pending
+
+    def reached_length_limit(self, max_model_len: int) -> bool:
+        """Is its last allowed token sampled already (max_tokens, or max_model_len), pending ones included?"""
+        max_tokens = self.params.max_tokens
+        return self.num_tokens >= max_model_len or (max_tokens is not None and self.num_output_tokens >= max_tokens)
+
+    @property
     def token_ids(self) -> list[int]:
+        """The known tokens: prompt + output_token_ids (pending ones are not known yet)."""
         return self.prompt_token_ids + self.output_token_ids
 
     @property

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.batch import ModelInput
+from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.model.m3_config import M3Config
 
 
@@ -26,8 +26,13 @@ class Executor:
         """Size the KV pool for these limits, allocate it, and return its number of blocks."""
         raise NotImplementedError
 
-    def execute_model(self, inp: ModelInput) -> torch.Tensor:
-        """Run one step; fp32 logits [len(inp.sample_rows), vocab] on this process's device."""
+    supports_token_feed: bool = False
+    """Can execute_model take a TokenFeed (input ids from the previous step's tokens on the device)? Only where
+    the sampled tokens and the model share a process and device; async scheduling needs it."""
+
+    def execute_model(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
+        """Run one step; fp32 logits [len(inp.sample_rows), vocab] on this process's device. `feed` only where
+        supports_token_feed."""
         raise NotImplementedError
 
     def last_argmax(self) -> torch.Tensor | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.batch import ModelInput
+from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
 from nanoserve.executor.base import Executor
 from nanoserve.parallel_state import get_tp
@@ -29,8 +29,10 @@ class LocalExecutor(Executor):
         self.runner.allocate_kv_cache(self.num_blocks)
         return self.num_blocks
 
-    def execute_model(self, inp: ModelInput) -> torch.Tensor:
-        return self.runner.execute(inp)
+    supports_token_feed = True
+
+    def execute_model(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
+        return self.runner.execute(inp, feed)
 
     def last_argmax(self) -> torch.Tensor | None:
         return self.runner.last_argmax

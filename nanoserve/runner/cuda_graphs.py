@@ -35,11 +35,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from nanoserve.batch import AttentionMetadata
+from nanoserve.batch import AttentionMetadata, TokenFeed
 from nanoserve.config import KERNEL, MODEL, Optimizations
 from nanoserve.kernels import triton_usable
 from nanoserve.parallel_state import get_tp
-from nanoserve.runner.input_prep import fill_block_tables, slot_mapping
+from nanoserve.runner.input_prep import apply_token_feed, fill_block_tables, slot_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -159,12 +159,15 @@ class GraphRunner:
         return bs, length
 
     # -- one step ---------------------------------------------------------------------------------------------
-    def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]]) -> torch.Tensor | None:
+    def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]],
+            feed: TokenFeed | None = None) -> torch.Tensor | None:
         """One decode step (one new token per sequence, every sequence sampled): logits [n, vocab] (a view of the
-        static output, valid until the next replay), or None if the graph could not be captured."""
+        static output, valid until the next replay), or None if the graph could not be captured. `feed`: input
+        ids copied on the device from the previous step's tokens, after the staging (async scheduling)."""
         n = len(seq_lens)
         key = self.key(n, max(seq_lens))
         self.stage(input_ids, seq_lens, block_tables, key[0])
+        apply_token_feed(self.i64[0], feed)
         replay = self.graphs.get(key)
         if replay is None:
             replay = self._capture_key(key)

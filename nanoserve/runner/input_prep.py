@@ -7,7 +7,8 @@ synchronous copies per step. Here numpy computes positions and slots for the who
 packed into two host buffers (one int64, one int32) and each goes to the device in one copy. On a GPU the host
 buffers are pinned and reused, so the copies are asynchronous; an event guards a buffer until its copy is done.
 
-`fill_block_tables` and `slot_mapping` are the two steps every preparation shares: `InputPreparer` (eager steps)
+`fill_block_tables`, `slot_mapping` and `apply_token_feed` (async scheduling's device-side input ids) are the
+steps every preparation shares: `InputPreparer` (eager steps)
 and the decode graphs' staging (runner/cuda_graphs.py, which writes into its static buffers) both call them.
 """
 
@@ -16,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.batch import AttentionMetadata, ModelInput
+from nanoserve.batch import AttentionMetadata, ModelInput, TokenFeed
 
 
 def reference_prepare(inp: ModelInput, block_size: int, device: torch.device
@@ -29,6 +30,20 @@ def reference_prepare(inp: ModelInput, block_size: int, device: torch.device
     if inp.prompt_rows:  # the extra rows of prompt logprobs, after the sample rows
         logits_index = torch.cat([logits_index, torch.tensor(inp.prompt_rows, dtype=torch.long, device=device)])
     return input_ids, meta, logits_index
+
+
+def apply_token_feed(input_ids: torch.Tensor, feed: TokenFeed | None) -> None:
+    """Write the fed tokens into a step's device input ids (in place; queued on the stream, no host sync). Every
+    preparation path - eager, reference, the decode graphs' static buffer - calls this after its own copy."""
+    if feed is None or not feed.dst:
+        return
+    if feed.is_prefix:
+        input_ids[: len(feed.dst)].copy_(feed.tokens[: len(feed.src)], non_blocking=True)
+        return
+    on_cuda = input_ids.device.type == "cuda"
+    dst = torch.tensor(feed.dst, dtype=torch.long, pin_memory=on_cuda).to(input_ids.device, non_blocking=True)
+    src = torch.tensor(feed.src, dtype=torch.long, pin_memory=on_cuda).to(input_ids.device, non_blocking=True)
+    input_ids.index_copy_(0, dst, feed.tokens.index_select(0, src).to(input_ids.dtype))
 
 
 def fill_block_tables(out: np.ndarray, block_tables: list[list[int]]) -> None:

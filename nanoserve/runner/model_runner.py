@@ -11,13 +11,13 @@ import logging
 
 import torch
 
-from nanoserve.batch import AttentionMetadata, ModelInput
+from nanoserve.batch import AttentionMetadata, ModelInput, TokenFeed
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
-from nanoserve.runner.input_prep import InputPreparer, reference_prepare
+from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 logger = logging.getLogger(__name__)
@@ -128,18 +128,20 @@ class ModelRunner:
         return reference_prepare(inp, self.block_size, self.device)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput) -> torch.Tensor:
+    def execute(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(sample_rows) + len(prompt_rows), vocab]: the sample rows', then
-        the prompt rows' (every rank computes them). The LM head runs on those rows only."""
+        the prompt rows' (every rank computes them). The LM head runs on those rows only. `feed`: input ids to take
+        from the previous step's sampled tokens on the device (async scheduling)."""
         self.last_argmax = None
         graphs = self._decode_graphs(inp)
         if graphs is not None:
-            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables)
+            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables, feed)
             if logits is not None:
                 if graphs.captured_argmax:
                     self.last_argmax = graphs.tokens[: len(inp.seq_lens)]
                 return logits
         input_ids, meta, logits_index = self.prepare(inp)
+        apply_token_feed(input_ids, feed)
         hidden = self.model(input_ids, meta.positions, meta)
         return self.model.compute_logits(hidden[logits_index])
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Wheels for a GPU machine that cannot reach the package index: the packages nanoserve needs beyond a CUDA PyTorch
+# image (torch, triton, transformers, numpy, tokenizers, safetensors, httpx, anyio, h11, click are assumed there),
+# at the versions installed here, for CPython 3.12 on x86-64 Linux, into .whl/ (ignored by git). The device scripts
+# (scripts/gpu_*.sh) install .whl/*.whl into /tmp/site before they run.
+#   bash scripts/fetch_wheels.sh [--python-version 3.12] [extra packages...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYV=3.12
+if [ "${1:-}" = "--python-version" ]; then PYV=$2; shift 2; fi
+# the engine (structured outputs), the server, and what they pull in
+PKGS=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+      fastapi starlette uvicorn httptools opentelemetry-api annotated-doc prometheus-client "$@")
+mkdir -p .whl
+for name in "${PKGS[@]}"; do
+  version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  spec=$name${version:+==$version}
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform manylinux_2_24_x86_64 \
+    --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 --platform any -d .whl "$spec" \
+    || { echo "no wheel for $spec" >&2; exit 1; }
+done
+ls -la .whl

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call for async scheduling (switch async_scheduling): the GPU tests of the decode graphs and of the
+# engine's three step orders on CUDA, the W1 / W2 ablation of async_scheduling and overlap_scheduling, and MXFP8
+# W1 / W2. Wheels for the engine's packages come in .whl/ (scripts/fetch_wheels.sh). Logs and results in
+# $OUT/async.tgz (re-packed after each step), the steps' summaries on stdout.
+#   OUT=... NANOSERVE_GIT_COMMIT=<hash> [STEPS=tests,ablation,mxfp8] bash scripts/gpu_async.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && export PYTHONPATH=/tmp/site:$PWD || exit 1
+W=/tmp/async; mkdir -p "$W"
+pack() { tar czf "$OUT/async.tgz" -C "$W" . 2>/dev/null; }
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$W/gpu.txt"
+STEPS=${STEPS:-tests,ablation,mxfp8}
+for step in ${STEPS//,/ }; do
+  case $step in
+    tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/test_cuda_graphs.py tests/test_decode_step.py \
+             tests/test_overlap.py -q -p no:cacheprovider > "$W/gpu_tests.txt" 2>&1
+           echo "tests exit $?"; tail -3 "$W/gpu_tests.txt";;
+    ablation) timeout ${ABLATION_TIMEOUT:-240} python3 -m nanoserve.bench --ablate --workloads W1,W2 \
+             --ablate-switches async_scheduling,overlap_scheduling --out "$W/ablation" > "$W/ablation.txt" 2>&1
+           echo "ablation exit $?"; grep -E "^(Ablation|switch|\(all\)|async_scheduling|overlap_scheduling) " \
+             "$W/ablation.txt";;
+    mxfp8) timeout ${MXFP8_TIMEOUT:-170} python3 -m nanoserve.bench --quantization mxfp8 --workloads W1,W2 \
+             --out "$W/mxfp8" > "$W/mxfp8.txt" 2>&1
+           echo "mxfp8 exit $?"; grep -E "^\| W|W[0-9]+ .*tok/s" "$W/mxfp8.txt" | tail -8;;
+  esac
+  pack
+done
