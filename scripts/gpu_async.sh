@@ -3,7 +3,7 @@
 # engine's three step orders on CUDA, the W1 / W2 ablation of async_scheduling and overlap_scheduling, and MXFP8
 # W1 / W2. Wheels for the engine's packages come in .whl/ (scripts/fetch_wheels.sh). Logs and results in
 # $OUT/async.tgz (re-packed after each step), the steps' summaries on stdout.
-#   OUT=... NANOSERVE_GIT_COMMIT=<hash> [STEPS=tests,ablation,mxfp8] bash scripts/gpu_async.sh
+#   OUT=... NANOSERVE_GIT_COMMIT=<hash> [STEPS=tests,ablation,profile,mxfp8] bash scripts/gpu_async.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -22,6 +22,9 @@ for step in ${STEPS//,/ }; do
              --ablate-switches async_scheduling,overlap_scheduling --out "$W/ablation" > "$W/ablation.txt" 2>&1
            echo "ablation exit $?"; grep -E "^(Ablation|switch|\(all\)|async_scheduling|overlap_scheduling) " \
              "$W/ablation.txt";;
+    profile) timeout ${PROFILE_TIMEOUT:-150} python3 -m nanoserve.bench --profile W1,W2 --out "$W/profile" \
+             > "$W/profile.txt" 2>&1
+           echo "profile exit $?"; grep -iE "step|host|gap|kernels" "$W/profile.txt" | head -30;;
     mxfp8) timeout ${MXFP8_TIMEOUT:-170} python3 -m nanoserve.bench --quantization mxfp8 --workloads W1,W2 \
              --out "$W/mxfp8" > "$W/mxfp8.txt" 2>&1
            echo "mxfp8 exit $?"; grep -E "^\| W|W[0-9]+ .*tok/s" "$W/mxfp8.txt" | tail -8;;

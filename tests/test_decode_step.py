@@ -30,10 +30,10 @@ RMSNORM_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2)}  
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
 @pytest.mark.parametrize("rows,hidden", [(1, 128), (7, 96), (33, 256)])
-def test_fused_rmsnorm_matches_reference(rows, hidden, dtype):
+def test_fused_rmsnorm_matches_reference(rows, hidden, dtype, device):
     gen = torch.Generator().manual_seed(rows * hidden)
-    x = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype)
-    w = 0.3 * torch.randn(hidden, generator=gen)  # fp32, as GemmaRMSNorm keeps it
+    x = (3 * torch.randn(rows, hidden, generator=gen)).to(dtype).to(device)
+    w = (0.3 * torch.randn(hidden, generator=gen)).to(device)  # fp32, as GemmaRMSNorm keeps it
     out = fused_rmsnorm(x, w, 1e-6)
     ref = reference.gemma_rmsnorm(x, w, 1e-6)
     assert out.dtype == ref.dtype and out.shape == ref.shape

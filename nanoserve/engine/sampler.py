@@ -53,6 +53,23 @@ class DeviceSample:
     chosen_logprob: torch.Tensor | None  # [S] raw logprob of the drawn token; None when no row asked
     top_logprobs: torch.Tensor | None  # [S, k] the k = max(num_logprobs) best raw logprobs and their ids
     top_ids: torch.Tensor | None
+    host: tuple[torch.Tensor | None, ...] | None = None
+    """On a GPU: pinned host copies of the four tensors above, queued right behind the draw (`start_host_copy`),
+    and the event that marks them done. A plain `.tolist()` would copy on the stream's tail, after whatever was
+    queued since - with async scheduling, the whole next step."""
+    copied: torch.cuda.Event | None = None
+
+    def start_host_copy(self) -> "DeviceSample":
+        """Queue the copies to pinned host memory now (CUDA/HIP; elsewhere the tensors are on the host already)."""
+        if self.token_ids.device.type != "cuda":
+            return self
+        tensors = (self.token_ids, self.chosen_logprob, self.top_logprobs, self.top_ids)
+        self.host = tuple(None if t is None else
+                          torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+                          for t in tensors)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+        return self
 
 
 @dataclass
@@ -135,7 +152,7 @@ class Sampler:
         row's argmax of `logits`, already on the device (a decode graph took it, switch captured_argmax); an
         unconstrained batch whose rows are all plain greedy then takes a copy of it and launches nothing else."""
         if argmax is not None and grammar is None and all(plain_greedy(s) for s in seqs):
-            return DeviceSample(argmax.clone(), [None] * len(seqs), None, None, None)
+            return DeviceSample(argmax.clone(), [None] * len(seqs), None, None, None).start_host_copy()
         logits = logits.to(torch.float32, copy=True)  # the steps edit it in place; the caller's stays intact
         logits = self._apply_grammar(logits, grammar)
         num_logprobs = [s.params.logprobs for s in seqs]
@@ -168,7 +185,7 @@ class Sampler:
             if k:
                 top_vals, top_ids = source.topk(k, dim=-1)
         num_logprobs = [logits.shape[-1] if n == -1 else n for n in num_logprobs]
-        return DeviceSample(tokens, num_logprobs, chosen, top_vals, top_ids)
+        return DeviceSample(tokens, num_logprobs, chosen, top_vals, top_ids).start_host_copy()
 
     def _logprob_values(self, logits: torch.Tensor) -> torch.Tensor:
         """What logprobs report, by logprobs_mode: log-softmax of `logits`, or the logits themselves."""
@@ -176,12 +193,18 @@ class Sampler:
 
     @staticmethod
     def to_host(sample: DeviceSample) -> SampleResult:
-        """The host half: wait for the draw and copy it to the host."""
-        tokens = sample.token_ids.tolist()
-        picked = sample.chosen_logprob.tolist() if sample.chosen_logprob is not None else [None] * len(tokens)
+        """The host half: wait for the draw (its own copies only, on a GPU) and read it on the host."""
+        if sample.copied is not None:
+            sample.copied.synchronize()
+            token_ids, chosen_logprob, top_logprobs, top_ids = sample.host
+        else:
+            token_ids, chosen_logprob, top_logprobs, top_ids = (sample.token_ids, sample.chosen_logprob,
+                                                                 sample.top_logprobs, sample.top_ids)
+        tokens = token_ids.tolist()
+        picked = chosen_logprob.tolist() if chosen_logprob is not None else [None] * len(tokens)
         chosen = [c if n is not None else None for c, n in zip(picked, sample.num_logprobs)]
-        top_vals = sample.top_logprobs.tolist() if sample.top_logprobs is not None else None
-        top_ids = sample.top_ids.tolist() if sample.top_ids is not None else None
+        top_vals = top_logprobs.tolist() if top_logprobs is not None else None
+        top_ids = top_ids.tolist() if top_ids is not None else None
         return SampleResult(tokens, chosen, sample.num_logprobs, top_vals, top_ids)
 
     # -- logit processing (each step touches only the rows whose request uses it) ---------------------------
