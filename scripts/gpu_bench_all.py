@@ -39,8 +39,8 @@ from nanoserve.bench import workloads as W  # noqa: E402
 from nanoserve.bench.session import BenchSession, SessionConfig, parse_switch_changes  # noqa: E402
 
 # Estimated seconds per part on an H200 with m3-slice (a part starts only if this much budget is left).
-ESTIMATES = {"build": 90, "graph-check": 25, "W1": 20, "W2": 40, "profile": 40, "ablation-W1": 90, "W4-32k": 25,
-             "W6": 25, "W5": 75, "W4-128k": 45, "ablation-W2": 170, "hf-build": 40, "hf-eager": 60,
+ESTIMATES = {"build": 90, "graph-check": 25, "W1": 20, "W2": 45, "profile": 40, "ablation-W1": 90, "W4-32k": 25,
+             "W6": 25, "W5": 95, "W4-128k": 45, "ablation-W2": 210, "hf-build": 40, "hf-eager": 60,
              "hf-static": 200, "W3": 240}
 HF_RESERVE = ESTIMATES["hf-build"] + ESTIMATES["hf-eager"]
 ORDER = ["graph-check", "W1", "W2", "profile", "ablation-W1", "W4-32k", "W6", "W5", "W4-128k", "ablation-W2",

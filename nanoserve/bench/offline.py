@@ -246,14 +246,15 @@ class NanoBench:
             return 0
         return self.runner.capture_decode_graphs(wl.max_total_len, wl.num_requests)
 
-    def warmup(self, wl: Workload, max_tokens: int = 4, max_requests: int | None = None,
+    def warmup(self, wl: Workload, max_tokens: int | None = None, max_requests: int | None = None,
                max_prompt: int | None = None) -> RunResult:
         """Build the kernels this workload's shapes need and capture its decode graphs, outside the timed run: the
-        same requests with fresh random prompts (no prefix-cache hits for the timed run) and `max_tokens` outputs.
-        The prompts keep their full length by default: the prefill tiles change with the context a chunk attends
-        to (configs.LONG_PREFILL_CONTEXT) and the MoE's with the tokens per step, so a warm-up cut to a few chunks
-        leaves first-time kernel builds inside the timed TTFT. Returns the warm-up's own run (its TTFT is the cold
-        one)."""
+        same requests with fresh random prompts (no prefix-cache hits for the timed run), by default at their full
+        prompt and output lengths. The prefill tiles change with the context a chunk attends to
+        (configs.LONG_PREFILL_CONTEXT) and the MoE's with the tokens per step; a warm-up cut to a few chunks, or
+        to a few output tokens (whose sequences then finish while others still prefill, so the steps mix other
+        token counts), leaves first-time kernel builds inside the timed run. `max_tokens`, `max_requests`,
+        `max_prompt` cut it anyway. Returns the warm-up's own run (its TTFT is the cold one)."""
         small = wl.scaled(max_tokens=max_tokens, max_requests=max_requests, max_prompt=max_prompt, seed=1000)
         res = self.run(small, tag="warmup", keep_tokens=False)
         self.capture_graphs(wl)
