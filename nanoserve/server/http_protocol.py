@@ -60,8 +60,9 @@ def _timeout_response(seconds: float) -> bytes:
 
 
 class _HeaderDeadline:
-    """The deadline's bookkeeping, mixed into a uvicorn protocol class: arm it when a request may begin, disarm it
-    when the headers are complete (or the connection ends); when it fires with the headers still incomplete, answer
+    """The deadline's bookkeeping, mixed into a uvicorn protocol class (before it, so these methods wrap its own):
+    arm it when the connection opens or a request may begin, disarm it when the headers are complete, the response
+    is done or the connection ends; when it fires with the headers still incomplete, answer
     408 if part of a request came, and close. The subclass says whether the headers are still awaited."""
 
     header_timeout: float = 0.0
@@ -71,6 +72,18 @@ class _HeaderDeadline:
 
     def _awaiting_headers(self) -> bool:
         raise NotImplementedError
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)  # type: ignore[misc]
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        self._disarm()  # the kept-alive connection now idles: uvicorn's keep-alive timeout bounds that
+        super().on_response_complete()  # type: ignore[misc]
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def _arm(self) -> None:
         self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
@@ -100,10 +113,6 @@ def _h11_with_deadline(seconds: float) -> type[H11Protocol]:
         def _awaiting_headers(self) -> bool:
             return self.conn.their_state is h11.IDLE  # no complete request line + headers yet
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
         def data_received(self, data: bytes) -> None:
             waiting = self._awaiting_headers()
             super().data_received(data)
@@ -113,14 +122,6 @@ def _h11_with_deadline(seconds: float) -> type[H11Protocol]:
                     self._arm()
             elif waiting or self._header_deadline is not None:
                 self._disarm()
-
-        def on_response_complete(self) -> None:
-            self._disarm()  # the kept-alive connection now idles: uvicorn's keep-alive timeout bounds that
-            super().on_response_complete()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
     return HeaderTimeoutH11Protocol
 
@@ -139,10 +140,6 @@ def _httptools_with_deadline(seconds: float) -> type[asyncio.Protocol]:
         def _awaiting_headers(self) -> bool:
             return self._in_headers
 
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._arm()
-
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self._in_headers = self._bytes_of_request = True
@@ -153,13 +150,5 @@ def _httptools_with_deadline(seconds: float) -> type[asyncio.Protocol]:
             self._in_headers = False
             self._disarm()
             super().on_headers_complete()
-
-        def on_response_complete(self) -> None:
-            self._disarm()  # the kept-alive connection now idles: uvicorn's keep-alive timeout bounds that
-            super().on_response_complete()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
 
     return HeaderTimeoutHttpToolsProtocol
