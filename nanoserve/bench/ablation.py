@@ -55,7 +55,8 @@ def _row(label: str, switch: str | None, res: RunResult | None, base: RunResult 
 
 
 def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = None, model_name: str = "",
-           meta: dict | None = None, warmup_tokens: int | None = None, on_row=None, only: list[str] | None = None) -> dict:
+           meta: dict | None = None, warmup_tokens: int | None = None, on_row=None,
+           only: list[str] | None = None) -> dict:
     """Run the ablation rows; returns {"workload", "rows": [...], "table": text, ...}. `base_notes`: switches
     that are off in the base run and why (CPU reference kernels, a kernel module missing). `on_row(row)` is
     called after every row (the caller flushes results). `only`: flip just these switches (default: all)."""

@@ -87,10 +87,13 @@ class Sequence:
         """Generated tokens, the pending ones included (what max_tokens and min_tokens count)."""
         return len(self.output_token_ids) + self.num_pending
 
-    def reached_length_limit(self, max_model_len: int) -> bool:
-        """Is its last allowed token sampled already (max_tokens, or max_model_len), pending ones included?"""
+    def reached_length_limit(self, max_model_len: int, count_pending: bool = True) -> bool:
+        """Has it sampled its last allowed token (max_tokens, or max_model_len)? `count_pending`: counting the
+        tokens still on the device (the scheduler's question), or only the known ones (the stop check's)."""
+        outputs = len(self.output_token_ids) + (self.num_pending if count_pending else 0)
         max_tokens = self.params.max_tokens
-        return self.num_tokens >= max_model_len or (max_tokens is not None and self.num_output_tokens >= max_tokens)
+        return (self.num_prompt_tokens + outputs >= max_model_len
+                or (max_tokens is not None and outputs >= max_tokens))
 
     @property
     def token_ids(self) -> list[int]:

@@ -61,8 +61,7 @@ class StopChecker:
             # the format ended (its grammar accepted EOS), e.g. under ignore_eos: no further token is allowed
             stop = Stop(FinishReason.STOP)
         else:
-            max_new = p.max_tokens if p.max_tokens is not None else self.max_model_len
-            if len(seq.output_token_ids) < max_new and seq.num_known_tokens < self.max_model_len:
+            if not seq.reached_length_limit(self.max_model_len, count_pending=False):
                 return None
             # the last token allowed: a stop string it completes takes precedence over the length limit
             return self.check_text(seq) or Stop(FinishReason.LENGTH)

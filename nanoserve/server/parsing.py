@@ -11,8 +11,8 @@ thread) some 10-20 ms whichever thread parses it. `BodyParser` therefore parses 
 (--parse-processes, default 2; 0 parses every body in this process). Sending the body there and the parsed
 request back costs this process about a millisecond a 10 MB body (pickling is a copy); a request that fails to
 parse comes back as its ValidationError, the same one the in-process parse raises, and a prompt too long to
-tokenize comes back as its length alone (parse_body's eliding), so the server never unpickles it. Smaller bodies - almost all
-of them - are parsed here, inline or in the Offloader's threads (offload.py), since a process hop costs more
+tokenize comes back as its length alone (parse_body's eliding), so the server never unpickles it. Smaller
+bodies - almost all of them - are parsed here, inline or in the Offloader's threads (offload.py), since a process hop costs more
 than their parse.
 
 The workers are spawned (not forked: the server has threads and an engine), import only the request models,

@@ -24,9 +24,9 @@ from nanoserve.server.protocol.chat import (ChatChoice, ChatCompletionChunk, Cha
                                             DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
                                             FunctionDefinition, ResponseFunctionCall, ResponseToolCall, TextPart,
                                             ToolCallParam)
-from nanoserve.server.protocol.common import (ElidedText, ErrorInfo, ErrorResponse, Int, ModelCard, ModelList, PromptLogprob,
-                                              PromptTokensDetails, RequestBody, RequestModel, ResponseModel,
-                                              SamplingRequest, StreamOptions, UsageInfo)
+from nanoserve.server.protocol.common import (ElidedText, ErrorInfo, ErrorResponse, Int, ModelCard, ModelList,
+                                              PromptLogprob, PromptTokensDetails, RequestBody, RequestModel,
+                                              ResponseModel, SamplingRequest, StreamOptions, UsageInfo)
 from nanoserve.server.protocol.completions import (CompletionChoice, CompletionChunk, CompletionLogProbs,
                                                    CompletionRequest, CompletionResponse)
 from nanoserve.server.protocol.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
@@ -37,7 +37,7 @@ __all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCo
            "DeltaFunctionCall", "DeltaToolCall", "FunctionCall", "FunctionDefinition", "ResponseFunctionCall",
            "ResponseToolCall", "ToolCallParam",
            "CompletionChoice", "CompletionChunk", "CompletionLogProbs", "CompletionRequest", "CompletionResponse",
-           "DeltaMessage", "DetokenizeRequest", "DetokenizeResponse", "ElidedText", "ErrorInfo", "ErrorResponse", "Int",
-           "ModelCard", "ModelList", "PromptLogprob", "PromptTokensDetails", "RequestBody", "RequestModel",
+           "DeltaMessage", "DetokenizeRequest", "DetokenizeResponse", "ElidedText", "ErrorInfo", "ErrorResponse",
+           "Int", "ModelCard", "ModelList", "PromptLogprob", "PromptTokensDetails", "RequestBody", "RequestModel",
            "ResponseModel",
            "SamplingRequest", "StreamOptions", "TextPart", "TokenizeRequest", "TokenizeResponse", "UsageInfo"]

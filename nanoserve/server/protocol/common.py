@@ -78,6 +78,11 @@ class ElidedText:
     def __repr__(self) -> str:
         return f"ElidedText({self.chars} characters)"
 
+    @classmethod
+    def of(cls, value: Any, max_chars: int) -> Any:
+        """`value` itself, or an ElidedText of its length when it is a text of more than `max_chars` characters."""
+        return cls(len(value)) if isinstance(value, str) and len(value) > max_chars else value
+
 
 @cache
 def _known_keys(model: type[BaseModel]) -> frozenset[str]:

@@ -74,11 +74,10 @@ class CompletionRequest(SamplingRequest):
 
     def elide_long_prompts(self, max_chars: int) -> None:
         p = self.prompt
-        if isinstance(p, str) and len(p) > max_chars:
-            self.prompt = ElidedText(len(p))  # type: ignore[assignment]
-        elif isinstance(p, list) and any(isinstance(x, str) and len(x) > max_chars for x in p):
-            self.prompt = [ElidedText(len(x)) if isinstance(x, str) and len(x) > max_chars else x  # type: ignore
-                           for x in p]
+        if isinstance(p, list) and p and isinstance(p[0], str):  # a list of texts (token ids stay as they are)
+            self.prompt = [ElidedText.of(x, max_chars) for x in p]
+        else:
+            self.prompt = ElidedText.of(p, max_chars)
 
     def prompts(self) -> list[str | ElidedText | list[int]]:
         """The prompts as a list: each a string or a list of token ids."""

@@ -41,8 +41,7 @@ class TokenizeRequest(RequestBody):
         return self
 
     def elide_long_prompts(self, max_chars: int) -> None:
-        if isinstance(self.prompt, str) and len(self.prompt) > max_chars:
-            self.prompt = ElidedText(len(self.prompt))  # type: ignore[assignment]
+        self.prompt = ElidedText.of(self.prompt, max_chars)
 
 
 class TokenizeResponse(ResponseModel):
