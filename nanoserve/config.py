@@ -115,6 +115,11 @@ class Optimizations:
         True, KERNEL, "kernels/moe.py", "the fused MoE's GEMMs load weight tiles (and GEMM 2 its activation tiles) "
         "through TMA tensor descriptors where the tile table's entry says \"tma\" (16-bit experts, prefill-sized "
         "buckets)", "pointer loads with the same tiles", entry_points=("fused_moe",))
+    fused_routing: bool = switch(
+        True, KERNEL, "kernels/moe_route.py", "with fused_moe, batches of up to 128 tokens are routed (sigmoid, "
+        "biased top-k, renormalised weights) and aligned in one single-program launch",
+        "kernels/reference.py route (torch: sigmoid, topk, gather, sum) and moe_align's two launches",
+        entry_points=("route_and_align",))
     fused_qk_norm_rope: bool = switch(
         True, KERNEL, "kernels/norm_rope.py",
         "per-head QK-norm + partial RoPE + K/V and index-key cache insert in one launch",

@@ -3,12 +3,12 @@
     out[t] = routed_scaling_factor * sum_k w[t, k] * Expert_{id[t, k]}(x[t])   (+ SharedExpert(x[t]) when folded)
     Expert(x) = w2 @ swiglu_oai(gate, up),  [gate; up] = w13 @ x
 
-The pipeline: five launches, no host synchronisation anywhere (launch grids come from shapes and upper bounds
-only, so a decode step can be captured in a CUDA/HIP graph):
+The pipeline: five launches after the torch routing (four in all with fused routing), no host synchronisation
+anywhere (launch grids come from shapes and upper bounds only, so a decode step can be captured in a CUDA/HIP
+graph):
 
-1. Routing stays in torch (`reference.route`, called by the layer): a handful of small launches next to the
-   ~190 us it takes to stream five experts' weights at decode. No fused routing kernel has been measured to beat
-   it; `scripts/gpu_moe_bench.py` times the torch routing (eager and as a graph) so one can be judged.
+1. Routing (`reference.route`: fp32 sigmoid, biased top-k, renormalised weights). For decode-sized batches
+   `fused_route_moe` runs it together with step 2 in one launch (moe_route.py, switch `fused_routing`).
 2. Alignment (`moe_align.py`, two launches): the T * KP (token, slot) pairs are grouped by expert into runs padded to BLOCK_M
    rows, so each BLOCK_M-row tile belongs to one expert. KP = top_k, plus one with the folded shared expert.
 3. GEMM 1 over the sorted rows: the program for tile (m, n) loads the tile's token rows of x once and multiplies
@@ -52,7 +52,8 @@ from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
 from nanoserve.kernels.fp8_linear import variant_code
 from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, scaled_block_dot
-from nanoserve.kernels.moe_align import moe_align, pair_expert
+from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
+from nanoserve.kernels.moe_route import route_and_align
 
 MAX_TOKENS_PER_CALL = 16384
 """Larger batches run in chunks of this many tokens, bounding the per-call scratch (activations and copies)."""
@@ -418,7 +419,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               topk_ids: torch.Tensor, *, alpha: float, limit: float, expert_map: torch.Tensor | None = None,
               routed_scaling_factor: float = 1.0, fold_shared: bool = False,
               config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
-              w2_scale: torch.Tensor | None = None, tma: bool = True) -> torch.Tensor:
+              w2_scale: torch.Tensor | None = None, tma: bool = True,
+              alignment: MoEAlignment | None = None) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
@@ -427,7 +429,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     the tile table (benchmarks). MXFP8 experts: w13 / w2 in float8_e4m3fn with w13_scale [S, 2I, H/32] and
     w2_scale [S, H, I/32] (uint8 E8M0, one per 32 input columns), dequantised in registers (fp8_linear.py);
     x stays in its dtype. tma=False (switch moe_tma off): pointer loads even where the tile entry asks for TMA
-    descriptors. Returns [T, H] in x's dtype."""
+    descriptors. `alignment`: the pairs already aligned (by moe_route.py's route_and_align, with the config's
+    block_m), instead of running moe_align here. Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -453,6 +456,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if tokens == 0:
         return x.new_empty((0, hidden))
+    if alignment is not None and (tokens > MAX_TOKENS_PER_CALL
+                                  or alignment.num_pairs != tokens * (top_k + int(fold_shared))):
+        raise ValueError(f"alignment holds {alignment.num_pairs} pairs; {tokens} tokens x {top_k} experts "
+                         f"(+ shared: {fold_shared}) need {tokens * (top_k + int(fold_shared))}, in one call")
     if tokens > MAX_TOKENS_PER_CALL:
         out = torch.empty_like(x)
         for start in range(0, tokens, MAX_TOKENS_PER_CALL):
@@ -475,7 +482,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     fold = bool(fold_shared)
     cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype, w_fp8)
 
-    align = moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
+    if alignment is not None and alignment.block_m != cfg.block_m:
+        raise ValueError(f"alignment has block_m {alignment.block_m}; this call's tiles use {cfg.block_m}")
+    align = alignment or moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
     up, down = cfg.up, cfg.down
     use_tma = tma and cfg.tma and _tma_fits(w13, w2, act)
@@ -509,3 +518,25 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         copies, out, topk_ids, emap, align.num_pairs, hidden, slots - 1,
         TOPK=top_k, FOLD=fold, HAS_MAP=expert_map is not None, BLOCK_H=REDUCE_BLOCK_H)
     return out
+
+
+def fused_route_moe(x: torch.Tensor, router_logits: torch.Tensor, correction_bias: torch.Tensor, w13: torch.Tensor,
+                    w2: torch.Tensor, *, top_k: int, alpha: float, limit: float,
+                    expert_map: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
+                    fold_shared: bool = False, w13_scale: torch.Tensor | None = None,
+                    w2_scale: torch.Tensor | None = None,
+                    tma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route and align in one launch (moe_route.py), then the fused MoE on that alignment: the same result as
+    `reference.route` followed by `fused_moe`, for 1..ROUTE_ALIGN_MAX_TOKENS tokens (moe_route.route_align_fits).
+    router_logits [T, E] fp32 and correction_bias [E] fp32; the rest as in fused_moe. Returns
+    (out [T, H], topk_weights [T, k] fp32, topk_ids [T, k] int32)."""
+    slots, two_inter, hidden = w13.shape
+    fold = bool(fold_shared)
+    cfg = select_config(x.shape[0], hidden, two_inter // 2, slots - int(fold), top_k, x.device, x.dtype,
+                        w13_scale is not None)
+    weights, ids, align = route_and_align(router_logits, correction_bias, top_k, slots, cfg.block_m,
+                                          expert_map=expert_map, fold_shared=fold)
+    out = fused_moe(x, w13, w2, weights, ids, alpha=alpha, limit=limit, expert_map=expert_map,
+                    routed_scaling_factor=routed_scaling_factor, fold_shared=fold, config=cfg,
+                    w13_scale=w13_scale, w2_scale=w2_scale, tma=tma, alignment=align)
+    return out, weights, ids

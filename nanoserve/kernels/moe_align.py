@@ -24,6 +24,9 @@ Two launches:
      then writes each pair to run_start[e] + (earlier pairs of e). Program 0 also marks the pad rows; all
      programs share the block table.
 A one-hot [lanes, experts] matrix stands in for gathers and scatters that Triton has no register form of.
+
+Decode-sized batches skip both launches: kernels/moe_route.py routes and aligns in a single program, running the
+same two steps (`count_pairs`, then `place_pairs` over one chunk).
 """
 
 from __future__ import annotations
@@ -84,39 +87,28 @@ def pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot,
     return tl.where(real, slot, -1)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
-def _count_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, num_pairs, chunk_size, shared_slot,
-                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
-                  E_PAD: tl.constexpr):
-    chunk = tl.program_id(0)
+@triton.jit
+def count_pairs(first_pair, num_pairs, chunk_size, topk_ids_ptr, expert_map_ptr, shared_slot,
+                TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
+                E_PAD: tl.constexpr):
+    """[E_PAD] int32: how many of the pairs first_pair .. first_pair + chunk_size - 1 go to each local slot."""
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, chunk_size, LANES):
-        pair = chunk * chunk_size + start + tl.arange(0, LANES)
+        pair = first_pair + start + tl.arange(0, LANES)
         slot = pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot, TOPK, FOLD, HAS_MAP)
         counts += tl.sum((slot[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tl.store(chunk_counts_ptr + chunk * E_PAD + experts, counts)
+    return counts
 
 
-@triton.jit(do_not_specialize=["num_pairs", "chunk_size", "num_chunks", "max_blocks"])
-def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr, block_expert_ptr,
-                  num_padded_ptr, num_pairs, chunk_size, num_chunks, max_blocks, shared_slot,
-                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, COUNT_ROWS: tl.constexpr,
-                  TABLE_STEP: tl.constexpr):
-    chunk = tl.program_id(0)
+@triton.jit
+def place_pairs(total, earlier, chunk, num_chunks, first_pair, num_pairs, chunk_size, max_blocks,
+                topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shared_slot,
+                TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
+                E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TABLE_STEP: tl.constexpr):
+    """Write the layout for one chunk of pairs, given every slot's total pair count and how many of each slot's
+    pairs sit in earlier chunks (`earlier`). Chunk 0 also marks the pad rows; the chunks share the block table."""
     experts = tl.arange(0, E_PAD)
-
-    # Every expert's total, and how many of its pairs sit in chunks before this one.
-    total = tl.zeros([E_PAD], dtype=tl.int32)
-    earlier = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, COUNT_ROWS):
-        c = c0 + tl.arange(0, COUNT_ROWS)
-        rows = tl.load(chunk_counts_ptr + c[:, None] * E_PAD + experts[None, :],
-                       mask=(c < num_chunks)[:, None], other=0)
-        total += tl.sum(rows, axis=0)
-        earlier += tl.sum(tl.where((c < chunk)[:, None], rows, 0), axis=0)
-
     # Runs padded to BLOCK_M, laid out in expert order (empty experts get an empty run).
     padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
     run_end = tl.cumsum(padded, axis=0)
@@ -128,7 +120,7 @@ def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr
     next_row = run_start + earlier
     lane = tl.arange(0, LANES)
     for start in range(0, chunk_size, LANES):
-        pair = chunk * chunk_size + start + lane
+        pair = first_pair + start + lane
         slot = pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot, TOPK, FOLD, HAS_MAP)
         one_hot = slot[:, None] == experts[None, :]
         base = tl.sum(tl.where(one_hot, next_row[None, :], 0), axis=1)
@@ -155,6 +147,39 @@ def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr
         tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
+def _count_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, num_pairs, chunk_size, shared_slot,
+                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    chunk = tl.program_id(0)
+    counts = count_pairs(chunk * chunk_size, num_pairs, chunk_size, topk_ids_ptr, expert_map_ptr, shared_slot,
+                         TOPK, FOLD, HAS_MAP, LANES, E_PAD)
+    tl.store(chunk_counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size", "num_chunks", "max_blocks"])
+def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr, block_expert_ptr,
+                  num_padded_ptr, num_pairs, chunk_size, num_chunks, max_blocks, shared_slot,
+                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, COUNT_ROWS: tl.constexpr,
+                  TABLE_STEP: tl.constexpr):
+    chunk = tl.program_id(0)
+    experts = tl.arange(0, E_PAD)
+
+    # Every expert's total, and how many of its pairs sit in chunks before this one.
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    earlier = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_chunks, COUNT_ROWS):
+        c = c0 + tl.arange(0, COUNT_ROWS)
+        rows = tl.load(chunk_counts_ptr + c[:, None] * E_PAD + experts[None, :],
+                       mask=(c < num_chunks)[:, None], other=0)
+        total += tl.sum(rows, axis=0)
+        earlier += tl.sum(tl.where((c < chunk)[:, None], rows, 0), axis=0)
+    place_pairs(total, earlier, chunk, num_chunks, chunk * chunk_size, num_pairs, chunk_size, max_blocks,
+                topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shared_slot,
+                TOPK, FOLD, HAS_MAP, LANES, E_PAD, BLOCK_M, TABLE_STEP)
+
+
 def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_map: torch.Tensor | None = None,
               fold_shared: bool = False) -> MoEAlignment:
     """Group the pairs of topk_ids [T, k] (global expert ids, int32) by local weight slot, runs padded to block_m.
@@ -167,23 +192,32 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_ma
         raise ValueError(f"block_m must be a power of two >= 16, got {block_m}")
     topk_ids = topk_ids.contiguous()
     tokens, top_k = topk_ids.shape
-    num_pairs = tokens * (top_k + int(fold_shared))
-    device = topk_ids.device
+    align = empty_alignment(tokens * (top_k + int(fold_shared)), num_slots, block_m, topk_ids.device)
+    num_pairs = align.num_pairs
     e_pad = triton.next_power_of_2(num_slots)
-    lanes = max(16, min(64, ALIGN_LANES_BUDGET // e_pad))
+    lanes = align_lanes(num_slots)
     chunk_size = min(ALIGN_CHUNK, triton.cdiv(max(num_pairs, 1), lanes) * lanes)
     num_chunks = max(1, triton.cdiv(num_pairs, chunk_size))
-    blocks = max_tiles(num_pairs, num_slots, block_m)
-
-    sorted_ids = torch.empty(blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(blocks, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
-    chunk_counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=topk_ids.device)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
     flags = dict(TOPK=top_k, FOLD=fold_shared, HAS_MAP=expert_map is not None, LANES=lanes, E_PAD=e_pad)
     _count_kernel[(num_chunks,)](topk_ids, emap, chunk_counts, num_pairs, chunk_size, num_slots - 1,
                                  num_warps=ALIGN_WARPS, **flags)
-    _place_kernel[(num_chunks,)](topk_ids, emap, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs,
-                                 chunk_size, num_chunks, blocks, num_slots - 1, BLOCK_M=block_m,
-                                 COUNT_ROWS=COUNT_ROWS, TABLE_STEP=TABLE_STEP, num_warps=ALIGN_WARPS, **flags)
-    return MoEAlignment(sorted_ids, block_expert, num_padded, num_pairs, blocks, block_m)
+    _place_kernel[(num_chunks,)](topk_ids, emap, chunk_counts, align.sorted_pair_ids, align.block_expert,
+                                 align.num_padded, num_pairs, chunk_size, num_chunks, align.max_blocks,
+                                 num_slots - 1, BLOCK_M=block_m, COUNT_ROWS=COUNT_ROWS, TABLE_STEP=TABLE_STEP,
+                                 num_warps=ALIGN_WARPS, **flags)
+    return align
+
+
+def align_lanes(num_slots: int) -> int:
+    """Pairs one alignment step handles: the one-hot [lanes, padded slots] stays within ALIGN_LANES_BUDGET."""
+    return max(16, min(64, ALIGN_LANES_BUDGET // triton.next_power_of_2(num_slots)))
+
+
+def empty_alignment(num_pairs: int, num_slots: int, block_m: int, device: torch.device) -> MoEAlignment:
+    """The alignment's buffers, sized from the upper bound (max_tiles), for a kernel to fill."""
+    blocks = max_tiles(num_pairs, num_slots, block_m)
+    return MoEAlignment(torch.empty(blocks * block_m, dtype=torch.int32, device=device),
+                        torch.empty(blocks, dtype=torch.int32, device=device),
+                        torch.empty(1, dtype=torch.int32, device=device), num_pairs, blocks, block_m)

@@ -35,7 +35,8 @@ class M3MoE(nn.Module):
 
     trace: Callable[..., None] | None = None
     """Optional tracing hook, for teaching and debugging (set it with M3ForCausalLM.set_trace): called as
-    trace("moe_route", topk_ids=, topk_weights=) right after routing. Eager mode only; None costs one check."""
+    trace("moe_route", topk_ids=, topk_weights=) once the layer has routed (and, with fused routing, run) its
+    experts. Eager mode only; None costs one check."""
 
     def __init__(self, cfg: M3Config, opts: Optimizations, dtype: torch.dtype, device: torch.device | str,
                  quant: str | None = None):
@@ -78,35 +79,45 @@ class M3MoE(nn.Module):
             self.expert_map = None
 
     # -- forward ------------------------------------------------------------------------------------------
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, E] fp32: the router GEMM runs in fp32 on fp32 weights."""
+        return torch.nn.functional.linear(x.float(), self.gate)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(topk_weights [T, k] fp32, topk_ids [T, k] int32); the router GEMM runs in fp32 on fp32 weights."""
-        logits = torch.nn.functional.linear(x.float(), self.gate)
-        return reference.route(logits, self.e_score_correction_bias, self.top_k)
+        """(topk_weights [T, k] fp32, topk_ids [T, k] int32), the torch reference routing."""
+        return reference.route(self.router_logits(x), self.e_score_correction_bias, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         cfg = self.cfg
-        topk_weights, topk_ids = self.route(x)
-        if self.trace is not None:
-            self.trace("moe_route", topk_ids=topk_ids, topk_weights=topk_weights)
         alpha, limit, scale = cfg.swiglu_alpha, cfg.swiglu_limit, cfg.routed_scaling_factor
         n = self.num_local
         s13, s2 = self.w13_scale, self.w2_scale
         if self.opts.fused_moe and triton_usable(x):
-            from nanoserve.kernels.moe import fused_moe
+            from nanoserve.kernels.moe import fused_moe, fused_route_moe
+            from nanoserve.kernels.moe_route import route_align_fits
 
             fold = self.opts.fold_shared_expert and self.shared_in_stack
             used = slice(None) if fold else slice(0, n)
-            out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, alpha=alpha, limit=limit,
-                            expert_map=self.expert_map, routed_scaling_factor=scale, fold_shared=fold,
-                            w13_scale=None if s13 is None else s13[used], w2_scale=None if s2 is None else s2[used],
-                            tma=self.opts.moe_tma)
+            kernel_args = dict(alpha=alpha, limit=limit, expert_map=self.expert_map, routed_scaling_factor=scale,
+                               fold_shared=fold, w13_scale=None if s13 is None else s13[used],
+                               w2_scale=None if s2 is None else s2[used], tma=self.opts.moe_tma)
+            if self.opts.fused_routing and route_align_fits(x.shape[0]):
+                out, topk_weights, topk_ids = fused_route_moe(
+                    x, self.router_logits(x), self.e_score_correction_bias, self.w13[used], self.w2[used],
+                    top_k=self.top_k, **kernel_args)
+            else:
+                topk_weights, topk_ids = self.route(x)
+                out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, **kernel_args)
             if not fold:
                 out = out + self._shared(x)
         else:
+            topk_weights, topk_ids = self.route(x)
             routed = reference.moe_experts(x, self.w13[:n], self.w2[:n], topk_ids, topk_weights, alpha, limit,
                                            self.expert_map, None if s13 is None else s13[:n],
                                            None if s2 is None else s2[:n])
             out = routed * scale + self._shared(x)
+        if self.trace is not None:
+            self.trace("moe_route", topk_ids=topk_ids, topk_weights=topk_weights)
         return all_reduce(out) if get_tp().size > 1 else out
 
     def _shared(self, x: torch.Tensor) -> torch.Tensor:
