@@ -4,6 +4,8 @@
 # W1 / W2. Wheels for the engine's packages come in .whl/ (scripts/fetch_wheels.sh). Logs and results in
 # $OUT/async.tgz (re-packed after each step), the steps' summaries on stdout.
 #   OUT=... NANOSERVE_GIT_COMMIT=<hash> [STEPS=tests,ablation,profile,mxfp8] bash scripts/gpu_async.sh
+# TESTS (test files) and ABLATE (switches for --ablate-switches) name other decode-step work, e.g.
+#   TESTS="tests/test_kernel_moe_route.py tests/test_cuda_graphs.py" ABLATE=fused_routing STEPS=tests,ablation ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
@@ -13,14 +15,17 @@ W=/tmp/async; mkdir -p "$W"
 pack() { tar czf "$OUT/async.tgz" -C "$W" . 2>/dev/null; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv | tee "$W/gpu.txt"
 STEPS=${STEPS:-tests,ablation,mxfp8}
+ABLATE=${ABLATE:-async_scheduling,overlap_scheduling}
 for step in ${STEPS//,/ }; do
   case $step in
-    tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest tests/test_cuda_graphs.py tests/test_decode_step.py \
-             tests/test_overlap.py -q -p no:cacheprovider > "$W/gpu_tests.txt" 2>&1
+    tests) timeout ${TESTS_TIMEOUT:-150} python3 -m pytest \
+             ${TESTS:-tests/test_cuda_graphs.py tests/test_decode_step.py tests/test_overlap.py} \
+             -q -p no:cacheprovider > "$W/gpu_tests.txt" 2>&1
            echo "tests exit $?"; tail -3 "$W/gpu_tests.txt";;
     ablation) timeout ${ABLATION_TIMEOUT:-240} python3 -m nanoserve.bench --ablate --workloads W1,W2 \
-             --ablate-switches async_scheduling,overlap_scheduling --out "$W/ablation" > "$W/ablation.txt" 2>&1
-           echo "ablation exit $?"; grep -E "^(Ablation|switch|\(all\)|async_scheduling|overlap_scheduling) " \
+             --ablate-switches $ABLATE --out "$W/ablation" \
+             > "$W/ablation.txt" 2>&1
+           echo "ablation exit $?"; grep -E "^(Ablation|switch|\(all\)|${ABLATE//,/|}) " \
              "$W/ablation.txt";;
     profile) timeout ${PROFILE_TIMEOUT:-150} python3 -m nanoserve.bench --profile W1,W2 --out "$W/profile" \
              > "$W/profile.txt" 2>&1

@@ -97,7 +97,7 @@ def _time_steps(bench: NanoBench, engine, steps: int) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def profile_decode(bench: NanoBench, wl: Workload, steps: int = 5, top: int = 15) -> dict:
+def profile_decode(bench: NanoBench, wl: Workload, steps: int = 5, top: int = 30) -> dict:
     """Profile `steps` decode steps of the workload's batch; returns the summary (with a printable table)."""
     opts = bench.opts
     graphs_were = opts.cuda_graphs

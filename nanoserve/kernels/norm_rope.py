@@ -2,8 +2,10 @@
 `fused_rmsnorm`).
 
 `qk_norm_rope_insert` replaces the reference branch of `M3Attention._norm_rope_insert` with one launch per layer.
-A program owns BLOCK_T tokens and walks the sections of their fused projection rows
-[q | k | v | index_q | index_k], BLOCK_R (token, head) rows at a time:
+A program owns BLOCK_T tokens and one section of their fused projection rows [q | k | v | index_q | index_k]
+(grid axis 1: q, k with v, index_q, index_k), which it walks BLOCK_R (token, head) rows at a time. One program
+per section rather than one for all: at decode (one token) the sections' dependent loads then overlap instead of
+running one after another.
 
     q, k, index_q, index_k:  per-head Gemma RMSNorm (fp32 inside, times 1 + w), rounded to the activation dtype
                              (as the released model), then NeoX partial RoPE in fp32 on the first rotary_dim dims
@@ -82,40 +84,46 @@ def _qk_norm_rope_insert_kernel(
         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
         SPARSE: tl.constexpr):
     t0 = tl.program_id(0) * BLOCK_T
+    section = tl.program_id(1)  # 0: q, 1: k and v, 2: index_q, 3: index_k (the last two only when SPARSE)
     k_off = num_heads * HEAD_DIM  # offsets of the sections in a qkv row
     v_off = k_off + num_kv_heads * HEAD_DIM
     iq_off = v_off + num_kv_heads * HEAD_DIM
     ik_off = iq_off + num_index_heads * INDEX_DIM
-    for r0 in range(0, BLOCK_T * num_heads, BLOCK_R):
-        t, h, ok = _head_rows(t0, r0, num_heads, n_tokens, BLOCK_T, BLOCK_R)
-        _norm_rope_store(qkv_ptr + t * stride_qkv + h * HEAD_DIM, q_out_ptr + t * stride_q_out + h * HEAD_DIM, ok,
-                         q_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                         HEAD_DIM, BLOCK_D, HALF, True)
-    for r0 in range(0, BLOCK_T * num_kv_heads, BLOCK_R):
-        t, h, ok = _head_rows(t0, r0, num_kv_heads, n_tokens, BLOCK_T, BLOCK_R)
-        slot = tl.load(slot_ptr + t, mask=ok, other=-1)
-        ok = ok & (slot >= 0)  # padding tokens write nothing
-        k_dst = kv_ptr + (slot // PAGE) * stride_kv_block + (slot % PAGE) * stride_kv_tok + h * stride_kv_head
-        src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
-        _norm_rope_store(src + k_off, k_dst, ok, k_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                         HEAD_DIM, BLOCK_D, HALF, True)
-        _norm_rope_store(src + v_off, k_dst + stride_kv_kind, ok, k_w_ptr, cos_ptr, sin_ptr, eps,
-                         HEAD_DIM, BLOCK_D, HALF, False)
-    if SPARSE:
-        for r0 in range(0, BLOCK_T * num_index_heads, BLOCK_R):
-            t, h, ok = _head_rows(t0, r0, num_index_heads, n_tokens, BLOCK_T, BLOCK_R)
-            _norm_rope_store(qkv_ptr + t * stride_qkv + iq_off + h * INDEX_DIM,
-                             iq_out_ptr + t * stride_iq_out + h * INDEX_DIM, ok,
-                             iq_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                             INDEX_DIM, BLOCK_DI, HALF, True)
-        for r0 in range(0, BLOCK_T, BLOCK_R):
-            t, h, ok = _head_rows(t0, r0, 1, n_tokens, BLOCK_T, BLOCK_R)
+    if section == 0:
+        for r0 in range(0, BLOCK_T * num_heads, BLOCK_R):
+            t, h, ok = _head_rows(t0, r0, num_heads, n_tokens, BLOCK_T, BLOCK_R)
+            _norm_rope_store(qkv_ptr + t * stride_qkv + h * HEAD_DIM, q_out_ptr + t * stride_q_out + h * HEAD_DIM,
+                             ok, q_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
+                             HEAD_DIM, BLOCK_D, HALF, True)
+    elif section == 1:
+        for r0 in range(0, BLOCK_T * num_kv_heads, BLOCK_R):
+            t, h, ok = _head_rows(t0, r0, num_kv_heads, n_tokens, BLOCK_T, BLOCK_R)
             slot = tl.load(slot_ptr + t, mask=ok, other=-1)
-            ok = ok & (slot >= 0)
-            _norm_rope_store(qkv_ptr + t * stride_qkv + ik_off,
-                             icache_ptr + (slot // PAGE) * stride_ic_block + (slot % PAGE) * stride_ic_tok, ok,
-                             ik_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                             INDEX_DIM, BLOCK_DI, HALF, True)
+            ok = ok & (slot >= 0)  # padding tokens write nothing
+            k_dst = kv_ptr + (slot // PAGE) * stride_kv_block + (slot % PAGE) * stride_kv_tok + h * stride_kv_head
+            src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
+            _norm_rope_store(src + k_off, k_dst, ok, k_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
+                             eps, HEAD_DIM, BLOCK_D, HALF, True)
+            _norm_rope_store(src + v_off, k_dst + stride_kv_kind, ok, k_w_ptr, cos_ptr, sin_ptr, eps,
+                             HEAD_DIM, BLOCK_D, HALF, False)
+    elif section == 2:
+        if SPARSE:
+            for r0 in range(0, BLOCK_T * num_index_heads, BLOCK_R):
+                t, h, ok = _head_rows(t0, r0, num_index_heads, n_tokens, BLOCK_T, BLOCK_R)
+                _norm_rope_store(qkv_ptr + t * stride_qkv + iq_off + h * INDEX_DIM,
+                                 iq_out_ptr + t * stride_iq_out + h * INDEX_DIM, ok,
+                                 iq_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
+                                 INDEX_DIM, BLOCK_DI, HALF, True)
+    else:
+        if SPARSE:
+            for r0 in range(0, BLOCK_T, BLOCK_R):
+                t, h, ok = _head_rows(t0, r0, 1, n_tokens, BLOCK_T, BLOCK_R)
+                slot = tl.load(slot_ptr + t, mask=ok, other=-1)
+                ok = ok & (slot >= 0)
+                _norm_rope_store(qkv_ptr + t * stride_qkv + ik_off,
+                                 icache_ptr + (slot // PAGE) * stride_ic_block + (slot % PAGE) * stride_ic_tok, ok,
+                                 ik_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
+                                 INDEX_DIM, BLOCK_DI, HALF, True)
 
 
 def qk_norm_rope_insert(qkv: torch.Tensor, split_sizes: list[int], head_dim: int, q_norm_w: torch.Tensor,
@@ -144,7 +152,7 @@ def qk_norm_rope_insert(qkv: torch.Tensor, split_sizes: list[int], head_dim: int
     iq_w = index_q_norm_w if sparse else q_norm_w
     ik_w = index_k_norm_w if sparse else k_norm_w
     cfg = tiles("qk_norm_rope", qkv.device)
-    _qk_norm_rope_insert_kernel[(triton.cdiv(t, cfg.block_m),)](
+    _qk_norm_rope_insert_kernel[(triton.cdiv(t, cfg.block_m), 4 if sparse else 2)](
         qkv, q, iq_out, kv_cache, icache, slot_mapping, cos, sin, q_norm_w, k_norm_w, iq_w, ik_w,
         qkv.stride(0), q.stride(0), iq_out.stride(0), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
