@@ -116,8 +116,8 @@ class Optimizations:
         "through TMA tensor descriptors where the tile table's entry says \"tma\" (16-bit experts, prefill-sized "
         "buckets)", "pointer loads with the same tiles", entry_points=("fused_moe",))
     fused_routing: bool = switch(
-        True, KERNEL, "kernels/moe_route.py", "with fused_moe, batches of up to 128 tokens are routed (sigmoid, "
-        "biased top-k, renormalised weights) and aligned in one single-program launch",
+        True, KERNEL, "kernels/moe_route.py", "with fused_moe, decode batches of up to 12 tokens (M3) are routed "
+        "(sigmoid, biased top-k, renormalised weights) and aligned in one single-program launch",
         "kernels/reference.py route (torch: sigmoid, topk, gather, sum) and moe_align's two launches",
         entry_points=("route_and_align",))
     fused_qk_norm_rope: bool = switch(

@@ -20,7 +20,8 @@ from nanoserve.config import Optimizations
 from nanoserve.kernels import reference
 from nanoserve.kernels.moe import fused_moe, fused_route_moe
 from nanoserve.kernels.moe_align import moe_align
-from nanoserve.kernels.moe_route import ROUTE_ALIGN_MAX_TOKENS, route_align_fits, route_and_align
+from nanoserve.kernels.moe_route import (ROUTE_ALIGN_MAX_PAIRS, ROUTE_ALIGN_MAX_TOKENS, route_align_fits,
+                                         route_and_align)
 from nanoserve.model.layers.moe import M3MoE
 from nanoserve.presets.catalog import get_preset
 
@@ -55,11 +56,11 @@ def assert_same_routing(tokens, experts, top_k, block_m, fold, seed, expert_map=
 
 @pytest.mark.parametrize("tokens,experts,top_k,block_m,fold", [
     (1, 128, 4, 16, True),       # M3 decode, one request
-    (64, 128, 4, 16, True),      # M3 decode, a W2 batch (several routing steps of 16 tokens)
-    (ROUTE_ALIGN_MAX_TOKENS, 128, 4, 64, True),  # the largest batch, several alignment steps
+    (12, 128, 4, 16, True),      # M3's largest batch on this path (60 pairs)
     (3, 16, 4, 16, False),       # no folded shared expert
-    (37, 16, 1, 32, True),       # top-1, a token count that is no power of two
-    (20, 24, 8, 16, False),      # experts that are no power of two
+    (ROUTE_ALIGN_MAX_TOKENS, 8, 3, 16, True),   # the most tokens: experts shared by up to 16 pairs, full tiles
+    (7, 16, 1, 32, True),        # top-1, a token count that is no power of two, a larger tile
+    (5, 24, 8, 16, False),       # experts that are no power of two
 ])
 def test_matches_torch_routing_and_alignment(tokens, experts, top_k, block_m, fold):
     assert_same_routing(tokens, experts, top_k, block_m, fold, seed=tokens * 31 + experts)
@@ -89,14 +90,19 @@ def test_argument_errors():
     with pytest.raises(ValueError, match="router_logits has 0 tokens"):
         route_and_align(logits[:0], bias, 4, 16, 16)
     with pytest.raises(ValueError, match=f"router_logits has {ROUTE_ALIGN_MAX_TOKENS + 1} tokens"):
-        route_and_align(torch.zeros(ROUTE_ALIGN_MAX_TOKENS + 1, 16, device=DEVICE), bias, 4, 16, 16)
+        route_and_align(torch.zeros(ROUTE_ALIGN_MAX_TOKENS + 1, 16, device=DEVICE), bias, 1, 16, 16)
+    with pytest.raises(ValueError, match=f"at most {ROUTE_ALIGN_MAX_PAIRS} "):  # 13 tokens x (4 + shared)
+        route_and_align(torch.zeros(13, 16, device=DEVICE), bias, 4, 17, 16, fold_shared=True)
     with pytest.raises(ValueError, match="correction_bias"):
         route_and_align(logits, bias[:8], 4, 16, 16)
     with pytest.raises(ValueError, match="top_k"):
         route_and_align(logits, bias, 17, 16, 16)
     with pytest.raises(ValueError, match="block_m"):
         route_and_align(logits, bias, 4, 16, 24)
-    assert not route_align_fits(0) and route_align_fits(1) and not route_align_fits(ROUTE_ALIGN_MAX_TOKENS + 1)
+    with pytest.raises(ValueError, match="block_m"):  # a run of 16 pairs would not fit one tile of 8
+        route_and_align(logits, bias, 4, 16, 8)
+    assert not route_align_fits(0, 5) and route_align_fits(1, 5) and route_align_fits(12, 5)
+    assert not route_align_fits(13, 5) and not route_align_fits(ROUTE_ALIGN_MAX_TOKENS + 1, 1)
 
 
 @pytest.mark.parametrize("fold", [False, True])

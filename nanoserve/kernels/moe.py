@@ -527,7 +527,7 @@ def fused_route_moe(x: torch.Tensor, router_logits: torch.Tensor, correction_bia
                     w2_scale: torch.Tensor | None = None,
                     tma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route and align in one launch (moe_route.py), then the fused MoE on that alignment: the same result as
-    `reference.route` followed by `fused_moe`, for 1..ROUTE_ALIGN_MAX_TOKENS tokens (moe_route.route_align_fits).
+    `reference.route` followed by `fused_moe`, for the batches moe_route.route_align_fits admits.
     router_logits [T, E] fp32 and correction_bias [E] fp32; the rest as in fused_moe. Returns
     (out [T, H], topk_weights [T, k] fp32, topk_ids [T, k] int32)."""
     slots, two_inter, hidden = w13.shape
