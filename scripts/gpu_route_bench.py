@@ -63,8 +63,8 @@ def main() -> None:
         for name, fn in rows:
             print(f"{tokens:>6}  {name:<28} {graph_us(fn):8.2f}", flush=True)
         for warps in (int(w) for w in args.warps.split(",")):
-            moe_route.ROUTE_ALIGN_WARPS = warps
-            us = graph_us(lambda: moe_route.route_and_align(logits, bias, TOP_K, SLOTS, BLOCK_M, fold_shared=True))
+            us = graph_us(lambda: moe_route.route_and_align(logits, bias, TOP_K, SLOTS, BLOCK_M, fold_shared=True,
+                                                            num_warps=warps))
             print(f"{tokens:>6}  {f'route_and_align, {warps} warps':<28} {us:8.2f}", flush=True)
 
 

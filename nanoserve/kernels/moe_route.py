@@ -31,7 +31,13 @@ ROUTE_ALIGN_MAX_TOKENS = 16
 """Largest batch on the one-launch path. It is also the smallest BLOCK_M, so no expert's run outgrows one tile."""
 ROUTE_ALIGN_MAX_PAIRS = 64
 """Most (token, slot) pairs on the one-launch path: its pair x pair matrices stay [64, 64] (M3: 12 tokens)."""
-ROUTE_ALIGN_WARPS = 4
+ROUTE_ALIGN_WARPS = ((2, 1), (8, 4), (ROUTE_ALIGN_MAX_TOKENS, 8))
+"""(most tokens, warps): the fastest warp count by batch, from `scripts/gpu_route_bench.py` on an H200 (1 token:
+2.2 us with 1 warp vs 3.0 with 4; 4 tokens: 2.9 us with 4; 12 tokens: 5.5 us with 8 vs 6.5 with 4)."""
+
+
+def route_align_warps(tokens: int) -> int:
+    return next(warps for most, warps in ROUTE_ALIGN_WARPS if tokens <= most)
 
 
 @triton.jit(do_not_specialize=["tokens", "num_pairs", "max_blocks"])
@@ -101,11 +107,12 @@ def route_align_fits(tokens: int, pairs_per_token: int) -> bool:
 
 def route_and_align(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int, num_slots: int,
                     block_m: int, *, expert_map: torch.Tensor | None = None,
-                    fold_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor, MoEAlignment]:
+                    fold_shared: bool = False, num_warps: int | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor, MoEAlignment]:
     """`reference.route(router_logits, correction_bias, top_k)` then `moe_align(ids, num_slots, block_m, ...)`,
     in one launch. router_logits [T, E] fp32 with route_align_fits(T, top_k + fold_shared); correction_bias [E]
     fp32; num_slots, expert_map and fold_shared as in moe_align. Returns (topk_weights [T, k] fp32, topk_ids
-    [T, k] int32, the alignment)."""
+    [T, k] int32, the alignment). num_warps overrides ROUTE_ALIGN_WARPS (benchmarks)."""
     if router_logits.dim() != 2 or router_logits.dtype != torch.float32:
         raise ValueError(f"router_logits must be fp32 [T, E], got {router_logits.dtype} "
                          f"{list(router_logits.shape)}")
@@ -131,5 +138,6 @@ def route_and_align(router_logits: torch.Tensor, correction_bias: torch.Tensor, 
         align.block_expert, align.num_padded, tokens, num_experts, align.num_pairs, align.max_blocks, num_slots - 1,
         TOPK=top_k, K_PAD=triton.next_power_of_2(top_k), FOLD=fold_shared, HAS_MAP=expert_map is not None,
         E_PAD=triton.next_power_of_2(num_experts), T_PAD=triton.next_power_of_2(tokens),
-        P_PAD=triton.next_power_of_2(align.num_pairs), BLOCK_M=block_m, num_warps=ROUTE_ALIGN_WARPS)
+        P_PAD=triton.next_power_of_2(align.num_pairs), BLOCK_M=block_m,
+        num_warps=num_warps or route_align_warps(tokens))
     return weights, ids, align
