@@ -115,6 +115,10 @@ class Optimizations:
         True, KERNEL, "kernels/moe.py", "the fused MoE's GEMMs load weight tiles (and GEMM 2 its activation tiles) "
         "through TMA tensor descriptors where the tile table's entry says \"tma\" (16-bit experts, prefill-sized "
         "buckets)", "pointer loads with the same tiles", entry_points=("fused_moe",))
+    triton_gemv: bool = switch(
+        True, KERNEL, "kernels/gemv.py", "one-row (decode) products with a 16-bit weight of a tuned shape run a "
+        "Triton GEMV that streams the weight once (kernels/configs.py GEMV_TILES)", "F.linear (the library GEMM)",
+        entry_points=("gemv",))
     fused_routing: bool = switch(
         True, KERNEL, "kernels/moe_route.py", "with fused_moe, decode batches of up to 12 tokens (M3) are routed "
         "(sigmoid, biased top-k, renormalised weights) and aligned in one single-program launch",

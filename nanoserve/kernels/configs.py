@@ -1,4 +1,5 @@
-"""Tile configurations for the attention kernels (kernels/attention.py, kernels/msa.py, kernels/norm_rope.py).
+"""Tile configurations for the attention kernels (kernels/attention.py, kernels/msa.py, kernels/norm_rope.py), the
+one-row GEMV (kernels/gemv.py) and the fused MoE (kernels/moe.py).
 
 One table per kernel, keyed by backend:
 
@@ -144,6 +145,23 @@ def backend(device: torch.device) -> str:
 
 def tiles(kernel: str, device: torch.device) -> Tiles:
     return TABLES[kernel][backend(device)]
+
+
+GEMV_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    # One-row GEMV for 16-bit weights (kernels/gemv.py): backend -> (N, K) of the weight -> (block_n, block_k,
+    # warps, stages). Only shapes where `scripts/tune_gemv.py` measured the kernel faster than F.linear on the
+    # card are listed; every other shape keeps F.linear. The interpreter lists none: the model's CPU runs keep
+    # F.linear, and tests/test_kernel_gemv.py calls the kernel with GEMV_INTERPRETER_TILES.
+    "cuda": {},
+    "hip": {},
+    "interpret": {},
+}
+GEMV_INTERPRETER_TILES = (16, 64, 1, 1)
+
+
+def gemv_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int] | None:
+    """The GEMV's tuned tile for an [n, k] weight on `device`, or None: use F.linear."""
+    return GEMV_TILES[backend(device)].get((n, k))
 
 
 def prefill_kernel(kernel: str, longest_context: int) -> str:

@@ -64,8 +64,14 @@ def read_mxfp8(source: WeightSource, rows: slice, cols: slice) -> tuple[torch.Te
 def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
            opts: Optimizations | None = None) -> torch.Tensor:
     """x @ W^T for a 16/32-bit weight (scale None) or an MXFP8 one (fp8 weight + E8M0 scale): the Triton
-    fp8-weight GEMM under the `triton_fp8_linear` switch (opts None: on), else its reference."""
+    fp8-weight GEMM under the `triton_fp8_linear` switch (opts None: on), else its reference. A single row with a
+    16-bit weight of a tuned shape takes the Triton GEMV under the `triton_gemv` switch."""
     if scale is None:
+        if (opts is None or opts.triton_gemv) and x.dim() == 2 and x.shape[0] == 1 and triton_usable(x):
+            from nanoserve.kernels.gemv import gemv, gemv_applies
+
+            if gemv_applies(x, weight):
+                return gemv(x, weight)
         return F.linear(x, weight)
     if (opts is None or opts.triton_fp8_linear) and triton_usable(x):
         from nanoserve.kernels.fp8_linear import fp8_linear

@@ -1,0 +1,86 @@
+"""The one-row GEMV (kernels/gemv.py, switch `triton_gemv`) against F.linear, on fresh random inputs.
+
+Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py) or compiled on a GPU. Both accumulate in fp32; only
+the summation order differs. Tolerances, as max |gemv - F.linear in fp32| <= RTOL x max |F.linear in fp32|:
+    fp32: 1e-5
+    fp16 / bf16 (GPU only for bf16): 1e-2 (the output is rounded to 16 bits; F.linear in 16 bits is held to the
+          same bound)
+
+Run: python -m pytest tests/test_kernel_gemv.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoserve.config import Optimizations
+from nanoserve.kernels.configs import GEMV_TILES
+from nanoserve.kernels.gemv import gemv, gemv_applies
+from nanoserve.model.layers.linear import linear
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+RTOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 1e-2}
+
+
+def draw(n: int, k: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    return x.to(DEVICE, dtype), w.to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,tiles", [
+    (96, 256, (16, 64, 4, 1)),     # even N and K
+    (100, 200, (16, 64, 4, 1)),    # N and K that are no multiple of the tile
+    (33, 512, (8, 256, 4, 1)),     # another tile
+])
+def test_matches_f_linear(dtype, n, k, tiles):
+    x, w = draw(n, k, dtype, seed=n + k)
+    out = gemv(x, w, tiles)
+    ref = F.linear(x.float(), w.float())
+    assert out.dtype == dtype and out.shape == (1, n)
+    diff = (out.float() - ref).abs().max().item()
+    assert diff <= RTOL[dtype] * ref.abs().max().item()
+
+
+def test_argument_errors():
+    x, w = draw(16, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="x \\[1, K\\]"):
+        gemv(torch.cat([x, x]), w)
+    with pytest.raises(ValueError, match="share a dtype"):
+        gemv(x.half(), w)
+
+
+def test_linear_takes_it_only_for_tuned_shapes(monkeypatch):
+    """linear(): one row of a tuned shape -> the GEMV (switch on), else F.linear."""
+    x, w = draw(48, 128, torch.float32, seed=1)
+    kind = "interpret" if DEVICE.type == "cpu" else ("hip" if torch.version.hip else "cuda")
+    assert not gemv_applies(torch.zeros(1, 128, device=DEVICE), torch.zeros(47, 128, device=DEVICE))
+    calls = []
+    monkeypatch.setitem(GEMV_TILES, kind, {(48, 128): (16, 64, 4, 1)})
+    monkeypatch.setattr("nanoserve.kernels.gemv._gemv_kernel", _counting(calls))
+    ref = F.linear(x, w)
+    for opts, rows, used in [(Optimizations(), 1, True), (Optimizations(triton_gemv=False), 1, False),
+                             (Optimizations(), 2, False)]:
+        calls.clear()
+        xs = x.expand(rows, -1).contiguous()
+        out = linear(xs, w, None, opts)
+        assert bool(calls) == used
+        assert (out - ref.expand(rows, -1)).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def _counting(calls: list):
+    from nanoserve.kernels import gemv as mod
+
+    real = mod._gemv_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return real[grid]
+
+    return Counting()
