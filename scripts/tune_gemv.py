@@ -3,7 +3,7 @@ step, and print the GEMV_TILES entries (kernels/configs.py) for the shapes where
 
 Shapes: M3's projections at tensor parallel size 1 (m3-slice): the dense layer's QKV [9216, 6144], an MSA layer's
 QKV + index projections [9856, 6144], o_proj [6144, 8192], the dense MLP's gate/up [24576, 6144] and down
-[6144, 12288]. Each candidate is timed as a CUDA graph of CALLS calls (as a decode step runs it), rotating over
+[6144, 12288], and the MoE router [128, 6144] (fp32 weight, fp32 output). Each candidate is timed as a CUDA graph of CALLS calls (as a decode step runs it), rotating over
 three copies of the weight so that no call finds its weight in L2; the time is the median of REPLAYS replays.
 A shape joins the table when its best tile beats F.linear by more than MIN_GAIN.
 
@@ -21,8 +21,10 @@ import torch.nn.functional as F
 
 from nanoserve.kernels.gemv import gemv
 
-SHAPES = [(9216, 6144), (9856, 6144), (6144, 8192), (24576, 6144), (6144, 12288)]
-BLOCK_N, BLOCK_K, WARPS, STAGES = (4, 8, 16, 32), (256, 512, 1024), (4, 8), (1, 2)
+SHAPES = [(9216, 6144), (9856, 6144), (6144, 8192), (24576, 6144), (6144, 12288), (128, 6144)]
+ROUTER = (128, 6144)
+"""The MoE router: an fp32 weight times the 16-bit row, into fp32 (against F.linear(x.float(), W))."""
+BLOCK_N, BLOCK_K, WARPS, STAGES = (1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (1, 2)
 MAX_ACC_PER_THREAD = 128
 """fp32 accumulator elements per thread past which a tile would spill: skipped."""
 CALLS, REPLAYS, COPIES, MIN_GAIN = 12, 15, 3, 0.03
@@ -57,16 +59,20 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, {dtype}; us per call (GB/s)")
     winners = {}
     for n, k in shapes:
+        router = (n, k) == ROUTER
+        w_dtype, out_dtype = (torch.float32, torch.float32) if router else (dtype, dtype)
         x = torch.randn(1, k, device="cuda", dtype=dtype)
-        ws = [torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for _ in range(COPIES)]
-        gb = n * k * dtype.itemsize / 1e9
-        base = graph_us(lambda c: F.linear(x, ws[c]))
+        ws = [torch.randn(n, k, device="cuda", dtype=w_dtype) / k**0.5 for _ in range(COPIES)]
+        gb = n * k * w_dtype.itemsize / 1e9
+        base = graph_us((lambda c: F.linear(x.float(), ws[c])) if router else (lambda c: F.linear(x, ws[c])))
         print(f"[{n}, {k}] F.linear {base:7.1f} us ({gb / base * 1e6:6.0f} GB/s)", flush=True)
         results = []
         for bn, bk, warps, stages in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES):
             if bn * bk > MAX_ACC_PER_THREAD * warps * 32:
                 continue
-            us = graph_us(lambda c, t=(bn, bk, warps, stages): gemv(x, ws[c], t))
+            if n // bn < 16:  # too few programs to stream the weight
+                continue
+            us = graph_us(lambda c, t=(bn, bk, warps, stages): gemv(x, ws[c], t, out_dtype))
             results.append((us, (bn, bk, warps, stages)))
         results.sort()
         for us, t in results[:3]:
@@ -75,7 +81,7 @@ def main() -> None:
         if best_us < base * (1 - MIN_GAIN):
             winners[(n, k)] = best
             ref = F.linear(x.float(), ws[0].float())
-            err = (gemv(x, ws[0], best).float() - ref).abs().max().item() / ref.abs().max().item()
+            err = (gemv(x, ws[0], best, out_dtype).float() - ref).abs().max().item() / ref.abs().max().item()
             print(f"[{n}, {k}]   -> gemv, {base / best_us:.2f}x F.linear (rel. error {err:.1e})", flush=True)
     print("GEMV_TILES entries:")
     for (n, k), t in winners.items():

@@ -51,8 +51,19 @@ def test_argument_errors():
     x, w = draw(16, 64, torch.float32, seed=0)
     with pytest.raises(ValueError, match="x \\[1, K\\]"):
         gemv(torch.cat([x, x]), w)
-    with pytest.raises(ValueError, match="share a dtype"):
-        gemv(x.half(), w)
+    with pytest.raises(ValueError, match="weight must have x's dtype or float32"):
+        gemv(x, w.half())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else []))
+def test_fp32_weight_as_the_router(dtype):
+    """A 16-bit row times an fp32 weight into fp32: F.linear(x.float(), W) without the copy (M3's router)."""
+    x, w = draw(40, 192, torch.float32, seed=7)
+    x = x.to(dtype)
+    out = gemv(x, w, (8, 64, 4, 1), out_dtype=torch.float32)
+    ref = F.linear(x.float(), w)
+    assert out.dtype == torch.float32
+    assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
 def test_linear_takes_it_only_for_tuned_shapes(monkeypatch):

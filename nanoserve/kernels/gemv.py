@@ -43,23 +43,25 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
 
 
 def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does y = x @ weight^T take the GEMV: one row, 16/32-bit operands of one dtype, a tuned shape?"""
-    return (x.dim() == 2 and x.shape[0] == 1 and x.dtype == weight.dtype and weight.dim() == 2
+    """Does y = x @ weight^T take the GEMV: one row, a weight of x's dtype or fp32 (M3's router), a tuned shape?"""
+    return (x.dim() == 2 and x.shape[0] == 1 and weight.dtype in (x.dtype, torch.float32) and weight.dim() == 2
             and weight.stride(-1) == 1 and gemv_tiles(weight.shape[0], weight.shape[1], x.device) is not None)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] @ weight [N, K]^T -> [1, N] in x's dtype, fp32 accumulation. `tiles` (block_n, block_k, warps,
-    stages) overrides the table (tuning, tests); an untuned shape without it gets GEMV_INTERPRETER_TILES."""
+def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] @ weight [N, K]^T -> [1, N] in out_dtype (default x's), fp32 accumulation. The weight is x's dtype
+    or fp32 (the router: F.linear(x.float(), W) without the copy of x). `tiles` (block_n, block_k, warps, stages)
+    overrides the table (tuning, tests); an untuned shape without it gets GEMV_INTERPRETER_TILES."""
     if x.dim() != 2 or x.shape[0] != 1 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"gemv takes x [1, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
-    if x.dtype != weight.dtype:
-        raise ValueError(f"x and weight must share a dtype, got {x.dtype} and {weight.dtype}")
+    if weight.dtype not in (x.dtype, torch.float32):
+        raise ValueError(f"weight must have x's dtype or float32, got {x.dtype} and {weight.dtype}")
     n, k = weight.shape
     block_n, block_k, warps, stages = tiles or gemv_tiles(n, k, x.device) or GEMV_INTERPRETER_TILES
     x = x.contiguous()
     weight = weight if weight.stride(-1) == 1 else weight.contiguous()
-    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n,
                                              BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=warps,
                                              num_stages=stages)

@@ -80,7 +80,13 @@ class M3MoE(nn.Module):
 
     # -- forward ------------------------------------------------------------------------------------------
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, E] fp32: the router GEMM runs in fp32 on fp32 weights."""
+        """[T, E] fp32: the router GEMM runs in fp32 on fp32 weights (one decode row: the GEMV, switch
+        `triton_gemv`, which widens x in registers)."""
+        if self.opts.triton_gemv and x.dim() == 2 and x.shape[0] == 1 and triton_usable(x):
+            from nanoserve.kernels.gemv import gemv, gemv_applies
+
+            if gemv_applies(x, self.gate):
+                return gemv(x, self.gate, out_dtype=torch.float32)
         return torch.nn.functional.linear(x.float(), self.gate)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
