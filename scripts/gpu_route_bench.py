@@ -11,10 +11,10 @@ gives microseconds per call (median of 20 replays). Shapes: M3's 128 experts, to
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
+from nanoserve.bench import micro
 from nanoserve.kernels import moe_route, reference
 from nanoserve.kernels.moe_align import moe_align
 
@@ -22,21 +22,7 @@ EXPERTS, TOP_K, SLOTS, BLOCK_M, CALLS, REPLAYS = 128, 4, 129, 16, 50, 20
 
 
 def graph_us(fn) -> float:
-    fn()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+    return micro.graph_us(lambda i: fn(), calls=CALLS, replays=REPLAYS)
 
 
 def main() -> None:

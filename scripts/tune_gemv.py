@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import statistics
 
 import torch
 import torch.nn.functional as F
 
+from nanoserve.bench import micro
 from nanoserve.kernels.gemv import gemv
 
 SHAPES = [(9216, 6144), (9856, 6144), (6144, 8192), (24576, 6144), (6144, 12288), (128, 6144)]
@@ -31,22 +31,8 @@ CALLS, REPLAYS, COPIES, MIN_GAIN = 12, 15, 3, 0.03
 
 
 def graph_us(fn_for_copy) -> float:
-    for c in range(COPIES):
-        fn_for_copy(c)  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(CALLS):
-            fn_for_copy(i % COPIES)
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / CALLS)
-    return statistics.median(times)
+    """fn_for_copy(c) multiplies by weight copy c; the graph's calls rotate over the copies."""
+    return micro.graph_us(lambda i: fn_for_copy(i % COPIES), calls=CALLS, replays=REPLAYS, warm=COPIES)
 
 
 def main() -> None:

@@ -12,6 +12,9 @@ bytes are the weights a call reads (the distinct experts the routing touches, at
 
 from __future__ import annotations
 
+import statistics
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +25,28 @@ from nanoserve.model.mxfp8 import quantize_mxfp8
 
 FORMATS = ("bf16", "mxfp8")
 WEIGHT_STD = 0.02
+
+
+def graph_us(call: Callable[[int], object], calls: int = 50, replays: int = 20, warm: int = 1) -> float:
+    """Microseconds per call of `call(i)`, i = 0 .. calls - 1, captured back to back in one CUDA graph (as a decode
+    step runs its kernels: no launch overhead) and replayed: the median over `replays`. The first `warm` indices
+    are called once outside the capture first (Triton compiles there)."""
+    for i in range(warm):
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            call(i)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
 
 
 def _bytes_per_weight(fmt: str) -> float:
