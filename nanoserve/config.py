@@ -116,9 +116,10 @@ class Optimizations:
         "through TMA tensor descriptors where the tile table's entry says \"tma\" (16-bit experts, prefill-sized "
         "buckets)", "pointer loads with the same tiles", entry_points=("fused_moe",))
     triton_gemv: bool = switch(
-        True, KERNEL, "kernels/gemv.py", "one-row (decode) products with a 16-bit weight of a tuned shape run a "
-        "Triton GEMV that streams the weight once (kernels/configs.py GEMV_TILES)", "F.linear (the library GEMM)",
-        entry_points=("gemv",))
+        True, KERNEL, "kernels/gemv.py", "one-row (decode) products with a weight of a tuned shape run a Triton "
+        "GEMV that streams the weight once (kernels/configs.py GEMV_TILES for 16-bit weights, GEMV_MXFP8_TILES for "
+        "MXFP8 ones)", "F.linear (the library GEMM), or kernels/fp8_linear.py for MXFP8 weights",
+        entry_points=("gemv", "gemv_mxfp8"))
     fused_routing: bool = switch(
         True, KERNEL, "kernels/moe_route.py", "with fused_moe, decode batches of up to 12 tokens (M3) are routed "
         "(sigmoid, biased top-k, renormalised weights) and aligned in one single-program launch",

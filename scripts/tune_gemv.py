@@ -8,6 +8,11 @@ three copies of the weight so that no call finds its weight in L2; the time is t
 A shape joins the table when its best tile beats F.linear by more than MIN_GAIN.
 
     python scripts/tune_gemv.py [--dtype bfloat16] [--shapes 6144x8192,...]
+
+With --mxfp8 the weights are the same draws quantised to MXFP8 and the GEMV is gemv_mxfp8, against
+kernels/fp8_linear.py's tuned choice (the GEMV_MXFP8_TILES entries). --then-bench W1,W2 then puts the winners into
+that table inside this process and runs `python -m nanoserve.bench --quantization mxfp8 --workloads W1,W2`, so the
+engine's numbers are measured with exactly the tiles printed.
 """
 
 from __future__ import annotations
@@ -19,12 +24,17 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.bench import micro
-from nanoserve.kernels.gemv import gemv
+from nanoserve.kernels import configs
+from nanoserve.kernels.fp8_linear import fp8_linear
+from nanoserve.kernels.gemv import gemv, gemv_mxfp8
+from nanoserve.model.mxfp8 import quantize_mxfp8
 
 SHAPES = [(9216, 6144), (9856, 6144), (6144, 8192), (24576, 6144), (6144, 12288), (128, 6144)]
 ROUTER = (128, 6144)
 """The MoE router: an fp32 weight times the 16-bit row, into fp32 (against F.linear(x.float(), W))."""
 BLOCK_N, BLOCK_K, WARPS, STAGES = (1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (1, 2)
+MXFP8_BLOCK_K = (512, 1024, 2048)
+"""--mxfp8 sweeps these K steps (a byte per weight: twice the columns per load) with one pipeline stage."""
 MAX_ACC_PER_THREAD = 128
 """fp32 accumulator elements per thread past which a tile would spill: skipped."""
 CALLS, REPLAYS, COPIES, MIN_GAIN = 12, 15, 3, 0.03
@@ -39,10 +49,25 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    ap.add_argument("--mxfp8", action="store_true", help="tune gemv_mxfp8 against fp8_linear on MXFP8 weights")
+    ap.add_argument("--then-bench", default=None, help="with --mxfp8: workloads to bench with the winners applied")
+    ap.add_argument("--bench-out", default=None, help="--out of that bench run")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    print(f"{torch.cuda.get_device_name()}, {dtype}; us per call (GB/s)")
+    print(f"{torch.cuda.get_device_name()}, {dtype}{', MXFP8 weights' if args.mxfp8 else ''}; us per call (GB/s)")
+    if args.mxfp8:
+        winners = tune_mxfp8([s for s in shapes if s != ROUTER], dtype)
+        print("GEMV_MXFP8_TILES entries:")
+        for (n, k), t in winners.items():
+            print(f"        ({n}, {k}): {t},", flush=True)
+        if args.then_bench:
+            from nanoserve.bench.__main__ import main as bench_main
+
+            configs.GEMV_MXFP8_TILES["cuda"].update(winners)
+            bench_main(["--quantization", "mxfp8", "--workloads", args.then_bench]
+                       + (["--out", args.bench_out] if args.bench_out else []))
+        return
     winners = {}
     for n, k in shapes:
         router = (n, k) == ROUTER
@@ -52,14 +77,7 @@ def main() -> None:
         gb = n * k * w_dtype.itemsize / 1e9
         base = graph_us((lambda c: F.linear(x.float(), ws[c])) if router else (lambda c: F.linear(x, ws[c])))
         print(f"[{n}, {k}] F.linear {base:7.1f} us ({gb / base * 1e6:6.0f} GB/s)", flush=True)
-        results = []
-        for bn, bk, warps, stages in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES):
-            if bn * bk > MAX_ACC_PER_THREAD * warps * 32:
-                continue
-            if n // bn < 16:  # too few programs to stream the weight
-                continue
-            us = graph_us(lambda c, t=(bn, bk, warps, stages): gemv(x, ws[c], t, out_dtype))
-            results.append((us, (bn, bk, warps, stages)))
+        results = [(graph_us(lambda c, t=t: gemv(x, ws[c], t, out_dtype)), t) for t in tiles_for(n)]
         results.sort()
         for us, t in results[:3]:
             print(f"[{n}, {k}]   gemv {t} {us:7.1f} us ({gb / us * 1e6:6.0f} GB/s)", flush=True)
@@ -72,6 +90,35 @@ def main() -> None:
     print("GEMV_TILES entries:")
     for (n, k), t in winners.items():
         print(f"        ({n}, {k}): {t},")
+
+
+def tiles_for(n: int, block_k=BLOCK_K, stages=STAGES):
+    """The candidate tiles: enough programs to stream the weight, no spilling accumulator."""
+    for bn, bk, warps, stages in itertools.product(BLOCK_N, block_k, WARPS, stages):
+        if bn * bk <= MAX_ACC_PER_THREAD * warps * 32 and n // bn >= 16:
+            yield bn, bk, warps, stages
+
+
+def tune_mxfp8(shapes: list[tuple[int, int]], dtype: torch.dtype) -> dict:
+    winners = {}
+    for n, k in shapes:
+        x = torch.randn(1, k, device="cuda", dtype=dtype)
+        qs = [quantize_mxfp8(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5) for _ in range(COPIES)]
+        gb = n * k * (1 + 1 / 32) / 1e9
+        base = graph_us(lambda c: fp8_linear(x, *qs[c]))
+        print(f"[{n}, {k}] fp8_linear {base:7.1f} us ({gb / base * 1e6:6.0f} GB/s)", flush=True)
+        results = sorted((graph_us(lambda c, t=t: gemv_mxfp8(x, *qs[c], t)), t)
+                         for t in tiles_for(n, MXFP8_BLOCK_K, (1,)))
+        for us, t in results[:3]:
+            print(f"[{n}, {k}]   gemv_mxfp8 {t} {us:7.1f} us ({gb / us * 1e6:6.0f} GB/s)", flush=True)
+        best_us, best = results[0]
+        if best_us < base * (1 - MIN_GAIN):
+            winners[(n, k)] = best
+            ref = fp8_linear(x, *qs[0]).float()
+            err = (gemv_mxfp8(x, *qs[0], best).float() - ref).abs().max().item() / ref.abs().max().item()
+            print(f"[{n}, {k}]   -> gemv_mxfp8, {base / best_us:.2f}x fp8_linear (rel. diff {err:.1e})",
+                  flush=True)
+    return winners
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The one-row GEMV (kernels/gemv.py, switch `triton_gemv`) against F.linear, on fresh random inputs.
+"""The one-row GEMVs (kernels/gemv.py, switch `triton_gemv`) against F.linear and, for MXFP8 weights, against
+reference.fp8_linear (dequantise, then F.linear), on fresh random inputs.
 
 Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py) or compiled on a GPU. Both accumulate in fp32; only
 the summation order differs. Tolerances, as max |gemv - F.linear in fp32| <= RTOL x max |F.linear in fp32|:
@@ -16,9 +17,11 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.config import Optimizations
-from nanoserve.kernels.configs import GEMV_TILES
-from nanoserve.kernels.gemv import gemv, gemv_applies
+from nanoserve.kernels import reference
+from nanoserve.kernels.configs import GEMV_MXFP8_TILES, GEMV_TILES
+from nanoserve.kernels.gemv import gemv, gemv_applies, gemv_mxfp8
 from nanoserve.model.layers.linear import linear
+from nanoserve.model.mxfp8 import quantize_mxfp8
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
@@ -84,10 +87,10 @@ def test_linear_takes_it_only_for_tuned_shapes(monkeypatch):
         assert (out - ref.expand(rows, -1)).abs().max().item() <= 1e-5 * ref.abs().max().item()
 
 
-def _counting(calls: list):
+def _counting(calls: list, name: str = "_gemv_kernel"):
     from nanoserve.kernels import gemv as mod
 
-    real = mod._gemv_kernel
+    real = getattr(mod, name)
 
     class Counting:
         def __getitem__(self, grid):
@@ -95,3 +98,48 @@ def _counting(calls: list):
             return real[grid]
 
     return Counting()
+
+
+def draw_mxfp8(n: int, k: int, dtype: torch.dtype, seed: int):
+    x, w = draw(n, k, torch.float32, seed)
+    q, scale = quantize_mxfp8(w.cpu())
+    return x.to(dtype), q.to(DEVICE), scale.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,tiles", [
+    (96, 256, (16, 64, 4, 1)),     # even N and K
+    (100, 224, (16, 64, 4, 1)),    # N no multiple of the tile, K a multiple of 32 but not of block_k
+    (33, 512, (8, 256, 4, 1)),     # another tile
+])
+def test_mxfp8_matches_reference(dtype, n, k, tiles):
+    x, q, scale = draw_mxfp8(n, k, dtype, seed=n * k)
+    out = gemv_mxfp8(x, q, scale, tiles)
+    ref = reference.fp8_linear(x.float(), q, scale)
+    assert out.dtype == dtype and out.shape == (1, n)
+    assert (out.float() - ref).abs().max().item() <= RTOL[dtype] * ref.abs().max().item()
+
+
+def test_mxfp8_argument_errors():
+    x, q, scale = draw_mxfp8(16, 64, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="fp8 e4m3 weight"):
+        gemv_mxfp8(x, q.float(), scale)
+    with pytest.raises(ValueError, match="uint8 scales"):
+        gemv_mxfp8(x, q, scale[:, :1])
+    with pytest.raises(ValueError, match="multiple of 32"):
+        gemv_mxfp8(x, q, scale, (16, 48, 4, 1))
+
+
+def test_linear_takes_the_mxfp8_gemv_only_for_tuned_shapes(monkeypatch):
+    x, q, scale = draw_mxfp8(48, 128, torch.float32, seed=2)
+    kind = "interpret" if DEVICE.type == "cpu" else ("hip" if torch.version.hip else "cuda")
+    calls = []
+    monkeypatch.setitem(GEMV_MXFP8_TILES, kind, {(48, 128): (16, 64, 4, 1)})
+    monkeypatch.setattr("nanoserve.kernels.gemv._gemv_mxfp8_kernel", _counting(calls, "_gemv_mxfp8_kernel"))
+    ref = reference.fp8_linear(x, q, scale)
+    for opts, rows, used in [(Optimizations(), 1, True), (Optimizations(triton_gemv=False), 1, False),
+                             (Optimizations(), 2, False)]:
+        calls.clear()
+        out = linear(x.expand(rows, -1).contiguous(), q, scale, opts)
+        assert bool(calls) == used
+        assert (out - ref.expand(rows, -1)).abs().max().item() <= 1e-5 * ref.abs().max().item()

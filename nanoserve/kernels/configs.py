@@ -166,12 +166,24 @@ GEMV_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
     "hip": {},
     "interpret": {},
 }
+GEMV_MXFP8_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
+    # The same for MXFP8 weights (kernels/gemv.py gemv_mxfp8, block_k a multiple of 32): the shapes where
+    # `scripts/tune_gemv.py --mxfp8` measured it faster than kernels/fp8_linear.py's tuned choice.
+    "cuda": {},
+    "hip": {},
+    "interpret": {},
+}
 GEMV_INTERPRETER_TILES = (16, 64, 1, 1)
 
 
 def gemv_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int] | None:
     """The GEMV's tuned tile for an [n, k] weight on `device`, or None: use F.linear."""
     return GEMV_TILES[backend(device)].get((n, k))
+
+
+def gemv_mxfp8_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int] | None:
+    """The MXFP8 GEMV's tuned tile for an [n, k] weight on `device`, or None: use kernels/fp8_linear.py."""
+    return GEMV_MXFP8_TILES[backend(device)].get((n, k))
 
 
 def prefill_kernel(kernel: str, longest_context: int) -> str:

@@ -65,7 +65,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
            opts: Optimizations | None = None) -> torch.Tensor:
     """x @ W^T for a 16/32-bit weight (scale None) or an MXFP8 one (fp8 weight + E8M0 scale): the Triton
     fp8-weight GEMM under the `triton_fp8_linear` switch (opts None: on), else its reference. A single row with a
-    16-bit weight of a tuned shape takes the Triton GEMV under the `triton_gemv` switch."""
+    weight of a tuned shape takes the Triton GEMV under the `triton_gemv` switch (16-bit: instead of F.linear;
+    MXFP8: instead of the fp8 GEMM)."""
     if scale is None:
         if (opts is None or opts.triton_gemv) and x.dim() == 2 and x.shape[0] == 1 and triton_usable(x):
             from nanoserve.kernels.gemv import gemv, gemv_applies
@@ -76,6 +77,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     if (opts is None or opts.triton_fp8_linear) and triton_usable(x):
         from nanoserve.kernels.fp8_linear import fp8_linear
 
+        if (opts is None or opts.triton_gemv) and x.dim() == 2 and x.shape[0] == 1:
+            from nanoserve.kernels.gemv import gemv_mxfp8, gemv_mxfp8_applies
+
+            if gemv_mxfp8_applies(x, weight, scale):
+                return gemv_mxfp8(x, weight, scale)
         return fp8_linear(x, weight, scale)
     return reference.fp8_linear(x, weight, scale)
 
