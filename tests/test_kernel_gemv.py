@@ -143,3 +143,26 @@ def test_linear_takes_the_mxfp8_gemv_only_for_tuned_shapes(monkeypatch):
         out = linear(x.expand(rows, -1).contiguous(), q, scale, opts)
         assert bool(calls) == used
         assert (out - ref.expand(rows, -1)).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_moe_router_takes_the_gemv_when_tuned(monkeypatch):
+    """M3MoE.router_logits at one row: the GEMV on the fp32 router weight (tuned shape, switch on) equals
+    F.linear(x.float(), gate); the switch off or two rows take F.linear."""
+    from nanoserve.model.layers.moe import M3MoE
+    from nanoserve.presets.catalog import get_preset
+
+    cfg = get_preset("m3-tiny").config
+    kind = "interpret" if DEVICE.type == "cpu" else ("hip" if torch.version.hip else "cuda")
+    monkeypatch.setitem(GEMV_TILES, kind, {(cfg.num_local_experts, cfg.hidden_size): (4, 64, 4, 1)})
+    calls = []
+    monkeypatch.setattr("nanoserve.kernels.gemv._gemv_kernel", _counting(calls))
+    torch.manual_seed(0)
+    for on, rows, used in [(True, 1, True), (False, 1, False), (True, 2, False)]:
+        layer = M3MoE(cfg, Optimizations(triton_gemv=on), torch.float32, DEVICE)
+        layer.gate.data.normal_(0, 0.1)
+        x = torch.randn(rows, cfg.hidden_size, device=DEVICE).half()
+        calls.clear()
+        got = layer.router_logits(x)
+        ref = F.linear(x.float(), layer.gate)
+        assert bool(calls) == used and got.dtype == torch.float32
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()

@@ -68,22 +68,27 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     weight of a tuned shape takes the Triton GEMV under the `triton_gemv` switch (16-bit: instead of F.linear;
     MXFP8: instead of the fp8 GEMM)."""
     if scale is None:
-        if (opts is None or opts.triton_gemv) and x.dim() == 2 and x.shape[0] == 1 and triton_usable(x):
-            from nanoserve.kernels.gemv import gemv, gemv_applies
-
-            if gemv_applies(x, weight):
-                return gemv(x, weight)
-        return F.linear(x, weight)
+        y = one_row_gemv(x, weight, None, opts)
+        return F.linear(x, weight) if y is None else y
     if (opts is None or opts.triton_fp8_linear) and triton_usable(x):
         from nanoserve.kernels.fp8_linear import fp8_linear
 
-        if (opts is None or opts.triton_gemv) and x.dim() == 2 and x.shape[0] == 1:
-            from nanoserve.kernels.gemv import gemv_mxfp8, gemv_mxfp8_applies
-
-            if gemv_mxfp8_applies(x, weight, scale):
-                return gemv_mxfp8(x, weight, scale)
-        return fp8_linear(x, weight, scale)
+        y = one_row_gemv(x, weight, scale, opts)
+        return fp8_linear(x, weight, scale) if y is None else y
     return reference.fp8_linear(x, weight, scale)
+
+
+def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, opts: Optimizations | None,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    """x @ W^T by kernels/gemv.py when the `triton_gemv` switch (opts None: on) and the GEMV's table take it (one
+    row, a tuned weight shape; `scale`: MXFP8), else None: the caller runs its own path."""
+    if not ((opts is None or opts.triton_gemv) and x.dim() == 2 and x.shape[0] == 1 and triton_usable(x)):
+        return None
+    from nanoserve.kernels import gemv
+
+    if scale is None:
+        return gemv.gemv(x, weight, out_dtype=out_dtype) if gemv.gemv_applies(x, weight) else None
+    return gemv.gemv_mxfp8(x, weight, scale) if gemv.gemv_mxfp8_applies(x, weight, scale) else None
 
 
 def weight_parameters(rows: int, cols: int, dtype: torch.dtype, device: torch.device | str, quant: str | None,

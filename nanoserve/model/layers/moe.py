@@ -10,7 +10,7 @@ import torch.nn as nn
 
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.layers.linear import (WeightSource, check_shape, copy_into, linear, read_mxfp8,
+from nanoserve.model.layers.linear import (WeightSource, check_shape, copy_into, linear, one_row_gemv, read_mxfp8,
                                            replicated_parameter, weight_parameters)
 from nanoserve.model.layers.mlp import SwiGLUOAIMLP
 from nanoserve.model.m3_config import M3Config
@@ -82,12 +82,8 @@ class M3MoE(nn.Module):
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """[T, E] fp32: the router GEMM runs in fp32 on fp32 weights (one decode row: the GEMV, switch
         `triton_gemv`, which widens x in registers)."""
-        if self.opts.triton_gemv and x.dim() == 2 and x.shape[0] == 1 and triton_usable(x):
-            from nanoserve.kernels.gemv import gemv, gemv_applies
-
-            if gemv_applies(x, self.gate):
-                return gemv(x, self.gate, out_dtype=torch.float32)
-        return torch.nn.functional.linear(x.float(), self.gate)
+        y = one_row_gemv(x, self.gate, None, self.opts, out_dtype=torch.float32)
+        return torch.nn.functional.linear(x.float(), self.gate) if y is None else y
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(topk_weights [T, k] fp32, topk_ids [T, k] int32), the torch reference routing."""
