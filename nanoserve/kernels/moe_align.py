@@ -25,8 +25,9 @@ Two launches:
      programs share the block table.
 A one-hot [lanes, experts] matrix stands in for gathers and scatters that Triton has no register form of.
 
-Decode-sized batches skip both launches: kernels/moe_route.py routes and aligns in a single program, running the
-same two steps (`count_pairs`, then `place_pairs` over one chunk).
+Decode batches of up to 16 tokens skip both launches: kernels/moe_route.py routes and aligns them in a single
+program, where every expert's run fits one tile (no histogram needed). Both fill the buffers `empty_alignment`
+sizes.
 """
 
 from __future__ import annotations
@@ -87,28 +88,39 @@ def pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot,
     return tl.where(real, slot, -1)
 
 
-@triton.jit
-def count_pairs(first_pair, num_pairs, chunk_size, topk_ids_ptr, expert_map_ptr, shared_slot,
-                TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
-                E_PAD: tl.constexpr):
-    """[E_PAD] int32: how many of the pairs first_pair .. first_pair + chunk_size - 1 go to each local slot."""
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
+def _count_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, num_pairs, chunk_size, shared_slot,
+                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
+                  E_PAD: tl.constexpr):
+    chunk = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros([E_PAD], dtype=tl.int32)
     for start in range(0, chunk_size, LANES):
-        pair = first_pair + start + tl.arange(0, LANES)
+        pair = chunk * chunk_size + start + tl.arange(0, LANES)
         slot = pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot, TOPK, FOLD, HAS_MAP)
         counts += tl.sum((slot[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    return counts
+    tl.store(chunk_counts_ptr + chunk * E_PAD + experts, counts)
 
 
-@triton.jit
-def place_pairs(total, earlier, chunk, num_chunks, first_pair, num_pairs, chunk_size, max_blocks,
-                topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shared_slot,
-                TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
-                E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, TABLE_STEP: tl.constexpr):
-    """Write the layout for one chunk of pairs, given every slot's total pair count and how many of each slot's
-    pairs sit in earlier chunks (`earlier`). Chunk 0 also marks the pad rows; the chunks share the block table."""
+@triton.jit(do_not_specialize=["num_pairs", "chunk_size", "num_chunks", "max_blocks"])
+def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr, block_expert_ptr,
+                  num_padded_ptr, num_pairs, chunk_size, num_chunks, max_blocks, shared_slot,
+                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
+                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, COUNT_ROWS: tl.constexpr,
+                  TABLE_STEP: tl.constexpr):
+    chunk = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
+
+    # Every expert's total, and how many of its pairs sit in chunks before this one.
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    earlier = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(0, num_chunks, COUNT_ROWS):
+        c = c0 + tl.arange(0, COUNT_ROWS)
+        rows = tl.load(chunk_counts_ptr + c[:, None] * E_PAD + experts[None, :],
+                       mask=(c < num_chunks)[:, None], other=0)
+        total += tl.sum(rows, axis=0)
+        earlier += tl.sum(tl.where((c < chunk)[:, None], rows, 0), axis=0)
+
     # Runs padded to BLOCK_M, laid out in expert order (empty experts get an empty run).
     padded = tl.cdiv(total, BLOCK_M) * BLOCK_M
     run_end = tl.cumsum(padded, axis=0)
@@ -120,7 +132,7 @@ def place_pairs(total, earlier, chunk, num_chunks, first_pair, num_pairs, chunk_
     next_row = run_start + earlier
     lane = tl.arange(0, LANES)
     for start in range(0, chunk_size, LANES):
-        pair = first_pair + start + lane
+        pair = chunk * chunk_size + start + lane
         slot = pair_expert(pair, num_pairs, topk_ids_ptr, expert_map_ptr, shared_slot, TOPK, FOLD, HAS_MAP)
         one_hot = slot[:, None] == experts[None, :]
         base = tl.sum(tl.where(one_hot, next_row[None, :], 0), axis=1)
@@ -147,39 +159,6 @@ def place_pairs(total, earlier, chunk, num_chunks, first_pair, num_pairs, chunk_
         tl.store(block_expert_ptr + b, owner, mask=b < max_blocks)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "chunk_size"])
-def _count_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, num_pairs, chunk_size, shared_slot,
-                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
-                  E_PAD: tl.constexpr):
-    chunk = tl.program_id(0)
-    counts = count_pairs(chunk * chunk_size, num_pairs, chunk_size, topk_ids_ptr, expert_map_ptr, shared_slot,
-                         TOPK, FOLD, HAS_MAP, LANES, E_PAD)
-    tl.store(chunk_counts_ptr + chunk * E_PAD + tl.arange(0, E_PAD), counts)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "chunk_size", "num_chunks", "max_blocks"])
-def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr, block_expert_ptr,
-                  num_padded_ptr, num_pairs, chunk_size, num_chunks, max_blocks, shared_slot,
-                  TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
-                  E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, COUNT_ROWS: tl.constexpr,
-                  TABLE_STEP: tl.constexpr):
-    chunk = tl.program_id(0)
-    experts = tl.arange(0, E_PAD)
-
-    # Every expert's total, and how many of its pairs sit in chunks before this one.
-    total = tl.zeros([E_PAD], dtype=tl.int32)
-    earlier = tl.zeros([E_PAD], dtype=tl.int32)
-    for c0 in range(0, num_chunks, COUNT_ROWS):
-        c = c0 + tl.arange(0, COUNT_ROWS)
-        rows = tl.load(chunk_counts_ptr + c[:, None] * E_PAD + experts[None, :],
-                       mask=(c < num_chunks)[:, None], other=0)
-        total += tl.sum(rows, axis=0)
-        earlier += tl.sum(tl.where((c < chunk)[:, None], rows, 0), axis=0)
-    place_pairs(total, earlier, chunk, num_chunks, chunk * chunk_size, num_pairs, chunk_size, max_blocks,
-                topk_ids_ptr, expert_map_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr, shared_slot,
-                TOPK, FOLD, HAS_MAP, LANES, E_PAD, BLOCK_M, TABLE_STEP)
-
-
 def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_map: torch.Tensor | None = None,
               fold_shared: bool = False) -> MoEAlignment:
     """Group the pairs of topk_ids [T, k] (global expert ids, int32) by local weight slot, runs padded to block_m.
@@ -195,7 +174,7 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_ma
     align = empty_alignment(tokens * (top_k + int(fold_shared)), num_slots, block_m, topk_ids.device)
     num_pairs = align.num_pairs
     e_pad = triton.next_power_of_2(num_slots)
-    lanes = align_lanes(num_slots)
+    lanes = max(16, min(64, ALIGN_LANES_BUDGET // e_pad))
     chunk_size = min(ALIGN_CHUNK, triton.cdiv(max(num_pairs, 1), lanes) * lanes)
     num_chunks = max(1, triton.cdiv(num_pairs, chunk_size))
     chunk_counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=topk_ids.device)
@@ -208,11 +187,6 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_ma
                                  num_slots - 1, BLOCK_M=block_m, COUNT_ROWS=COUNT_ROWS, TABLE_STEP=TABLE_STEP,
                                  num_warps=ALIGN_WARPS, **flags)
     return align
-
-
-def align_lanes(num_slots: int) -> int:
-    """Pairs one alignment step handles: the one-hot [lanes, padded slots] stays within ALIGN_LANES_BUDGET."""
-    return max(16, min(64, ALIGN_LANES_BUDGET // triton.next_power_of_2(num_slots)))
 
 
 def empty_alignment(num_pairs: int, num_slots: int, block_m: int, device: torch.device) -> MoEAlignment:
