@@ -184,14 +184,10 @@ GEMV_MXFP8_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = 
 GEMV_INTERPRETER_TILES = (16, 64, 1, 1)
 
 
-def gemv_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int] | None:
-    """The GEMV's tuned tile for an [n, k] weight on `device`, or None: use F.linear."""
-    return GEMV_TILES[backend(device)].get((n, k))
-
-
-def gemv_mxfp8_tiles(n: int, k: int, device: torch.device) -> tuple[int, int, int, int] | None:
-    """The MXFP8 GEMV's tuned tile for an [n, k] weight on `device`, or None: use kernels/fp8_linear.py."""
-    return GEMV_MXFP8_TILES[backend(device)].get((n, k))
+def gemv_tiles(n: int, k: int, device: torch.device, mxfp8: bool = False) -> tuple[int, int, int, int] | None:
+    """The one-row GEMV's tuned tile for an [n, k] weight on `device` (GEMV_MXFP8_TILES for an MXFP8 weight), or
+    None: the caller keeps F.linear (or, for MXFP8, kernels/fp8_linear.py)."""
+    return (GEMV_MXFP8_TILES if mxfp8 else GEMV_TILES)[backend(device)].get((n, k))
 
 
 def prefill_kernel(kernel: str, longest_context: int) -> str:

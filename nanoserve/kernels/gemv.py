@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from nanoserve.kernels.configs import GEMV_INTERPRETER_TILES, gemv_mxfp8_tiles, gemv_tiles
+from nanoserve.kernels.configs import GEMV_INTERPRETER_TILES, gemv_tiles
 from nanoserve.kernels.fp8_tile import MXFP8_BLOCK, e8m0_to_float
 
 
@@ -50,10 +50,16 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_wn,
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does y = x @ weight^T take the GEMV: one row, a weight of x's dtype or fp32 (M3's router), a tuned shape?"""
-    return (x.dim() == 2 and x.shape[0] == 1 and weight.dtype in (x.dtype, torch.float32) and weight.dim() == 2
-            and weight.stride(-1) == 1 and gemv_tiles(weight.shape[0], weight.shape[1], x.device) is not None)
+def gemv_applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None) -> bool:
+    """Does x @ W^T take a one-row GEMV: one row, a tuned shape, and a weight of x's dtype or fp32 (M3's router),
+    or an MXFP8 one (`scale` given: gemv_mxfp8)?"""
+    if not (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.stride(-1) == 1):
+        return False
+    if scale is None and weight.dtype not in (x.dtype, torch.float32):
+        return False
+    if scale is not None and scale.stride(-1) != 1:
+        return False
+    return gemv_tiles(weight.shape[0], weight.shape[1], x.device, mxfp8=scale is not None) is not None
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: tuple[int, int, int, int] | None = None,
@@ -103,12 +109,6 @@ def _gemv_mxfp8_kernel(x_ptr, w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_sn,
     tl.store(out_ptr + n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def gemv_mxfp8_applies(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Does x @ dequant(weight, scale)^T take the MXFP8 GEMV: one 16/32-bit row, a tuned shape?"""
-    return (x.dim() == 2 and x.shape[0] == 1 and weight.dim() == 2 and weight.stride(-1) == 1
-            and scale.stride(-1) == 1 and gemv_mxfp8_tiles(weight.shape[0], weight.shape[1], x.device) is not None)
-
-
 def gemv_mxfp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """x [1, K] @ dequant(weight [N, K] fp8 e4m3, scale [N, K / 32] uint8 E8M0)^T -> [1, N] in x's dtype, fp32
@@ -122,7 +122,7 @@ def gemv_mxfp8(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
             or k % MXFP8_BLOCK:
         raise ValueError(f"gemv_mxfp8 needs an fp8 e4m3 weight [N, K] (K a multiple of 32) and uint8 scales "
                          f"[N, K / 32], got {weight.dtype} {list(weight.shape)} and {scale.dtype} {list(scale.shape)}")
-    block_n, block_k, warps, stages = tiles or gemv_mxfp8_tiles(n, k, x.device) or GEMV_INTERPRETER_TILES
+    block_n, block_k, warps, stages = tiles or gemv_tiles(n, k, x.device, mxfp8=True) or GEMV_INTERPRETER_TILES
     if block_k % 32:
         raise ValueError(f"gemv_mxfp8's block_k must be a multiple of 32, got {block_k}")
     x = x.contiguous()

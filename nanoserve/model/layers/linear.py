@@ -86,9 +86,9 @@ def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | No
         return None
     from nanoserve.kernels import gemv
 
-    if scale is None:
-        return gemv.gemv(x, weight, out_dtype=out_dtype) if gemv.gemv_applies(x, weight) else None
-    return gemv.gemv_mxfp8(x, weight, scale) if gemv.gemv_mxfp8_applies(x, weight, scale) else None
+    if not gemv.gemv_applies(x, weight, scale):
+        return None
+    return gemv.gemv(x, weight, out_dtype=out_dtype) if scale is None else gemv.gemv_mxfp8(x, weight, scale)
 
 
 def weight_parameters(rows: int, cols: int, dtype: torch.dtype, device: torch.device | str, quant: str | None,
