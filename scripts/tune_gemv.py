@@ -3,15 +3,16 @@ step, and print the GEMV_TILES entries (kernels/configs.py) for the shapes where
 
 Shapes: M3's projections at tensor parallel size 1 (m3-slice): the dense layer's QKV [9216, 6144], an MSA layer's
 QKV + index projections [9856, 6144], o_proj [6144, 8192], the dense MLP's gate/up [24576, 6144] and down
-[6144, 12288], and the MoE router [128, 6144] (fp32 weight, fp32 output). Each candidate is timed as a CUDA graph of CALLS calls (as a decode step runs it), rotating over
-three copies of the weight so that no call finds its weight in L2; the time is the median of REPLAYS replays.
+[6144, 12288], and the MoE router [128, 6144] (fp32 weight, fp32 output). Each candidate is timed as a CUDA
+graph of CALLS calls (as a decode step runs it), rotating over three copies of the weight so that no call finds
+its weight in L2; the time is the median of REPLAYS replays.
 A shape joins the table when its best tile beats F.linear by more than MIN_GAIN.
 
     python scripts/tune_gemv.py [--dtype bfloat16] [--shapes 6144x8192,...]
 
 With --mxfp8 the weights are the same draws quantised to MXFP8 and the GEMV is gemv_mxfp8, against
 kernels/fp8_linear.py's tuned choice (the GEMV_MXFP8_TILES entries). --then-bench W1,W2 then puts the winners into
-that table inside this process and runs `python -m nanoserve.bench --quantization mxfp8 --workloads W1,W2`, so the
+the table inside this process and runs `python -m nanoserve.bench [--quantization mxfp8] --workloads W1,W2`, so the
 engine's numbers are measured with exactly the tiles printed.
 """
 
@@ -50,46 +51,58 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
     ap.add_argument("--mxfp8", action="store_true", help="tune gemv_mxfp8 against fp8_linear on MXFP8 weights")
-    ap.add_argument("--then-bench", default=None, help="with --mxfp8: workloads to bench with the winners applied")
+    ap.add_argument("--then-bench", default=None, help="workloads to bench with the winners applied")
     ap.add_argument("--bench-out", default=None, help="--out of that bench run")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     print(f"{torch.cuda.get_device_name()}, {dtype}{', MXFP8 weights' if args.mxfp8 else ''}; us per call (GB/s)")
-    if args.mxfp8:
-        winners = tune_mxfp8([s for s in shapes if s != ROUTER], dtype)
-        print("GEMV_MXFP8_TILES entries:")
-        for (n, k), t in winners.items():
-            print(f"        ({n}, {k}): {t},", flush=True)
-        if args.then_bench:
-            from nanoserve.bench.__main__ import main as bench_main
-
-            configs.GEMV_MXFP8_TILES["cuda"].update(winners)
-            bench_main(["--quantization", "mxfp8", "--workloads", args.then_bench]
-                       + (["--out", args.bench_out] if args.bench_out else []))
-        return
     winners = {}
     for n, k in shapes:
-        router = (n, k) == ROUTER
-        w_dtype, out_dtype = (torch.float32, torch.float32) if router else (dtype, dtype)
         x = torch.randn(1, k, device="cuda", dtype=dtype)
-        ws = [torch.randn(n, k, device="cuda", dtype=w_dtype) / k**0.5 for _ in range(COPIES)]
-        gb = n * k * w_dtype.itemsize / 1e9
-        base = graph_us((lambda c: F.linear(x.float(), ws[c])) if router else (lambda c: F.linear(x, ws[c])))
-        print(f"[{n}, {k}] F.linear {base:7.1f} us ({gb / base * 1e6:6.0f} GB/s)", flush=True)
-        results = [(graph_us(lambda c, t=t: gemv(x, ws[c], t, out_dtype)), t) for t in tiles_for(n)]
-        results.sort()
-        for us, t in results[:3]:
-            print(f"[{n}, {k}]   gemv {t} {us:7.1f} us ({gb / us * 1e6:6.0f} GB/s)", flush=True)
-        best_us, best = results[0]
-        if best_us < base * (1 - MIN_GAIN):
+        if args.mxfp8:
+            if (n, k) == ROUTER:  # the router stays fp32
+                continue
+            qs = [quantize_mxfp8(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5) for _ in range(COPIES)]
+            best = pick(n, k, n * k * (1 + 1 / 32) / 1e9, "fp8_linear", lambda c: fp8_linear(x, *qs[c]),
+                        "gemv_mxfp8", lambda c, t: gemv_mxfp8(x, *qs[c], t), tiles_for(n, MXFP8_BLOCK_K, (1,)))
+        else:
+            router = (n, k) == ROUTER
+            w_dtype = torch.float32 if router else dtype
+            ws = [torch.randn(n, k, device="cuda", dtype=w_dtype) / k**0.5 for _ in range(COPIES)]
+            base = (lambda c: F.linear(x.float(), ws[c])) if router else (lambda c: F.linear(x, ws[c]))
+            best = pick(n, k, n * k * w_dtype.itemsize / 1e9, "F.linear", base, "gemv",
+                        lambda c, t: gemv(x, ws[c], t, w_dtype), tiles_for(n))
+        if best is not None:
             winners[(n, k)] = best
-            ref = F.linear(x.float(), ws[0].float())
-            err = (gemv(x, ws[0], best, out_dtype).float() - ref).abs().max().item() / ref.abs().max().item()
-            print(f"[{n}, {k}]   -> gemv, {base / best_us:.2f}x F.linear (rel. error {err:.1e})", flush=True)
-    print("GEMV_TILES entries:")
+    table = configs.GEMV_MXFP8_TILES if args.mxfp8 else configs.GEMV_TILES
+    print(f"{'GEMV_MXFP8_TILES' if args.mxfp8 else 'GEMV_TILES'} entries:")
     for (n, k), t in winners.items():
-        print(f"        ({n}, {k}): {t},")
+        print(f"        ({n}, {k}): {t},", flush=True)
+    if args.then_bench:
+        from nanoserve.bench.__main__ import main as bench_main
+
+        table["cuda"].update(winners)
+        bench_main((["--quantization", "mxfp8"] if args.mxfp8 else []) + ["--workloads", args.then_bench]
+                   + (["--out", args.bench_out] if args.bench_out else []))
+
+
+def pick(n: int, k: int, gb: float, base_name: str, base, name: str, run, tiles) -> tuple | None:
+    """Time base(c) and run(c, tile) for every candidate tile, print the three fastest, and return the fastest
+    tile if it beats the baseline by more than MIN_GAIN (with its output's relative difference to the
+    baseline's), else None."""
+    base_us = graph_us(base)
+    print(f"[{n}, {k}] {base_name} {base_us:7.1f} us ({gb / base_us * 1e6:6.0f} GB/s)", flush=True)
+    results = sorted((graph_us(lambda c, t=t: run(c, t)), t) for t in tiles)
+    for us, t in results[:3]:
+        print(f"[{n}, {k}]   {name} {t} {us:7.1f} us ({gb / us * 1e6:6.0f} GB/s)", flush=True)
+    best_us, best = results[0]
+    if best_us >= base_us * (1 - MIN_GAIN):
+        return None
+    ref = base(0).float()
+    err = (run(0, best).float() - ref).abs().max().item() / ref.abs().max().item()
+    print(f"[{n}, {k}]   -> {name}, {base_us / best_us:.2f}x {base_name} (rel. diff {err:.1e})", flush=True)
+    return best
 
 
 def tiles_for(n: int, block_k=BLOCK_K, stages=STAGES):
@@ -97,28 +110,6 @@ def tiles_for(n: int, block_k=BLOCK_K, stages=STAGES):
     for bn, bk, warps, stages in itertools.product(BLOCK_N, block_k, WARPS, stages):
         if bn * bk <= MAX_ACC_PER_THREAD * warps * 32 and n // bn >= 16:
             yield bn, bk, warps, stages
-
-
-def tune_mxfp8(shapes: list[tuple[int, int]], dtype: torch.dtype) -> dict:
-    winners = {}
-    for n, k in shapes:
-        x = torch.randn(1, k, device="cuda", dtype=dtype)
-        qs = [quantize_mxfp8(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5) for _ in range(COPIES)]
-        gb = n * k * (1 + 1 / 32) / 1e9
-        base = graph_us(lambda c: fp8_linear(x, *qs[c]))
-        print(f"[{n}, {k}] fp8_linear {base:7.1f} us ({gb / base * 1e6:6.0f} GB/s)", flush=True)
-        results = sorted((graph_us(lambda c, t=t: gemv_mxfp8(x, *qs[c], t)), t)
-                         for t in tiles_for(n, MXFP8_BLOCK_K, (1,)))
-        for us, t in results[:3]:
-            print(f"[{n}, {k}]   gemv_mxfp8 {t} {us:7.1f} us ({gb / us * 1e6:6.0f} GB/s)", flush=True)
-        best_us, best = results[0]
-        if best_us < base * (1 - MIN_GAIN):
-            winners[(n, k)] = best
-            ref = fp8_linear(x, *qs[0]).float()
-            err = (gemv_mxfp8(x, *qs[0], best).float() - ref).abs().max().item() / ref.abs().max().item()
-            print(f"[{n}, {k}]   -> gemv_mxfp8, {base / best_us:.2f}x fp8_linear (rel. diff {err:.1e})",
-                  flush=True)
-    return winners
 
 
 if __name__ == "__main__":
