@@ -12,11 +12,11 @@ Each entry names a *variant* (how a weight tile is dequantised and multiplied) a
 - "dequant": (linear only) W dequantised to a transient 16-bit copy by one Triton pass, then F.linear (cuBLAS):
             for prefill-sized batches, where the library GEMM outruns any in-register dequantisation and the extra
             2 bytes per weight are small next to the GEMM.
-- "gemv":   (linear only; the fused MoE runs it as "bcast") no tensor cores: a few token rows times the fp8 tile
-            in fp32 on CUDA cores, each 32-column block summed before its scale (one multiply per 32 weights),
-            no shared memory, split over K until the grid has `split_waves` programs per multiprocessor. For
-            decode (1-4 rows), where the tensor-core variants spend their time dequantising tiles for an MMA that
-            is 94 % padding.
+- "gemv":   no tensor cores: a few token rows times the fp8 tile in fp32 on CUDA cores, each 32-column block
+            summed before its scale (one multiply per 32 weights), no shared memory; the linear splits K until the
+            grid has `split_waves` programs per multiprocessor. For decode (1-4 rows), where the tensor-core
+            variants spend their time dequantising tiles for an MMA that is 94 % padding. The fused MoE runs it
+            for batches of up to moe.MOE_GEMV_MAX_TOKENS tokens (each tile's first rows only), else "bcast".
 
 Tables are keyed by backend ("cuda" only so far), then by the GEMM's shape and a batch bucket; a batch of M rows
 (tokens for the MoE) uses the smallest bucket >= M (the largest beyond). Shapes missing from a table use the
