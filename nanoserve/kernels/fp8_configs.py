@@ -91,10 +91,14 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
 
 FP8_MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, MoEEntry]]] = {
     # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}. "cuda": m3-slice's experts
-    # (top-4 + the folded shared expert) on an H200, the same two runs.
+    # (top-4 + the folded shared expert) on an H200, the same two runs; the 1- and 4-token entries from
+    # `scripts/tune_fp8.py --rows 1,4 --skip linear --variants gemv,bcast,acc,swap,scaled` (2026-12-04, commit
+    # f11b946): "gemv" 0.155 ms against "bcast" 0.180 ms at one token; at four tokens "bcast" (0.420 ms) beats
+    # the best "gemv" (0.496 ms).
     "cuda": {
         (6144, 3072, 128): {
-            1: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
+            1: ('gemv', 16, 8, (8, 512, 4, 1), (8, 512, 4, 1)),
+            4: ('bcast', 16, 8, (32, 256, 4, 4), (64, 256, 4, 3)),
             8: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
             32: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
             64: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
