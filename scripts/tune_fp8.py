@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from nanoserve.kernels.fp8_configs import FP8_VARIANTS  # noqa: E402
+from nanoserve.kernels.moe import MOE_GEMV_MAX_TOKENS  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/tune_fp8")
 RTOL = 2e-2
@@ -83,6 +84,10 @@ def _moe_candidates(t: int) -> list[tuple]:
     """(variant, block_m, group_m, up tiles, down tiles) entries to time at T tokens (top-4 of 128 experts: a
     routed expert sees ~T / 32 rows, the shared one T)."""
     out = []
+    if t <= MOE_GEMV_MAX_TOKENS:  # the CUDA-core variant: narrow column tiles, long K steps, the weight read once
+        for up, down in (((8, 512, 4, 1), (8, 512, 4, 1)), ((16, 256, 4, 1), (16, 256, 4, 1)),
+                         ((4, 1024, 4, 1), (8, 1024, 4, 1)), ((8, 1024, 8, 1), (8, 1024, 8, 1))):
+            out.append(("gemv", 16, 8, up, down))
     if t <= 64:
         for up, down in (((32, 256, 4, 4), (64, 256, 4, 3)), ((64, 128, 4, 4), (64, 128, 4, 4)),
                          ((64, 256, 4, 3), (128, 128, 4, 3))):

@@ -199,8 +199,36 @@ def test_fused_moe_fp8_experts_match_reference(variant, dtype, tokens, fold, use
     close(got, want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("tokens,fold,use_map", [(1, True, False), (3, False, False), (4, True, True),
+                                                 (2, True, False)])
+def test_fused_moe_fp8_gemv_rows(dtype, tokens, fold, use_map):
+    """The MoE's "gemv" variant (batches of up to MOE_GEMV_MAX_TOKENS: a tile's first rows on CUDA cores) against
+    "bcast" on the same experts: the same products, summed per 32-column block first (fp32 1e-5 / fp16 1e-2 of the
+    largest output)."""
+    experts, top_k, hidden, inter = 6, 2, 64, 96
+    gen = torch.Generator().manual_seed(tokens * 7 + fold)
+    w13, s13, w2, s2 = make_mx_experts(experts + int(fold), hidden, inter, gen)
+    x = torch.randn(tokens, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = reference.route(torch.randn(tokens, experts, generator=gen).to(DEVICE),
+                                   torch.zeros(experts, device=DEVICE), top_k)
+    emap = None
+    if use_map:
+        emap = torch.full((experts,), -1, dtype=torch.int32)
+        emap[2:] = torch.arange(experts - 2, dtype=torch.int32)
+        emap = emap.to(DEVICE)
+    outs = [fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, expert_map=emap,
+                      routed_scaling_factor=SCALE, fold_shared=fold, w13_scale=s13, w2_scale=s2,
+                      config=MoEConfig(16, 1, GemmTiles(32, 64, 4, 1), GemmTiles(32, 32, 4, 1), v))
+            for v in ("gemv", "bcast")]
+    assert torch.isfinite(outs[0]).all()
+    diff = (outs[0].float() - outs[1].float()).abs().max().item()
+    assert diff <= (1e-5 if dtype == torch.float32 else 1e-2) * outs[1].float().abs().max().item()
+
+
 def test_fused_moe_runs_linear_only_variants_as_bcast():
-    """"gemv" and "dequant" name linear kernels; an MoE table entry naming one runs "bcast" (same result)."""
+    """"dequant" names a linear path and "gemv" takes batches of at most MOE_GEMV_MAX_TOKENS tokens; an MoE table
+    entry naming either runs "bcast" otherwise (same result)."""
     gen = torch.Generator().manual_seed(8)
     w13, s13, w2, s2 = make_mx_experts(4, 64, 64, gen)
     x = torch.randn(5, 64, generator=gen).to(DEVICE)

@@ -12,11 +12,11 @@ Each entry names a *variant* (how a weight tile is dequantised and multiplied) a
 - "dequant": (linear only) W dequantised to a transient 16-bit copy by one Triton pass, then F.linear (cuBLAS):
             for prefill-sized batches, where the library GEMM outruns any in-register dequantisation and the extra
             2 bytes per weight are small next to the GEMM.
-- "gemv":   (linear only; the fused MoE runs it as "bcast") no tensor cores: a few token rows times the fp8 tile
-            in fp32 on CUDA cores, each 32-column block summed before its scale (one multiply per 32 weights),
-            no shared memory, split over K until the grid has `split_waves` programs per multiprocessor. For
-            decode (1-4 rows), where the tensor-core variants spend their time dequantising tiles for an MMA that
-            is 94 % padding.
+- "gemv":   no tensor cores: a few token rows times the fp8 tile in fp32 on CUDA cores, each 32-column block
+            summed before its scale (one multiply per 32 weights), no shared memory; the linear splits K until the
+            grid has `split_waves` programs per multiprocessor. For decode (1-4 rows), where the tensor-core
+            variants spend their time dequantising tiles for an MMA that is 94 % padding. The fused MoE runs it
+            for batches of up to moe.MOE_GEMV_MAX_TOKENS tokens (each tile's first rows only), else "bcast".
 
 Tables are keyed by backend ("cuda" only so far), then by the GEMM's shape and a batch bucket; a batch of M rows
 (tokens for the MoE) uses the smallest bucket >= M (the largest beyond). Shapes missing from a table use the
@@ -91,10 +91,14 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
 
 FP8_MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, MoEEntry]]] = {
     # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}. "cuda": m3-slice's experts
-    # (top-4 + the folded shared expert) on an H200, the same two runs.
+    # (top-4 + the folded shared expert) on an H200, the same two runs; the 1- and 4-token entries from
+    # `scripts/tune_fp8.py --rows 1,4 --skip linear --variants gemv,bcast,acc,swap,scaled` (2026-12-04, commit
+    # f11b946): "gemv" 0.155 ms against "bcast" 0.180 ms at one token; at four tokens "bcast" (0.420 ms) beats
+    # the best "gemv" (0.496 ms).
     "cuda": {
         (6144, 3072, 128): {
-            1: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
+            1: ('gemv', 16, 8, (8, 512, 4, 1), (8, 512, 4, 1)),
+            4: ('bcast', 16, 8, (32, 256, 4, 4), (64, 256, 4, 3)),
             8: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
             32: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
             64: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),

@@ -103,13 +103,15 @@ def split_k_for(m: int, n: int, k: int, tiles: LinearTiles, device: torch.device
     return split
 
 
-def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype, moe: bool = False) -> int:
+def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype) -> int:
     """The kernels' VARIANT constexpr for a variant name. "acc" needs full K tiles and "scaled" bf16 activations
     (tl.dot_scaled's formats; its fp16 form would compute the scales in fp16, which cannot hold them all):
-    otherwise they become "bcast". The fused MoE (`moe`) runs "dequant" and "gemv" as "bcast"."""
+    otherwise they become "bcast", as does "dequant" (the linear's dequant path never launches the kernel; the
+    fused MoE dequantises in registers). The fused MoE runs "gemv" only for batches of up to
+    moe.MOE_GEMV_MAX_TOKENS tokens: it decides before calling this."""
     if variant == "auto":
         variant = "acc" if block_m <= SCALE_ACC_MAX_M else "bcast"
-    if variant == "dequant" or (moe and variant == "gemv"):  # the fused MoE's form: dequantise in registers
+    if variant == "dequant":  # the in-kernel form (the linear's dequant path never launches the kernel)
         variant = "bcast"
     if variant not in FP8_VARIANTS:
         raise ValueError(f"unknown fp8 kernel variant {variant!r}; choose one of {FP8_VARIANTS} or 'auto'")

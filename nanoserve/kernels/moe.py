@@ -37,7 +37,9 @@ GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK s
 interpreter gets a small fixed tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
 written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is dequantised (`fp8_variant`; the
 variants are those of fp8_linear.py, sharing the jitted K-tile helpers of fp8_tile.py); shapes missing from it fall back to the bf16
-table's tiles with "auto".
+table's tiles with "auto". Its "gemv" entries (batches of up to MOE_GEMV_MAX_TOKENS tokens) multiply only the
+first next_pow2(tokens) rows of each tile, on CUDA cores: at one token the tensor-core variants dequantise every
+weight tile for an MMA that is 15/16 padding.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ import triton.language as tl
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
 from nanoserve.kernels.fp8_linear import variant_code
-from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, scaled_block_dot
+from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align
 
@@ -59,6 +61,9 @@ MAX_TOKENS_PER_CALL = 16384
 """Larger batches run in chunks of this many tokens, bounding the per-call scratch (activations and copies)."""
 REDUCE_BLOCK_H = 512
 """Hidden columns per program of the top-k reduction."""
+MOE_GEMV_MAX_TOKENS = 4
+"""Largest batch the MXFP8 "gemv" variant takes (it multiplies a tile's first next_pow2(tokens) rows on CUDA
+cores, the weight tile streamed once); larger batches run "bcast"."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -174,19 +179,68 @@ def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
     return pid_m, pid_n
 
 
+@triton.jit
+def _swiglu_store(acc_gate, acc_up, act_ptr, rows, cols, inter, stride_ar, alpha, limit):
+    """SwiGLU-OAI of a tile's fp32 gate/up sums, stored as its activation rows."""
+    gate = tl.minimum(acc_gate, limit)
+    up = tl.minimum(tl.maximum(acc_up, -limit), limit)
+    act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
+    tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :],
+             act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+
+
+@triton.jit
+def _rows_gemv(acc, a_ptrs, a_mask, w_ptrs, s_ptrs, k_total, stride_wn, stride_sn,
+               ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The "gemv" variant's K loop: acc [ROWS, BLOCK_N, BLOCK_K // 32] += per-32-column-block sums of the ROWS
+    activation rows at a_ptrs times the fp8 weight rows at w_ptrs, each block times its 2^(S - 127)
+    (fp8_tile.mx_tile_gemv). a_mask [ROWS] drops pad rows."""
+    ks = tl.arange(0, BLOCK_K)
+    for k in range(0, k_total, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=a_mask[:, None], other=0.0)
+        else:
+            a = tl.load(a_ptrs, mask=a_mask[:, None] & (ks < k_total - k)[None, :], other=0.0)
+        acc = mx_tile_gemv(acc, a, w_ptrs, s_ptrs, k_total - k, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+        s_ptrs += BLOCK_K // 32
+    return acc
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
 def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       num_pairs, num_blocks, inter, hidden, stride_xt, stride_we, stride_wn, stride_ar,
                       alpha, limit, s13_ptr, stride_se, stride_sn, w13_desc,
                       KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                      VARIANT: tl.constexpr, TMA: tl.constexpr):
+                      VARIANT: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr):
     """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile.
     MXFP8 weights (W_FP8) are dequantised as VARIANT says (fp8_linear.py: 0 acc, 1 gather, 2 bcast, 3 swap,
-    4 scaled). TMA: 16-bit weight tiles through w13_desc, a descriptor over w13 viewed as [S * 2I, H]."""
+    4 scaled, 6 gemv: only the tile's first ROWS rows, on CUDA cores). TMA: 16-bit weight tiles through w13_desc,
+    a descriptor over w13 viewed as [S * 2I, H]."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
+        return
+    if VARIANT == 6:  # a batch of at most ROWS tokens: every tile's real rows are among its first ROWS
+        rows = pid_m * BLOCK_M + tl.arange(0, ROWS)
+        pair = tl.load(sorted_ids_ptr + rows)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = (cols % inter).to(tl.int64)
+        x_ptrs = x_ptr + (pair // KP).to(tl.int64)[:, None] * stride_xt + tl.arange(0, BLOCK_K)[None, :]
+        g_rows = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn \
+            + tl.arange(0, BLOCK_K)[None, :]
+        gs_rows = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn \
+            + tl.arange(0, BLOCK_K // 32)[None, :]
+        zero = tl.zeros((ROWS, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
+        real = pair < num_pairs
+        acc_gate = _rows_gemv(zero, x_ptrs, real, g_rows, gs_rows, hidden, stride_wn, stride_sn,
+                              ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        acc_up = _rows_gemv(zero, x_ptrs, real, g_rows + inter * stride_wn, gs_rows + inter * stride_sn, hidden,
+                            stride_wn, stride_sn, ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        _swiglu_store(tl.sum(acc_gate, axis=2), tl.sum(acc_up, axis=2), act_ptr, rows, cols, inter, stride_ar,
+                      alpha, limit)
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ids_ptr + rows)
@@ -281,12 +335,8 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
         gate_s_ptrs += BLOCK_K // 32
         up_s_ptrs += BLOCK_K // 32
 
-    gate = tl.minimum(acc_gate, limit)
-    up = tl.minimum(tl.maximum(acc_up, -limit), limit)
-    act = gate * tl.sigmoid(alpha * gate) * (up + 1.0)
     # Pad rows are stored too (as swiglu(0) = 0): GEMM 2 reads whole, finite tiles without row masks.
-    tl.store(act_ptr + rows[:, None].to(tl.int64) * stride_ar + cols[None, :],
-             act.to(act_ptr.dtype.element_ty), mask=cols[None, :] < inter)
+    _swiglu_store(acc_gate, acc_up, act_ptr, rows, cols, inter, stride_ar, alpha, limit)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_blocks"])
@@ -295,13 +345,28 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
                           routed_scale, s2_ptr, stride_se, stride_sn, act_desc, w2_desc,
                           TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                          VARIANT: tl.constexpr, TMA: tl.constexpr):
+                          VARIANT: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr):
     """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared).
-    TMA: 16-bit tiles through act_desc (over act [rows, I]) and w2_desc (over w2 viewed as [S * H, I])."""
-    KP: tl.constexpr = TOPK + FOLD
+    TMA: 16-bit tiles through act_desc (over act [rows, I]) and w2_desc (over w2 viewed as [S * H, I]). VARIANT 6
+    (MXFP8 "gemv"): only the tile's first ROWS rows, on CUDA cores, as in GEMM 1."""
     pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
+        return
+    if VARIANT == 6:
+        rows = pid_m * BLOCK_M + tl.arange(0, ROWS)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        w_rows = (cols % hidden).to(tl.int64)
+        a_ptrs = act_ptr + rows[:, None].to(tl.int64) * stride_ar + tl.arange(0, BLOCK_K)[None, :]
+        w_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn \
+            + tl.arange(0, BLOCK_K)[None, :]
+        s_ptrs = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn \
+            + tl.arange(0, BLOCK_K // 32)[None, :]
+        acc = _rows_gemv(tl.zeros((ROWS, BLOCK_N, BLOCK_K // 32), dtype=tl.float32), a_ptrs,
+                         tl.full((ROWS,), 1, tl.int1), w_ptrs, s_ptrs, inter, stride_wn, stride_sn,
+                         ROWS, BLOCK_N, BLOCK_K, EVEN_K)
+        _store_weighted(tl.sum(acc, axis=2), copies_ptr, sorted_ids_ptr, topk_weights_ptr, rows, cols, num_pairs,
+                        hidden, stride_ct, routed_scale, TOPK, FOLD)
         return
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -366,6 +431,15 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
         w_ptrs += BLOCK_K
         s_ptrs += BLOCK_K // 32
 
+    _store_weighted(acc, copies_ptr, sorted_ids_ptr, topk_weights_ptr, rows, cols, num_pairs, hidden, stride_ct,
+                    routed_scale, TOPK, FOLD)
+
+
+@triton.jit
+def _store_weighted(acc, copies_ptr, sorted_ids_ptr, topk_weights_ptr, rows, cols, num_pairs, hidden, stride_ct,
+                    routed_scale, TOPK: tl.constexpr, FOLD: tl.constexpr):
+    """copies[pair(row)] = weight(pair) * acc[row] for a tile's real rows (GEMM 2's epilogue)."""
+    KP: tl.constexpr = TOPK + FOLD
     pair = tl.load(sorted_ids_ptr + rows)
     real = pair < num_pairs
     token = pair // KP
@@ -485,6 +559,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if alignment is not None and alignment.block_m != cfg.block_m:
         raise ValueError(f"alignment has block_m {alignment.block_m}; this call's tiles use {cfg.block_m}")
     align = alignment or moe_align(topk_ids, slots, cfg.block_m, expert_map=expert_map, fold_shared=fold)
+    # MXFP8 "gemv" computes only the first ROWS rows of a tile: every real row is among them when the whole batch
+    # has at most ROWS tokens (a token sends at most one row to an expert). Larger batches take "bcast".
+    fp8_variant = cfg.fp8_variant
+    if fp8_variant == "gemv" and tokens > MOE_GEMV_MAX_TOKENS:
+        fp8_variant = "bcast"
+    rows = triton.next_power_of_2(min(tokens, MOE_GEMV_MAX_TOKENS))
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
     up, down = cfg.up, cfg.down
     use_tma = tma and cfg.tma and _tma_fits(w13, w2, act)
@@ -497,9 +577,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         float(alpha), float(limit), s13, s13.stride(0), s13.stride(1), w13_desc,
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
-        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype, moe=True)
+        VARIANT=variant_code(fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype)
         if w_fp8 else 1,
-        TMA=use_tma, num_warps=up.num_warps, num_stages=up.num_stages)
+        TMA=use_tma, ROWS=rows, num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
@@ -508,9 +588,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1), act_desc, w2_desc,
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
-        VARIANT=variant_code(cfg.fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype, moe=True)
+        VARIANT=variant_code(fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype)
         if w_fp8 else 1,
-        TMA=use_tma, num_warps=down.num_warps, num_stages=down.num_stages)
+        TMA=use_tma, ROWS=rows, num_warps=down.num_warps, num_stages=down.num_stages)
 
     out = torch.empty_like(x)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
