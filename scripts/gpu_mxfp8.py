@@ -12,7 +12,8 @@ bf16 vs MXFP8 benchmarks side by side (everything written to $OUT as it goes; a 
    over the whole vocabulary: max and mean |difference|, and top-1 agreement. The same against the unquantized
    bf16 model shows what quantization itself changes.
 3. `python -m nanoserve.bench --quantization mxfp8,bf16 --workloads W1,W2,W4,W5 --w4-lens 32768 --micro
-   moe,linear` under a time budget (W1, W2, W4-32k, W5 and the MoE / projection micro-benchmarks).
+   ceilings,moe,linear` under a time budget (W1, W2, W4-32k, W5, the card's ceilings and the MoE / projection
+   micro-benchmarks).
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ def main() -> int:
     failed = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
     if "bench" not in skip:
         cmd = [sys.executable, "-m", "nanoserve.bench", "--quantization", "mxfp8,bf16", "--workloads",
-               "W1,W2,W4,W5", "--w4-lens", "32768", "--micro", "moe,linear", "--time-budget", str(args.bench_budget),
+               "W1,W2,W4,W5", "--w4-lens", "32768", "--micro", "ceilings,moe,linear", "--time-budget", str(args.bench_budget),
                "--out", BENCH_DIR]
         if failed:  # a wrong kernel must not produce numbers: the engine then runs the reference paths
             cmd += ["--switch", "fused_moe=off", "--switch", "triton_fp8_linear=off"]

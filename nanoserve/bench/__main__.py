@@ -91,7 +91,7 @@ def parser() -> argparse.ArgumentParser:
                     "dequantizes an MXFP8 checkpoint; a comma list (bf16,mxfp8) runs every workload in each format "
                     "and prints them side by side")
     ap.add_argument("--micro", default=None, help="kernel micro-benchmarks in bf16 and MXFP8 weights (GPU): moe, "
-                    "linear (comma list)")
+                    "linear; ceilings: the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s (comma list)")
     ap.add_argument("--micro-tokens", default=None, help="token counts of --micro (default 1,16,64,256,1024,4096)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: $NANOSERVE_CPU_THREADS, else every physical "
@@ -270,15 +270,16 @@ def _micro(args, session: BenchSession) -> None:
     from nanoserve.bench import micro
 
     kinds = [k.strip() for k in args.micro.split(",") if k.strip()]
-    unknown = sorted(set(kinds) - {"moe", "linear"})
+    runs = {"ceilings": micro.ceilings_micro, "moe": micro.moe_micro, "linear": micro.linear_micro}
+    unknown = sorted(set(kinds) - set(runs))
     if unknown:
-        raise SystemExit(f"--micro: unknown {', '.join(unknown)}; choose moe, linear")
+        raise SystemExit(f"--micro: unknown {', '.join(unknown)}; choose from {', '.join(runs)}")
     if session.device.type != "cuda":
         session.results.add("notes", "--micro needs a GPU: skipped")
         return
     tokens = _ints(args.micro_tokens) or [1, 16, 64, 256, 1024, 4096]
     for kind in kinds:
-        fn = micro.moe_micro if kind == "moe" else micro.linear_micro
+        fn = runs[kind]
 
         def part(fn=fn, kind=kind):
             res = fn(session.model_cfg, tokens, session.device)

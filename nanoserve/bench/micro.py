@@ -4,6 +4,8 @@
   bf16 weights and with the same weights quantized to MXFP8 (fp8 + E8M0 scales, dequantised in registers).
 - `linear_micro`: the attention / dense-MLP projections, bf16 F.linear (cuBLAS / hipBLASLt) against the Triton
   fp8-weight GEMM.
+- `ceilings_micro`: the card's copy bandwidth and its bf16 and fp8 matmul rates, the roofs the other two are read
+  against.
 
 Times are medians of `triton.testing.do_bench` (it clears L2 before each call). FLOPs count 2 per multiply-add;
 bytes are the weights a call reads (the distinct experts the routing touches, at 2 bytes per bf16 weight or
@@ -100,6 +102,33 @@ def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilin
              f"(median ms; GB/s of the weights read; ceilings {hw.name})")
     return {"rows": out, "table": table(("tokens", "experts", "bf16 ms", "mxfp8 ms", "bf16 TFLOP/s",
                                          "mxfp8 TFLOP/s", "bf16 GB/s", "mxfp8 GB/s", "speedup"), rows, title)}
+
+
+def ceilings_micro(cfg: M3Config | None, tokens: list[int] | None, device: torch.device, size: int = 8192) -> dict:
+    """The card's own ceilings, measured: copy bandwidth (a 2 GiB device-to-device copy, bytes read + written),
+    the bf16 matmul rate (torch's library GEMM, size^3) and the fp8 e4m3 matmul rate (torch._scaled_mm with
+    per-tensor scales, the library's fp8 tensor-core GEMM) on random data. (`cfg`, `tokens`: unused; the
+    signature of the other micro-benchmarks.)"""
+    import triton
+
+    def ms(fn):
+        return triton.testing.do_bench(fn, warmup=5, rep=40, return_mode="median")
+
+    src = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_gb_s = 2 * src.numel() / ms(lambda: dst.copy_(src)) / 1e6
+    del src, dst
+    a = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    b = torch.randn(size, size, dtype=torch.bfloat16, device=device)
+    flops = 2 * size**3
+    bf16 = flops / ms(lambda: a @ b) / 1e9
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn).t()  # _scaled_mm: B column-major
+    one = torch.ones((), dtype=torch.float32, device=device)
+    fp8 = flops / ms(lambda: torch._scaled_mm(a8, b8, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)) / 1e9
+    res = {"copy_gb_s": copy_gb_s, "bf16_tflop_s": bf16, "fp8_tflop_s": fp8}
+    return {"rows": [res], "table": table(("copy GB/s", "bf16 matmul TFLOP/s", "fp8 e4m3 matmul TFLOP/s"),
+                                          [[copy_gb_s, bf16, fp8]],
+                                          f"Ceilings measured on this card (median; {size}^3 matmuls)")}
 
 
 def linear_shapes(cfg: M3Config) -> dict[str, tuple[int, int]]:

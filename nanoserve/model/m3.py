@@ -83,7 +83,7 @@ class M3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(M3DecoderLayer(cfg, i, self.opts, dtype, device, quant)
                                     for i in range(cfg.num_hidden_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps, self.opts, device)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, dtype, device, self.opts)
         self.register_buffer("inv_freq", reference.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, device),
                              persistent=False)
         # switch rope_table: (cos, sin) of positions 0 .. len-1, [len, 2, rotary_dim / 2] fp32, grown on demand.

@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from nanoserve.model.layers.linear import WeightSource, check_shape, copy_into
+from nanoserve.config import Optimizations
+from nanoserve.model.layers.linear import WeightSource, check_shape, copy_into, one_row_gemv
 from nanoserve.parallel_state import all_gather_last_dim, all_reduce, get_tp
 
 
@@ -45,8 +46,16 @@ class VocabParallelEmbedding(_VocabShard):
 
 
 class ParallelLMHead(_VocabShard):
-    """Untied output projection. Each rank computes its vocabulary slice; the slices are gathered (fp32 logits)."""
+    """Untied output projection. Each rank computes its vocabulary slice; the slices are gathered (fp32 logits).
+    One row (a one-request decode step) may take the `triton_gemv` GEMV, when its table holds the slice's shape."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str,
+                 opts: Optimizations | None = None):
+        super().__init__(vocab_size, hidden_size, dtype, device)
+        self.opts = opts
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight).float()
-        return all_gather_last_dim(logits)[:, : self.vocab_size]
+        logits = one_row_gemv(hidden, self.weight, None, self.opts)
+        if logits is None:
+            logits = F.linear(hidden, self.weight)
+        return all_gather_last_dim(logits.float())[:, : self.vocab_size]
