@@ -166,3 +166,25 @@ def test_moe_router_takes_the_gemv_when_tuned(monkeypatch):
         ref = F.linear(x.float(), layer.gate)
         assert bool(calls) == used and got.dtype == torch.float32
         assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_lm_head_takes_the_gemv_when_tuned(monkeypatch):
+    """ParallelLMHead at one row: the GEMV (its vocabulary slice's shape tuned, switch on) gives the fp32 logits of
+    F.linear; the switch off or two rows take F.linear."""
+    from nanoserve.model.layers.embedding import ParallelLMHead
+
+    vocab, hidden = 300, 128
+    kind = "interpret" if DEVICE.type == "cpu" else ("hip" if torch.version.hip else "cuda")
+    monkeypatch.setitem(GEMV_TILES, kind, {(vocab, hidden): (16, 64, 4, 1)})
+    calls = []
+    monkeypatch.setattr("nanoserve.kernels.gemv._gemv_kernel", _counting(calls))
+    torch.manual_seed(0)
+    for on, rows, used in [(True, 1, True), (False, 1, False), (True, 2, False)]:
+        head = ParallelLMHead(vocab, hidden, torch.float32, DEVICE, Optimizations(triton_gemv=on))
+        head.weight.data.normal_(0, hidden**-0.5)
+        x = torch.randn(rows, hidden, device=DEVICE)
+        calls.clear()
+        got = head(x)
+        ref = F.linear(x, head.weight)
+        assert bool(calls) == used and got.dtype == torch.float32 and got.shape == (rows, vocab)
+        assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
