@@ -140,8 +140,9 @@ class M3ForCausalLM(nn.Module):
         return f"{what}, {held / 2**30:.2f} GiB of parameters"
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the given hidden rows (into `out` when given)."""
+        return self.lm_head(hidden, out)
 
     def set_trace(self, fn: Callable[..., None] | None) -> None:
         """Install (or, with None, remove) a tracing hook: each MSA attention layer then calls

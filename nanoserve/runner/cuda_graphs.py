@@ -223,7 +223,7 @@ class GraphRunner:
 
         def forward() -> None:
             hidden = model(input_ids, meta.positions, meta)
-            logits.copy_(model.compute_logits(hidden))
+            model.compute_logits(hidden, out=logits)
             if argmax:
                 torch.argmax(logits, dim=-1, out=tokens)
 

@@ -54,8 +54,12 @@ class ParallelLMHead(_VocabShard):
         super().__init__(vocab_size, hidden_size, dtype, device)
         self.opts = opts
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits [rows, vocab_size]; into `out` when given (a CUDA graph's static buffer: the conversion to
+        fp32 then writes there directly, with no second copy)."""
         logits = one_row_gemv(hidden, self.weight, None, self.opts)
         if logits is None:
             logits = F.linear(hidden, self.weight)
-        return all_gather_last_dim(logits.float())[:, : self.vocab_size]
+        # Gathered in the model dtype (half the bytes of fp32); widening to fp32 afterwards is exact.
+        logits = all_gather_last_dim(logits)[:, : self.vocab_size]
+        return logits.float() if out is None else out.copy_(logits)
