@@ -2,6 +2,7 @@
 bf16 vs MXFP8 benchmarks side by side (everything written to $OUT as it goes; a short table printed last).
 
     OUT=/tmp/out NANOSERVE_GIT_COMMIT=$(git rev-parse HEAD) python scripts/gpu_mxfp8.py [--bench-budget 270]
+        [--ablate-budget 100 --ablate-workloads W1,W2]
 
 1. Checks (bf16 activations, m3-slice widths): the Triton fp8-weight GEMM against `reference.fp8_linear` (decode,
    split-K, ragged K, prefill tiles), the fused MoE with fp8 experts (+ folded shared expert) against
@@ -13,7 +14,10 @@ bf16 vs MXFP8 benchmarks side by side (everything written to $OUT as it goes; a 
    bf16 model shows what quantization itself changes.
 3. `python -m nanoserve.bench --quantization mxfp8,bf16 --workloads W1,W2,W4,W5 --w4-lens 32768 --micro
    ceilings,moe,linear` under a time budget (W1, W2, W4-32k, W5, the card's ceilings and the MoE / projection
-   micro-benchmarks).
+   micro-benchmarks); logs and result files in $OUT/bench_log.txt, $OUT/bench.tgz.
+4. With --ablate-budget S: `python -m nanoserve.bench --quantization mxfp8 --ablate-switches
+   mxfp8_weights,triton_fp8_linear,triton_gemv --workloads W1,W2` (the MXFP8 ablation rows; the `mxfp8_weights`
+   row rebuilds the model with the weights dequantised), in $OUT/ablation_log.txt, $OUT/ablation.tgz.
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ from nanoserve.kernels import reference  # noqa: E402
 from nanoserve.model.mxfp8 import quantize_mxfp8  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/gpu_mxfp8")
-BENCH_DIR = "/tmp/gpu_mxfp8_bench"
 RTOL = 2e-2
 RESULTS: dict = {"checks": [], "accuracy": {}, "errors": []}
 
@@ -114,21 +117,23 @@ def kernel_checks(dev: torch.device) -> None:
     save()
 
 
-def accuracy(dev: torch.device) -> None:
+def accuracy(dev: torch.device, preset: str = "m3-slice", prompt_len: int = 1024) -> None:
     from nanoserve.config import Optimizations
     from nanoserve.batch import AttentionMetadata
     from nanoserve.runner.kv_cache import allocate_kv_caches
     from nanoserve.presets.resolve import load_model_or_preset
 
     g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(0, 200000, (1024,), generator=g).tolist() for _ in range(2)]
+    prompts = None
     logprobs = {}
     for label, opts, quant in (("native", Optimizations(), "mxfp8"),
                                ("dequantised", Optimizations().replace(mxfp8_weights=False), "mxfp8"),
                                ("bf16", Optimizations(), None)):
         t0 = time.perf_counter()
-        model, _ = load_model_or_preset("m3-slice", opts, torch.bfloat16, dev, quant)
+        model, _ = load_model_or_preset(preset, opts, torch.bfloat16, dev, quant)
         bs = model.cfg.index_block_size
+        if prompts is None:  # the same token ids for every build
+            prompts = [torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
         out = []
         for ids in prompts:
             n_blocks = -(-len(ids) // bs)
@@ -156,9 +161,31 @@ def accuracy(dev: torch.device) -> None:
     save()
 
 
+def bench(name: str, bench_args: list[str], timeout: float, tail: int) -> str:
+    """Run `python -m nanoserve.bench <bench_args> --out <dir>` with its log in $OUT/<name>_log.txt and its result
+    files packed into $OUT/<name>.tgz (the device tool returns at most 8 files); the log's last `tail` chars."""
+    out_dir = f"/tmp/gpu_mxfp8_{name}"
+    cmd = [sys.executable, "-m", "nanoserve.bench", *bench_args, "--out", out_dir]
+    print(f"[{name}]", " ".join(cmd), flush=True)
+    log_path = os.path.join(OUT, f"{name}_log.txt")
+    with open(log_path, "w") as log:
+        try:
+            subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            print(f"[{name}] timed out; packing what it wrote", flush=True)
+    if os.path.isdir(out_dir):
+        with tarfile.open(os.path.join(OUT, f"{name}.tgz"), "w:gz") as tar:
+            tar.add(out_dir, arcname=name)
+    with open(log_path) as f:
+        return f.read()[-tail:]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bench-budget", type=float, default=270.0)
+    ap.add_argument("--ablate-budget", type=float, default=0.0,
+                    help="seconds for the MXFP8 ablation (mxfp8_weights, triton_fp8_linear, triton_gemv); 0: none")
+    ap.add_argument("--ablate-workloads", default="W1,W2")
     ap.add_argument("--skip", default="", help="comma list of checks,accuracy,bench to skip")
     args = ap.parse_args()
     os.makedirs(OUT, exist_ok=True)
@@ -180,24 +207,20 @@ def main() -> int:
         save()
         torch.cuda.empty_cache()
     failed = [c["name"] for c in RESULTS["checks"] if not c["ok"]]
+    # a wrong kernel must not produce numbers: the engine then runs the reference paths
+    safe = ["--switch", "fused_moe=off", "--switch", "triton_fp8_linear=off"] if failed else []
+    tails = []
     if "bench" not in skip:
-        cmd = [sys.executable, "-m", "nanoserve.bench", "--quantization", "mxfp8,bf16", "--workloads",
-               "W1,W2,W4,W5", "--w4-lens", "32768", "--micro", "ceilings,moe,linear", "--time-budget", str(args.bench_budget),
-               "--out", BENCH_DIR]
-        if failed:  # a wrong kernel must not produce numbers: the engine then runs the reference paths
-            cmd += ["--switch", "fused_moe=off", "--switch", "triton_fp8_linear=off"]
-        print("[bench]", " ".join(cmd), flush=True)
-        with open(os.path.join(OUT, "bench_log.txt"), "w") as log:
-            try:
-                subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=args.bench_budget + 90)
-            except subprocess.TimeoutExpired:
-                print("[bench] timed out; packing what it wrote", flush=True)
-        if os.path.isdir(BENCH_DIR):  # many files: one archive (the device tool returns at most 8 files)
-            with tarfile.open(os.path.join(OUT, "bench.tgz"), "w:gz") as tar:
-                tar.add(BENCH_DIR, arcname="bench")
-        with open(os.path.join(OUT, "bench_log.txt")) as f:
-            text = f.read()
-        print(text[-6000:])
+        tails.append(bench("bench", ["--quantization", "mxfp8,bf16", "--workloads", "W1,W2,W4,W5", "--w4-lens",
+                                     "32768", "--micro", "ceilings,moe,linear", "--time-budget",
+                                     str(args.bench_budget), *safe], args.bench_budget + 90, 6000))
+    if args.ablate_budget > 0:
+        tails.append(bench("ablation", ["--quantization", "mxfp8", "--ablate-switches",
+                                        "mxfp8_weights,triton_fp8_linear,triton_gemv", "--workloads",
+                                        args.ablate_workloads, "--time-budget", str(args.ablate_budget), *safe],
+                           args.ablate_budget + 60, 2500))
+    for text in tails:
+        print(text)
     print("\nchecks:", len(RESULTS["checks"]) - len(failed), "ok,", len(failed), "failed", failed or "")
     acc = RESULTS["accuracy"].get("native_vs_dequantised")
     if acc:
