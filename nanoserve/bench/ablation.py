@@ -16,7 +16,7 @@ import logging
 import time
 
 from nanoserve.bench.offline import NanoBench, RunResult
-from nanoserve.bench.report import table
+from nanoserve.bench.report import fmt_ms, table
 from nanoserve.bench.workloads import Workload
 from nanoserve.config import ENGINE
 
@@ -150,7 +150,7 @@ def ablation_table(abl: dict) -> str:
         if r.get("weight_bytes"):
             b = r["weight_bytes"]
             weights += f" {b / 2**30:.2f} GiB" if b >= 2**30 else f" {b / 2**20:.1f} MiB"
-        rows.append([r["switch"] or "(all)", setting, weights, r["output_tok_s"], r["ttft_ms"], r["tpot_ms"],
+        rows.append([r["switch"] or "(all)", setting, weights, r["output_tok_s"], r["ttft_ms"], fmt_ms(r["tpot_ms"]),
                      "-" if ratio is None else f"{ratio:.2f}x", same, r["note"]])
     return table(("switch", "setting", "weights", "out tok/s", "TTFT p50 ms", "TPOT ms", "x all-on", "same tokens",
                   "note"), rows, title)
