@@ -25,8 +25,7 @@ def test_real_config_kv_bytes_per_token():
 
 def test_real_config_weight_bytes():
     bf16 = weight_bytes_per_gpu(REAL, 1)
-    params = (bf16.quantized + bf16.embeddings) // 2 + (bf16.other - 4 * 57 * (128 * 6144 + 128)) // 2 \
-        + 57 * (128 * 6144 + 128)
+    params = (bf16.quantized + bf16.embeddings) // 2 + bf16.other // 4  # norms and router: fp32
     assert params == 426_174_572_928  # the text model's parameter count
     mx = weight_bytes_per_gpu(REAL, 1, "mxfp8")
     assert mx.quantized == bf16.quantized // 2 and mx.scales == mx.quantized // 32
@@ -35,6 +34,28 @@ def test_real_config_weight_bytes():
     assert 55e9 < tp8.total < 56e9
     plan = memory_plan(REAL, 141 * 10**9, 8, "mxfp8")
     assert plan.kv_per_token == 45_312 and plan.kv_tokens > 10 * 131_072
+
+
+def test_plan_counts_the_bytes_the_built_model_holds():
+    """weight_bytes_per_gpu equals the parameter bytes of the model the engine builds (on the meta device: shapes
+    and dtypes only), per format, at tensor parallel sizes that split or replicate the KV heads, with and without
+    expert parallelism."""
+    from nanoserve.model.m3 import M3ForCausalLM
+
+    # (m3-tiny's MXFP8 layers hold whole 32-column scale blocks up to TP=2; m3-slice's, like M3's, up to TP=8)
+    for preset, layouts in (("m3-tiny", ((1, False), (2, False), (2, True))),
+                            ("m3-slice", ((1, False), (8, False), (8, True)))):
+        cfg = get_preset(preset).config
+        for tp, ep in layouts:
+            set_tp(0, tp, expert_parallel=ep)
+            try:
+                for quant in (None, "mxfp8"):
+                    model = M3ForCausalLM(cfg, None, torch.bfloat16, "meta", quantization=quant)
+                    held = sum(p.numel() * p.element_size() for p in model.parameters())
+                    assert held == weight_bytes_per_gpu(cfg, tp, quant, expert_parallel=ep).total, \
+                        (preset, tp, ep, quant)
+            finally:
+                set_tp(0, 1)
 
 
 def test_engine_sizes_its_pool_with_the_plan():

@@ -12,8 +12,9 @@ the activations.
 shared expert split over tensor-parallel ranks; KV and index-query heads split while tp <= num_key_value_heads and
 replicated beyond; the single index-key head, the router, the norms replicated; the embedding and lm_head split by
 vocabulary rows; routed experts split by intermediate dim (TP) or by whole experts (EP). MXFP8
-(`quantization="mxfp8"`): every quantized matrix costs 1 byte per weight plus one E8M0 byte per 32; the embedding,
-lm_head and norms stay 16-bit, the router fp32. docs/mxfp8.md tabulates the released model with these:
+(`quantization="mxfp8"`): every quantized matrix costs 1 byte per weight plus one E8M0 byte per 32; the embedding
+and lm_head stay 16-bit; the norms and the router are fp32 in either format. docs/mxfp8.md tabulates the released
+model with these:
 
     python -m nanoserve.bench --memory-plan          # the docs/mxfp8.md memory table, for the released M3 config
 """
@@ -113,7 +114,7 @@ def weight_bytes_per_gpu(cfg: M3Config, tp_size: int = 1, quantization: str | No
         else:
             matrices += 3 * cfg.dense_intermediate_size * h // tp
     embeddings = 2 * (cfg.vocab_size // tp) * h * 2
-    other = norms * 2 + router * 4
+    other = norms * 4 + router * 4  # the norms' weights are fp32, as is the router
     if quantization == "mxfp8":
         return WeightBytes(matrices, matrices // MXFP8_BLOCK, embeddings, other)
     return WeightBytes(matrices * 2, 0, embeddings, other)
