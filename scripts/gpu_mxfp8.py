@@ -8,10 +8,11 @@ bf16 vs MXFP8 benchmarks side by side (everything written to $OUT as it goes; a 
    split-K, ragged K, prefill tiles), the fused MoE with fp8 experts (+ folded shared expert) against
    `reference.moe_experts` on the same fp8 weights, and a CUDA-graph replay of both equal to eager.
    Tolerance: max |kernel - reference| <= 2e-2 x max |reference| (bf16 outputs; both accumulate in fp32).
-2. Accuracy: m3-slice's random draw quantized to MXFP8 at load, served natively (mxfp8_weights on) and
-   dequantised at load (off, the reference path); log-probabilities of every position of two 1024-token prompts
-   over the whole vocabulary: max and mean |difference|, and top-1 agreement. The same against the unquantized
-   bf16 model shows what quantization itself changes.
+2. Accuracy (`nanoserve/bench/accuracy.py`, as `python -m nanoserve.bench --mxfp8-accuracy`): m3-slice's random
+   draw quantized to MXFP8 at load, served natively (mxfp8_weights on) and dequantised at load (off, the reference
+   path); log-probabilities of every position of two 1024-token prompts over the whole vocabulary: max and mean
+   |difference|, and top-1 agreement. The same against the unquantized bf16 model shows what quantization itself
+   changes.
 3. `python -m nanoserve.bench --quantization mxfp8,bf16 --workloads W1,W2,W4,W5 --w4-lens 32768 --micro
    ceilings,moe,linear` under a time budget (W1, W2, W4-32k, W5, the card's ceilings and the MoE / projection
    micro-benchmarks); logs and result files in $OUT/bench_log.txt, $OUT/bench.tgz.
@@ -117,47 +118,13 @@ def kernel_checks(dev: torch.device) -> None:
     save()
 
 
-def accuracy(dev: torch.device, preset: str = "m3-slice", prompt_len: int = 1024) -> None:
+def accuracy(dev: torch.device) -> None:
+    from nanoserve.bench.accuracy import mxfp8_accuracy
     from nanoserve.config import Optimizations
-    from nanoserve.batch import AttentionMetadata
-    from nanoserve.runner.kv_cache import allocate_kv_caches
-    from nanoserve.presets.resolve import load_model_or_preset
 
-    g = torch.Generator().manual_seed(5)
-    prompts = None
-    logprobs = {}
-    for label, opts, quant in (("native", Optimizations(), "mxfp8"),
-                               ("dequantised", Optimizations().replace(mxfp8_weights=False), "mxfp8"),
-                               ("bf16", Optimizations(), None)):
-        t0 = time.perf_counter()
-        model, _ = load_model_or_preset(preset, opts, torch.bfloat16, dev, quant)
-        bs = model.cfg.index_block_size
-        if prompts is None:  # the same token ids for every build
-            prompts = [torch.randint(0, model.cfg.vocab_size, (prompt_len,), generator=g).tolist() for _ in range(2)]
-        out = []
-        for ids in prompts:
-            n_blocks = -(-len(ids) // bs)
-            kv, index = allocate_kv_caches(model.cfg, n_blocks, bs, model.dtype, dev)
-            model.bind_kv_caches(kv, index)
-            meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(n_blocks))], bs, dev)
-            logits = model.compute_logits(model(torch.tensor(ids, device=dev), meta.positions, meta))
-            out.append(torch.log_softmax(logits.float(), -1))
-        logprobs[label] = torch.cat(out)
-        RESULTS["accuracy"][f"{label}_weight_format"] = model.weight_format or "bf16"
-        print(f"[accuracy] {label}: built and ran in {time.perf_counter() - t0:.1f} s", flush=True)
-        del model, kv, index
-        torch.cuda.empty_cache()
-
-    def compare(a: str, b: str) -> dict:
-        d = (logprobs[a] - logprobs[b]).abs()
-        top = logprobs[b].argmax(-1)
-        return {"max_abs_logprob_diff": d.max().item(), "mean_abs_logprob_diff": d.mean().item(),
-                "max_abs_diff_at_reference_top1": d.gather(1, top[:, None]).max().item(),
-                "top1_agreement": (logprobs[a].argmax(-1) == top).float().mean().item(),
-                "positions": int(top.numel())}
-    RESULTS["accuracy"]["native_vs_dequantised"] = compare("native", "dequantised")
-    RESULTS["accuracy"]["dequantised_vs_bf16"] = compare("dequantised", "bf16")
-    print("[accuracy]", json.dumps(RESULTS["accuracy"], indent=1), flush=True)
+    res = mxfp8_accuracy("m3-slice", Optimizations(), torch.bfloat16, dev)
+    print(res.pop("table"), flush=True)
+    RESULTS["accuracy"] = res
     save()
 
 
@@ -222,7 +189,7 @@ def main() -> int:
     for text in tails:
         print(text)
     print("\nchecks:", len(RESULTS["checks"]) - len(failed), "ok,", len(failed), "failed", failed or "")
-    acc = RESULTS["accuracy"].get("native_vs_dequantised")
+    acc = RESULTS["accuracy"].get("pairs", {}).get("native vs dequantised")
     if acc:
         print(f"logprobs native vs dequantised: max |diff| {acc['max_abs_logprob_diff']:.3e}, mean "
               f"{acc['mean_abs_logprob_diff']:.3e}, top-1 agreement {acc['top1_agreement']:.4f}")

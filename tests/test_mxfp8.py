@@ -215,3 +215,30 @@ def test_server_quantization_flag(tiny_dir, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "nanoserve.server", "--model", tiny_dir, "--quantization", "fp8"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "argument --quantization/-q: invalid choice: 'fp8'" in bad.stderr
+
+
+def test_accuracy_report_on_a_preset_and_an_mxfp8_checkpoint(mxfp8_dir, tmp_path):
+    """`python -m nanoserve.bench --mxfp8-accuracy`: with the reference kernels the native and dequantised paths
+    compute the same logprobs exactly; quantising changes them (the bf16 preset gets the unquantised comparison,
+    an MXFP8 checkpoint has no unquantised weights to compare with); the report lands in results.json."""
+    import json
+
+    from nanoserve.bench.__main__ import main
+    from nanoserve.bench.accuracy import mxfp8_accuracy
+
+    rc = main(["--mxfp8-accuracy", "--model", "m3-tiny", "--device", "cpu", "--prompt-len", "40",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    res = json.loads((tmp_path / "results.json").read_text())["mxfp8_accuracy"]
+    same, quantised = res["pairs"]["native vs dequantised"], res["pairs"]["dequantised vs unquantised"]
+    assert same["positions"] == 80 and same["max_abs_logprob_diff"] == 0.0 and same["top1_agreement"] == 1.0
+    assert quantised["max_abs_logprob_diff"] > 1e-3
+    assert res["builds"]["native"]["weight_format"] == "mxfp8"
+    assert "native vs dequantised" in (tmp_path / "mxfp8_accuracy.txt").read_text()
+
+    stored = mxfp8_accuracy(mxfp8_dir, CPU_REFERENCE, torch.float32, torch.device("cpu"), prompt_len=8,
+                            num_prompts=1)
+    assert list(stored["builds"]) == ["native", "dequantised"]
+    assert stored["pairs"]["native vs dequantised"]["max_abs_logprob_diff"] == 0.0
+    with pytest.raises(ValueError, match="prompt_len=0"):
+        mxfp8_accuracy("m3-tiny", CPU_REFERENCE, torch.float32, torch.device("cpu"), prompt_len=0)

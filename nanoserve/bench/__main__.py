@@ -92,6 +92,10 @@ def parser() -> argparse.ArgumentParser:
                     "and prints them side by side")
     ap.add_argument("--micro", default=None, help="kernel micro-benchmarks in bf16 and MXFP8 weights (GPU): moe, "
                     "linear; ceilings: the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s (comma list)")
+    ap.add_argument("--mxfp8-accuracy", action="store_true",
+                    help="log-probabilities of native MXFP8 weights against the same weights dequantised (and the "
+                    "unquantised model): max / mean |difference| and top-1 agreement over --prompt-len-token prompts "
+                    "(default 1024 on a GPU, 64 on the CPU)")
     ap.add_argument("--micro-tokens", default=None, help="token counts of --micro (default 1,16,64,256,1024,4096)")
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: $NANOSERVE_CPU_THREADS, else every physical "
@@ -222,7 +226,7 @@ def _run(args, session: BenchSession, model: str, scale: str) -> int:
         args.ablate = True
     if args.ablate and not names:
         names = ["W1"]
-    elif not names and not profile_names and not prefill_names and not args.serve:
+    elif not names and not profile_names and not prefill_names and not args.serve and not args.mxfp8_accuracy:
         names = list(W.OFFLINE)
     for n in names + profile_names + prefill_names:
         if n not in W.ALL:
@@ -234,6 +238,8 @@ def _run(args, session: BenchSession, model: str, scale: str) -> int:
     prof_wls = W.build([n for n in profile_names if n != "W3"], **build)
     prefill_wls = W.build([n for n in dict.fromkeys(prefill_names) if n != "W3"], **build)
 
+    if args.mxfp8_accuracy:
+        _accuracy(args, session, model)
     if args.serve:
         spec = W.serve_spec(scale, args.prompt_len, args.output_len, _ints(args.concurrency),
                             args.requests_per_concurrency, args.serve_logprobs)
@@ -264,6 +270,20 @@ def _run(args, session: BenchSession, model: str, scale: str) -> int:
     print()
     print(session.summary())
     return 1 if session.results.data["errors"] else 0
+
+
+def _accuracy(args, session: BenchSession, model: str) -> None:
+    from nanoserve.bench.accuracy import mxfp8_accuracy
+
+    prompt_len = args.prompt_len or (1024 if session.device.type == "cuda" else 64)
+
+    def part():
+        res = mxfp8_accuracy(model, session.opts, session.dtype, session.device, prompt_len=prompt_len,
+                             seed=args.seed + 5)
+        session.results.data["mxfp8_accuracy"] = res
+        session.say(res["table"])
+        session.results.write_text("mxfp8_accuracy.txt", res["table"])
+    session.part("mxfp8 accuracy", part)
 
 
 def _micro(args, session: BenchSession) -> None:
