@@ -13,13 +13,16 @@ A shape joins the table when its best tile beats F.linear by more than MIN_GAIN.
 With --mxfp8 the weights are the same draws quantised to MXFP8 and the GEMV is gemv_mxfp8, against
 kernels/fp8_linear.py's tuned choice (the GEMV_MXFP8_TILES entries). --then-bench W1,W2 then puts the winners into
 the table inside this process and runs `python -m nanoserve.bench [--quantization mxfp8] --workloads W1,W2`, so the
-engine's numbers are measured with exactly the tiles printed.
+engine's numbers are measured with exactly the tiles printed. --write FILE adds them to a JSON file that
+$NANOSERVE_GEMV_TUNED_CONFIG makes the engine use (another process, e.g. a later benchmark in the same call).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import os
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +56,8 @@ def main() -> None:
     ap.add_argument("--mxfp8", action="store_true", help="tune gemv_mxfp8 against fp8_linear on MXFP8 weights")
     ap.add_argument("--then-bench", default=None, help="workloads to bench with the winners applied")
     ap.add_argument("--bench-out", default=None, help="--out of that bench run")
+    ap.add_argument("--write", default=None, metavar="FILE",
+                    help="add the winners to this JSON file (the form $NANOSERVE_GEMV_TUNED_CONFIG reads)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
@@ -79,12 +84,26 @@ def main() -> None:
     print(f"{'GEMV_MXFP8_TILES' if args.mxfp8 else 'GEMV_TILES'} entries:")
     for (n, k), t in winners.items():
         print(f"        ({n}, {k}): {t},", flush=True)
+    if args.write:
+        write_tuned(args.write, "mxfp8" if args.mxfp8 else "16bit", winners)
     if args.then_bench:
         from nanoserve.bench.__main__ import main as bench_main
 
         table["cuda"].update(winners)
         bench_main((["--quantization", "mxfp8"] if args.mxfp8 else []) + ["--workloads", args.then_bench]
                    + (["--out", args.bench_out] if args.bench_out else []))
+
+
+def write_tuned(path: str, fmt: str, winners: dict) -> None:
+    """Merge `winners` into the JSON file at `path` under `fmt` ("16bit" / "mxfp8"), keeping its other entries."""
+    data = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    data.setdefault(fmt, {}).update({f"{n},{k}": list(t) for (n, k), t in winners.items()})
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"wrote {len(winners)} {fmt} entries to {path}", flush=True)
 
 
 def pick(n: int, k: int, gb: float, base_name: str, base, name: str, run, tiles) -> tuple | None:

@@ -188,3 +188,27 @@ def test_lm_head_takes_the_gemv_when_tuned(monkeypatch):
         ref = F.linear(x, head.weight)
         assert bool(calls) == used and got.dtype == torch.float32 and got.shape == (rows, vocab)
         assert (got - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+
+
+def test_tuned_config_file_adds_shapes(tmp_path, monkeypatch):
+    """$NANOSERVE_GEMV_TUNED_CONFIG (what `scripts/tune_gemv.py --write` writes): its shapes take the GEMV, per
+    weight format, on top of the built-in tables."""
+    import json
+
+    from nanoserve.kernels import configs
+
+    path = tmp_path / "gemv.json"
+    path.write_text(json.dumps({"16bit": {"48,128": [16, 64, 4, 1]}, "mxfp8": {"96,256": [16, 64, 4, 1]}}))
+    x = torch.zeros(1, 128, device=DEVICE)
+    assert not gemv_applies(x, torch.zeros(48, 128, device=DEVICE))
+    monkeypatch.setenv(configs.GEMV_TUNED_CONFIG_ENV, str(path))
+    assert gemv_applies(x, torch.zeros(48, 128, device=DEVICE))
+    assert configs.gemv_tiles(48, 128, DEVICE) == (16, 64, 4, 1)
+    assert configs.gemv_tiles(48, 128, DEVICE, mxfp8=True) is None
+    assert configs.gemv_tiles(96, 256, DEVICE, mxfp8=True) == (16, 64, 4, 1)
+    calls = []
+    monkeypatch.setattr("nanoserve.kernels.gemv._gemv_kernel", _counting(calls))
+    x, w = draw(48, 128, torch.float32, seed=3)
+    ref = F.linear(x, w)
+    assert (linear(x, w, None, Optimizations()) - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
+    assert calls

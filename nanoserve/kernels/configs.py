@@ -184,9 +184,31 @@ GEMV_MXFP8_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = 
 GEMV_INTERPRETER_TILES = (16, 64, 1, 1)
 
 
+GEMV_TUNED_CONFIG_ENV = "NANOSERVE_GEMV_TUNED_CONFIG"
+"""A JSON file written by `scripts/tune_gemv.py --write FILE` ({"16bit": {"N,K": tile}, "mxfp8": {...}}): its
+entries are added to (or replace) the tables above for the device in use - another card's tiles, without editing
+code."""
+
+
+@functools.lru_cache(maxsize=None)
+def _gemv_tuned_file(path: str) -> dict[str, dict[tuple[int, int], tuple[int, int, int, int]]]:
+    import json
+
+    with open(path) as f:
+        data = json.load(f)
+    return {fmt: {tuple(int(v) for v in shape.split(",")): tuple(tile) for shape, tile in data.get(fmt, {}).items()}
+            for fmt in ("16bit", "mxfp8")}
+
+
 def gemv_tiles(n: int, k: int, device: torch.device, mxfp8: bool = False) -> tuple[int, int, int, int] | None:
-    """The one-row GEMV's tuned tile for an [n, k] weight on `device` (GEMV_MXFP8_TILES for an MXFP8 weight), or
-    None: the caller keeps F.linear (or, for MXFP8, kernels/fp8_linear.py)."""
+    """The one-row GEMV's tuned tile for an [n, k] weight on `device` (GEMV_MXFP8_TILES for an MXFP8 weight; a
+    $NANOSERVE_GEMV_TUNED_CONFIG file first), or None: the caller keeps F.linear (or, for MXFP8,
+    kernels/fp8_linear.py)."""
+    path = os.environ.get(GEMV_TUNED_CONFIG_ENV)
+    if path:
+        tuned = _gemv_tuned_file(path)["mxfp8" if mxfp8 else "16bit"].get((n, k))
+        if tuned is not None:
+            return tuned
     return (GEMV_MXFP8_TILES if mxfp8 else GEMV_TILES)[backend(device)].get((n, k))
 
 
