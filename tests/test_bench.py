@@ -114,6 +114,20 @@ def test_cli_runs_every_offline_workload_and_writes_json(tmp_path):
     assert (out / "summary.txt").exists() and (out / "runs.png").exists()
 
 
+def test_micro_benchmarks_need_a_gpu_and_known_names(tmp_path):
+    """--micro: an unknown name is refused with the names it takes; on the CPU the micro-benchmarks (the card's
+    ceilings among them) are skipped with a note, not run on the wrong device."""
+    from nanoserve.bench.__main__ import main
+
+    with pytest.raises(SystemExit, match="choose from ceilings, moe, linear"):
+        main(["--model", "m3-tiny", "--device", "cpu", "--micro", "ceilings,bogus", "--workloads", "W1",
+              "--output-len", "2"])
+    rc = main(["--model", "m3-tiny", "--device", "cpu", "--micro", "ceilings", "--workloads", "W1",
+               "--output-len", "2", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert rc == 0 and "micro" not in data and any("--micro needs a GPU" in n for n in data["notes"])
+
+
 def test_warmup_covers_the_timed_shapes(bench, monkeypatch):
     """The warm-up runs every request at its full prompt length (the prefill tiles change with the context a chunk
     attends to, so a shorter warm-up leaves kernel builds in the timed TTFT), on fresh prompts (no prefix-cache
