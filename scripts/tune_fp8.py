@@ -118,21 +118,32 @@ def _moe_candidates(t: int) -> list[tuple]:
 # ------------------------------------------------------------------------------------------------------------
 
 
+def layout(preset: str) -> tuple[str, int, bool]:
+    """"m3-slice@tp8ep" -> ("m3-slice", 8, True): the preset and rank layout (--tp, --ep) whose shapes are timed.
+    One string, so that the spawned compile workers get the layout with the preset."""
+    name, _, spec = preset.partition("@tp")
+    return name, int(spec.removesuffix("ep") or 1), spec.endswith("ep")
+
+
 def model_shapes(preset: str) -> tuple[dict[str, tuple[int, int]], tuple[int, int, int, int]]:
-    from nanoserve.bench.micro import linear_shapes
+    """The quantizable projections' (N, K) and the fused MoE's (hidden, intermediate, routed experts, top-k) of
+    rank 0 in the preset's layout (model/shapes.py)."""
+    from nanoserve.model.shapes import rank_shapes
     from nanoserve.presets.catalog import get_preset
 
-    cfg = get_preset(preset).config
-    return linear_shapes(cfg), (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts,
-                                cfg.num_experts_per_tok)
+    name, tp, ep = layout(preset)
+    cfg = get_preset(name).config
+    rank = rank_shapes(cfg, tp, ep)
+    return rank.quantizable, (*rank.experts, cfg.num_experts_per_tok)
 
 
 def moe_args(preset: str) -> dict:
     from nanoserve.presets.catalog import get_preset
 
-    cfg = get_preset(preset).config
+    name, _, ep = layout(preset)
+    cfg = get_preset(name).config
     return dict(alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit, routed_scaling_factor=cfg.routed_scaling_factor,
-                fold_shared=True)
+                fold_shared=not ep)  # expert parallelism runs the shared expert as its own MLP
 
 
 def moe_config(entry: tuple):
@@ -389,6 +400,9 @@ def report(best: dict, ceil: dict) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="m3-slice")
+    ap.add_argument("--tp", type=int, default=1, help="time the shapes of one rank of this tensor-parallel size "
+                    "(m3-slice has M3's widths: --tp 8 gives an 8-GPU deployment's shapes, on one GPU)")
+    ap.add_argument("--ep", action="store_true", help="with --tp: expert parallelism (whole experts per rank)")
     ap.add_argument("--rows", default="1,8,32,64,128,512,4096")
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--sweep-budget", type=float, default=200.0, help="seconds for compile + sweep")
@@ -396,6 +410,8 @@ def main() -> int:
     ap.add_argument("--skip", default="", help="comma list of linear,moe")
     ap.add_argument("--variants", default=",".join(FP8_VARIANTS), help="comma list: time only these variants")
     args = ap.parse_args()
+    if args.tp > 1 or args.ep:
+        args.preset = f"{args.preset}@tp{args.tp}{'ep' if args.ep else ''}"
     t0 = time.perf_counter()
     deadline = t0 + args.sweep_budget
     os.makedirs(OUT, exist_ok=True)

@@ -1,14 +1,16 @@
 """Tune the one-row GEMV (kernels/gemv.py) against F.linear on this card, for the 16-bit projections of a decode
 step, and print the GEMV_TILES entries (kernels/configs.py) for the shapes where the GEMV wins.
 
-Shapes: M3's projections at tensor parallel size 1 (m3-slice): the dense layer's QKV [9216, 6144], an MSA layer's
-QKV + index projections [9856, 6144], o_proj [6144, 8192], the dense MLP's gate/up [24576, 6144] and down
-[6144, 12288], and the MoE router [128, 6144] (fp32 weight, fp32 output). Each candidate is timed as a CUDA
-graph of CALLS calls (as a decode step runs it), rotating over three copies of the weight so that no call finds
-its weight in L2; the time is the median of REPLAYS replays.
+Shapes: every distinct 2-D weight one rank of the preset multiplies by in a decode step, read off the model it
+builds (model/shapes.py): at m3-slice's default tensor parallel size 1, the dense layer's QKV [9216, 6144], an MSA
+layer's QKV + index projections [9856, 6144], o_proj [6144, 8192], the dense MLP's gate/up [24576, 6144] and down
+[6144, 12288], the MoE router [128, 6144] (fp32 weight, fp32 output) and the LM head [200064, 6144]; `--tp 8`
+(`--ep`) gives the shapes each GPU of an 8-GPU M3 deployment runs, tuned here on one. Each candidate is timed as
+a CUDA graph of CALLS calls (as a decode step runs it), rotating over three copies of the weight so that no call
+finds its weight in L2; the time is the median of REPLAYS replays.
 A shape joins the table when its best tile beats F.linear by more than MIN_GAIN.
 
-    python scripts/tune_gemv.py [--dtype bfloat16] [--shapes 6144x8192,...]
+    python scripts/tune_gemv.py [--dtype bfloat16] [--preset m3-slice] [--tp 8 [--ep]] [--shapes 6144x8192,...]
 
 With --mxfp8 the weights are the same draws quantised to MXFP8 and the GEMV is gemv_mxfp8, against
 kernels/fp8_linear.py's tuned choice (the GEMV_MXFP8_TILES entries). --then-bench W1,W2 then puts the winners into
@@ -32,10 +34,9 @@ from nanoserve.kernels import configs
 from nanoserve.kernels.fp8_linear import fp8_linear
 from nanoserve.kernels.gemv import gemv, gemv_mxfp8
 from nanoserve.model.mxfp8 import quantize_mxfp8
+from nanoserve.model.shapes import rank_shapes
+from nanoserve.presets.catalog import get_preset
 
-SHAPES = [(9216, 6144), (9856, 6144), (6144, 8192), (24576, 6144), (6144, 12288), (128, 6144)]
-ROUTER = (128, 6144)
-"""The MoE router: an fp32 weight times the 16-bit row, into fp32 (against F.linear(x.float(), W))."""
 BLOCK_N, BLOCK_K, WARPS, STAGES = (1, 2, 4, 8, 16, 32), (256, 512, 1024, 2048), (4, 8), (1, 2)
 MXFP8_BLOCK_K = (512, 1024, 2048)
 """--mxfp8 sweeps these K steps (a byte per weight: twice the columns per load) with one pipeline stage."""
@@ -52,7 +53,10 @@ def graph_us(fn_for_copy) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--shapes", default=",".join(f"{n}x{k}" for n, k in SHAPES))
+    ap.add_argument("--preset", default="m3-slice")
+    ap.add_argument("--tp", type=int, default=1, help="the shapes of one rank of this tensor-parallel size")
+    ap.add_argument("--ep", action="store_true", help="with --tp: expert parallelism")
+    ap.add_argument("--shapes", default=None, help="NxK,... instead of the preset's (default: all of its shapes)")
     ap.add_argument("--mxfp8", action="store_true", help="tune gemv_mxfp8 against fp8_linear on MXFP8 weights")
     ap.add_argument("--then-bench", default=None, help="workloads to bench with the winners applied")
     ap.add_argument("--bench-out", default=None, help="--out of that bench run")
@@ -60,22 +64,28 @@ def main() -> None:
                     help="add the winners to this JSON file (the form $NANOSERVE_GEMV_TUNED_CONFIG reads)")
     args = ap.parse_args()
     dtype = getattr(torch, args.dtype)
-    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    rank = rank_shapes(get_preset(args.preset).config, args.tp, args.ep)
+    # the MoE router: an fp32 weight times the 16-bit row, into fp32 (against F.linear(x.float(), W))
+    router = rank.projections.get(rank.router)
+    if args.shapes:
+        shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    else:  # MXFP8 models keep the router and the LM head in 16 / 32 bits
+        shapes = list((rank.quantizable if args.mxfp8 else rank.projections).values())
     print(f"{torch.cuda.get_device_name()}, {dtype}{', MXFP8 weights' if args.mxfp8 else ''}; us per call (GB/s)")
     winners = {}
     for n, k in shapes:
         x = torch.randn(1, k, device="cuda", dtype=dtype)
         if args.mxfp8:
-            if (n, k) == ROUTER:  # the router stays fp32
+            if (n, k) == router:  # the router stays fp32
                 continue
             qs = [quantize_mxfp8(torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5) for _ in range(COPIES)]
             best = pick(n, k, n * k * (1 + 1 / 32) / 1e9, "fp8_linear", lambda c: fp8_linear(x, *qs[c]),
                         "gemv_mxfp8", lambda c, t: gemv_mxfp8(x, *qs[c], t), tiles_for(n, MXFP8_BLOCK_K, (1,)))
         else:
-            router = (n, k) == ROUTER
-            w_dtype = torch.float32 if router else dtype
+            is_router = (n, k) == router
+            w_dtype = torch.float32 if is_router else dtype
             ws = [torch.randn(n, k, device="cuda", dtype=w_dtype) / k**0.5 for _ in range(COPIES)]
-            base = (lambda c: F.linear(x.float(), ws[c])) if router else (lambda c: F.linear(x, ws[c]))
+            base = (lambda c: F.linear(x.float(), ws[c])) if is_router else (lambda c: F.linear(x, ws[c]))
             best = pick(n, k, n * k * w_dtype.itemsize / 1e9, "F.linear", base, "gemv",
                         lambda c, t: gemv(x, ws[c], t, w_dtype), tiles_for(n))
         if best is not None:

@@ -131,12 +131,11 @@ def ceilings_micro(cfg: M3Config | None, tokens: list[int] | None, device: torch
                                           f"Ceilings measured on this card (median; {size}^3 matmuls)")}
 
 
-def linear_shapes(cfg: M3Config) -> dict[str, tuple[int, int]]:
-    """(N, K) of the quantized projections one rank runs at tp=1."""
-    h = cfg.hidden_size
-    qkv = cfg.q_size + 2 * cfg.kv_size + (cfg.index_n_heads + 1) * cfg.index_head_dim
-    return {"qkv+index": (qkv, h), "o_proj": (h, cfg.q_size), "dense gate_up": (2 * cfg.dense_intermediate_size, h),
-            "dense down": (h, cfg.dense_intermediate_size)}
+def linear_shapes(cfg: M3Config, tp_size: int = 1, expert_parallel: bool = False) -> dict[str, tuple[int, int]]:
+    """(N, K) of the quantizable projections one rank runs (model/shapes.py: read off the model it builds)."""
+    from nanoserve.model.shapes import rank_shapes
+
+    return rank_shapes(cfg, tp_size, expert_parallel).quantizable
 
 
 def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
