@@ -212,3 +212,22 @@ def test_tuned_config_file_adds_shapes(tmp_path, monkeypatch):
     ref = F.linear(x, w)
     assert (linear(x, w, None, Optimizations()) - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
     assert calls
+
+
+@pytest.mark.parametrize("variable", ["NANOSERVE_GEMV_TUNED_CONFIG", "NANOSERVE_FP8_TUNED_CONFIG"])
+@pytest.mark.parametrize("content", [None, "{not json", '{"16bit": {"48,128": [16, 64]}}', '{"linear": 3}'],
+                         ids=["missing", "not-json", "short-tile", "other-table"])
+def test_bad_tuned_config_file_stops_the_engine_at_start(tmp_path, monkeypatch, variable, content):
+    """A tile-table file that is missing, malformed or the other script's stops the engine before it loads
+    anything, with a ValueError naming the variable and the file (not a failure inside a decode step later)."""
+    from nanoserve import LLM
+    from nanoserve.kernels import configs, fp8_configs
+
+    path = tmp_path / "tiles.json"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setenv(variable, str(path))
+    configs._gemv_tuned_file.cache_clear()
+    fp8_configs._tuned_file.cache_clear()
+    with pytest.raises(ValueError, match=f"{variable}={path}"):
+        LLM(model="m3-tiny", device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=8)

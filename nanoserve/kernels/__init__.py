@@ -29,3 +29,12 @@ def triton_usable(device: torch.device | torch.Tensor) -> bool:
     if device.type == "cuda":
         return _triton_importable()
     return os.environ.get("TRITON_INTERPRET") == "1" and _triton_importable()
+
+
+def check_tuned_files() -> None:
+    """Read the tile tables named by $NANOSERVE_GEMV_TUNED_CONFIG and $NANOSERVE_FP8_TUNED_CONFIG, if set: a file
+    that cannot be read raises ValueError naming it (the engine calls this at start, before the weights load)."""
+    from nanoserve.kernels import configs, fp8_configs
+
+    configs.check_tuned_file()
+    fp8_configs.check_tuned_file()

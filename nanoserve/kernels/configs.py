@@ -192,12 +192,30 @@ code."""
 
 @functools.lru_cache(maxsize=None)
 def _gemv_tuned_file(path: str) -> dict[str, dict[tuple[int, int], tuple[int, int, int, int]]]:
+    """The file's tables; one that cannot be read is a ValueError naming the variable and the file."""
     import json
 
-    with open(path) as f:
-        data = json.load(f)
-    return {fmt: {tuple(int(v) for v in shape.split(",")): tuple(tile) for shape, tile in data.get(fmt, {}).items()}
-            for fmt in ("16bit", "mxfp8")}
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        unknown = set(data) - {"16bit", "mxfp8"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}; a GEMV table has \"16bit\" and \"mxfp8\"")
+        tables = {fmt: {tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in tile)
+                        for shape, tile in data.get(fmt, {}).items()} for fmt in ("16bit", "mxfp8")}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{GEMV_TUNED_CONFIG_ENV}={path}: not a table scripts/tune_gemv.py wrote ({e})") from None
+    if any(len(shape) != 2 or len(tile) != 4 for t in tables.values() for shape, tile in t.items()):
+        raise ValueError(f"{GEMV_TUNED_CONFIG_ENV}={path}: entries are \"N,K\": [block_n, block_k, warps, stages]")
+    return tables
+
+
+def check_tuned_file() -> None:
+    """Read $NANOSERVE_GEMV_TUNED_CONFIG now, if set (the engine calls this at start: a bad file then stops it
+    with a message, not a decode step later)."""
+    path = os.environ.get(GEMV_TUNED_CONFIG_ENV)
+    if path:
+        _gemv_tuned_file(path)
 
 
 def gemv_tiles(n: int, k: int, device: torch.device, mxfp8: bool = False) -> tuple[int, int, int, int] | None:

@@ -116,15 +116,30 @@ def _key(text: str) -> tuple[int, ...]:
 
 @functools.lru_cache(maxsize=None)
 def _tuned_file(path: str) -> dict:
-    """{'linear': {...}, 'moe': {...}} from a tune_fp8.py JSON file (keys "N,K" / "H,I,E", buckets as strings)."""
-    with open(path) as f:
-        data = json.load(f)
-    out: dict = {"linear": {}, "moe": {}}
-    for kind in out:
-        for shape, buckets in data.get(kind, {}).items():
-            out[kind][_key(shape)] = {int(b): tuple(tuple(v) if isinstance(v, list) else v for v in e)
-                                      for b, e in buckets.items()}
+    """{'linear': {...}, 'moe': {...}} from a tune_fp8.py JSON file (keys "N,K" / "H,I,E", buckets as strings).
+    A file that cannot be read is a ValueError naming the variable and the file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        unknown = set(data) - {"linear", "moe", "meta"}
+        if unknown:
+            raise ValueError(f"unknown keys {sorted(unknown)}; an fp8 table has \"linear\", \"moe\", \"meta\"")
+        out: dict = {"linear": {}, "moe": {}}
+        for kind in out:
+            for shape, buckets in data.get(kind, {}).items():
+                out[kind][_key(shape)] = {int(b): tuple(tuple(v) if isinstance(v, list) else v for v in e)
+                                          for b, e in buckets.items()}
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"{TUNED_CONFIG_ENV}={path}: not a table scripts/tune_fp8.py wrote ({e})") from None
     return out
+
+
+def check_tuned_file() -> None:
+    """Read $NANOSERVE_FP8_TUNED_CONFIG now, if set (the engine calls this at start: a bad file then stops it with
+    a message, not a decode step later)."""
+    path = os.environ.get(TUNED_CONFIG_ENV)
+    if path:
+        _tuned_file(path)
 
 
 def _table(kind: str, backend: str) -> dict:

@@ -13,6 +13,7 @@ import torch
 
 from nanoserve.batch import AttentionMetadata, ModelInput, TokenFeed
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
+from nanoserve.kernels import check_tuned_files
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
@@ -49,6 +50,7 @@ class ModelRunner:
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
         torch.manual_seed(config.seed)
+        check_tuned_files()  # a bad $NANOSERVE_*_TUNED_CONFIG stops the start, before the weights load
         self.model, self.model_dir = load_model_or_preset(config.model, config.optimizations, self.dtype,
                                                           self.device, config.quantization)
         self.model.eval()
