@@ -38,6 +38,7 @@ import torch  # noqa: E402
 
 from nanoserve.kernels import reference  # noqa: E402
 from nanoserve.model.mxfp8 import quantize_mxfp8  # noqa: E402
+from scripts.tune_fp8 import rel_err  # noqa: E402
 
 OUT = os.environ.get("OUT", "/tmp/gpu_mxfp8")
 RTOL = 2e-2
@@ -49,12 +50,8 @@ def save() -> None:
         json.dump(RESULTS, f, indent=1)
 
 
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp(min=1e-30)).item()
-
-
 def check(name: str, got: torch.Tensor, want: torch.Tensor, tol: float = RTOL) -> None:
-    err = rel_err(got, want) if torch.isfinite(got).all() else float("inf")
+    err = rel_err(got, want)  # inf when got holds a non-finite value
     ok = err <= tol
     RESULTS["checks"].append({"name": name, "rel_err": err, "ok": ok})
     print(f"[check] {name}: rel err {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)

@@ -250,16 +250,10 @@ class Timer:
 
 
 def ceilings(dev) -> dict:
-    """Measured copy bandwidth (bytes read + written) and bf16 matmul rate on random data."""
-    timer = Timer(dev, reps=10)
-    a = torch.empty(2 * 2**30, dtype=torch.uint8, device=dev)
-    b = torch.empty_like(a)
-    copy_ms = timer(lambda: b.copy_(a))
-    del a, b
-    x = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    y = torch.randn(8192, 8192, dtype=torch.bfloat16, device=dev)
-    mm_ms = timer(lambda: x @ y)
-    return {"copy_gb_s": 2 * 2 * 2**30 / copy_ms / 1e6, "bf16_tflop_s": 2 * 8192**3 / mm_ms / 1e9}
+    """The card's measured copy bandwidth and bf16 / fp8 matmul rates (bench/micro.py `ceilings_micro`)."""
+    from nanoserve.bench.micro import ceilings_micro
+
+    return ceilings_micro(None, None, dev)["rows"][0]
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:

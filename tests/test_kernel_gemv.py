@@ -221,13 +221,12 @@ def test_bad_tuned_config_file_stops_the_engine_at_start(tmp_path, monkeypatch, 
     """A tile-table file that is missing, malformed or the other script's stops the engine before it loads
     anything, with a ValueError naming the variable and the file (not a failure inside a decode step later)."""
     from nanoserve import LLM
-    from nanoserve.kernels import configs, fp8_configs
+    from nanoserve.kernels import configs
 
     path = tmp_path / "tiles.json"
     if content is not None:
         path.write_text(content)
     monkeypatch.setenv(variable, str(path))
-    configs._gemv_tuned_file.cache_clear()
-    fp8_configs._tuned_file.cache_clear()
+    configs._read_tuned_file.cache_clear()
     with pytest.raises(ValueError, match=f"{variable}={path}"):
         LLM(model="m3-tiny", device="cpu", dtype="float32", max_model_len=64, num_gpu_blocks_override=8)

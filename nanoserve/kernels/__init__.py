@@ -36,5 +36,5 @@ def check_tuned_files() -> None:
     that cannot be read raises ValueError naming it (the engine calls this at start, before the weights load)."""
     from nanoserve.kernels import configs, fp8_configs
 
-    configs.check_tuned_file()
-    fp8_configs.check_tuned_file()
+    configs.tuned_gemv_tables()
+    fp8_configs.tuned_tables()

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -184,49 +185,57 @@ GEMV_MXFP8_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = 
 GEMV_INTERPRETER_TILES = (16, 64, 1, 1)
 
 
-GEMV_TUNED_CONFIG_ENV = "NANOSERVE_GEMV_TUNED_CONFIG"
-"""A JSON file written by `scripts/tune_gemv.py --write FILE` ({"16bit": {"N,K": tile}, "mxfp8": {...}}): its
-entries are added to (or replace) the tables above for the device in use - another card's tiles, without editing
-code."""
+def tuned_file(variable: str, writer: str, keys: tuple[str, ...], parse: Callable[[dict], dict]) -> dict | None:
+    """The tile tables in the JSON file named by $variable (as `writer` writes it: top-level keys among `keys`),
+    as `parse` reads them, or None when the variable is unset. Read once per path. A file that is missing,
+    malformed or of another kind is a ValueError naming the variable and the file."""
+    path = os.environ.get(variable)
+    return _read_tuned_file(variable, path, writer, keys, parse) if path else None
 
 
 @functools.lru_cache(maxsize=None)
-def _gemv_tuned_file(path: str) -> dict[str, dict[tuple[int, int], tuple[int, int, int, int]]]:
-    """The file's tables; one that cannot be read is a ValueError naming the variable and the file."""
+def _read_tuned_file(variable: str, path: str, writer: str, keys: tuple[str, ...],
+                     parse: Callable[[dict], dict]) -> dict:
     import json
 
     try:
         with open(path) as f:
             data = json.load(f)
-        unknown = set(data) - {"16bit", "mxfp8"}
+        unknown = set(data) - set(keys)
         if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)}; a GEMV table has \"16bit\" and \"mxfp8\"")
-        tables = {fmt: {tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in tile)
-                        for shape, tile in data.get(fmt, {}).items()} for fmt in ("16bit", "mxfp8")}
+            raise ValueError(f"unknown keys {sorted(unknown)}; this table has {', '.join(keys)}")
+        return parse(data)
     except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{GEMV_TUNED_CONFIG_ENV}={path}: not a table scripts/tune_gemv.py wrote ({e})") from None
+        raise ValueError(f"{variable}={path}: not a table {writer} wrote ({e})") from None
+
+
+GEMV_TUNED_CONFIG_ENV = "NANOSERVE_GEMV_TUNED_CONFIG"
+"""A JSON file written by `scripts/tune_gemv.py --write FILE` ({"16bit": {"N,K": tile}, "mxfp8": {...}}): its
+entries are added to (or replace) the tables above for the device in use - another card's tiles, without editing
+code."""
+GEMV_FILE_KEYS = ("16bit", "mxfp8")
+
+
+def _parse_gemv_file(data: dict) -> dict[str, dict[tuple[int, int], tuple[int, int, int, int]]]:
+    tables = {fmt: {tuple(int(v) for v in shape.split(",")): tuple(int(v) for v in tile)
+                    for shape, tile in data.get(fmt, {}).items()} for fmt in GEMV_FILE_KEYS}
     if any(len(shape) != 2 or len(tile) != 4 for t in tables.values() for shape, tile in t.items()):
-        raise ValueError(f"{GEMV_TUNED_CONFIG_ENV}={path}: entries are \"N,K\": [block_n, block_k, warps, stages]")
+        raise ValueError('entries are "N,K": [block_n, block_k, warps, stages]')
     return tables
 
 
-def check_tuned_file() -> None:
-    """Read $NANOSERVE_GEMV_TUNED_CONFIG now, if set (the engine calls this at start: a bad file then stops it
-    with a message, not a decode step later)."""
-    path = os.environ.get(GEMV_TUNED_CONFIG_ENV)
-    if path:
-        _gemv_tuned_file(path)
+def tuned_gemv_tables() -> dict | None:
+    """$NANOSERVE_GEMV_TUNED_CONFIG's tables ({"16bit": {(N, K): tile}, "mxfp8": {...}}), or None when unset."""
+    return tuned_file(GEMV_TUNED_CONFIG_ENV, "scripts/tune_gemv.py", GEMV_FILE_KEYS, _parse_gemv_file)
 
 
 def gemv_tiles(n: int, k: int, device: torch.device, mxfp8: bool = False) -> tuple[int, int, int, int] | None:
     """The one-row GEMV's tuned tile for an [n, k] weight on `device` (GEMV_MXFP8_TILES for an MXFP8 weight; a
     $NANOSERVE_GEMV_TUNED_CONFIG file first), or None: the caller keeps F.linear (or, for MXFP8,
     kernels/fp8_linear.py)."""
-    path = os.environ.get(GEMV_TUNED_CONFIG_ENV)
-    if path:
-        tuned = _gemv_tuned_file(path)["mxfp8" if mxfp8 else "16bit"].get((n, k))
-        if tuned is not None:
-            return tuned
+    tuned = tuned_gemv_tables()
+    if tuned is not None and (n, k) in tuned["mxfp8" if mxfp8 else "16bit"]:
+        return tuned["mxfp8" if mxfp8 else "16bit"][(n, k)]
     return (GEMV_MXFP8_TILES if mxfp8 else GEMV_TILES)[backend(device)].get((n, k))
 
 

@@ -29,9 +29,7 @@ Built-in "cuda" entries: NVIDIA H200 at m3-slice widths (see each table's commen
 
 from __future__ import annotations
 
-import functools
-import json
-import os
+from nanoserve.kernels.configs import tuned_file
 
 FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled", "dequant", "gemv")
 TUNED_CONFIG_ENV = "NANOSERVE_FP8_TUNED_CONFIG"
@@ -114,40 +112,27 @@ def _key(text: str) -> tuple[int, ...]:
     return tuple(int(v) for v in text.split(","))
 
 
-@functools.lru_cache(maxsize=None)
-def _tuned_file(path: str) -> dict:
-    """{'linear': {...}, 'moe': {...}} from a tune_fp8.py JSON file (keys "N,K" / "H,I,E", buckets as strings).
-    A file that cannot be read is a ValueError naming the variable and the file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        unknown = set(data) - {"linear", "moe", "meta"}
-        if unknown:
-            raise ValueError(f"unknown keys {sorted(unknown)}; an fp8 table has \"linear\", \"moe\", \"meta\"")
-        out: dict = {"linear": {}, "moe": {}}
-        for kind in out:
-            for shape, buckets in data.get(kind, {}).items():
-                out[kind][_key(shape)] = {int(b): tuple(tuple(v) if isinstance(v, list) else v for v in e)
-                                          for b, e in buckets.items()}
-    except (OSError, ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"{TUNED_CONFIG_ENV}={path}: not a table scripts/tune_fp8.py wrote ({e})") from None
+def _parse_tuned_file(data: dict) -> dict:
+    """{'linear': {...}, 'moe': {...}} from a tune_fp8.py JSON file (keys "N,K" / "H,I,E", buckets as strings)."""
+    out: dict = {"linear": {}, "moe": {}}
+    for kind in out:
+        for shape, buckets in data.get(kind, {}).items():
+            out[kind][_key(shape)] = {int(b): tuple(tuple(v) if isinstance(v, list) else v for v in e)
+                                      for b, e in buckets.items()}
     return out
 
 
-def check_tuned_file() -> None:
-    """Read $NANOSERVE_FP8_TUNED_CONFIG now, if set (the engine calls this at start: a bad file then stops it with
-    a message, not a decode step later)."""
-    path = os.environ.get(TUNED_CONFIG_ENV)
-    if path:
-        _tuned_file(path)
+def tuned_tables() -> dict | None:
+    """$NANOSERVE_FP8_TUNED_CONFIG's tables ({'linear': ..., 'moe': ...}), or None when unset."""
+    return tuned_file(TUNED_CONFIG_ENV, "scripts/tune_fp8.py", ("linear", "moe", "meta"), _parse_tuned_file)
 
 
 def _table(kind: str, backend: str) -> dict:
     base = (FP8_LINEAR_TILES if kind == "linear" else FP8_MOE_TILES).get(backend, {})
-    path = os.environ.get(TUNED_CONFIG_ENV)
-    if not path or backend != "cuda":
+    tables = tuned_tables() if backend == "cuda" else None
+    if tables is None:
         return base
-    tuned = _tuned_file(path)[kind]
+    tuned = tables[kind]
     return {shape: {**base.get(shape, {}), **tuned.get(shape, {})} for shape in {*base, *tuned}}
 
 

@@ -7,6 +7,7 @@ M3 deployment runs.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -27,8 +28,8 @@ class RankShapes:
     rank)."""
     router: str | None
     """The key of the MoE router in `projections` (fp32 weight, fp32 output), if the model has MoE layers."""
-    lm_head: str
-    """The key of the LM head (bf16, never quantized)."""
+    lm_head: ClassVar[str] = "lm_head"
+    """The key of the LM head (bf16, never quantized): the name `_label` gives it."""
 
     @property
     def quantizable(self) -> dict[str, tuple[int, int]]:
@@ -60,7 +61,7 @@ def rank_shapes(cfg: M3Config, tp_size: int = 1, expert_parallel: bool = False) 
         projections[key] = (int(p.shape[0]), int(p.shape[1]))
         if p.dtype == torch.float32 and name.endswith("mlp.gate"):
             router = key
-    return RankShapes(projections, experts, router, "lm_head")
+    return RankShapes(projections, experts, router)
 
 
 def _label(name: str) -> str:
