@@ -174,10 +174,11 @@ def test_wrong_method_gets_405_with_allow(server):
 def test_openapi_describes_every_post_body(server):
     doc = httpx.get(f"{server.url}/openapi.json").json()
     posts = {path: ops["post"] for path, ops in doc["paths"].items() if "post" in ops}
-    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/invocations"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+                 "/invocations"):
         assert path in posts, sorted(posts)
     for path, op in posts.items():
-        if path == "/ping":
+        if path in ("/ping", "/v1/responses/{response_id}/cancel"):  # no body
             continue
         schema = op["requestBody"]["content"]["application/json"]["schema"]
         assert schema.get("properties") or schema.get("anyOf"), path
@@ -209,6 +210,7 @@ def test_help_and_docs_list_every_endpoint_and_field():
     from pathlib import Path
 
     from nanoserve.server import protocol as P
+    from nanoserve.server.protocol.responses_api import ResponsesRequest
     from nanoserve.server.routes import ROUTERS
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "server_api.md").read_text()
@@ -217,6 +219,9 @@ def test_help_and_docs_list_every_endpoint_and_field():
         for route in router.routes:
             assert f"`{sorted(route.methods)[-1]} {route.path}" in docs or f"{route.path}`" in docs, route.path
             assert route.path in helptext, route.path
+    responses = (Path(__file__).resolve().parent.parent / "docs" / "responses_api.md").read_text()
+    for field in ResponsesRequest.model_fields:
+        assert f"`{field}`" in responses, field
     for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest):
         for field in model.model_fields:
             assert f"`{field}`" in docs, (model.__name__, field)

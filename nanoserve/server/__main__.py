@@ -6,8 +6,9 @@
         -d '{"model": "m3-tiny", "prompt": "Hello", "max_tokens": 16}'
 
 Routes (docs/server_api.md has every field and what is refused): POST /v1/completions, POST /v1/chat/completions,
-GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping, POST /invocations, GET /load,
-GET /version, GET /metrics, GET /openapi.json.
+POST /v1/responses, GET|DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel
+(docs/responses_api.md), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
+POST /invocations, GET /load, GET /version, GET /metrics, GET /openapi.json.
 
 Engine flags use vLLM's names. Every optimization switch also has its own --<switch> / --no-<switch> pair,
 generated from the switch declarations in nanoserve.config.Optimizations, so a new switch appears here by
@@ -35,6 +36,7 @@ from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MA
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
 from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES
+from nanoserve.server.response_store import DEFAULT_STORE_SIZE
 
 logger = logging.getLogger("nanoserve.server")
 
@@ -96,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the server's GIL (at most the CPU count; 0: every body is parsed in the server process)")
     s.add_argument("--parse-process-min-bytes", type=int, default=PARSE_PROCESS_MIN_BYTES,
                    help="request bodies this large or larger are parsed in the worker processes (0: every body)")
+    s.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE, metavar="N",
+                   help="POST /v1/responses keeps the N most recent responses sent with store true, for GET "
+                        "/v1/responses/{id} and previous_response_id (0: none are kept)")
     s.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when the model runs on the CPU (default: $NANOSERVE_CPU_THREADS, "
                         "else every physical core)")
@@ -222,6 +227,8 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     limits = server_limits(args, parser)
+    if args.responses_store_size < 0:
+        parser.error(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     try:
         http_parser = resolve_http(args.http)
     except ValueError as exc:
@@ -254,7 +261,8 @@ def main(argv: list[str] | None = None) -> None:
                         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                         enable_server_load_tracking=args.enable_server_load_tracking, limits=limits,
                         offload_min_bytes=args.offload_min_bytes, parse_processes=args.parse_processes,
-                        parse_process_min_bytes=args.parse_process_min_bytes)
+                        parse_process_min_bytes=args.parse_process_min_bytes,
+                        responses_store_size=args.responses_store_size)
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")
@@ -262,7 +270,8 @@ def main(argv: list[str] | None = None) -> None:
     http = http_protocol(http_parser, limits.request_header_timeout)
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, http=http), app.state.lifecycle)
-    logger.info("serving %s on http://%s:%d (OpenAI API under /v1; /tokenize, /detokenize, /health, /metrics, "
+    logger.info("serving %s on http://%s:%d (OpenAI API under /v1: completions, chat/completions, responses, "
+                "models; /tokenize, /detokenize, /health, /metrics, "
                 "/version, /load, /ping, /invocations)", ", ".join(f"`{n}`" for n in names), args.host, args.port)
     server.run()
     if app.state.lifecycle.signal is not None:

@@ -44,13 +44,14 @@ from nanoserve.server.errors import EXCEPTION_HANDLERS
 from nanoserve.server.limits import BodyLimitMiddleware, ServerLimits
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
 from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
+from nanoserve.server.response_store import DEFAULT_STORE_SIZE
 from nanoserve.server.routes import ROUTERS
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
 
-LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/invocations")
+LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/invocations")
 
 
 
@@ -78,7 +79,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
               allow_credentials: bool = False, enable_server_load_tracking: bool = False,
               limits: ServerLimits | None = None, offload_min_bytes: int = OFFLOAD_MIN_BYTES,
               parse_processes: int = DEFAULT_PARSE_PROCESSES,
-              parse_process_min_bytes: int = PARSE_PROCESS_MIN_BYTES) -> FastAPI:
+              parse_process_min_bytes: int = PARSE_PROCESS_MIN_BYTES,
+              responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine
     (GracefulServer in shutdown.py drains before uvicorn cancels anything; this is the fallback for other
     servers). `served_model_name`: the name clients send, or several (the first is the default and the metrics'
@@ -87,12 +89,13 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     --allowed-headers / --allow-credentials; `enable_server_load_tracking` makes GET /load count the requests
     in flight. `limits`: the per-request limits (limits.py); `offload_min_bytes`: from which body size a request
     is prepared off the event loop (offload.py); `parse_processes` / `parse_process_min_bytes`: how many worker
-processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process)."""
+    processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process).
+    `responses_store_size`: how many finished responses POST /v1/responses keeps (response_store.py)."""
     offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
     parser = BodyParser(offloader, processes=parse_processes, process_min_bytes=parse_process_min_bytes)
     server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
                           enable_server_load_tracking=enable_server_load_tracking, limits=limits,
-                          offloader=offloader, parser=parser)
+                          offloader=offloader, parser=parser, responses_store_size=responses_store_size)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

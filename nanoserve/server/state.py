@@ -1,6 +1,6 @@
 """OpenAIServer: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
 offload.py), the body parser (parsing.py), the served model names, the per-request limits, the metrics, the API
-key, the count of requests in flight (/load) and the chat options (ChatOptions: tool calling, reasoning, the chat template, the generation
+key, the count of requests in flight (/load), the Responses API's store and the chat options (ChatOptions: tool calling, reasoning, the chat template, the generation
 defaults). build_app makes one and keeps it in `app.state.server`; routes get it through the `Server` dependency
 (routes/common.py)."""
 
@@ -19,6 +19,7 @@ from nanoserve.server.limits import ServerLimits
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.offload import Offloader
 from nanoserve.server.parsing import BodyParser
+from nanoserve.server.response_store import DEFAULT_STORE_SIZE, ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +48,7 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: str | list[str], api_key: str | None = None,
                  chat: ChatOptions | None = None, enable_server_load_tracking: bool = False,
                  limits: ServerLimits | None = None, offloader: Offloader | None = None,
-                 parser: BodyParser | None = None):
+                 parser: BodyParser | None = None, responses_store_size: int = DEFAULT_STORE_SIZE):
         self.engine = engine
         self.model_names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -64,6 +65,7 @@ class OpenAIServer:
         self.metrics = ServerMetrics(self.model_name, engine)
         self.track_load = enable_server_load_tracking
         self.server_load = 0  # generation requests in flight, counted when track_load (GET /load)
+        self.responses = ResponseStore(responses_store_size)  # POST /v1/responses with store: true
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
         self.chat = chat = chat or ChatOptions()

@@ -5,6 +5,8 @@
     completions.py   POST /v1/completions: request, choices, response, stream chunk
     chat.py          POST /v1/chat/completions: messages, request, choices, response, stream chunk
     tokenize.py      POST /tokenize and POST /detokenize
+    responses_api.py POST /v1/responses: input items, tools, text format, the response, its items and events
+                     (imported as a module of its own: its names - Response, InputMessage - would be ambiguous here)
 
 A new endpoint's bodies get a module of their own here, re-exported below.
 

@@ -1,0 +1,441 @@
+"""POST /v1/responses, served as a chat. A Responses request becomes a ChatCompletionRequest (its instructions, an
+earlier stored turn and its input items become chat messages), which convert.prepare_chat prepares as any chat;
+the generated text goes through the same reasoning and tool-call parsers, whose pieces become output items
+(reasoning, message, function_call) and, streamed, this API's events.
+
+    chat_request      ResponsesRequest -> (ChatCompletionRequest, the turn's conversation)
+    prepare_response  ... -> Prepared, with errors naming this API's fields (input, max_output_tokens, text)
+    OutputBuilder     parser pieces -> output items and the stream events that build them (one path for both
+                      answers, so a streamed response ends with the same items, ids included, as its events)
+    response_object   the Response: items, status, usage (reasoning tokens counted on the token ids), echoes
+    response_events   the streamed body: response.created ... response.completed
+
+The store of finished responses (GET /v1/responses/{id}, previous_response_id) is response_store.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Iterator
+
+from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
+from nanoserve.parsers.chat_output import Piece
+from nanoserve.parsers.tool_calls import CallStart, new_call_id
+from nanoserve.server import protocol as P
+from nanoserve.server.convert import Prepared, prepare_chat
+from nanoserve.server.errors import APIError
+from nanoserve.server.protocol import responses_api as R
+from nanoserve.server.response_store import ResponseStore, StoredResponse
+from nanoserve.server.responses import chat_logprobs
+from nanoserve.server.state import OpenAIServer
+from nanoserve.server.streaming import StreamedChoice, stop_holdback
+
+# -- the request as a chat ---------------------------------------------------------------------------------------
+ENCRYPTED_PREFIX = "nanoserve-reasoning:"
+"""reasoning.encrypted_content as this server gives it out: the reasoning text, base64-encoded (not encrypted:
+the server keeps no key), so that a client that stores nothing can send an earlier turn's thinking back."""
+
+
+def encode_reasoning(text: str) -> str:
+    return ENCRYPTED_PREFIX + base64.b64encode(text.encode()).decode()
+
+
+def decode_reasoning(blob: str, param: str) -> str:
+    try:
+        if not blob.startswith(ENCRYPTED_PREFIX):
+            raise ValueError
+        return base64.b64decode(blob[len(ENCRYPTED_PREFIX):], validate=True).decode()
+    except ValueError:
+        raise APIError(400, f"{param}: not reasoning content this server gave out", param="input") from None
+
+
+def conversation(req: R.ResponsesRequest, store: ResponseStore) -> list[dict[str, Any]]:
+    """The chat messages of this turn without its instructions: a stored earlier turn's (its answer's function
+    calls included, as OpenAI keeps them), then the input items. An assistant turn's reasoning, text and function
+    calls (separate items here) join into one assistant message, as the chat template takes them."""
+    messages = list(store.get(req.previous_response_id, "previous_response_id").conversation) \
+        if req.previous_response_id else []
+
+    def assistant() -> dict[str, Any]:
+        if not messages or messages[-1]["role"] != "assistant":
+            messages.append({"role": "assistant"})
+        return messages[-1]
+
+    for i, item in enumerate(req.input):
+        if isinstance(item, R.InputMessage):
+            if item.role == "assistant" and not assistant().get("content") and not assistant().get("tool_calls"):
+                messages[-1]["content"] = item.text()
+            else:
+                messages.append({"role": item.role, "content": item.text()})
+        elif isinstance(item, R.FunctionCallItem):
+            calls = assistant().setdefault("tool_calls", [])
+            if all(c["id"] != item.call_id for c in calls):  # a stored turn's call sent back again is one call
+                calls.append({"id": item.call_id, "type": "function",
+                              "function": {"name": item.name, "arguments": item.arguments}})
+        elif isinstance(item, R.FunctionCallOutputItem):
+            messages.append({"role": "tool", "tool_call_id": item.call_id,
+                             "content": "".join(p.text for p in item.output)})
+        else:  # reasoning: starts the assistant turn it belongs to
+            parts = item.content or item.summary
+            text = "".join(p.text for p in parts) if parts else (
+                decode_reasoning(item.encrypted_content, f"input[{i}].encrypted_content")
+                if item.encrypted_content else "")
+            messages.append({"role": "assistant", "reasoning_content": text})
+    return messages
+
+
+def chat_request(req: R.ResponsesRequest, messages: list[dict[str, Any]]) -> P.ChatCompletionRequest:
+    """The chat request this Responses request stands for."""
+    body: dict[str, Any] = {
+        "model": req.model, "messages": ([{"role": "system", "content": req.instructions}]
+                                         if req.instructions is not None else []) + messages,
+        "parallel_tool_calls": req.parallel_tool_calls, "max_completion_tokens": req.max_output_tokens,
+        "stream": req.stream, "logprobs": req.wants_logprobs,
+        "top_logprobs": req.top_logprobs if req.wants_logprobs else None,
+        "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
+        "include_stop_str_in_output": req.include_stop_str_in_output}
+    for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "logit_bias",
+                 "structured_outputs"):
+        body[name] = getattr(req, name)
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}
+                         for t in req.tools]
+    if req.tools or req.tool_choice != "auto":
+        choice = req.tool_choice
+        body["tool_choice"] = choice if isinstance(choice, str) else {"type": "function",
+                                                                      "function": {"name": choice.name}}
+    fmt = req.text.format if req.text is not None else None
+    if fmt is not None and fmt.type == "json_schema":
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": fmt.name or "response", "schema": fmt.schema_, "strict": fmt.strict}}
+    elif fmt is not None and fmt.type == "json_object":
+        body["response_format"] = {"type": "json_object"}
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.text is not None and req.text.verbosity is not None:
+        kwargs.setdefault("verbosity", req.text.verbosity)
+    body["chat_template_kwargs"] = kwargs or None
+    if req.reasoning is not None and req.reasoning.effort is not None:
+        body["reasoning_effort"] = req.reasoning.effort
+    last = req.input[-1] if req.input else None
+    if isinstance(last, R.InputMessage) and last.role == "assistant" and last.status in ("in_progress",
+                                                                                         "incomplete"):
+        body["add_generation_prompt"], body["continue_final_message"] = False, True  # continue it (as vLLM)
+    return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+FIELD_NAMES = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+               ("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
+               ("tool_choice.function.name", "tool_choice.name"))
+"""Chat field -> this API's field, in the errors of the chat preparation (a chat tool's fields sit under
+`function`; here they are the tool's own: tools[i].function.name -> tools[i].name)."""
+
+
+@contextlib.contextmanager
+def named_for_responses() -> Iterator[None]:
+    """Errors of the chat machinery, naming this API's fields instead of the chat request's."""
+    try:
+        yield
+    except APIError as exc:
+        message, param = (re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", text) if text else text
+                          for text in (exc.message, exc.param))
+        for chat_name, name in FIELD_NAMES:
+            if message.startswith(chat_name):
+                message = name + message[len(chat_name):]
+            if param == chat_name:
+                param = name
+            elif param == chat_name.split(".")[0]:
+                param = name.split(".")[0]
+        raise APIError(exc.status, message, param=param, headers=exc.headers) from exc
+
+
+def prepare_response(server: OpenAIServer, req: R.ResponsesRequest
+                     ) -> tuple[Prepared, P.ChatCompletionRequest, list[dict[str, Any]]]:
+    """The request prepared as a chat (model, sampling, tools, template, tokens, length checks), the chat request
+    and the turn's conversation."""
+    messages = conversation(req, server.responses)
+    chat = chat_request(req, messages)
+    with named_for_responses():
+        return prepare_chat(server, chat), chat, messages
+
+
+# -- output items ------------------------------------------------------------------------------------------------
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _token_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, top: int
+                    ) -> list[R.TokenLogprob]:
+    lps = chat_logprobs(server, c, start, end, top)
+    return [R.TokenLogprob(**lp.model_dump()) for lp in (lps.content if lps else None) or []]
+
+
+@dataclass
+class OutputBuilder:
+    """One response's output items, built from the output parsers' pieces as the text arrives. `feed` returns
+    the stream events for each piece; the items are the same whether or not anyone streams them.
+
+    Order and shape follow vLLM: the reasoning item, the message, the function calls; text that is only
+    whitespace is not a message of its own (a model often writes a newline before its calls)."""
+
+    prepared: Prepared
+    max_calls: int | None = None
+    encrypted_reasoning: bool = False
+    items: list[R.OutputItem] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.parser = self.prepared.chat.choice_parser()
+        self.open: R.OutputItem | None = None
+        self.whitespace = ""  # content that is only whitespace so far, held back
+        self.calls = 0
+        self.skipped_call: int | None = None  # a call past max_calls: its events are dropped
+
+    def feed(self, text: str, finished: bool, logprobs: list[R.TokenLogprob] | None = None,
+             incomplete: bool = False) -> list[R.StreamEvent]:
+        """The events of this piece of text (and, when `finished`, of closing the last item)."""
+        if self.parser is None:
+            piece = Piece(content=text)
+        else:
+            piece = self.parser.feed(text) if text else Piece()
+            if finished:
+                end = self.parser.finish()
+                piece = Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+        events: list[R.StreamEvent] = []
+        if piece.reasoning and self.prepared.chat.include_reasoning:
+            events += self._reasoning(piece.reasoning)
+        if piece.content:
+            events += self._content(piece.content, logprobs)
+        for ev in piece.calls:
+            events += self._call(ev)
+        if finished:
+            events += self.close("incomplete" if incomplete else "completed")
+        return events
+
+    def _reasoning(self, text: str) -> list[R.StreamEvent]:
+        events = []
+        if not isinstance(self.open, R.ReasoningItem):
+            events += self.close()
+            self.open = R.ReasoningItem(id=_item_id("rs"), content=[], status="in_progress")
+            events += self._opened()
+            events.append(R.PartEvent(type="response.content_part.added", item_id=self.open.id,
+                                      output_index=len(self.items) - 1, part=R.ReasoningContent(text="")))
+            self.open.content.append(R.ReasoningContent(text=""))
+        self.open.content[0].text += text
+        return events + [R.TextDeltaEvent(type="response.reasoning_text.delta", item_id=self.open.id,
+                                          output_index=len(self.items) - 1, delta=text)]
+
+    def _content(self, text: str, logprobs: list[R.TokenLogprob] | None) -> list[R.StreamEvent]:
+        events = []
+        if not isinstance(self.open, R.OutputMessage):
+            if (self.whitespace + text).isspace():
+                self.whitespace += text
+                return []
+            events += self.close()
+            text, self.whitespace = self.whitespace + text, ""
+            self.open = R.OutputMessage(id=_item_id("msg"), status="in_progress", content=[])
+            events += self._opened()
+            events.append(R.PartEvent(type="response.content_part.added", item_id=self.open.id,
+                                      output_index=len(self.items) - 1, part=R.OutputText(text="")))
+            self.open.content.append(R.OutputText(text=""))
+        self.open.content[0].text += text
+        return events + [R.OutputTextDeltaEvent(type="response.output_text.delta", item_id=self.open.id,
+                                                output_index=len(self.items) - 1, delta=text,
+                                                logprobs=logprobs or [])]
+
+    def _call(self, ev) -> list[R.StreamEvent]:
+        if isinstance(ev, CallStart):
+            events = self.close()
+            if self.max_calls is not None and self.calls >= self.max_calls:
+                self.skipped_call = ev.index
+                return events
+            self.calls += 1
+            self.skipped_call = None
+            self.open = R.FunctionCallOutput(id=_item_id("fc"), call_id=new_call_id(), name=ev.name, arguments="",
+                                             status="in_progress")
+            return events + self._opened()
+        if ev.index == self.skipped_call or not isinstance(self.open, R.FunctionCallOutput):
+            return []
+        self.open.arguments += ev.fragment
+        return [R.ArgumentsDeltaEvent(type="response.function_call_arguments.delta", item_id=self.open.id,
+                                      output_index=len(self.items) - 1, delta=ev.fragment)]
+
+    def _opened(self) -> list[R.StreamEvent]:
+        self.items.append(self.open)
+        return [R.ItemEvent(type="response.output_item.added", output_index=len(self.items) - 1,
+                            item=self.open.model_copy(deep=True))]
+
+    def close(self, status: str = "completed") -> list[R.StreamEvent]:
+        """Finish the open item (if any): its done events."""
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        item.status = status
+        index = len(self.items) - 1
+        if isinstance(item, R.ReasoningItem):
+            text = item.content[0].text
+            if self.encrypted_reasoning:
+                item.encrypted_content = encode_reasoning(text)
+            events = [R.TextDoneEvent(type="response.reasoning_text.done", item_id=item.id, output_index=index,
+                                      text=text),
+                      R.PartEvent(type="response.content_part.done", item_id=item.id, output_index=index,
+                                  part=R.ReasoningContent(text=text))]
+        elif isinstance(item, R.OutputMessage):
+            text = item.content[0].text
+            events = [R.OutputTextDoneEvent(type="response.output_text.done", item_id=item.id, output_index=index,
+                                            text=text),
+                      R.PartEvent(type="response.content_part.done", item_id=item.id, output_index=index,
+                                  part=R.OutputText(text=text))]
+        else:
+            events = [R.ArgumentsDoneEvent(type="response.function_call_arguments.done", item_id=item.id,
+                                           output_index=index, name=item.name, arguments=item.arguments)]
+        return events + [R.ItemEvent(type="response.output_item.done", output_index=index,
+                                     item=item.model_copy(deep=True))]
+
+    def answer_message(self) -> dict[str, Any]:
+        """The answer as the chat message a later turn's prompt shows (previous_response_id)."""
+        message: dict[str, Any] = {"role": "assistant", "content": None}
+        for item in self.items:
+            if isinstance(item, R.ReasoningItem):
+                message["reasoning_content"] = item.content[0].text
+            elif isinstance(item, R.OutputMessage):
+                message["content"] = (message["content"] or "") + item.content[0].text
+            else:
+                message.setdefault("tool_calls", []).append(
+                    {"id": item.call_id, "type": "function",
+                     "function": {"name": item.name, "arguments": item.arguments}})
+        return message
+
+
+# -- the response ------------------------------------------------------------------------------------------------
+def reasoning_tokens(server: OpenAIServer, prepared: Prepared, c: CompletionOutput) -> int:
+    """How many generated tokens are thinking (the markers not counted), found on the token ids."""
+    parser = server.reasoning_parser
+    if parser is None or server.reasoning_end_id is None or prepared.chat.reasoning_state == "closed":
+        return 0
+    ids = list(c.token_ids)
+    end = ids.index(server.reasoning_end_id) if server.reasoning_end_id in ids else len(ids)
+    if prepared.chat.reasoning_state == "open":
+        return end
+    start_ids = server.tokenizer.encode(parser.start, add_special_tokens=False)
+    if len(start_ids) == 1 and start_ids[0] in ids[:end]:
+        return end - ids.index(start_ids[0]) - 1
+    return 0
+
+
+def cache_write_tokens(server: OpenAIServer, out: RequestOutput) -> int:
+    """The prompt's tokens in full KV blocks that were not cached and now are: the prefix cache registers every
+    full block of a prompt once it is computed."""
+    engine = server.engine.engine
+    if not engine.config.optimizations.prefix_caching:
+        return 0
+    full = len(out.prompt_token_ids) // engine.block_size * engine.block_size
+    return max(0, full - out.num_cached_tokens)
+
+
+def response_object(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+                    created_at: int, builder: OutputBuilder | None = None, out: RequestOutput | None = None
+                    ) -> R.Response:
+    """The Response: in progress (no output yet) or finished (`builder`'s items, `out`'s usage)."""
+    params = prepared.params
+    status, usage, incomplete = "in_progress", None, None
+    if out is not None:
+        c = out.outputs[0]
+        status = "incomplete" if c.finish_reason == "length" else "completed"
+        incomplete = R.IncompleteDetails(reason="max_output_tokens") if status == "incomplete" else None
+        prompt, generated = len(out.prompt_token_ids), len(c.token_ids)
+        usage = R.ResponseUsage(
+            input_tokens=prompt, input_tokens_details=R.InputTokensDetails(
+                cached_tokens=out.num_cached_tokens, cache_write_tokens=cache_write_tokens(server, out)),
+            output_tokens=generated,
+            output_tokens_details=R.OutputTokensDetails(reasoning_tokens=reasoning_tokens(server, prepared, c)),
+            total_tokens=prompt + generated)
+    text = req.text.model_dump(by_alias=True, exclude_none=True) if req.text is not None else {}
+    text.setdefault("format", {"type": "text"})
+    choice = req.tool_choice
+    return R.Response(
+        id=response_id, created_at=created_at, status=status, model=prepared.model,
+        output=list(builder.items) if builder is not None and out is not None else [],
+        usage=usage, incomplete_details=incomplete, instructions=req.instructions,
+        previous_response_id=req.previous_response_id, max_output_tokens=params.max_tokens,
+        max_tool_calls=req.max_tool_calls, temperature=params.temperature, top_p=params.top_p,
+        top_logprobs=req.top_logprobs if req.wants_logprobs else None,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools],
+        tool_choice=choice if isinstance(choice, str) else choice.model_dump(),
+        parallel_tool_calls=req.parallel_tool_calls, text=text,
+        reasoning=req.reasoning.model_dump(exclude_none=True) if req.reasoning is not None else None,
+        store=req.store, service_tier=req.service_tier or "default", metadata=req.metadata, user=req.user,
+        safety_identifier=req.safety_identifier)
+
+
+def finished_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+                      created_at: int, builder: OutputBuilder, out: RequestOutput,
+                      messages: list[dict[str, Any]]) -> R.Response:
+    """The finished Response (the message's text carries every generated token's logprobs when asked, as
+    vLLM's), stored when the request asked for it."""
+    if req.wants_logprobs:
+        c = out.outputs[0]
+        for item in builder.items:
+            if isinstance(item, R.OutputMessage):
+                item.content[0].logprobs = _token_logprobs(server, c, 0, len(c.token_ids), req.top_logprobs or 0)
+    response = response_object(server, req, prepared, response_id, created_at, builder, out)
+    if req.store:
+        server.responses.put(StoredResponse(response, messages + [builder.answer_message()]))
+    return response
+
+
+def builder_for(req: R.ResponsesRequest, prepared: Prepared) -> OutputBuilder:
+    return OutputBuilder(prepared, req.max_calls, req.wants_encrypted_reasoning)
+
+
+def whole_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+                   created_at: int, out: RequestOutput, messages: list[dict[str, Any]]) -> R.Response:
+    """A non-streamed answer: the whole text through the builder at once."""
+    builder = builder_for(req, prepared)
+    c = out.outputs[0]
+    builder.feed(c.text, True, incomplete=c.finish_reason == "length")
+    return finished_response(server, req, prepared, response_id, created_at, builder, out, messages)
+
+
+def sse_event(event: R.StreamEvent) -> str:
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+
+
+async def response_events(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+                          created_at: int, stream: RequestStream, messages: list[dict[str, Any]]
+                          ) -> AsyncIterator[str]:
+    """The streamed body: response.created and response.in_progress, the items' events as the text arrives,
+    then response.completed with the whole response (status "incomplete" when max_output_tokens cut it, as
+    vLLM sends it). An engine failure ends the stream with an `error` event. No [DONE]: this API has none."""
+    seq = 0
+
+    def emit(event: R.StreamEvent) -> str:
+        nonlocal seq
+        event.sequence_number, seq = seq, seq + 1
+        return sse_event(event)
+
+    builder = builder_for(req, prepared)
+    start = response_object(server, req, prepared, response_id, created_at)
+    yield emit(R.ResponseEvent(type="response.created", response=start))
+    yield emit(R.ResponseEvent(type="response.in_progress", response=start))
+    state, holdback, final = StreamedChoice(), stop_holdback(prepared.params), None
+    try:
+        async for out in stream:
+            c = out.outputs[0]
+            if state.done:
+                continue
+            text, t0, t1 = state.next_piece(c, holdback)
+            logprobs = _token_logprobs(server, c, t0, t1, req.top_logprobs or 0) if req.wants_logprobs else None
+            for event in builder.feed(text, state.done, logprobs, incomplete=c.finish_reason == "length"):
+                yield emit(event)
+            final = out if out.finished else final
+    except (EngineDeadError, EngineShutdownError) as exc:
+        yield emit(R.ErrorEvent(code="engine_dead" if isinstance(exc, EngineDeadError) else "server_shutting_down",
+                                message=str(exc)))
+        return
+    if final is not None:
+        done = finished_response(server, req, prepared, response_id, created_at, builder, final, messages)
+        yield emit(R.ResponseEvent(type="response.completed", response=done))
