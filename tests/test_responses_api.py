@@ -26,6 +26,7 @@ from openai.types.responses import ResponseStreamEvent
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
+from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import responses_api as R
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.server.responses_api import (OutputBuilder, prepare_response, reasoning_tokens, response_events,
@@ -254,13 +255,13 @@ def test_store_keeps_the_most_recent():
     store = ResponseStore(2)
     for i in range(3):
         store.put(StoredResponse(R.Response(id=f"r{i}", status="completed", model="m"), []))
-    with pytest.raises(Exception) as err:
+    with pytest.raises(APIError) as err:
         store.get("r0")
-    assert getattr(err.value, "status", None) == 404
+    assert err.value.status == 404
     assert [store.get(f"r{i}").response.id for i in (1, 2)] == ["r1", "r2"]
     off = ResponseStore(0)
     off.put(StoredResponse(R.Response(id="x", status="completed", model="m"), []))
-    with pytest.raises(Exception):
+    with pytest.raises(APIError):
         off.get("x")
     with pytest.raises(ValueError, match="responses-store-size"):
         ResponseStore(-1)

@@ -5,8 +5,9 @@ the generated text goes through the same reasoning and tool-call parsers, whose 
 
     chat_request      ResponsesRequest -> (ChatCompletionRequest, the turn's conversation)
     prepare_response  ... -> Prepared, with errors naming this API's fields (input, max_output_tokens, text)
-    OutputBuilder     parser pieces -> output items and the stream events that build them (one path for both
-                      answers, so a streamed response ends with the same items, ids included, as its events)
+    OutputBuilder     the answer's blocks (answer_blocks.py) -> output items and the stream events that build
+                      them (one path for both answers: a streamed response ends with its events' items, ids and
+                      all)
     response_object   the Response: items, status, usage (reasoning tokens counted on the token ids), echoes
     response_events   the streamed body: response.created ... response.completed
 
@@ -19,14 +20,12 @@ import base64
 import contextlib
 import re
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Iterator
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
-from nanoserve.parsers.chat_output import Piece
-from nanoserve.parsers.tool_calls import CallStart, new_call_id
 from nanoserve.server import protocol as P
+from nanoserve.server.answer_blocks import AnswerBlocks, Block
 from nanoserve.server.convert import Prepared, prepare_chat
 from nanoserve.server.errors import APIError
 from nanoserve.server.protocol import responses_api as R
@@ -174,140 +173,83 @@ def _token_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: 
     return [R.TokenLogprob(**lp.model_dump()) for lp in (lps.content if lps else None) or []]
 
 
-@dataclass
 class OutputBuilder:
-    """One response's output items, built from the output parsers' pieces as the text arrives. `feed` returns
-    the stream events for each piece; the items are the same whether or not anyone streams them.
+    """One response's output items and their stream events, from the answer's blocks (answer_blocks.py): a
+    reasoning block is a reasoning item, a text block a message, a call a function_call item. The items are the
+    same whether or not anyone streams the events."""
 
-    Order and shape follow vLLM: the reasoning item, the message, the function calls; text that is only
-    whitespace is not a message of its own (a model often writes a newline before its calls)."""
-
-    prepared: Prepared
-    max_calls: int | None = None
-    encrypted_reasoning: bool = False
-    items: list[R.OutputItem] = field(default_factory=list)
-
-    def __post_init__(self):
-        self.parser = self.prepared.chat.choice_parser()
-        self.open: R.OutputItem | None = None
-        self.whitespace = ""  # content that is only whitespace so far, held back
-        self.calls = 0
-        self.skipped_call: int | None = None  # a call past max_calls: its events are dropped
+    def __init__(self, prepared: Prepared, max_calls: int | None = None, encrypted_reasoning: bool = False):
+        self.blocks = AnswerBlocks(prepared.chat, max_calls)
+        self.encrypted_reasoning = encrypted_reasoning
+        self.items: list[R.OutputItem] = []
 
     def feed(self, text: str, finished: bool, logprobs: list[R.TokenLogprob] | None = None,
              incomplete: bool = False) -> list[R.StreamEvent]:
-        """The events of this piece of text (and, when `finished`, of closing the last item)."""
-        if self.parser is None:
-            piece = Piece(content=text)
-        else:
-            piece = self.parser.feed(text) if text else Piece()
-            if finished:
-                end = self.parser.finish()
-                piece = Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+        """The events of this piece of text (and, when `finished`, of closing the last item: "incomplete" when
+        the output was cut off)."""
         events: list[R.StreamEvent] = []
-        if piece.reasoning and self.prepared.chat.include_reasoning:
-            events += self._reasoning(piece.reasoning)
-        if piece.content:
-            events += self._content(piece.content, logprobs)
-        for ev in piece.calls:
-            events += self._call(ev)
-        if finished:
-            events += self.close("incomplete" if incomplete else "completed")
+        for change in self.blocks.feed(text, finished):
+            block = change.block
+            if change.op == "open":
+                events += self._open(block)
+            elif change.op == "delta":
+                events.append(self._delta(block, change.delta, logprobs))
+            else:
+                events += self._close(block, "incomplete" if incomplete and finished else "completed")
         return events
 
-    def _reasoning(self, text: str) -> list[R.StreamEvent]:
-        events = []
-        if not isinstance(self.open, R.ReasoningItem):
-            events += self.close()
-            self.open = R.ReasoningItem(id=_item_id("rs"), content=[], status="in_progress")
-            events += self._opened()
-            events.append(R.PartEvent(type="response.content_part.added", item_id=self.open.id,
-                                      output_index=len(self.items) - 1, part=R.ReasoningContent(text="")))
-            self.open.content.append(R.ReasoningContent(text=""))
-        self.open.content[0].text += text
-        return events + [R.TextDeltaEvent(type="response.reasoning_text.delta", item_id=self.open.id,
-                                          output_index=len(self.items) - 1, delta=text)]
+    def _open(self, block: Block) -> list[R.StreamEvent]:
+        if block.kind == "reasoning":
+            item, part = R.ReasoningItem(id=_item_id("rs"), content=[], status="in_progress"), \
+                R.ReasoningContent(text="")
+        elif block.kind == "text":
+            item, part = R.OutputMessage(id=_item_id("msg"), status="in_progress", content=[]), R.OutputText(text="")
+        else:
+            item, part = R.FunctionCallOutput(id=_item_id("fc"), call_id=block.call_id, name=block.name,
+                                              arguments="", status="in_progress"), None
+        self.items.append(item)
+        events: list[R.StreamEvent] = [R.ItemEvent(type="response.output_item.added", output_index=block.index,
+                                                   item=item.model_copy(deep=True))]
+        if part is not None:
+            item.content.append(part.model_copy())
+            events.append(R.PartEvent(type="response.content_part.added", item_id=item.id, output_index=block.index,
+                                      part=part))
+        return events
 
-    def _content(self, text: str, logprobs: list[R.TokenLogprob] | None) -> list[R.StreamEvent]:
-        events = []
-        if not isinstance(self.open, R.OutputMessage):
-            if (self.whitespace + text).isspace():
-                self.whitespace += text
-                return []
-            events += self.close()
-            text, self.whitespace = self.whitespace + text, ""
-            self.open = R.OutputMessage(id=_item_id("msg"), status="in_progress", content=[])
-            events += self._opened()
-            events.append(R.PartEvent(type="response.content_part.added", item_id=self.open.id,
-                                      output_index=len(self.items) - 1, part=R.OutputText(text="")))
-            self.open.content.append(R.OutputText(text=""))
-        self.open.content[0].text += text
-        return events + [R.OutputTextDeltaEvent(type="response.output_text.delta", item_id=self.open.id,
-                                                output_index=len(self.items) - 1, delta=text,
-                                                logprobs=logprobs or [])]
+    def _delta(self, block: Block, delta: str, logprobs: list[R.TokenLogprob] | None) -> R.StreamEvent:
+        item = self.items[block.index]
+        if block.kind == "reasoning":
+            item.content[0].text = block.text
+            return R.TextDeltaEvent(type="response.reasoning_text.delta", item_id=item.id,
+                                    output_index=block.index, delta=delta)
+        if block.kind == "text":
+            item.content[0].text = block.text
+            return R.OutputTextDeltaEvent(type="response.output_text.delta", item_id=item.id,
+                                          output_index=block.index, delta=delta, logprobs=logprobs or [])
+        item.arguments = block.text
+        return R.ArgumentsDeltaEvent(type="response.function_call_arguments.delta", item_id=item.id,
+                                     output_index=block.index, delta=delta)
 
-    def _call(self, ev) -> list[R.StreamEvent]:
-        if isinstance(ev, CallStart):
-            events = self.close()
-            if self.max_calls is not None and self.calls >= self.max_calls:
-                self.skipped_call = ev.index
-                return events
-            self.calls += 1
-            self.skipped_call = None
-            self.open = R.FunctionCallOutput(id=_item_id("fc"), call_id=new_call_id(), name=ev.name, arguments="",
-                                             status="in_progress")
-            return events + self._opened()
-        if ev.index == self.skipped_call or not isinstance(self.open, R.FunctionCallOutput):
-            return []
-        self.open.arguments += ev.fragment
-        return [R.ArgumentsDeltaEvent(type="response.function_call_arguments.delta", item_id=self.open.id,
-                                      output_index=len(self.items) - 1, delta=ev.fragment)]
-
-    def _opened(self) -> list[R.StreamEvent]:
-        self.items.append(self.open)
-        return [R.ItemEvent(type="response.output_item.added", output_index=len(self.items) - 1,
-                            item=self.open.model_copy(deep=True))]
-
-    def close(self, status: str = "completed") -> list[R.StreamEvent]:
-        """Finish the open item (if any): its done events."""
-        item, self.open = self.open, None
-        if item is None:
-            return []
+    def _close(self, block: Block, status: str) -> list[R.StreamEvent]:
+        item, index = self.items[block.index], block.index
         item.status = status
-        index = len(self.items) - 1
-        if isinstance(item, R.ReasoningItem):
-            text = item.content[0].text
+        if block.kind == "reasoning":
             if self.encrypted_reasoning:
-                item.encrypted_content = encode_reasoning(text)
+                item.encrypted_content = encode_reasoning(block.text)
             events = [R.TextDoneEvent(type="response.reasoning_text.done", item_id=item.id, output_index=index,
-                                      text=text),
+                                      text=block.text),
                       R.PartEvent(type="response.content_part.done", item_id=item.id, output_index=index,
-                                  part=R.ReasoningContent(text=text))]
-        elif isinstance(item, R.OutputMessage):
-            text = item.content[0].text
+                                  part=R.ReasoningContent(text=block.text))]
+        elif block.kind == "text":
             events = [R.OutputTextDoneEvent(type="response.output_text.done", item_id=item.id, output_index=index,
-                                            text=text),
+                                            text=block.text),
                       R.PartEvent(type="response.content_part.done", item_id=item.id, output_index=index,
-                                  part=R.OutputText(text=text))]
+                                  part=R.OutputText(text=block.text))]
         else:
             events = [R.ArgumentsDoneEvent(type="response.function_call_arguments.done", item_id=item.id,
-                                           output_index=index, name=item.name, arguments=item.arguments)]
+                                           output_index=index, name=item.name, arguments=block.text)]
         return events + [R.ItemEvent(type="response.output_item.done", output_index=index,
                                      item=item.model_copy(deep=True))]
-
-    def answer_message(self) -> dict[str, Any]:
-        """The answer as the chat message a later turn's prompt shows (previous_response_id)."""
-        message: dict[str, Any] = {"role": "assistant", "content": None}
-        for item in self.items:
-            if isinstance(item, R.ReasoningItem):
-                message["reasoning_content"] = item.content[0].text
-            elif isinstance(item, R.OutputMessage):
-                message["content"] = (message["content"] or "") + item.content[0].text
-            else:
-                message.setdefault("tool_calls", []).append(
-                    {"id": item.call_id, "type": "function",
-                     "function": {"name": item.name, "arguments": item.arguments}})
-        return message
 
 
 # -- the response ------------------------------------------------------------------------------------------------
@@ -383,7 +325,7 @@ def finished_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: P
                 item.content[0].logprobs = _token_logprobs(server, c, 0, len(c.token_ids), req.top_logprobs or 0)
     response = response_object(server, req, prepared, response_id, created_at, builder, out)
     if req.store:
-        server.responses.put(StoredResponse(response, messages + [builder.answer_message()]))
+        server.responses.put(StoredResponse(response, messages + [builder.blocks.answer_message()]))
     return response
 
 
