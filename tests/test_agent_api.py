@@ -437,7 +437,33 @@ def test_response_format_holds_the_answer_not_the_thinking(client, tok):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == held.message.content
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_thinking_token_budget_closes_the_thinking(client, tok, stream):
+    """vLLM's thinking_token_budget: after that many thinking tokens the end-of-thinking marker is forced. With a
+    logit_bias of -100 on </mm:think> the model never closes its thinking by itself; with a budget of 4 it
+    closes it after exactly 4 tokens, and the answer after it is free (streamed or not)."""
+    end = tok.convert_tokens_to_ids("</mm:think>")
+    messages = [{"role": "user", "content": "Weather in Oslo?"}]
+
+    def ask(**extra):
+        body = {"chat_template_kwargs": {"thinking_mode": "enabled"}, "return_token_ids": True, **extra}
+        kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=1.0, seed=5,
+                  logit_bias={str(end): -100}, extra_body=body)
+        if not stream:
+            return client.chat.completions.create(**kw).choices[0].model_extra["token_ids"]
+        chunks = client.chat.completions.create(stream=True, **kw)
+        return [t for c in chunks for ch in c.choices for t in (ch.model_extra.get("token_ids") or [])]
+
+    assert end not in ask()
+    ids = ask(thinking_token_budget=4)
+    assert ids.index(end) == 4 and len(ids) > 5
+    assert ask(thinking_token_budget=0).index(end) == 0
+
+
 @pytest.mark.parametrize("extra, param, words", [
+    ({"thinking_token_budget": 8, "response_format": {"type": "json_object"}}, "thinking_token_budget",
+     "cannot be combined"),
+    ({"thinking_token_budget": -1}, "thinking_token_budget", ">= 0"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
      "tools[0].function.parameters.type", "must be 'object'"),
@@ -475,7 +501,8 @@ def test_unknown_fields_are_ignored_and_logged(client, caplog):
 
 # -- a server without the flags, and generation-config defaults ----------------------------------------------------
 def test_plain_server_refuses_auto_and_applies_generation_defaults(tiny_dir):
-    """No --enable-auto-tool-choice: tools (default tool_choice auto) are a 400, as in vLLM. The model's generation
+    """No --enable-auto-tool-choice: tools (default tool_choice auto) are a 400, as in vLLM; without
+    --reasoning-parser, so is a thinking_token_budget. The model's generation
     config supplies defaults: here temperature 0 (so a request without one is greedy) and a second EOS id, a
     token the model greedily emits, where generation now stops."""
     from nanoserve import LLM, SamplingParams
@@ -493,6 +520,9 @@ def test_plain_server_refuses_auto_and_applies_generation_defaults(tiny_dir):
         plain = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
         err = error_of(lambda: plain.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS))
         assert err["param"] == "tool_choice" and "--enable-auto-tool-choice" in err["message"]
+        err = error_of(lambda: plain.chat.completions.create(model=MODEL, messages=messages,
+                                                             extra_body={"thinking_token_budget": 8}))
+        assert err["param"] == "thinking_token_budget" and "--reasoning-parser" in err["message"]
         out = plain.completions.create(model=MODEL, prompt="The engine", max_tokens=8)  # no temperature: greedy
         assert (out.choices[0].finish_reason, out.choices[0].stop_reason) == ("stop", ids[k])
         assert out.usage.completion_tokens == k + 1

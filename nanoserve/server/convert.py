@@ -88,10 +88,16 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
         params.max_tokens = max(1, min(default_max, server.max_model_len - len(ids)))
     if setup.reasoning_parser:
         setup.reasoning_state = setup.reasoning_parser.prompt_state(text)
+    budget = req.thinking_token_budget
+    if budget is not None and setup.reasoning_parser is None:
+        raise APIError(400, "thinking_token_budget: needs the server started with --reasoning-parser (it finds the "
+                            "thinking)", param="thinking_token_budget")
     if setup.tool_choice.forced:
         room = server.max_model_len - len(ids)
         apply_forced_tool_choice(server, params, setup, room if params.max_tokens is None else
-                                 min(room, params.max_tokens))
+                                 min(room, params.max_tokens), budget)
+    elif budget is not None and setup.reasoning_state != "closed":
+        apply_thinking_budget(server, params, setup, budget)
     elif setup.reasoning_state != "closed":  # the model may think first (open: it is thinking; none: it decides)
         hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
@@ -145,15 +151,19 @@ inside (or before) its call, and the call would come back cut off."""
 
 
 def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
-                       token_markers: frozenset[str] = frozenset()) -> dict[str, Any]:
+                       token_markers: frozenset[str] = frozenset(), thinking_budget: int | None = None
+                       ) -> dict[str, Any]:
     """The xgrammar structural tag a forced tool_choice ("required", a named function) holds the output to: the
     tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part),
-    which may take at most `max_tokens` less the call's room (FORCED_CALL_ROOM). `token_markers`: the parsers'
-    markers that are single tokens, matched as those tokens."""
+    which may take at most `max_tokens` less the call's room (FORCED_CALL_ROOM), and at most `thinking_budget`
+    (the request's thinking_token_budget). `token_markers`: the parsers' markers that are single tokens, matched
+    as those tokens."""
     tag = setup.tool_parser.structural_tag(setup.tools, setup.tool_choice, setup.parallel_tool_calls,
                                            token_markers)
     if setup.reasoning_parser:
         budget = None if max_tokens is None else max_tokens - min(max_tokens // 2, FORCED_CALL_ROOM)
+        if thinking_budget is not None:
+            budget = thinking_budget if budget is None else min(budget, thinking_budget)
         tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state, budget, token_markers)
     return tag
 
@@ -166,16 +176,31 @@ def hold_format_after_reasoning(server: OpenAIServer, params: SamplingParams) ->
 
 
 def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup,
-                             room: int) -> None:
+                             room: int, thinking_budget: int | None = None) -> None:
     """Hold the output to forced_call_format(setup) by structured decoding, so that even a model that would not
-    choose a tool emits a valid call. `room`: the tokens the output may take (max_tokens, or what fits). A
-    request that also sets its own output format cannot have both."""
+    choose a tool emits a valid call. `room`: the tokens the output may take (max_tokens, or what fits);
+    `thinking_budget`: the request's thinking_token_budget. A request that also sets its own output format cannot
+    have both."""
     if params.structured_outputs is not None:
         raise APIError(400, f"tool_choice: {setup.tool_choice.mode!r} cannot be combined with response_format / "
                             f"structured_outputs (both constrain the output)", param="tool_choice")
     params.structured_outputs = StructuredOutputsParams(structural_tag=forced_call_format(
-        setup, room, server.token_markers))
+        setup, room, server.token_markers, thinking_budget))
     setup.structured_field = "tool_choice"
+
+
+def apply_thinking_budget(server: OpenAIServer, params: SamplingParams, setup: ChatSetup, budget: int) -> None:
+    """thinking_token_budget (vLLM's field): the thinking may take at most `budget` tokens, then the only token
+    allowed is the end-of-thinking marker; the answer after it is free. Enforced by the same structured decoding
+    as a forced call's thinking bound: the reasoning parser's thinking before any text. An output format of the
+    request's own would need to sit inside that grammar, which is not built: the two together are a 400."""
+    if params.structured_outputs is not None:
+        raise APIError(400, "thinking_token_budget: cannot be combined with response_format / structured_outputs "
+                            "on this server", param="thinking_token_budget")
+    answer = {"type": "structural_tag", "format": {"type": "any_text"}}
+    params.structured_outputs = StructuredOutputsParams(structural_tag=setup.reasoning_parser.wrap_structural_tag(
+        answer, setup.reasoning_state, budget, server.token_markers))
+    setup.structured_field = "thinking_token_budget"
 
 
 # -- the steps ------------------------------------------------------------------------------------------------

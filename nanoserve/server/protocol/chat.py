@@ -91,6 +91,8 @@ class ChatCompletionRequest(SamplingRequest):
     """Variables for the chat template; M3's: thinking_mode = enabled | disabled | adaptive."""
     reasoning_effort: str | None = None
     """Passed to the chat template as the variable reasoning_effort (templates that do not read it ignore it)."""
+    thinking_token_budget: Int | None = None
+    """At most this many thinking tokens: then the end-of-thinking marker is forced (needs --reasoning-parser)."""
 
     @model_validator(mode="after")
     def _logprobs_pair(self) -> "ChatCompletionRequest":
@@ -99,6 +101,8 @@ class ChatCompletionRequest(SamplingRequest):
             raise ValueError("top_logprobs: must be >= 0 (or -1 for the whole vocabulary)")
         if self.top_logprobs not in (None, 0) and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError("thinking_token_budget: must be >= 0")
         return self
 
     @property
