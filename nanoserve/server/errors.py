@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 from http import HTTPStatus
 from typing import Iterator
 
@@ -104,6 +105,27 @@ def engine_errors(req: P.SamplingRequest, prompt_field: str) -> Iterator[None]:
         raise APIError(503, str(exc), headers={"Retry-After": str(exc.retry_after)}) from exc
     except EngineDeadError as exc:
         raise APIError(500, str(exc)) from exc
+
+
+@contextlib.contextmanager
+def fields_renamed(names: tuple[tuple[str, str], ...]) -> Iterator[None]:
+    """Errors of the chat machinery, for an API served as a chat (Responses, Anthropic Messages): each names
+    this API's field instead of the chat request's. `names`: (chat field, this API's field) pairs, the longer
+    paths first. A chat tool's fields sit under `function` (tools[i].function.name); these APIs' tools hold them
+    directly (tools[i].name)."""
+    try:
+        yield
+    except APIError as exc:
+        message, param = (re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", text) if text else text
+                          for text in (exc.message, exc.param))
+        for chat_name, name in names:
+            if message.startswith(chat_name):
+                message = name + message[len(chat_name):]
+            if param == chat_name:
+                param = name
+            elif param == chat_name.split(".")[0]:
+                param = name.split(".")[0]
+        raise APIError(exc.status, message, param=param, headers=exc.headers) from exc
 
 
 # -- the app's exception handlers ----------------------------------------------------------------------------

@@ -94,6 +94,16 @@ def usage(outputs: list[RequestOutput], generated: bool = True) -> P.UsageInfo:
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
 
+def cache_write_tokens(server: OpenAIServer, out: RequestOutput) -> int:
+    """The prompt's tokens in full KV blocks that were not cached and now are: the prefix cache registers every
+    full block of a prompt once it is computed."""
+    engine = server.engine.engine
+    if not engine.config.optimizations.prefix_caching:
+        return 0
+    full = len(out.prompt_token_ids) // engine.block_size * engine.block_size
+    return max(0, full - out.num_cached_tokens)
+
+
 # -- logprobs of tokens [start, end) in the two OpenAI formats ---------------------------------------------------
 MIN_LOGPROB = -9999.0
 """What a -inf logprob (a token masked out, e.g. by a structured-output grammar) is sent as: JSON has no infinity

@@ -4,7 +4,8 @@ the generated text goes through the same reasoning and tool-call parsers, whose 
 (reasoning, message, function_call) and, streamed, this API's events.
 
     chat_request      ResponsesRequest -> (ChatCompletionRequest, the turn's conversation)
-    prepare_response  ... -> Prepared, with errors naming this API's fields (input, max_output_tokens, text)
+    prepare_response  ... -> Prepared, with errors naming this API's fields (RESPONSES_FIELDS: input,
+                      max_output_tokens, text.format)
     OutputBuilder     the answer's blocks (answer_blocks.py) -> output items and the stream events that build
                       them (one path for both answers: a streamed response ends with its events' items, ids and
                       all)
@@ -17,20 +18,18 @@ The store of finished responses (GET /v1/responses/{id}, previous_response_id) i
 from __future__ import annotations
 
 import base64
-import contextlib
-import re
 import uuid
-from typing import Any, AsyncIterator, Iterator
+from typing import Any, AsyncIterator
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.server import protocol as P
 from nanoserve.server.answer_blocks import AnswerBlocks, Block
 from nanoserve.server.convert import Prepared, prepare_chat
-from nanoserve.server.errors import APIError
+from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.protocol import responses_api as R
 from nanoserve.server.response_store import ResponseStore, StoredResponse
-from nanoserve.server.responses import chat_logprobs
+from nanoserve.server.responses import cache_write_tokens, chat_logprobs
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import StreamedChoice, stop_holdback
 
@@ -127,29 +126,10 @@ def chat_request(req: R.ResponsesRequest, messages: list[dict[str, Any]]) -> P.C
     return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
 
 
-FIELD_NAMES = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
+RESPONSES_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
                ("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
                ("tool_choice.function.name", "tool_choice.name"))
-"""Chat field -> this API's field, in the errors of the chat preparation (a chat tool's fields sit under
-`function`; here they are the tool's own: tools[i].function.name -> tools[i].name)."""
-
-
-@contextlib.contextmanager
-def named_for_responses() -> Iterator[None]:
-    """Errors of the chat machinery, naming this API's fields instead of the chat request's."""
-    try:
-        yield
-    except APIError as exc:
-        message, param = (re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", text) if text else text
-                          for text in (exc.message, exc.param))
-        for chat_name, name in FIELD_NAMES:
-            if message.startswith(chat_name):
-                message = name + message[len(chat_name):]
-            if param == chat_name:
-                param = name
-            elif param == chat_name.split(".")[0]:
-                param = name.split(".")[0]
-        raise APIError(exc.status, message, param=param, headers=exc.headers) from exc
+"""Chat field -> this API's field, in the errors of the chat preparation (errors.fields_renamed)."""
 
 
 def prepare_response(server: OpenAIServer, req: R.ResponsesRequest
@@ -158,7 +138,7 @@ def prepare_response(server: OpenAIServer, req: R.ResponsesRequest
     and the turn's conversation."""
     messages = conversation(req, server.responses)
     chat = chat_request(req, messages)
-    with named_for_responses():
+    with fields_renamed(RESPONSES_FIELDS):
         return prepare_chat(server, chat), chat, messages
 
 
@@ -266,16 +246,6 @@ def reasoning_tokens(server: OpenAIServer, prepared: Prepared, c: CompletionOutp
     if len(start_ids) == 1 and start_ids[0] in ids[:end]:
         return end - ids.index(start_ids[0]) - 1
     return 0
-
-
-def cache_write_tokens(server: OpenAIServer, out: RequestOutput) -> int:
-    """The prompt's tokens in full KV blocks that were not cached and now are: the prefix cache registers every
-    full block of a prompt once it is computed."""
-    engine = server.engine.engine
-    if not engine.config.optimizations.prefix_caching:
-        return 0
-    full = len(out.prompt_token_ids) // engine.block_size * engine.block_size
-    return max(0, full - out.num_cached_tokens)
 
 
 def response_object(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,

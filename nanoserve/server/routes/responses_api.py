@@ -11,8 +11,9 @@ from fastapi.responses import JSONResponse, Response
 
 from nanoserve.server.protocol.common import now
 from nanoserve.server.protocol.responses_api import DeletedResponse, ResponsesRequest
-from nanoserve.server.errors import APIError
-from nanoserve.server.responses_api import named_for_responses, prepare_response, response_events, whole_response
+from nanoserve.server.errors import APIError, fields_renamed
+from nanoserve.server.responses_api import (RESPONSES_FIELDS, prepare_response, response_events,
+                                            whole_response)
 from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs
@@ -27,12 +28,12 @@ async def create_response(request: Request, server: Server,
     prepared, chat, messages = await server.offload.run(len(await request.body()), prepare_response, server, req)
     response_id = req.request_id or f"resp_{uuid.uuid4().hex}"
     created_at = now()
-    with named_for_responses():
+    with fields_renamed(RESPONSES_FIELDS):
         streams = await add_requests(server, response_id, prepared, chat, "messages")
     if req.stream:
         return EventStreamResponse(response_events(server, req, prepared, response_id, created_at, streams[0],
                                                    messages), streams)
-    with named_for_responses():
+    with fields_renamed(RESPONSES_FIELDS):
         [output] = await wait_for_outputs(request, streams, chat, "messages")
     body = whole_response(server, req, prepared, response_id, created_at, output, messages)
     return JSONResponse(body.model_dump(mode="json"))
