@@ -181,6 +181,7 @@ def test_openapi_lists_every_post_body(server):
     """/openapi.json describes the request body of every POST route: its fields, which are required, and the
     nested models written out (no reference left dangling)."""
     from nanoserve.server import protocol as P
+    from nanoserve.server.protocol.anthropic_api import CountTokensRequest, MessagesRequest
     from nanoserve.server.protocol.responses_api import ResponsesRequest
     from nanoserve.server.routes import ROUTERS
 
@@ -189,7 +190,8 @@ def test_openapi_lists_every_post_body(server):
     assert posts == {p for p, ops in doc["paths"].items() if "post" in ops} >= {"/v1/completions",
                                                                                "/v1/chat/completions"}
     models = {"/v1/completions": P.CompletionRequest, "/v1/chat/completions": P.ChatCompletionRequest,
-              "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest, "/v1/responses": ResponsesRequest}
+              "/tokenize": P.TokenizeRequest, "/detokenize": P.DetokenizeRequest, "/v1/responses": ResponsesRequest,
+              "/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest}
     for path in posts - {"/ping", "/v1/responses/{response_id}/cancel"}:  # these two take no body
         body = doc["paths"][path]["post"]["requestBody"]
         schema = body["content"]["application/json"]["schema"]

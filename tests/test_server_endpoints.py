@@ -210,6 +210,7 @@ def test_help_and_docs_list_every_endpoint_and_field():
     from pathlib import Path
 
     from nanoserve.server import protocol as P
+    from nanoserve.server.protocol.anthropic_api import MessagesRequest
     from nanoserve.server.protocol.responses_api import ResponsesRequest
     from nanoserve.server.routes import ROUTERS
 
@@ -219,9 +220,11 @@ def test_help_and_docs_list_every_endpoint_and_field():
         for route in router.routes:
             assert f"`{sorted(route.methods)[-1]} {route.path}" in docs or f"{route.path}`" in docs, route.path
             assert route.path in helptext, route.path
-    responses = (Path(__file__).resolve().parent.parent / "docs" / "responses_api.md").read_text()
-    for field in ResponsesRequest.model_fields:
-        assert f"`{field}`" in responses, field
+    root = Path(__file__).resolve().parent.parent / "docs"
+    for page, model in (("responses_api.md", ResponsesRequest), ("anthropic_api.md", MessagesRequest)):
+        text = (root / page).read_text()
+        for field in model.model_fields:
+            assert f"`{field}`" in text, (page, field)
     for model in (P.CompletionRequest, P.ChatCompletionRequest, P.TokenizeRequest, P.DetokenizeRequest):
         for field in model.model_fields:
             assert f"`{field}`" in docs, (model.__name__, field)

@@ -7,7 +7,8 @@
 
 Routes (docs/server_api.md has every field and what is refused): POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, GET|DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel
-(docs/responses_api.md), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
+(docs/responses_api.md), POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API,
+docs/anthropic_api.md), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
 POST /invocations, GET /load, GET /version, GET /metrics, GET /openapi.json.
 
 Engine flags use vLLM's names. Every optimization switch also has its own --<switch> / --no-<switch> pair,
@@ -271,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            timeout_graceful_shutdown=5, http=http), app.state.lifecycle)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1: completions, chat/completions, responses, "
-                "models; /tokenize, /detokenize, /health, /metrics, "
+                "models; Anthropic's /v1/messages; /tokenize, /detokenize, /health, /metrics, "
                 "/version, /load, /ping, /invocations)", ", ".join(f"`{n}`" for n in names), args.host, args.port)
     server.run()
     if app.state.lifecycle.signal is not None:

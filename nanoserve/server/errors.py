@@ -1,4 +1,5 @@
-"""Every error leaves in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's values:
+"""Every error leaves in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with vLLM's values
+(on Anthropic's Messages API, /v1/messages, in Anthropic's: {"type": "error", "error": {"type", "message"}}):
 `code` is the HTTP status, `type` vLLM's name for it (BadRequestError, NotFoundError, ...; otherwise the status
 phrase). Non-streaming errors are the response body; a streaming request that fails after its 200 went out gets
 the same object as one SSE event, then [DONE]. Here: APIError, the mapping of pydantic's and the engine's
@@ -21,12 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, QueueFullError
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
+from nanoserve.server.protocol import anthropic_api as A
 
 logger = logging.getLogger(__name__)
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
                408: "RequestTimeoutError", 413: "RequestEntityTooLargeError", 500: "InternalServerError",
                503: "ServiceUnavailableError"}
+ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                         404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+                         429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+ANTHROPIC_PATHS = "/v1/messages"
+"""Errors on these routes (Anthropic's Messages API) take Anthropic's shape."""
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
 MAX_ECHOED_INPUT_CHARS = 40  # error messages quote a bad value only when it is short
 
@@ -51,8 +58,15 @@ class APIError(Exception):
         return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.status))
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=self.status, headers=self.headers)
+    def response(self, anthropic: bool = False) -> JSONResponse:
+        """The error as a JSON response: OpenAI's shape, or Anthropic's for its Messages API."""
+        body = self.anthropic_body() if anthropic else self.body()
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
+
+    def anthropic_body(self) -> A.ErrorBody:
+        """Anthropic's shape: {"type": "error", "error": {"type", "message"}} with its error types."""
+        return A.ErrorBody(error=A.ErrorDetail(type=ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
+                                               message=self.message))
 
 
 # -- exceptions -> APIError --------------------------------------------------------------------------------
@@ -129,22 +143,26 @@ def fields_renamed(names: tuple[tuple[str, str], ...]) -> Iterator[None]:
 
 
 # -- the app's exception handlers ----------------------------------------------------------------------------
+def _anthropic(request: Request) -> bool:
+    return request.url.path.startswith(ANTHROPIC_PATHS)
+
+
 async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-    return exc.response()
+    return exc.response(_anthropic(request))
 
 
 async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     # keeps the exception's headers: a 405's Allow names the methods the route takes
-    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response(_anthropic(request))
 
 
 async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return APIError(400, str(exc)).response()
+    return APIError(400, str(exc)).response(_anthropic(request))
 
 
 async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response()
+    return APIError(500, f"internal server error: {type(exc).__name__}: {exc}").response(_anthropic(request))
 
 
 EXCEPTION_HANDLERS = {APIError: on_api_error, StarletteHTTPException: on_http_error,

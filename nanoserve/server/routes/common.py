@@ -33,12 +33,15 @@ Server = Annotated[OpenAIServer, Depends(get_server)]
 
 
 async def check_api_key(request: Request, server: Server) -> None:
-    """401 unless the Bearer token matches --api-key (when one is set)."""
+    """401 unless the Bearer token - or the x-api-key header, which Anthropic's clients send - matches --api-key
+    (when one is set)."""
     if server.api_key is None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>'")
+        scheme, token = "bearer", request.headers.get("x-api-key", "")
+    if not token:
+        raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     if not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
         raise APIError(401, "invalid API key")
 

@@ -1,0 +1,231 @@
+"""POST /v1/messages (Anthropic's Messages API), served as a chat as vLLM serves it: the request's system
+prompt and content blocks become chat messages, convert.prepare_chat prepares them as any chat, and the answer's
+blocks (answer_blocks.py: thinking, text, calls) become content blocks and, streamed, this API's events.
+
+    chat_request     MessagesRequest / CountTokensRequest -> ChatCompletionRequest
+    prepare_message  ... -> Prepared, with errors naming this API's fields (ANTHROPIC_FIELDS)
+    count_tokens     POST /v1/messages/count_tokens: the prompt's size
+    message_response the whole answer; message_events the streamed one
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from typing import Any, AsyncIterator
+
+from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
+from nanoserve.server import protocol as P
+from nanoserve.server.answer_blocks import AnswerBlocks, Block, Change
+from nanoserve.server.convert import Prepared, chat_setup, prepare_chat, render_messages
+from nanoserve.server.errors import APIError, fields_renamed
+from nanoserve.server.protocol import anthropic_api as A
+from nanoserve.server.responses import cache_write_tokens
+from nanoserve.server.state import OpenAIServer
+from nanoserve.server.streaming import StreamedChoice, stop_holdback
+
+ANTHROPIC_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
+                    ("response_format.json_schema.schema", "output_config.format.schema"),
+                    ("response_format", "output_config.format"), ("tool_choice.function.name", "tool_choice.name"),
+                    ("thinking_token_budget", "thinking.budget_tokens"))
+"""Chat field -> this API's field, in the errors of the chat preparation (errors.fields_renamed)."""
+
+THINKING_MODES = {"enabled": "enabled", "disabled": "disabled", "adaptive": "adaptive"}
+"""thinking.type -> M3's chat-template variable thinking_mode."""
+
+
+# -- the request as a chat -------------------------------------------------------------------------------------------
+def chat_messages(req: A.ChatFields) -> list[dict[str, Any]]:
+    """The system prompt, then each message: a user turn's tool_result blocks become `tool` messages (before its
+    text, as vLLM orders them), an assistant turn's thinking, text and tool_use blocks one assistant message."""
+    system = req.system_text()
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
+    for i, m in enumerate(req.messages):
+        texts: list[dict[str, str]] = []
+        if m.role == "user":
+            for j, b in enumerate(m.content):
+                if isinstance(b, A.ToolResultBlock):
+                    messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
+                elif isinstance(b, A.TextBlock):
+                    texts.append({"type": "text", "text": b.text})
+                elif not isinstance(b, A.RedactedThinkingBlock):
+                    raise APIError(400, f"messages[{i}].content[{j}]: a {b.type} block belongs to an assistant "
+                                        f"message", param="messages")
+            if texts:
+                messages.append({"role": "user", "content": texts})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": None}
+        for j, b in enumerate(m.content):
+            if isinstance(b, A.TextBlock):
+                texts.append({"type": "text", "text": b.text})
+            elif isinstance(b, A.ThinkingBlock):
+                message["reasoning_content"] = message.get("reasoning_content", "") + b.thinking
+            elif isinstance(b, A.ToolUseBlock):
+                message.setdefault("tool_calls", []).append({"id": b.id, "type": "function", "function": {
+                    "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
+            elif isinstance(b, A.ToolResultBlock):
+                raise APIError(400, f"messages[{i}].content[{j}]: a tool_result block belongs to a user message",
+                               param="messages")
+        message["content"] = texts or None
+        messages.append(message)
+    return messages
+
+
+def chat_request(req: A.ChatFields) -> P.ChatCompletionRequest:
+    """The chat request this Anthropic request stands for."""
+    body: dict[str, Any] = {"model": req.model, "messages": chat_messages(req)}
+    if req.tools:
+        body["tools"] = [{"type": "function", "function": {"name": t.name, "description": t.description,
+                                                           "parameters": t.input_schema, "strict": t.strict}}
+                         for t in req.tools]
+    choice = req.tool_choice
+    if choice is not None:
+        body["tool_choice"] = {"auto": "auto", "any": "required", "none": "none"}.get(choice.type) or \
+            {"type": "function", "function": {"name": choice.name}}
+        body["parallel_tool_calls"] = not choice.disable_parallel_tool_use
+    kwargs = dict(req.chat_template_kwargs or {})
+    if req.thinking is not None:
+        kwargs.setdefault("thinking_mode", THINKING_MODES[req.thinking.type])
+        body["thinking_token_budget"] = req.thinking.budget_tokens
+    body["chat_template_kwargs"] = kwargs or None
+    if isinstance(req, A.MessagesRequest):
+        body.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
+                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    user=req.metadata.user_id if req.metadata is not None else None)
+        config = req.output_config
+        if config is not None and config.effort is not None:
+            body["reasoning_effort"] = config.effort
+        if config is not None and config.format is not None:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
+                                                                              "schema": config.format.schema_}}
+    return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+
+
+def prepare_message(server: OpenAIServer, req: A.MessagesRequest) -> tuple[Prepared, P.ChatCompletionRequest]:
+    with fields_renamed(ANTHROPIC_FIELDS):
+        chat = chat_request(req)
+        return prepare_chat(server, chat), chat
+
+
+def count_tokens(server: OpenAIServer, req: A.CountTokensRequest) -> A.CountTokensResponse:
+    """The prompt's size: the chat template's rendering of the request (its tools checked as /v1/messages checks
+    them), tokenized."""
+    with fields_renamed(ANTHROPIC_FIELDS):
+        chat = chat_request(req)
+        chat_setup(server, chat)
+        _, text = render_messages(server, chat)
+    return A.CountTokensResponse(input_tokens=len(server.tokenizer.encode(text, add_special_tokens=False)))
+
+
+# -- the answer ------------------------------------------------------------------------------------------------------
+def signature(thinking: str) -> str:
+    return hashlib.sha256(thinking.encode()).hexdigest()
+
+
+def tool_use_id(block: Block) -> str:
+    return "toolu_" + block.call_id.removeprefix("call_")
+
+
+def content_block(block: Block) -> A.AnswerBlock:
+    """A finished block as this API's content block."""
+    if block.kind == "reasoning":
+        return A.ThinkingContent(thinking=block.text, signature=signature(block.text))
+    if block.kind == "text":
+        return A.TextContent(text=block.text)
+    try:
+        arguments = json.loads(block.text) if block.text else {}
+    except json.JSONDecodeError:  # cut off by max_tokens (stop_reason says so): what was not finished is empty
+        arguments = {}
+    return A.ToolUseContent(id=tool_use_id(block), name=block.name, input=arguments)
+
+
+def stop_reason(c: CompletionOutput, called_tools: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence) of a finished output."""
+    if c.finish_reason == "length":
+        return "max_tokens", None
+    if called_tools:
+        return "tool_use", None
+    if isinstance(c.stop_reason, str):
+        return "stop_sequence", c.stop_reason
+    return "end_turn", None
+
+
+def usage(server: OpenAIServer, out: RequestOutput, output_tokens: int) -> A.Usage:
+    cached = out.num_cached_tokens
+    return A.Usage(input_tokens=len(out.prompt_token_ids) - cached, output_tokens=output_tokens,
+                   cache_creation_input_tokens=cache_write_tokens(server, out), cache_read_input_tokens=cached)
+
+
+def blocks_for(req: A.MessagesRequest, prepared: Prepared) -> AnswerBlocks:
+    one = req.tool_choice is not None and req.tool_choice.disable_parallel_tool_use
+    return AnswerBlocks(prepared.chat, max_calls=1 if one else None)
+
+
+def message_response(server: OpenAIServer, req: A.MessagesRequest, prepared: Prepared, message_id: str,
+                     out: RequestOutput) -> A.MessageResponse:
+    """A non-streamed answer: the whole text through the blocks at once."""
+    c = out.outputs[0]
+    blocks = blocks_for(req, prepared)
+    blocks.feed(c.text, True)
+    reason, sequence = stop_reason(c, bool(blocks.calls))
+    content = [content_block(b) for b in blocks.blocks] or [A.TextContent(text="")]  # as vLLM: never no block
+    return A.MessageResponse(id=message_id, model=prepared.model, content=content, stop_reason=reason,
+                             stop_sequence=sequence, usage=usage(server, out, len(c.token_ids)))
+
+
+def sse_event(event: A.StreamEvent | A.ErrorBody) -> str:
+    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+
+
+def _events(change: Change) -> list[A.StreamEvent]:
+    block = change.block
+    if change.op == "open":
+        start = {"reasoning": A.ThinkingContent(thinking="", signature=""), "text": A.TextContent(text="")}.get(
+            block.kind) or A.ToolUseContent(id=tool_use_id(block), name=block.name, input={})
+        return [A.BlockStartEvent(index=block.index, content_block=start)]
+    if change.op == "delta":
+        delta = {"reasoning": {"type": "thinking_delta", "thinking": change.delta},
+                 "text": {"type": "text_delta", "text": change.delta},
+                 "call": {"type": "input_json_delta", "partial_json": change.delta}}[block.kind]
+        return [A.BlockDeltaEvent(index=block.index, delta=delta)]
+    events: list[A.StreamEvent] = []
+    if block.kind == "reasoning":
+        events.append(A.BlockDeltaEvent(index=block.index, delta={"type": "signature_delta",
+                                                                  "signature": signature(block.text)}))
+    return events + [A.BlockStopEvent(index=block.index)]
+
+
+async def message_events(server: OpenAIServer, req: A.MessagesRequest, prepared: Prepared, message_id: str,
+                         stream: RequestStream) -> AsyncIterator[str]:
+    """The streamed answer: message_start (on the first output, so that its usage has the prefix-cache counts),
+    each block's content_block_start / _delta / _stop, then message_delta (stop_reason, output tokens) and
+    message_stop. An engine failure ends the stream with an `error` event."""
+    blocks = blocks_for(req, prepared)
+    state, holdback, started = StreamedChoice(), stop_holdback(prepared.params), False
+    try:
+        async for out in stream:
+            c = out.outputs[0]
+            if not started:
+                started = True
+                yield sse_event(A.MessageStartEvent(message=A.MessageResponse(
+                    id=message_id, model=prepared.model, content=[], usage=usage(server, out, 0))))
+            if state.done:
+                continue
+            text, _, _ = state.next_piece(c, holdback)
+            for change in blocks.feed(text, state.done):
+                for event in _events(change):
+                    yield sse_event(event)
+            if state.done:
+                reason, sequence = stop_reason(c, bool(blocks.calls))
+                yield sse_event(A.MessageDeltaEvent(delta=A.MessageDelta(stop_reason=reason, stop_sequence=sequence),
+                                                    usage=A.DeltaUsage(output_tokens=len(c.token_ids))))
+                yield sse_event(A.MessageStopEvent())
+    except (EngineDeadError, EngineShutdownError) as exc:
+        kind = "api_error" if isinstance(exc, EngineDeadError) else "overloaded_error"
+        yield sse_event(A.ErrorBody(error=A.ErrorDetail(type=kind, message=str(exc))))
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
