@@ -187,6 +187,7 @@ def test_streamed_message_matches_the_whole_one(client):
     ({"thinking": {"type": "enabled", "budget_tokens": 100}}, "thinking.budget_tokens: must be at least 1024"),
     ({"max_tokens": 1500, "thinking": {"type": "enabled", "budget_tokens": 2000}}, "less than max_tokens"),
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: required"),
+    ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema.type: must be 'object'"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "tool_choice.name: 'nope'"),
     ({"max_tokens": 1500, "thinking": {"type": "enabled", "budget_tokens": 1024},
       "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},

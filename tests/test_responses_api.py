@@ -280,6 +280,7 @@ def test_store_keeps_the_most_recent():
     ({"max_output_tokens": 4000}, "max_output_tokens", "max_model_len"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),
     ({"top_logprobs": 3}, "top_logprobs", "include"),
+    ({"logit_bias": {"abc": 1.0}}, "logit_bias", "token ids"),
     ({"service_tier": "priority"}, "service_tier", "auto"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": FLAT_TOOLS}, "tool_choice.name", "nope"),
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "array"}}]},

@@ -19,7 +19,7 @@ from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.server import protocol as P
 from nanoserve.server.answer_blocks import AnswerBlocks, Block, Change
-from nanoserve.server.convert import Prepared, chat_setup, prepare_chat, render_messages
+from nanoserve.server.convert import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.protocol import anthropic_api as A
 from nanoserve.server.responses import cache_write_tokens
@@ -31,6 +31,8 @@ ANTHROPIC_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequ
                     ("response_format", "output_config.format"), ("tool_choice.function.name", "tool_choice.name"),
                     ("thinking_token_budget", "thinking.budget_tokens"))
 """Chat field -> this API's field, in the errors of the chat preparation (errors.fields_renamed)."""
+TOOL_FIELDS = {"parameters": "input_schema"}
+"""A chat tool's field -> this API's name for it."""
 
 THINKING_MODES = {"enabled": "enabled", "disabled": "disabled", "adaptive": "adaptive"}
 """thinking.type -> M3's chat-template variable thinking_mode."""
@@ -100,11 +102,11 @@ def chat_request(req: A.ChatFields) -> P.ChatCompletionRequest:
         if config is not None and config.format is not None:
             body["response_format"] = {"type": "json_schema", "json_schema": {"name": "output",
                                                                               "schema": config.format.schema_}}
-    return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    return as_chat_request(body)
 
 
 def prepare_message(server: OpenAIServer, req: A.MessagesRequest) -> tuple[Prepared, P.ChatCompletionRequest]:
-    with fields_renamed(ANTHROPIC_FIELDS):
+    with fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS):
         chat = chat_request(req)
         return prepare_chat(server, chat), chat
 
@@ -112,7 +114,7 @@ def prepare_message(server: OpenAIServer, req: A.MessagesRequest) -> tuple[Prepa
 def count_tokens(server: OpenAIServer, req: A.CountTokensRequest) -> A.CountTokensResponse:
     """The prompt's size: the chat template's rendering of the request (its tools checked as /v1/messages checks
     them), tokenized."""
-    with fields_renamed(ANTHROPIC_FIELDS):
+    with fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS):
         chat = chat_request(req)
         chat_setup(server, chat)
         _, text = render_messages(server, chat)

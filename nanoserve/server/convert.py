@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.parsers.chat_output import ChoiceText
 from nanoserve.parsers.reasoning import ReasoningParser
@@ -15,7 +17,7 @@ from nanoserve.parsers.tool_calls import ToolCallParser
 from nanoserve.parsers.tools import ToolChoice, ToolError, check_tools, resolve_tool_choice
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 from nanoserve.server import protocol as P
-from nanoserve.server.errors import APIError, engine_errors
+from nanoserve.server.errors import APIError, describe_validation_error, engine_errors
 from nanoserve.server.limits import check_prompt_chars, check_prompt_count
 from nanoserve.server.state import OpenAIServer
 
@@ -105,6 +107,16 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
     if req.echo and last.get("role") == ("assistant" if req.add_generation_prompt else last.get("role")):
         setup.echo = last.get("content") or ""
     return Prepared([(text, ids)], params, model, structured_field(req) or setup.structured_field, setup)
+
+
+def as_chat_request(body: dict[str, Any]) -> P.ChatCompletionRequest:
+    """The chat request another API served as a chat builds from its own (Responses, Anthropic Messages): a value
+    the chat request refuses (a logit_bias key that is no token id, ...) is a 400 naming the chat's field, which
+    the caller renames to its own (errors.fields_renamed). Unset fields (None) are left out."""
+    try:
+        return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    except ValidationError as exc:
+        raise describe_validation_error(exc) from exc
 
 
 def render_messages(server: OpenAIServer, req: P.ChatCompletionRequest | P.TokenizeRequest

@@ -122,15 +122,18 @@ def engine_errors(req: P.SamplingRequest, prompt_field: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fields_renamed(names: tuple[tuple[str, str], ...]) -> Iterator[None]:
+def fields_renamed(names: tuple[tuple[str, str], ...], tool_fields: dict[str, str] | None = None) -> Iterator[None]:
     """Errors of the chat machinery, for an API served as a chat (Responses, Anthropic Messages): each names
     this API's field instead of the chat request's. `names`: (chat field, this API's field) pairs, the longer
-    paths first. A chat tool's fields sit under `function` (tools[i].function.name); these APIs' tools hold them
-    directly (tools[i].name)."""
+    paths first. A chat tool's fields sit under `function` (tools[i].function.parameters); these APIs' tools hold
+    them directly, some under names of their own (`tool_fields`: parameters -> input_schema)."""
+    def tool_field(m: re.Match) -> str:
+        return f"{m.group(1)}.{(tool_fields or {}).get(m.group(2), m.group(2))}"
+
     try:
         yield
     except APIError as exc:
-        message, param = (re.sub(r"^(tools\[\d+\])\.function\.", r"\1.", text) if text else text
+        message, param = (re.sub(r"^(tools\[\d+\])\.function\.(\w+)", tool_field, text) if text else text
                           for text in (exc.message, exc.param))
         for chat_name, name in names:
             if message.startswith(chat_name):

@@ -25,7 +25,7 @@ from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.server import protocol as P
 from nanoserve.server.answer_blocks import AnswerBlocks, Block
-from nanoserve.server.convert import Prepared, prepare_chat
+from nanoserve.server.convert import Prepared, as_chat_request, prepare_chat
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.protocol import responses_api as R
 from nanoserve.server.response_store import ResponseStore, StoredResponse
@@ -123,7 +123,7 @@ def chat_request(req: R.ResponsesRequest, messages: list[dict[str, Any]]) -> P.C
     if isinstance(last, R.InputMessage) and last.role == "assistant" and last.status in ("in_progress",
                                                                                          "incomplete"):
         body["add_generation_prompt"], body["continue_final_message"] = False, True  # continue it (as vLLM)
-    return P.ChatCompletionRequest.model_validate({k: v for k, v in body.items() if v is not None})
+    return as_chat_request(body)
 
 
 RESPONSES_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
@@ -137,8 +137,8 @@ def prepare_response(server: OpenAIServer, req: R.ResponsesRequest
     """The request prepared as a chat (model, sampling, tools, template, tokens, length checks), the chat request
     and the turn's conversation."""
     messages = conversation(req, server.responses)
-    chat = chat_request(req, messages)
     with fields_renamed(RESPONSES_FIELDS):
+        chat = chat_request(req, messages)
         return prepare_chat(server, chat), chat, messages
 
 
