@@ -22,6 +22,7 @@ import signal
 import subprocess
 import sys
 
+import anthropic
 import httpx
 import jsonschema
 import openai
@@ -545,15 +546,16 @@ def test_cli_refuses_bad_flag_combinations(capsys):
 
 @pytest.mark.slow
 def test_cli_serves_tools_and_reasoning(tiny_dir, tmp_path):
-    """`python -m nanoserve.server` with vLLM's flags, as a process of its own."""
+    """`python -m nanoserve.server` with vLLM's flags, as a process of its own: chat, the Responses API with its
+    store, Anthropic's Messages API; SIGTERM then stops it with exit code 0."""
     base = [sys.executable, "-m", "nanoserve.server", "--model", tiny_dir, "--device", "cpu", *SWITCH_FLAGS]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     port = free_port()
     log = open(tmp_path / "server.log", "w")
     proc = subprocess.Popen(base + ["--port", str(port), "--max-model-len", str(AGENT_LEN), "--kv-cache-tokens",
                                     "4096", "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m3",
-                                    "--reasoning-parser", "minimax_m3"], stdout=log, stderr=subprocess.STDOUT,
-                            env=env)
+                                    "--reasoning-parser", "minimax_m3", "--responses-store-size", "4"],
+                            stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         def up() -> bool:
             try:
@@ -570,7 +572,18 @@ def test_cli_serves_tools_and_reasoning(tiny_dir, tmp_path):
         assert resp.choices[0].message.reasoning_content is not None  # the template opened the thinking block
         assert "default sampling parameters from the model's generation config" in (tmp_path / "server.log"
                                                                                     ).read_text()
+        # the same server answers the Responses API (and keeps what it answered) and Anthropic's Messages API
+        first = cli.responses.create(model=tiny_dir, input="Weather?", max_output_tokens=4)
+        assert cli.responses.retrieve(first.id).output_text == first.output_text
+        with cli.responses.stream(model=tiny_dir, input="And tomorrow?", previous_response_id=first.id,
+                                  max_output_tokens=4) as stream:
+            assert stream.get_final_response().usage.input_tokens > first.usage.input_tokens
+        claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{port}", api_key="none", max_retries=0, timeout=120)
+        msg = claude.messages.create(model=tiny_dir, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
+                                     thinking={"type": "disabled"})
+        assert msg.usage.output_tokens == 4 and msg.stop_reason == "max_tokens"
     finally:
         proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
+        code = proc.wait(timeout=60)
         log.close()
+    assert code == 0, (tmp_path / "server.log").read_text()
