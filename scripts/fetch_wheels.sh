@@ -8,9 +8,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYV=3.12
 if [ "${1:-}" = "--python-version" ]; then PYV=$2; shift 2; fi
-# the engine (structured outputs), the server, and what they pull in
+# the engine (structured outputs), the server, the clients the agent session drives, and what they pull in
 PKGS=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
-      fastapi starlette uvicorn httptools opentelemetry-api annotated-doc prometheus-client "$@")
+      fastapi starlette uvicorn httptools opentelemetry-api annotated-doc prometheus-client
+      openai anthropic distro jiter docstring-parser sniffio "$@")
 mkdir -p .whl
 for name in "${PKGS[@]}"; do
   version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')

@@ -14,6 +14,10 @@ thinking block within a few tokens, the thinking-on cases sample with a seed and
 once), once with the format and once without: the reasoning (the unconstrained part) must come out the same in
 both, since a seeded request draws the same tokens while nothing is masked.
 
+The same server is then driven through its other agent surfaces: vLLM's thinking_token_budget, the Responses API
+(a forced call, then its result over previous_response_id, streamed) and Anthropic's Messages API (the anthropic
+SDK: tool_choice any, whole and streamed).
+
 Every case writes a row to OUT/agent.jsonl as it finishes; the table (OUT/agent.md) is printed last. The exit
 status is 1 when any case failed.
 """
@@ -336,6 +340,55 @@ def run_cases(s: Session) -> None:
         check_answer(text)
         return None, f"{len(chunks)} chunks: {text}"
     s.case("json_schema streamed", json_stream)
+
+    def thinking_budget():
+        # vLLM's thinking_token_budget: with </mm:think> biased away the model never closes its thinking itself
+        budget = 16
+        kw = dict(temperature=1.0, seed=0, logit_bias={str(s.think_end_id): -100}, max_tokens=budget + 16,
+                  extra_body={"return_token_ids": True, "thinking_token_budget": budget})
+        ids = s.chat(user, "enabled", **kw).choices[0].model_extra["token_ids"]
+        assert ids.index(s.think_end_id) == budget, ids
+        return None, f"</mm:think> forced after {budget} thinking tokens, {len(ids)} tokens in all"
+    s.case("thinking_token_budget", thinking_budget)
+
+    flat_tools = [{"type": "function", **t["function"]} for t in TOOLS]
+
+    def responses_loop():
+        first = s.client.responses.create(model=s.model, input=user[1]["content"], instructions=user[0]["content"],
+                                          tools=flat_tools, tool_choice="required", parallel_tool_calls=False,
+                                          temperature=0.0, max_output_tokens=s.max_tokens,
+                                          extra_body={"chat_template_kwargs": {"thinking_mode": "disabled"}})
+        calls = [o for o in first.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name in names, first.output
+        assert not schema_errors(json.loads(calls[0].arguments), SCHEMAS[calls[0].name]), calls[0]
+        with s.client.responses.stream(model=s.model, previous_response_id=first.id, tools=flat_tools,
+                                       temperature=0.0, max_output_tokens=s.max_tokens,
+                                       input=[{"type": "function_call_output", "call_id": calls[0].call_id,
+                                               "output": "3C, light snow"}]) as stream:
+            second = stream.get_final_response()
+        assert second.usage.input_tokens > first.usage.input_tokens, (first.usage, second.usage)
+        return None, (f"call {calls[0].name}{calls[0].arguments}; continued by previous_response_id: "
+                      f"{[o.type for o in second.output]}, status {second.status}")
+    s.case("Responses API: required call, then its result over previous_response_id (streamed)", responses_loop)
+
+    def messages_api():
+        import anthropic
+
+        claude = anthropic.Anthropic(base_url=s.server.url, api_key="none", max_retries=0, timeout=600)
+        tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+                  "input_schema": t["function"]["parameters"]} for t in TOOLS]
+        kw = dict(model=s.model, max_tokens=s.max_tokens, tools=tools, thinking={"type": "disabled"},
+                  tool_choice={"type": "any", "disable_parallel_tool_use": True},
+                  messages=[{"role": "user", "content": user[1]["content"]}], extra_body={"temperature": 0.0})
+        whole = claude.messages.create(**kw)
+        uses = [b for b in whole.content if b.type == "tool_use"]
+        assert len(uses) == 1 and uses[0].name in names and not schema_errors(uses[0].input, SCHEMAS[uses[0].name])
+        with claude.messages.stream(**kw) as stream:
+            streamed = stream.get_final_message()
+        assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == \
+            [(uses[0].name, uses[0].input)], streamed.content
+        return None, f"stop_reason {whole.stop_reason}, tool_use {uses[0].name}{uses[0].input}, streamed the same"
+    s.case("Anthropic Messages API: tool_choice any (whole and streamed)", messages_api)
 
 
 def write_table(s: Session, out: Path, header: str) -> str:
