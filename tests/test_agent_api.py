@@ -442,13 +442,14 @@ def test_response_format_holds_the_answer_not_the_thinking(client, tok):
 def test_thinking_token_budget_closes_the_thinking(client, tok, stream):
     """vLLM's thinking_token_budget: after that many thinking tokens the end-of-thinking marker is forced. With a
     logit_bias of -100 on </mm:think> the model never closes its thinking by itself; with a budget of 4 it
-    closes it after exactly 4 tokens, and the answer after it is free (streamed or not)."""
+    closes it after exactly 4 tokens, and the answer after it is free (streamed or not) - or, with a
+    response_format, held to it."""
     end = tok.convert_tokens_to_ids("</mm:think>")
     messages = [{"role": "user", "content": "Weather in Oslo?"}]
 
-    def ask(**extra):
+    def ask(max_tokens=16, **extra):
         body = {"chat_template_kwargs": {"thinking_mode": "enabled"}, "return_token_ids": True, **extra}
-        kw = dict(model=MODEL, messages=messages, max_tokens=16, temperature=1.0, seed=5,
+        kw = dict(model=MODEL, messages=messages, max_tokens=max_tokens, temperature=1.0, seed=5,
                   logit_bias={str(end): -100}, extra_body=body)
         if not stream:
             return client.chat.completions.create(**kw).choices[0].model_extra["token_ids"]
@@ -459,11 +460,14 @@ def test_thinking_token_budget_closes_the_thinking(client, tok, stream):
     ids = ask(thinking_token_budget=4)
     assert ids.index(end) == 4 and len(ids) > 5
     assert ask(thinking_token_budget=0).index(end) == 0
+    # with an output format: the bounded thinking, then the answer held to the schema
+    held = ask(thinking_token_budget=3, response_format=ANSWER_FORMAT, max_tokens=64,
+               structured_outputs={"disable_any_whitespace": True})
+    assert held.index(end) == 3
+    jsonschema.validate(json.loads(tok.decode(held[4:], skip_special_tokens=True)), ANSWER)
 
 
 @pytest.mark.parametrize("extra, param, words", [
-    ({"thinking_token_budget": 8, "response_format": {"type": "json_object"}}, "thinking_token_budget",
-     "cannot be combined"),
     ({"thinking_token_budget": -1}, "thinking_token_budget", ">= 0"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},

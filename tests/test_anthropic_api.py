@@ -189,9 +189,7 @@ def test_streamed_message_matches_the_whole_one(client):
     ({"tool_choice": {"type": "tool"}, "tools": TOOLS}, "tool_choice.name: required"),
     ({"tools": [{"name": "f", "input_schema": {"type": "array"}}]}, "tools[0].input_schema.type: must be 'object'"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}, "tool_choice.name: 'nope'"),
-    ({"max_tokens": 1500, "thinking": {"type": "enabled", "budget_tokens": 1024},
-      "output_config": {"format": {"type": "json_schema", "schema": {"type": "object"}}}},
-     "thinking.budget_tokens: cannot be combined"),
+    ({"thinking": {"type": "disabled", "budget_tokens": 2000}, "max_tokens": 3000}, "only with thinking type"),
 ])
 def test_bad_requests_are_anthropic_errors(client, extra, words):
     body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}], **extra}

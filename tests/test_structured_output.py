@@ -14,7 +14,7 @@ import torch
 
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.structured_output import StructuredOutputManager, choice_grammar, grammar_key
+from nanoserve.engine.structured_output import StructuredOutputManager, choice_grammar, format_element, grammar_key
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.presets.tokenizer import EOS_ID, VOCAB_SIZE
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
@@ -90,6 +90,28 @@ def test_choice_grammar_escapes_quotes_backslashes_and_newlines(manager):
         assert g.matcher.accept_string(c) and g.matcher.is_completed()
     g = m.new_grammar(compiled)
     assert not g.matcher.accept_string("say hi")
+
+
+@pytest.mark.parametrize("params, good, bad", [
+    (so(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}), '{"n": 12}', '{"m": 1}'),
+    (so(json={"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+        disable_any_whitespace=True), '{"n": 12}', '{ "n": 12}'),
+    (so(json_object=True), '{"a": [1]}', "[1]"),
+    (so(regex="x[0-9]+"), "x42", "y42"),
+    (so(choice=["yes", "no"]), "no", "maybe"),
+    (so(grammar='root ::= "a" "b"*'), "abb", "ba"),
+    (so(structural_tag={"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}), "ok", "no"),
+], ids=["json", "json-compact", "json_object", "regex", "choice", "grammar", "structural_tag"])
+def test_format_element_holds_the_same_language_inside_a_larger_format(manager, params, good, bad):
+    """Each constraint as an element after a prefix (what thinking_token_budget builds): the prefix, then exactly
+    what the constraint alone accepts."""
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "P:"}, format_element(params)]}}
+    compiled = manager.compile(so(structural_tag=tag))
+    g = manager.new_grammar(compiled)
+    assert g.matcher.accept_string("P:" + good) and g.matcher.is_completed()
+    g = manager.new_grammar(compiled)
+    assert not (g.matcher.accept_string("P:" + bad) and g.matcher.is_completed())
 
 
 # -- the mask in the sampler --------------------------------------------------------------------------------

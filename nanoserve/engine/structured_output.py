@@ -130,6 +130,22 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
     return GrammarKey(kind, getattr(params, kind))  # regex, grammar
 
 
+def format_element(params: StructuredOutputsParams) -> dict[str, Any]:
+    """The constraint as one element of an xgrammar structural tag, so that a larger format can hold it (the
+    server's thinking_token_budget puts it after the bounded thinking)."""
+    import xgrammar as xgr
+
+    key = grammar_key(params)
+    if key.kind == "json":  # as EBNF: a structural tag's own JSON element has no whitespace option
+        return {"type": "grammar", "grammar": str(xgr.Grammar.from_json_schema(key.spec,
+                                                                              any_whitespace=key.any_whitespace))}
+    if key.kind == "structural_tag":
+        return json.loads(key.spec)["format"]
+    if key.kind == "regex":
+        return {"type": "regex", "pattern": key.spec}
+    return {"type": "grammar", "grammar": key.spec}
+
+
 class SequenceGrammar:
     """One sequence's grammar state: an xgrammar GrammarMatcher, and how many of the sequence's output tokens it
     has seen.

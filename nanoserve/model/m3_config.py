@@ -9,7 +9,6 @@ accepts both, and a bare text config too, and `to_hf_dict` writes the released d
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 

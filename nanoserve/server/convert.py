@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from nanoserve.chat_template import render_chat, template_messages
+from nanoserve.engine.structured_output import format_element
 from nanoserve.parsers.chat_output import ChoiceText
 from nanoserve.parsers.reasoning import ReasoningParser
 from nanoserve.parsers.tool_calls import ToolCallParser
@@ -99,7 +100,7 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
         apply_forced_tool_choice(server, params, setup, room if params.max_tokens is None else
                                  min(room, params.max_tokens), budget)
     elif budget is not None and setup.reasoning_state != "closed":
-        apply_thinking_budget(server, params, setup, budget)
+        apply_thinking_budget(server, req, params, setup, budget)
     elif setup.reasoning_state != "closed":  # the model may think first (open: it is thinking; none: it decides)
         hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
@@ -201,18 +202,23 @@ def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup
     setup.structured_field = "tool_choice"
 
 
-def apply_thinking_budget(server: OpenAIServer, params: SamplingParams, setup: ChatSetup, budget: int) -> None:
+def apply_thinking_budget(server: OpenAIServer, req: P.ChatCompletionRequest, params: SamplingParams,
+                          setup: ChatSetup, budget: int) -> None:
     """thinking_token_budget (vLLM's field): the thinking may take at most `budget` tokens, then the only token
-    allowed is the end-of-thinking marker; the answer after it is free. Enforced by the same structured decoding
-    as a forced call's thinking bound: the reasoning parser's thinking before any text. An output format of the
-    request's own would need to sit inside that grammar, which is not built: the two together are a 400."""
+    allowed is the end-of-thinking marker. Enforced by the same structured decoding as a forced call's thinking
+    bound: the reasoning parser's thinking, then the answer - free text, or the request's own output format
+    (response_format / structured_outputs) as an element of the same structural tag."""
+    answer: dict[str, Any] = {"type": "any_text"}
     if params.structured_outputs is not None:
-        raise APIError(400, "thinking_token_budget: cannot be combined with response_format / structured_outputs "
-                            "on this server", param="thinking_token_budget")
-    answer = {"type": "structural_tag", "format": {"type": "any_text"}}
+        try:
+            answer = format_element(params.structured_outputs)
+        except (ValueError, RuntimeError) as exc:  # xgrammar's error for a schema it cannot take
+            field = structured_field(req) or "structured_outputs"
+            raise APIError(400, f"{field}: {exc}", param=field.split(".")[0]) from exc
+    tag = {"type": "structural_tag", "format": answer}
     params.structured_outputs = StructuredOutputsParams(structural_tag=setup.reasoning_parser.wrap_structural_tag(
-        answer, setup.reasoning_state, budget, server.token_markers))
-    setup.structured_field = "thinking_token_budget"
+        tag, setup.reasoning_state, budget, server.token_markers))
+    setup.structured_field = setup.structured_field or "thinking_token_budget"
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
