@@ -175,6 +175,18 @@ def test_streamed_message_matches_the_whole_one(client):
     assert final.stop_reason == whole.stop_reason and final.usage.output_tokens == whole.usage.output_tokens
 
 
+def test_cache_salt_reaches_the_prefix_cache(client):
+    text = "Salted prompts share cached blocks only with requests that send the same salt. " * 2
+
+    def cached(salt):
+        msg = client.messages.create(model=MODEL, max_tokens=1, messages=[{"role": "user", "content": text}],
+                                     extra_body={"cache_salt": salt})
+        return msg.usage.cache_read_input_tokens
+
+    cached("m-a")
+    assert cached("m-b") == 0 and cached("m-a") > 0
+
+
 # -- refusals, errors in Anthropic's shape ------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},

@@ -25,8 +25,8 @@ BS = 4  # small blocks: many full blocks, many hits, many evictions in short seq
 _ids = itertools.count()
 
 
-def make_seq(tokens: list[int]) -> Sequence:
-    return Sequence(next(_ids), "r", 0, list(tokens), SamplingParams())
+def make_seq(tokens: list[int], cache_salt: str | None = None) -> Sequence:
+    return Sequence(next(_ids), "r", 0, list(tokens), SamplingParams(), cache_salt=cache_salt)
 
 
 def admit(bm: BlockManager, seq: Sequence) -> bool:
@@ -235,6 +235,24 @@ def test_hits_are_verified_against_tokens_and_parent(monkeypatch):
     # [4,4,4,4] is cached after [3,3,3,3]; after [1,1,1,1] the hash collides but the parent differs
     assert len(bm.computed_blocks(make_seq([1, 1, 1, 1, 4, 4, 4, 4, 0]))) == 1
     assert len(bm.computed_blocks(make_seq([3, 3, 3, 3, 4, 4, 4, 4, 0]))) == 2
+
+
+def test_cache_salt_shares_blocks_only_with_the_same_salt(monkeypatch):
+    """A salted request's chain starts from its salt: the same tokens under another salt (or none) are a miss,
+    under the same salt a hit - also when the hash itself would collide (the verified parent differs)."""
+    bm = BlockManager(16, BS, enable_prefix_caching=True)
+    tokens = list(range(8))
+    assert admit(bm, make_seq(tokens, cache_salt="tenant-a"))
+    assert bm.computed_blocks(make_seq(tokens + [0])) == []
+    assert bm.computed_blocks(make_seq(tokens + [0], cache_salt="tenant-b")) == []
+    assert len(bm.computed_blocks(make_seq(tokens + [0], cache_salt="tenant-a"))) == 2
+    assert admit(bm, make_seq(tokens))  # unsalted: its own chain, beside the salted one
+    assert len(bm.computed_blocks(make_seq(tokens + [0]))) == 2
+    bm.check_integrity()
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: bytes([tokens[0]]))
+    bm = BlockManager(8, BS, enable_prefix_caching=True)
+    assert admit(bm, make_seq(tokens, cache_salt="tenant-a"))
+    assert bm.computed_blocks(make_seq(tokens + [0], cache_salt="tenant-b")) == []
 
 
 def test_allocate_is_all_or_nothing():

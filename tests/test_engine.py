@@ -111,6 +111,26 @@ def test_mixed_batch_matches_with_switches_off(off, expected):
     assert_all_blocks_free(llm)
 
 
+def test_cache_salt_keeps_prefix_caches_apart(llm, ref_llm):
+    """A prompt dict's cache_salt (vLLM's): the same prompt under another salt recomputes its prefix, under the
+    same salt hits it; the tokens are the same either way. An empty salt is a ValueError naming it."""
+    llm.engine.block_manager.reset_prefix_cache()
+    prompt = random_tokens(random.Random(11), 70)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+
+    def run(salt):
+        return llm.generate({"prompt_token_ids": prompt, "cache_salt": salt}, sp, use_tqdm=False)[0]
+
+    first = run("a")
+    other, same = run("b"), run("a")
+    assert (first.num_cached_tokens, other.num_cached_tokens) == (0, 0) and same.num_cached_tokens == 64
+    assert first.outputs[0].token_ids == other.outputs[0].token_ids == same.outputs[0].token_ids == \
+        generate_tokens(ref_llm, [prompt], sp)[0]
+    with pytest.raises(ValueError, match="cache_salt"):
+        run("")
+    assert_all_blocks_free(llm)
+
+
 def test_prefix_caching_skips_the_shared_prefix(llm, ref_llm):
     engine, stats = llm.engine, llm.engine.stats
     engine.block_manager.reset_prefix_cache()

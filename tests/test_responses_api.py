@@ -232,6 +232,17 @@ def test_streamed_response_matches_the_whole_one(client):
     assert client.responses.retrieve(final.id).output_text == final.output_text
 
 
+def test_cache_salt_reaches_the_prefix_cache(client):
+    text = "Salted prompts share cached blocks only with requests that send the same salt. " * 2
+
+    def cached(salt):
+        resp = client.responses.create(model=MODEL, input=text, max_output_tokens=1, extra_body={"cache_salt": salt})
+        return resp.usage.input_tokens_details.cached_tokens
+
+    cached("r-a")
+    assert cached("r-b") == 0 and cached("r-a") > 0
+
+
 # -- the store ------------------------------------------------------------------------------------------------------
 def test_retrieve_delete_cancel_and_store_false(client):
     resp = client.responses.create(model=MODEL, input="Hi", metadata={"run": "7"}, **GREEDY)

@@ -390,6 +390,30 @@ def test_metrics_move(server, client):
     assert metric(after, "vllm:num_requests_running") == 0
 
 
+def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(client):
+    """vLLM's cache_salt: a prompt served under one salt is a prefix-cache hit only for the same salt - never for
+    another salt or for none - on completions and chat alike; an empty salt is a 400 naming the field."""
+    prompt = "Tenants share one server but never one another's cached prompt blocks, whatever they send. " * 2
+
+    def cached(salt: str | None, chat: bool = False) -> int:
+        extra = {"cache_salt": salt} if salt is not None else {}
+        if chat:
+            resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}],
+                                                  max_tokens=1, extra_body=extra)
+        else:
+            resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+        return resp.usage.prompt_tokens_details.cached_tokens
+
+    cached("tenant-a")  # fills the cache under tenant-a's salt
+    assert cached("tenant-b") == 0 and cached(None) == 0
+    assert cached("tenant-a") > 0
+    cached("tenant-a", chat=True)
+    assert cached("tenant-c", chat=True) == 0 and cached("tenant-a", chat=True) > 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"cache_salt": ""})
+    assert err.value.body["param"] == "cache_salt"
+
+
 def test_metrics_count_aborts(server, engine):
     before = metric(httpx.get(f"{server.url}/metrics").text, "vllm:request_success_total", finished_reason="abort")
     with httpx.Client(base_url=server.url, timeout=30) as http:

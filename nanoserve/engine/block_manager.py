@@ -10,6 +10,9 @@ whose first blocks hash to cached blocks shares them (ref_count > 1) instead of 
 token is always recomputed, since its logits are needed. Freed blocks keep their content and hash: they sit in
 the free list in LRU order and are only "evicted" (hash dropped) when the pool hands them out again, so a later
 request can still revive them. Blocks without a hash go to the front of the free list (reused first).
+
+A request's `cache_salt` (vLLM's field) starts its chain from a hash of the salt instead of nothing, so only
+requests that know the same salt share blocks: one tenant cannot learn from timing what another's prompts hold.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ class Block:
     # a block computed after a different prefix or holding different tokens
     parent: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+
+
+def salt_root(salt: str | None) -> bytes | None:
+    """Where a sequence's hash chain starts: nothing, or a hash of its cache_salt."""
+    return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
 def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
@@ -81,7 +89,7 @@ class BlockManager:
             return []
         tokens = seq.token_ids
         hits: list[int] = []
-        parent = None
+        parent = salt_root(seq.cache_salt)
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tokens[i * self.block_size: (i + 1) * self.block_size]
             h = chain_hash(parent, chunk)
@@ -159,10 +167,11 @@ class BlockManager:
             i = len(hashes)
             tokens = tokens or seq.token_ids
             chunk = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
-            h = chain_hash(hashes[-1] if hashes else None, chunk)
+            parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
+            h = chain_hash(parent, chunk)
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
-                block.hash, block.parent, block.token_ids = h, (hashes[-1] if hashes else None), chunk
+                block.hash, block.parent, block.token_ids = h, parent, chunk
                 self.cached[h] = block.block_id
             hashes.append(h)
             # else: another sequence computed the same prefix concurrently; the first copy stays the cached one

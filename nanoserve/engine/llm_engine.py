@@ -186,11 +186,14 @@ class LLMEngine:
             params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt: must be a non-empty string")
         # structured outputs: compiled here, in the caller's thread (a cache hit when the server compiled it)
         compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival)
-                for i in range(params.n)]
+        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival,
+                         cache_salt=salt) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 seq.grammar = self.structured_output.new_grammar(

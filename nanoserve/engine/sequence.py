@@ -63,6 +63,8 @@ class Sequence:
     num_preemptions: int = 0
     # structured outputs: this sequence's grammar matcher (None: unconstrained)
     grammar: SequenceGrammar | None = None
+    cache_salt: str | None = None
+    """The request's prefix-cache salt: only sequences with the same salt (or none) share cached blocks."""
     num_pending: int = 0
     """Tokens sampled on the device whose value the host has not received yet (the step that samples one is in
     flight). They count in num_tokens - the scheduler and the KV cache hold their positions, and async scheduling

@@ -94,7 +94,7 @@ def chat_request(req: A.ChatFields) -> P.ChatCompletionRequest:
     body["chat_template_kwargs"] = kwargs or None
     if isinstance(req, A.MessagesRequest):
         body.update(max_completion_tokens=req.max_tokens, stop=req.stop_sequences, stream=req.stream,
-                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                    temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, cache_salt=req.cache_salt,
                     user=req.metadata.user_id if req.metadata is not None else None)
         config = req.output_config
         if config is not None and config.effort is not None:

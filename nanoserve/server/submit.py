@@ -29,6 +29,8 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
         with engine_errors(req, prompt_field):
             for i, (text, ids) in enumerate(prepared.prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids}
+                if req.cache_salt is not None:
+                    prompt["cache_salt"] = req.cache_salt
                 streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params))
                 server.metrics.observe_request(prepared.params, len(ids))
     except BaseException:

@@ -181,6 +181,8 @@ class MessagesRequest(ChatFields):
     metadata: Metadata | None = None
     service_tier: Literal["auto", "standard_only"] | None = None
     output_config: OutputConfig | None = None
+    cache_salt: str | None = None
+    """vLLM's extension: only requests with the same salt share prefix-cache blocks."""
 
     @model_validator(mode="after")
     def _limits(self) -> "MessagesRequest":

@@ -207,6 +207,9 @@ class SamplingRequest(RequestBody):
     """In logprobs, name tokens as 'token_id:N' instead of their text."""
     use_beam_search: bool = False
     """Refused when true: beam search is not implemented."""
+    cache_salt: str | None = None
+    """Only requests with the same salt share prefix-cache blocks (vLLM's field: for several tenants on one
+    server, so that none can learn another's prompts from how fast its own come back)."""
 
     @model_validator(mode="before")
     @classmethod
@@ -226,6 +229,13 @@ class SamplingRequest(RequestBody):
         if v is None or isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v)):
             return v
         raise ValueError("must be a string or a list of strings")
+
+    @field_validator("cache_salt", mode="after")
+    @classmethod
+    def _salt(cls, v: str | None) -> str | None:
+        if v is not None and not v:
+            raise ValueError("must be a non-empty string")
+        return v
 
     @field_validator("logit_bias", mode="after")
     @classmethod

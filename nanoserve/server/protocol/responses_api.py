@@ -220,6 +220,8 @@ class ResponsesRequest(RequestBody):
     """vLLM's structured outputs (one constraint, or options such as disable_any_whitespace that join
     text.format's constraint)."""
     chat_template_kwargs: dict[str, Any] | None = None
+    cache_salt: str | None = None
+    """Only requests with the same salt share prefix-cache blocks (as on chat completions)."""
     request_id: str | None = None
     """The response's id (default "resp_" and a random hex)."""
 
