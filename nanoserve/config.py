@@ -242,6 +242,7 @@ QUANTIZATIONS = (None, "mxfp8", "bf16")
 the model dtype (an MXFP8 checkpoint is dequantized at load). docs/mxfp8.md."""
 DEVICES = ("auto", "cpu", "cuda")
 DEFAULT_CPU_KV_TOKENS = 32768
+SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -272,6 +273,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False
     seed: int = 0
     max_waiting_requests: int = 1024
+    scheduling_policy: str = "fcfs"
+    """vLLM's: "fcfs" (first come, first served) or "priority" (a request's `priority`, lower first, then its
+    arrival; preemption takes the worst such sequence first)."""
     max_logprobs: int = 20
     logprobs_mode: str = "raw_logprobs"
     """What logprobs report (vLLM's values): raw_* of the model's logits before any sampling step; processed_* of
@@ -342,6 +346,8 @@ class EngineConfig:
         need(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", "True or False")
         need(is_int(self.seed), "seed", "an integer")
         int_in("max_waiting_requests", 1)
+        need(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+             f"one of {', '.join(SCHEDULING_POLICIES)}")
         int_in("max_logprobs", 0, 1000)
         need(self.worker_timeout is None or (isinstance(self.worker_timeout, (int, float))
                                              and not isinstance(self.worker_timeout, bool)

@@ -131,6 +131,27 @@ def test_cache_salt_keeps_prefix_caches_apart(llm, ref_llm):
     assert_all_blocks_free(llm)
 
 
+def test_priority_policy_serves_lower_priority_values_first():
+    """scheduling_policy="priority" with one sequence at a time: requests finish in priority order whatever the
+    order they came in, and their tokens are the ones they get alone. Under first come, first served any priority
+    but 0 is a ValueError naming it."""
+    llm = LLM("m3-tiny", optimizations=engine_opts(), max_model_len=MAX_MODEL_LEN, max_num_seqs=1,
+              scheduling_policy="priority")
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    prompts = [[BOS_ID, 10 + i, 20 + i] for i in range(4)]
+    alone = [llm.generate({"prompt_token_ids": p}, sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    engine, finished = llm.engine, []
+    for i, (prompt, priority) in enumerate(zip(prompts, [3, -1, 3, 0])):
+        engine.add_request(f"p{i}", {"prompt_token_ids": prompt}, sp, priority=priority)
+    while engine.has_unfinished_requests():
+        finished += [(o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished]
+    assert [rid for rid, _ in finished] == ["p1", "p3", "p0", "p2"]
+    assert dict(finished) == {f"p{i}": alone[i] for i in range(4)}
+    with pytest.raises(ValueError, match="priority"):
+        LLM("m3-tiny", optimizations=engine_opts(), max_model_len=MAX_MODEL_LEN).generate(
+            prompts[:1], sp, use_tqdm=False, priority=[1])
+
+
 def test_prefix_caching_skips_the_shared_prefix(llm, ref_llm):
     engine, stats = llm.engine, llm.engine.stats
     engine.block_manager.reset_prefix_cache()

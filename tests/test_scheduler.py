@@ -25,18 +25,19 @@ _tokens = itertools.count(100)  # fresh token ids: no accidental prefix-cache hi
 
 class Harness:
     def __init__(self, num_blocks: int = 64, budget: int = 64, max_num_seqs: int = 16, max_model_len: int = 64,
-                 **switches: bool):
+                 policy: str = "fcfs", **switches: bool):
         opts = Optimizations().replace(**switches)
         self.bm = BlockManager(num_blocks, BS, opts.prefix_caching)
         self.events: list[tuple[str, dict]] = []
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, opts), self.bm,
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, max_model_len, opts, policy), self.bm,
                                on_event=lambda name, **kw: self.events.append((name, kw)))
         self.budget = budget
 
-    def add(self, prompt_len: int | None = None, max_tokens: int = 4, tokens: list[int] | None = None) -> Sequence:
+    def add(self, prompt_len: int | None = None, max_tokens: int = 4, tokens: list[int] | None = None,
+            priority: int = 0) -> Sequence:
         tokens = tokens if tokens is not None else [next(_tokens) for _ in range(prompt_len)]
         seq_id = next(_ids)
-        seq = Sequence(seq_id, f"r{seq_id}", 0, tokens, SamplingParams(max_tokens=max_tokens))
+        seq = Sequence(seq_id, f"r{seq_id}", 0, tokens, SamplingParams(max_tokens=max_tokens), priority=priority)
         self.sched.add(seq)
         return seq
 
@@ -173,6 +174,29 @@ def test_a_sequence_with_no_one_newer_to_preempt_preempts_itself():
     assert len(a.output_token_ids) == 4 and len(b.output_token_ids) == 3 and b.num_preemptions == 1
 
 
+def test_priority_policy_admits_by_priority_then_arrival():
+    """--scheduling-policy priority: one sequence at a time; lower priority values first, ties by arrival (a
+    request that arrives later with a better priority overtakes the queue, never one already running)."""
+    h = Harness(max_num_seqs=1, policy="priority")
+    a = h.add(4, max_tokens=2, priority=0)
+    h.step()  # a runs
+    b, c, d, e = (h.add(4, max_tokens=2, priority=p) for p in (5, -1, 5, 0))
+    h.run()
+    assert [kw["seq"] for kw in h.named("admit")] == [a, c, e, b, d]
+
+
+def test_priority_policy_preempts_the_worst_and_fcfs_ignores_priority():
+    for policy, expect in (("priority", "a"), ("fcfs", "c")):
+        h = Harness(num_blocks=6, prefix_caching=False, policy=policy)
+        a, b, c = h.add(8, max_tokens=3, priority=9), h.add(8, max_tokens=3), h.add(8, max_tokens=3)
+        h.step()  # 6 full blocks; each needs a third to decode
+        out = h.step()
+        assert out.preempted == [{"a": a, "c": c}[expect]], policy
+        if policy == "priority":  # the others decode, best first; the preempted one waits in rank order
+            assert plan(out) == [(b.seq_id, 1), (c.seq_id, 1)] and list(h.sched.waiting) == [a]
+        h.run()
+
+
 def test_max_num_seqs_respected():
     h = Harness(max_num_seqs=2, budget=64)
     for n in [5, 9, 3, 12, 7]:
@@ -273,14 +297,15 @@ def sampled_token(seq: Sequence) -> int:
 @given(data=st.data())
 def test_random_workloads_keep_every_promise(data):
     """Random requests (some sharing prefixes, arriving over time, some aborted) under random switches, pool
-    sizes and budgets. The KV the model would write is simulated: whenever a sequence samples, every one of its
+    sizes, budgets and scheduling policies (with priority, random priorities). The KV the model would write is simulated: whenever a sequence samples, every one of its
     positions must hold its own token - so chunking, prefix hits and preemption never skip or misplace work."""
     switches = {name: data.draw(st.booleans(), label=name) for name in LAYER_SWITCHES}
     chunked = switches["chunked_prefill"]
     budget = data.draw(st.integers(4, 64) if chunked else st.integers(WORKLOAD_MAX_MODEL_LEN, 96), label="budget")
+    policy = data.draw(st.sampled_from(["fcfs", "priority"]), label="policy")
     h = Harness(num_blocks=data.draw(st.integers(WORKLOAD_MAX_MODEL_LEN // BS, 40), label="blocks"), budget=budget,
                 max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
-                max_model_len=WORKLOAD_MAX_MODEL_LEN, **switches)
+                max_model_len=WORKLOAD_MAX_MODEL_LEN, policy=policy, **switches)
     prefixes = [[1, 2, 3] * 8, [4, 5] * 12]
     # (prompt source: a shared prefix / none / an earlier sequence's prompt and output, as a next chat turn;
     #  how much of it; own new tokens; max_tokens; arrival step; abort step)
@@ -302,8 +327,9 @@ def test_random_workloads_keep_every_promise(data):
             else:
                 source = seqs[cut % len(seqs)][0].token_ids
             prompt = (source + [next(_tokens) for _ in range(own)])[: WORKLOAD_MAX_MODEL_LEN - 1] or [next(_tokens)]
-            seqs.append((h.add(tokens=prompt, max_tokens=min(max_tokens, WORKLOAD_MAX_MODEL_LEN - len(prompt))),
-                         abort_at))
+            priority = (cut + max_tokens) % 3 - 1 if policy == "priority" else 0  # -1, 0 or 1
+            seqs.append((h.add(tokens=prompt, max_tokens=min(max_tokens, WORKLOAD_MAX_MODEL_LEN - len(prompt)),
+                               priority=priority), abort_at))
         for seq, abort_at in seqs:
             if abort_at == step:
                 h.sched.finish(seq, FinishReason.ABORT)

@@ -414,6 +414,22 @@ def test_cache_salt_shares_the_prefix_cache_only_within_a_salt(client):
     assert err.value.body["param"] == "cache_salt"
 
 
+def test_priority_needs_the_priority_policy(tiny_dir, client):
+    """`priority` (vLLM's): a 400 naming it under first come, first served; served on a server started with
+    --scheduling-policy priority, through chat, completions and the Responses API."""
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=1, extra_body={"priority": 2})
+    assert err.value.body["param"] == "priority" and "--scheduling-policy priority" in err.value.body["message"]
+    engine = AsyncLLMEngine.from_config(engine_config(tiny_dir, scheduling_policy="priority"))
+    with ServerThread(build_app(engine, MODEL)) as srv:
+        cli = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=120)
+        out = cli.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={"priority": -3})
+        chat = cli.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+                                           extra_body={"priority": 7})
+        resp = cli.responses.create(model=MODEL, input="x", max_output_tokens=2, extra_body={"priority": 1})
+        assert out.usage.completion_tokens == chat.usage.completion_tokens == resp.usage.output_tokens == 2
+
+
 def test_metrics_count_aborts(server, engine):
     before = metric(httpx.get(f"{server.url}/metrics").text, "vllm:request_success_total", finished_reason="abort")
     with httpx.Client(base_url=server.url, timeout=30) as http:

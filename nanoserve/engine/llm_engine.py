@@ -117,7 +117,8 @@ class LLMEngine:
         opts = config.optimizations
         self.observers: list[Callable[..., None]] = []
         self.block_manager = BlockManager(num_blocks, self.block_size, opts.prefix_caching, self._emit)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, opts),
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, opts,
+                                                   config.scheduling_policy),
                                    self.block_manager, self._emit)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
         self._token_texts: dict[int, str] = {}
@@ -176,10 +177,17 @@ class LLMEngine:
                              f"{self.max_model_len} (and at least one token must be generated)")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> None:
-        """Queue a request (n sequences). Raises ValueError for a bad prompt or parameters."""
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request (n sequences). `priority`: with the priority scheduling policy, lower runs sooner (any
+        other value than 0 is a ValueError under first come, first served, as in vLLM). Raises ValueError for a
+        bad prompt or parameters."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError("priority: requests are scheduled first come, first served; start the engine with "
+                             "--scheduling-policy priority to use it")
         params = params or SamplingParams()
         params.validate(self.config.max_logprobs, self.model_config.vocab_size)
         if params.bad_words:
@@ -193,7 +201,7 @@ class LLMEngine:
         compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival,
-                         cache_salt=salt) for i in range(params.n)]
+                         cache_salt=salt, priority=priority) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 seq.grammar = self.structured_output.new_grammar(

@@ -8,6 +8,10 @@ Each step the scheduler fills a budget of `max_num_batched_tokens` tokens:
 2. Then waiting sequences, first come first served, while the budget, `max_num_seqs` and the pool allow. A prompt
    longer than what is left of the budget is split (chunked prefill) and continues next step.
 
+With the "priority" policy (vLLM's `--scheduling-policy priority`) "oldest" and "newest" above read as "best" and
+"worst" by (priority, arrival): the running sequences are served best first, the worst is preempted first, and
+the waiting queue is kept in that order - a lower priority value is served sooner, whatever its arrival.
+
 The batch is ordered decodes first, then prefills (the attention kernels rely on it). The switches of this layer:
 continuous_batching off = a new batch is admitted only when the previous one has finished; chunked_prefill off =
 a prompt is scheduled whole or not at all; paged_kv off = a sequence reserves max_model_len tokens of KV when
@@ -39,6 +43,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_model_len: int
     opts: Optimizations
+    policy: str = "fcfs"
 
 
 @dataclass
@@ -89,8 +94,28 @@ class Scheduler:
     def opts(self) -> Optimizations:
         return self.config.opts
 
+    @property
+    def by_priority(self) -> bool:
+        return self.config.policy == "priority"
+
+    @staticmethod
+    def rank(seq: Sequence) -> tuple[int, float, int]:
+        """The priority policy's order: lower priority value first, then earlier arrival."""
+        return seq.priority, seq.arrival_time, seq.seq_id
+
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into the waiting queue: at the back (new) or the front (preempted) first come first served; in rank
+        order under the priority policy (a short scan from the back: arrivals mostly rank last)."""
+        if not self.by_priority:
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key, i = self.rank(seq), len(self.waiting)
+        while i and self.rank(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -101,8 +126,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         chunked = self.opts.chunked_prefill
 
-        # 1. running sequences, oldest first; preempt the newest when the pool is full
-        queue = list(self.running)
+        # 1. running sequences, oldest (best) first; preempt the newest (worst) when the pool is full
+        queue = sorted(self.running, key=self.rank) if self.by_priority else list(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
             if seq.num_pending and seq.reached_length_limit(self.config.max_model_len):
@@ -174,7 +199,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         out.preempted.append(seq)
         self.on_event("preempt", seq=seq, needed_by=needed_by or seq)
 

@@ -63,6 +63,8 @@ class Sequence:
     num_preemptions: int = 0
     # structured outputs: this sequence's grammar matcher (None: unconstrained)
     grammar: SequenceGrammar | None = None
+    priority: int = 0
+    """With the priority scheduling policy: lower runs first (vLLM's meaning); ties go by arrival."""
     cache_salt: str | None = None
     """The request's prefix-cache salt: only sequences with the same salt (or none) share cached blocks."""
     num_pending: int = 0

@@ -271,9 +271,10 @@ class AsyncLLMEngine:
             logger.exception("could not abort the remaining requests at shutdown")
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> RequestStream:
-        """Queue a request and return its stream. Raises ValueError (bad prompt or parameters), QueueFullError,
-        EngineShutdownError or EngineDeadError before anything is queued."""
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
+                          ) -> RequestStream:
+        """Queue a request and return its stream (`priority`: LLMEngine.add_request's). Raises ValueError (bad
+        prompt or parameters), QueueFullError, EngineShutdownError or EngineDeadError before anything is queued."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -281,7 +282,8 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         try:
             loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._thread, self._add_on_engine_thread, request_id, prompt, params)
+            await loop.run_in_executor(self._thread, self._add_on_engine_thread, request_id, prompt, params,
+                                       priority)
         except asyncio.CancelledError:
             # The job may still run (the thread does not stop mid-job); the abort queued here runs after it.
             self._abort_soon(request_id)
@@ -298,7 +300,8 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self.engine.structured_output.compile, spec)
 
-    def _add_on_engine_thread(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
+    def _add_on_engine_thread(self, request_id: str, prompt: Prompt, params: SamplingParams,
+                              priority: int = 0) -> None:
         bound, waiting = self.config.max_waiting_requests, self.engine.num_waiting
         if params.n > bound:
             raise ValueError(f"n={params.n} is more than the server queues at once (--max-waiting-requests "
@@ -306,7 +309,7 @@ class AsyncLLMEngine:
         if waiting + params.n > bound:
             raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting to start "
                                  f"(--max-waiting-requests {bound}); retry later")
-        self.engine.add_request(request_id, prompt, params)
+        self.engine.add_request(request_id, prompt, params, priority=priority)
         self.snapshot = self._take_snapshot()
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams

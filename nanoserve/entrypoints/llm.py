@@ -97,9 +97,10 @@ class LLM:
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
-                 = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 = None, use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Run every prompt (a string, token ids as {"prompt_token_ids": [...]}, or a list of those) and return
-        one RequestOutput each, in order. A progress bar shows prefill and decode tokens/s."""
+        one RequestOutput each, in order. A progress bar shows prefill and decode tokens/s. `priority`: one per
+        prompt, with scheduling_policy="priority" (lower runs sooner), as vLLM's."""
         self._check_alive()
         if not isinstance(prompts, (list, tuple)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # one prompt (anything but a list of prompts is one; a bad one fails validation)
@@ -110,10 +111,12 @@ class LLM:
             [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priority values for {len(prompts)} prompts")
         if self.reasoning_parser is not None:
             params = [self._for_prompt(p, self.reasoning_parser.prompt_state(self._prompt_text(prompt)), False)
                       for prompt, p in zip(prompts, params)]
-        return self._generate(prompts, params, use_tqdm)
+        return self._generate(prompts, params, use_tqdm, priority)
 
     def _prompt_text(self, prompt: Prompt) -> str:
         if isinstance(prompt, str):
@@ -121,13 +124,14 @@ class LLM:
         ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt
         return self.engine.tokenizer.decode(list(ids or []), skip_special_tokens=False)
 
-    def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+    def _generate(self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool,
+                  priority: Seq[int] | None = None) -> list[RequestOutput]:
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = str(self._counter)
                 self._counter += 1
-                self.engine.add_request(rid, prompt, p)
+                self.engine.add_request(rid, prompt, p, priority=priority[i] if priority is not None else 0)
                 ids.append(rid)
             return self._run(ids, use_tqdm)
         except BaseException:

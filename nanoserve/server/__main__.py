@@ -29,8 +29,8 @@ import os
 import signal
 import sys
 
-from nanoserve.config import (DEVICES, DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SWITCH_ALIASES, EngineConfig,
-                              Optimizations)
+from nanoserve.config import (DEVICES, DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SCHEDULING_POLICIES, SWITCH_ALIASES,
+                              EngineConfig, Optimizations)
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from nanoserve.server.http_protocol import HTTP_PARSERS, resolve_http
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -135,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--seed", type=int, default=0)
     e.add_argument("--max-waiting-requests", type=int, default=EngineConfig.max_waiting_requests,
                    help="queued sequences beyond which requests get 503 + Retry-After")
+    e.add_argument("--scheduling-policy", default=EngineConfig.scheduling_policy, choices=SCHEDULING_POLICIES,
+                   help="fcfs: first come, first served; priority: by each request's `priority` (lower first), "
+                        "then arrival; preemption takes the worst first")
     e.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for")
     e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
@@ -183,6 +186,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_tokens=args.kv_cache_tokens,
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
+            scheduling_policy=args.scheduling_policy,
             logprobs_mode=args.logprobs_mode,
             served_model_name=args.served_model_name[0] if args.served_model_name else None, optimizations=Optimizations().replace(**switches),
             **aliases)

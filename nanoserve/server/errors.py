@@ -100,6 +100,8 @@ def invalid_value(exc: ValueError, req: P.SamplingRequest, prompt_field: str) ->
     request's name."""
     message = str(exc)
     first = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
+    if first in ("priority", "cache_salt"):  # request fields the engine checks
+        return APIError(400, message, param=first)
     if first not in SAMPLING_FIELDS:
         return APIError(400, message, param=prompt_field if first.startswith("prompt") else None)
     param = req.request_field(first)

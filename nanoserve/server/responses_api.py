@@ -98,7 +98,7 @@ def chat_request(req: R.ResponsesRequest, messages: list[dict[str, Any]]) -> P.C
         "ignore_eos": req.ignore_eos, "skip_special_tokens": req.skip_special_tokens,
         "include_stop_str_in_output": req.include_stop_str_in_output}
     for name in ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed", "stop", "logit_bias",
-                 "structured_outputs", "cache_salt"):
+                 "structured_outputs", "cache_salt", "priority"):
         body[name] = getattr(req, name)
     if req.tools:
         body["tools"] = [{"type": "function", "function": t.model_dump(exclude_none=True, exclude={"type"})}

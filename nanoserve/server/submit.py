@@ -31,7 +31,8 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
                 prompt = {"prompt": text, "prompt_token_ids": ids}
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
-                streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params))
+                streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params,
+                                                               req.priority))
                 server.metrics.observe_request(prepared.params, len(ids))
     except BaseException:
         await close_all(streams)

@@ -109,7 +109,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, str]] = {
     "length_penalty": (1.0, "beam search is not implemented"),
     "logits_processors": (None, "not supported by this server"),
     "truncate_prompt_tokens": (None, "prompts are never truncated: a prompt that does not fit is a 400"),
-    "priority": (0, "requests are scheduled first come, first served"),
     "spaces_between_special_tokens": (True, "not supported by this server"),
     "mm_processor_kwargs": (None, "this server serves text only"),
     "audio": (None, "this server serves text only"),
@@ -207,6 +206,9 @@ class SamplingRequest(RequestBody):
     """In logprobs, name tokens as 'token_id:N' instead of their text."""
     use_beam_search: bool = False
     """Refused when true: beam search is not implemented."""
+    priority: Int = 0
+    """With --scheduling-policy priority: lower is served sooner (vLLM's); under first come, first served any
+    other value than 0 is a 400."""
     cache_salt: str | None = None
     """Only requests with the same salt share prefix-cache blocks (vLLM's field: for several tenants on one
     server, so that none can learn another's prompts from how fast its own come back)."""

@@ -222,6 +222,8 @@ class ResponsesRequest(RequestBody):
     chat_template_kwargs: dict[str, Any] | None = None
     cache_salt: str | None = None
     """Only requests with the same salt share prefix-cache blocks (as on chat completions)."""
+    priority: Int = 0
+    """With --scheduling-policy priority: lower is served sooner (as on chat completions)."""
     request_id: str | None = None
     """The response's id (default "resp_" and a random hex)."""
 
