@@ -6,6 +6,7 @@ server on a loopback port."""
 from __future__ import annotations
 
 import json
+import logging
 import socket
 
 import httpx
@@ -162,6 +163,44 @@ def test_cors_flags_parse_as_vllm_does():
     assert args.served_model_name == ["a", "b"] and args.enable_server_load_tracking
     defaults = build_parser().parse_args([])
     assert defaults.allowed_origins == defaults.allowed_methods == defaults.allowed_headers == ["*"]
+
+
+def test_a_vllm_command_line_parses(capsys):
+    """The flags a `vllm serve` command for M3 carries: accepted (--trust-remote-code, --disable-log-requests,
+    --disable-log-stats, --kv-cache-dtype auto, --uvicorn-log-level) or refused with a clear message when this
+    server cannot do what they ask (an fp8 KV cache; contradictory request logging)."""
+    from nanoserve.server.__main__ import main
+
+    args = build_parser().parse_args(["--model", "/ckpt", "--trust-remote-code", "--tensor-parallel-size", "8",
+                                      "--disable-log-requests", "--disable-log-stats", "--kv-cache-dtype", "auto",
+                                      "--uvicorn-log-level", "warning", "--enable-expert-parallel"])
+    assert args.trust_remote_code and args.tensor_parallel_size == 8 and args.uvicorn_log_level == "warning"
+    assert not args.enable_log_requests
+    for argv, words in ((["--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
+                        (["--enable-log-requests", "--disable-log-requests"], "contradicts"),
+                        (["--max-log-len", "-1"], "--max-log-len must be >= 0")):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and words in capsys.readouterr().err, argv
+
+
+def test_enable_log_requests_logs_each_request(tiny_dir, caplog):
+    """--enable-log-requests: one line per queued request with its id, prompt size and parameters, and with
+    --max-log-len the start of its prompt; without it, nothing."""
+    app = build_app(AsyncLLMEngine.from_config(engine_config(tiny_dir)), NAMES, log_requests=12)
+    with ServerThread(app) as srv, caplog.at_level(logging.INFO, logger="nanoserve.server.submit"):
+        for log_requests in (12, None):
+            app.state.server.log_requests = log_requests
+            caplog.clear()
+            httpx.post(f"{srv.url}/v1/completions", json={"prompt": "A long prompt to log", "max_tokens": 1},
+                       timeout=60).raise_for_status()
+            lines = [r.getMessage() for r in caplog.records if "Received request" in r.getMessage()]
+            if log_requests is None:
+                assert lines == []
+            else:
+                [line] = lines
+                assert line.startswith("Received request cmpl-") and "prompt_tokens=" in line
+                assert "prompt: 'A long promp'" in line and "max_tokens=1" in line
 
 
 def test_wrong_method_gets_405_with_allow(server):

@@ -75,6 +75,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.add_argument("--uvicorn-log-level", default=None, choices=["debug", "info", "warning", "error", "critical"],
+                   help="uvicorn's own log level (default: --log-level)")
+    s.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                   help="log each generation request as it is queued: its id, prompt size and sampling parameters "
+                        "(the prompt text too, up to --max-log-len characters)")
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag: requests are not logged (the default; --enable-log-requests logs them)")
+    s.add_argument("--max-log-len", type=int, default=0, metavar="CHARS",
+                   help="with --enable-log-requests, log the first CHARS characters of each prompt (default 0: none)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="accepted as vLLM takes it: this server logs no periodic statistics (GET /metrics has them)")
     s.add_argument("--http", choices=HTTP_PARSERS, default="auto",
                    help="uvicorn's HTTP/1.1 parser: httptools (C; the default when installed, as uvicorn's auto) "
                         "or h11 (pure Python; copies large bodies several times on the event loop)")
@@ -110,6 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default="m3-tiny",
                    help="a checkpoint directory, or a preset: m3-tiny (default, generated on first use), m3-slice")
     e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    e.add_argument("--trust-remote-code", action="store_true",
+                   help="accepted as vLLM takes it: nanoserve implements M3 itself and runs no code from the "
+                        "checkpoint, so there is nothing to trust")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto"],
+                   help="the KV cache is kept in the model's dtype (auto); an fp8 KV cache is not implemented")
     e.add_argument("--dtype", default="auto", choices=DTYPES)
     e.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
                    help="weight format (default: the checkpoint's, from config.json's quantization_config): mxfp8 "
@@ -232,6 +248,10 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     limits = server_limits(args, parser)
+    if args.enable_log_requests and args.disable_log_requests:
+        parser.error("--enable-log-requests contradicts --disable-log-requests")
+    if args.max_log_len < 0:
+        parser.error(f"--max-log-len must be >= 0, got {args.max_log_len}")
     if args.responses_store_size < 0:
         parser.error(f"--responses-store-size must be >= 0, got {args.responses_store_size}")
     try:
@@ -267,13 +287,15 @@ def main(argv: list[str] | None = None) -> None:
                         enable_server_load_tracking=args.enable_server_load_tracking, limits=limits,
                         offload_min_bytes=args.offload_min_bytes, parse_processes=args.parse_processes,
                         parse_process_min_bytes=args.parse_process_min_bytes,
-                        responses_store_size=args.responses_store_size)
+                        responses_store_size=args.responses_store_size,
+                        log_requests=args.max_log_len if args.enable_log_requests else None)
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")
     # GracefulServer drains before uvicorn's own shutdown starts, which then only closes idle connections
     http = http_protocol(http_parser, limits.request_header_timeout)
-    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    server = GracefulServer(uvicorn.Config(app, host=args.host, port=args.port,
+                                           log_level=args.uvicorn_log_level or args.log_level,
                                            timeout_graceful_shutdown=5, http=http), app.state.lifecycle)
     logger.info("serving %s on http://%s:%d (OpenAI API under /v1: completions, chat/completions, responses, "
                 "models; Anthropic's /v1/messages; /tokenize, /detokenize, /health, /metrics, "

@@ -80,7 +80,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
               limits: ServerLimits | None = None, offload_min_bytes: int = OFFLOAD_MIN_BYTES,
               parse_processes: int = DEFAULT_PARSE_PROCESSES,
               parse_process_min_bytes: int = PARSE_PROCESS_MIN_BYTES,
-              responses_store_size: int = DEFAULT_STORE_SIZE) -> FastAPI:
+              responses_store_size: int = DEFAULT_STORE_SIZE, log_requests: int | None = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine
     (GracefulServer in shutdown.py drains before uvicorn cancels anything; this is the fallback for other
     servers). `served_model_name`: the name clients send, or several (the first is the default and the metrics'
@@ -90,12 +90,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     in flight. `limits`: the per-request limits (limits.py); `offload_min_bytes`: from which body size a request
     is prepared off the event loop (offload.py); `parse_processes` / `parse_process_min_bytes`: how many worker
     processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process).
-    `responses_store_size`: how many finished responses POST /v1/responses keeps (response_store.py)."""
+    `responses_store_size`: how many finished responses POST /v1/responses keeps (response_store.py).
+    `log_requests`: None, or log each generation request as it is queued with that many characters of its
+    prompt (--enable-log-requests, --max-log-len)."""
     offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
     parser = BodyParser(offloader, processes=parse_processes, process_min_bytes=parse_process_min_bytes)
     server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
                           enable_server_load_tracking=enable_server_load_tracking, limits=limits,
-                          offloader=offloader, parser=parser, responses_store_size=responses_store_size)
+                          offloader=offloader, parser=parser, responses_store_size=responses_store_size,
+                          log_requests=log_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

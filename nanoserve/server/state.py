@@ -48,7 +48,8 @@ class OpenAIServer:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: str | list[str], api_key: str | None = None,
                  chat: ChatOptions | None = None, enable_server_load_tracking: bool = False,
                  limits: ServerLimits | None = None, offloader: Offloader | None = None,
-                 parser: BodyParser | None = None, responses_store_size: int = DEFAULT_STORE_SIZE):
+                 parser: BodyParser | None = None, responses_store_size: int = DEFAULT_STORE_SIZE,
+                 log_requests: int | None = None):
         self.engine = engine
         self.model_names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -66,6 +67,7 @@ class OpenAIServer:
         self.track_load = enable_server_load_tracking
         self.server_load = 0  # generation requests in flight, counted when track_load (GET /load)
         self.responses = ResponseStore(responses_store_size)  # POST /v1/responses with store: true
+        self.log_requests = log_requests  # None, or how many prompt characters a request's log line shows
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
         self.chat = chat = chat or ChatOptions()

@@ -6,17 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from typing import Awaitable, TypeVar
 
 from fastapi import Request
 
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import RequestStream
+from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
 from nanoserve.server.convert import Prepared, compile_structured_outputs
 from nanoserve.server.errors import APIError, engine_errors
 from nanoserve.server.state import OpenAIServer
 
+logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -34,10 +37,19 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
                 streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params,
                                                                req.priority))
                 server.metrics.observe_request(prepared.params, len(ids))
+                if server.log_requests is not None:
+                    log_request(f"{request_id}-{i}", text, ids, prepared.params, server.log_requests)
     except BaseException:
         await close_all(streams)
         raise
     return streams
+
+
+def log_request(request_id: str, text: str | None, ids: list[int], params: SamplingParams, max_chars: int) -> None:
+    """--enable-log-requests: one line per queued request (vLLM's "Received request ..."): its id, prompt size
+    and sampling parameters, and the first `max_chars` characters of its prompt (--max-log-len)."""
+    shown = f", prompt: {(text or '')[:max_chars]!r}" if max_chars else ""
+    logger.info("Received request %s: prompt_tokens=%d%s, params: %s", request_id, len(ids), shown, params)
 
 
 async def wait_for_outputs(request: Request, streams: list[RequestStream], req: P.SamplingRequest,
