@@ -110,7 +110,10 @@ class Scheduler:
         """Into the waiting queue: at the back (new) or the front (preempted) first come first served; in rank
         order under the priority policy (a short scan from the back: arrivals mostly rank last)."""
         if not self.by_priority:
-            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            if front:
+                self.waiting.appendleft(seq)
+            else:
+                self.waiting.append(seq)
             return
         key, i = self.rank(seq), len(self.waiting)
         while i and self.rank(self.waiting[i - 1]) > key:

@@ -61,6 +61,14 @@ class ChoiceText:
     def saw_reasoning(self) -> bool:
         return self.reasoning is not None and self.reasoning.saw_reasoning
 
+    def take(self, text: str, finished: bool) -> Piece:
+        """What a stream step adds for this piece of text, and when `finished` also what was held back."""
+        piece = self.feed(text) if text else Piece()
+        if not finished:
+            return piece
+        end = self.finish()
+        return Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+
     def parse(self, text: str) -> Parsed:
         """The whole text at once (the non-streaming response)."""
         a, b = self.feed(text), self.finish()

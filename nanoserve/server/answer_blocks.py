@@ -58,13 +58,7 @@ class AnswerBlocks:
 
     def feed(self, text: str, finished: bool) -> list[Change]:
         """The changes this piece of text makes (and, when `finished`, the close of the last block)."""
-        if self.parser is None:
-            piece = Piece(content=text)
-        else:
-            piece = self.parser.feed(text) if text else Piece()
-            if finished:
-                end = self.parser.finish()
-                piece = Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+        piece = Piece(content=text) if self.parser is None else self.parser.take(text, finished)
         changes: list[Change] = []
         if piece.reasoning and self.include_reasoning:
             changes += self._add("reasoning", piece.reasoning)

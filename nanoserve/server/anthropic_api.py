@@ -24,7 +24,7 @@ from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.protocol import anthropic_api as A
 from nanoserve.server.responses import cache_write_tokens
 from nanoserve.server.state import OpenAIServer
-from nanoserve.server.streaming import StreamedChoice, stop_holdback
+from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
 
 ANTHROPIC_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
                     ("response_format.json_schema.schema", "output_config.format.schema"),
@@ -178,7 +178,7 @@ def message_response(server: OpenAIServer, req: A.MessagesRequest, prepared: Pre
 
 
 def sse_event(event: A.StreamEvent | A.ErrorBody) -> str:
-    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
+    return sse(event, event.type)
 
 
 def _events(change: Change) -> list[A.StreamEvent]:

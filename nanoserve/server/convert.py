@@ -218,7 +218,7 @@ def apply_thinking_budget(server: OpenAIServer, req: P.ChatCompletionRequest, pa
     tag = {"type": "structural_tag", "format": answer}
     params.structured_outputs = StructuredOutputsParams(structural_tag=setup.reasoning_parser.wrap_structural_tag(
         tag, setup.reasoning_state, budget, server.token_markers))
-    setup.structured_field = setup.structured_field or "thinking_token_budget"
+    setup.structured_field = "thinking_token_budget"
 
 
 # -- the steps ------------------------------------------------------------------------------------------------

@@ -100,7 +100,7 @@ def invalid_value(exc: ValueError, req: P.SamplingRequest, prompt_field: str) ->
     request's name."""
     message = str(exc)
     first = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
-    if first in ("priority", "cache_salt"):  # request fields the engine checks
+    if first not in SAMPLING_FIELDS and first in type(req).model_fields:  # a request field the engine checks
         return APIError(400, message, param=first)
     if first not in SAMPLING_FIELDS:
         return APIError(400, message, param=prompt_field if first.startswith("prompt") else None)

@@ -31,7 +31,7 @@ from nanoserve.server.protocol import responses_api as R
 from nanoserve.server.response_store import ResponseStore, StoredResponse
 from nanoserve.server.responses import cache_write_tokens, chat_logprobs
 from nanoserve.server.state import OpenAIServer
-from nanoserve.server.streaming import StreamedChoice, stop_holdback
+from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
 
 # -- the request as a chat ---------------------------------------------------------------------------------------
 ENCRYPTED_PREFIX = "nanoserve-reasoning:"
@@ -66,8 +66,9 @@ def conversation(req: R.ResponsesRequest, store: ResponseStore) -> list[dict[str
 
     for i, item in enumerate(req.input):
         if isinstance(item, R.InputMessage):
-            if item.role == "assistant" and not assistant().get("content") and not assistant().get("tool_calls"):
-                messages[-1]["content"] = item.text()
+            turn = assistant() if item.role == "assistant" else None
+            if turn is not None and not turn.get("content") and not turn.get("tool_calls"):
+                turn["content"] = item.text()  # the text of the turn a reasoning item opened
             else:
                 messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, R.FunctionCallItem):
@@ -126,9 +127,9 @@ def chat_request(req: R.ResponsesRequest, messages: list[dict[str, Any]]) -> P.C
     return as_chat_request(body)
 
 
-RESPONSES_FIELDS = (("response_format.json_schema.schema", "text.format.schema"), ("response_format", "text.format"),
-               ("max_completion_tokens", "max_output_tokens"), ("messages", "input"),
-               ("tool_choice.function.name", "tool_choice.name"))
+RESPONSES_FIELDS = (("response_format.json_schema.schema", "text.format.schema"),
+                    ("response_format", "text.format"), ("max_completion_tokens", "max_output_tokens"),
+                    ("messages", "input"), ("tool_choice.function.name", "tool_choice.name"))
 """Chat field -> this API's field, in the errors of the chat preparation (errors.fields_renamed)."""
 
 
@@ -197,22 +198,24 @@ class OutputBuilder:
         return events
 
     def _delta(self, block: Block, delta: str, logprobs: list[R.TokenLogprob] | None) -> R.StreamEvent:
-        item = self.items[block.index]
+        item_id = self.items[block.index].id
         if block.kind == "reasoning":
-            item.content[0].text = block.text
-            return R.TextDeltaEvent(type="response.reasoning_text.delta", item_id=item.id,
+            return R.TextDeltaEvent(type="response.reasoning_text.delta", item_id=item_id,
                                     output_index=block.index, delta=delta)
         if block.kind == "text":
-            item.content[0].text = block.text
-            return R.OutputTextDeltaEvent(type="response.output_text.delta", item_id=item.id,
+            return R.OutputTextDeltaEvent(type="response.output_text.delta", item_id=item_id,
                                           output_index=block.index, delta=delta, logprobs=logprobs or [])
-        item.arguments = block.text
-        return R.ArgumentsDeltaEvent(type="response.function_call_arguments.delta", item_id=item.id,
+        return R.ArgumentsDeltaEvent(type="response.function_call_arguments.delta", item_id=item_id,
                                      output_index=block.index, delta=delta)
 
     def _close(self, block: Block, status: str) -> list[R.StreamEvent]:
+        """The item takes its block's final text (or arguments) and status; then its done events."""
         item, index = self.items[block.index], block.index
         item.status = status
+        if block.kind == "call":
+            item.arguments = block.text
+        else:
+            item.content[0].text = block.text
         if block.kind == "reasoning":
             if self.encrypted_reasoning:
                 item.encrypted_content = encode_reasoning(block.text)
@@ -235,17 +238,14 @@ class OutputBuilder:
 # -- the response ------------------------------------------------------------------------------------------------
 def reasoning_tokens(server: OpenAIServer, prepared: Prepared, c: CompletionOutput) -> int:
     """How many generated tokens are thinking (the markers not counted), found on the token ids."""
-    parser = server.reasoning_parser
-    if parser is None or server.reasoning_end_id is None or prepared.chat.reasoning_state == "closed":
+    if server.reasoning_end_id is None or prepared.chat.reasoning_state == "closed":
         return 0
     ids = list(c.token_ids)
     end = ids.index(server.reasoning_end_id) if server.reasoning_end_id in ids else len(ids)
     if prepared.chat.reasoning_state == "open":
         return end
-    start_ids = server.tokenizer.encode(parser.start, add_special_tokens=False)
-    if len(start_ids) == 1 and start_ids[0] in ids[:end]:
-        return end - ids.index(start_ids[0]) - 1
-    return 0
+    start = server.reasoning_start_id
+    return end - ids.index(start) - 1 if start is not None and start in ids[:end] else 0
 
 
 def response_object(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
@@ -312,10 +312,6 @@ def whole_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prep
     return finished_response(server, req, prepared, response_id, created_at, builder, out, messages)
 
 
-def sse_event(event: R.StreamEvent) -> str:
-    return f"event: {event.type}\ndata: {event.model_dump_json()}\n\n"
-
-
 async def response_events(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
                           created_at: int, stream: RequestStream, messages: list[dict[str, Any]]
                           ) -> AsyncIterator[str]:
@@ -327,7 +323,7 @@ async def response_events(server: OpenAIServer, req: R.ResponsesRequest, prepare
     def emit(event: R.StreamEvent) -> str:
         nonlocal seq
         event.sequence_number, seq = seq, seq + 1
-        return sse_event(event)
+        return sse(event, event.type)
 
     builder = builder_for(req, prepared)
     start = response_object(server, req, prepared, response_id, created_at)

@@ -91,6 +91,11 @@ class OpenAIServer:
         self.token_markers = frozenset(m for m in markers
                                        if len(self.tokenizer.encode(m, add_special_tokens=False)) == 1)
         self.reasoning_end_id = self._reasoning_end_id()
+        # the start marker's token (None if it is not one): where a generated thinking block begins (reasoning
+        # token counts, responses_api.py)
+        start = self.reasoning_parser.start if self.reasoning_parser else None
+        self.reasoning_start_id = self.tokenizer.convert_tokens_to_ids(start) if start in self.token_markers \
+            else None
 
     def _reasoning_end_id(self) -> int | None:
         """The token of the reasoning parser's end-of-thinking marker: structured outputs apply after it (vLLM's

@@ -23,7 +23,6 @@ from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownEr
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError
-from nanoserve.parsers.chat_output import Piece
 from nanoserve.parsers.tool_calls import CallStart, new_call_id
 from nanoserve.server.convert import ChatSetup, Prepared
 from nanoserve.server.responses import chat_finish_reason, chat_logprobs, completion_logprobs, echo_logprobs, usage
@@ -55,9 +54,11 @@ def stop_holdback(params: SamplingParams) -> int:
     return max((len(s) for s in params.stop_list), default=1) - 1
 
 
-def sse(payload: BaseModel) -> str:
-    """One Server-Sent Event."""
-    return f"data: {payload.model_dump_json()}\n\n"
+def sse(payload: BaseModel, event: str | None = None) -> str:
+    """One Server-Sent Event; `event` names it (the Responses and Anthropic APIs name every event by its type,
+    the completions APIs none)."""
+    head = f"event: {event}\n" if event else ""
+    return f"{head}data: {payload.model_dump_json()}\n\n"
 
 
 def sse_error(exc: Exception) -> str:
@@ -222,10 +223,7 @@ class ChatDeltas:
     def next(self, text: str, finished: bool) -> P.DeltaMessage | None:
         if self.parser is None:
             return P.DeltaMessage(content=text) if text else None
-        piece = self.parser.feed(text) if text else Piece()
-        if finished:
-            end = self.parser.finish()
-            piece = Piece(piece.reasoning + end.reasoning, piece.content + end.content, piece.calls + end.calls)
+        piece = self.parser.take(text, finished)
         calls = []
         for ev in piece.calls:
             if not self.setup.parallel_tool_calls and ev.index > 0:

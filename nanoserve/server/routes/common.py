@@ -39,7 +39,7 @@ async def check_api_key(request: Request, server: Server) -> None:
         return
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
     if scheme.lower() != "bearer" or not token:
-        scheme, token = "bearer", request.headers.get("x-api-key", "")
+        token = request.headers.get("x-api-key", "")
     if not token:
         raise APIError(401, "missing API key: send the header 'Authorization: Bearer <key>' (or 'x-api-key: <key>')")
     if not hmac.compare_digest(token.strip().encode(), server.api_key.encode()):
