@@ -132,6 +132,10 @@ class Optimizations:
     fused_add_rmsnorm: bool = switch(
         True, KERNEL, "kernels/norm_rope.py", "Gemma RMSNorm fused with the residual add",
         "kernels/reference.py add_gemma_rmsnorm", entry_points=("fused_add_rmsnorm",))
+    fused_swiglu: bool = switch(
+        True, KERNEL, "kernels/swiglu.py", "the dense MLP's clamped SwiGLU-OAI (gate|up -> activation) in one launch",
+        "kernels/reference.py swiglu_oai, about ten element-wise kernels in fp32, then the cast",
+        entry_points=("swiglu_oai",))
     fused_rmsnorm: bool = switch(
         True, KERNEL, "kernels/norm_rope.py", "a Gemma RMSNorm without a residual add (the first layer's input norm) "
         "in one launch", "kernels/reference.py gemma_rmsnorm, about eight element-wise kernels",

@@ -126,3 +126,41 @@ def test_captured_argmax_same_tokens_emulated_graphs():
             llm.engine.shutdown()
     assert runs[True, 3] == runs[False, 3]
     assert runs[True, 4] == runs[False, 4]
+
+
+SWIGLU_TOLERANCE = {torch.float32: (1e-6, 1e-6), torch.float16: (1e-3, 1e-3)}  # (rtol, atol) beside the dtype
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("rows,inter", [(1, 64), (5, 1500), (17, 96)])
+def test_fused_swiglu_matches_reference(rows, inter, dtype, device):
+    """kernels/swiglu.py against reference.swiglu_oai + the cast, on gate / up values beyond the clamp (+-7) both
+    ways, and on a strided gate|up (a slice of a wider tensor); a tensor that is not [T, 2I] is refused."""
+    from nanoserve.kernels.swiglu import swiglu_oai
+
+    gen = torch.Generator().manual_seed(rows * inter)
+    gate_up = (6 * torch.randn(rows, 2 * inter, generator=gen)).to(dtype).to(device)
+    ref = reference.swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], 1.702, 7.0).to(dtype)
+    rtol, atol = SWIGLU_TOLERANCE[dtype]
+    got = swiglu_oai(gate_up, 1.702, 7.0)
+    assert got.dtype == dtype and got.shape == (rows, inter)
+    torch.testing.assert_close(got, ref, rtol=rtol, atol=atol)
+    wide = torch.cat([gate_up, gate_up], dim=-1)[:, : 2 * inter]
+    torch.testing.assert_close(swiglu_oai(wide, 1.702, 7.0), ref, rtol=rtol, atol=atol)
+    with pytest.raises(ValueError, match="gate_up must be"):
+        swiglu_oai(gate_up[:, :-1], 1.702, 7.0)
+
+
+def test_fused_swiglu_switch_in_the_dense_mlp(device):
+    """The dense MLP with the switch on and off: the same output (fp32 1e-5)."""
+    from nanoserve.model.layers.mlp import SwiGLUOAIMLP
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(1)).to(device)
+    outs = []
+    for on in (True, False):
+        mlp = SwiGLUOAIMLP(64, 96, 1.702, 7.0, torch.float32, device, opts=Optimizations(fused_swiglu=on))
+        gen = torch.Generator().manual_seed(2)
+        for p in mlp.parameters():
+            p.data.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        outs.append(mlp(x))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -6,6 +6,7 @@ import torch
 import torch.nn as nn
 
 from nanoserve.config import Optimizations
+from nanoserve.kernels import triton_usable
 from nanoserve.kernels.reference import swiglu_oai
 from nanoserve.model.layers.linear import MergedColumnParallelLinear, OutputPart, RowParallelLinear
 
@@ -19,7 +20,7 @@ class SwiGLUOAIMLP(nn.Module):
                  device: torch.device | str, reduce: bool = True, quant: str | None = None,
                  opts: Optimizations | None = None):
         super().__init__()
-        self.alpha, self.limit = alpha, limit
+        self.alpha, self.limit, self.opts = alpha, limit, opts
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [OutputPart.split("gate", intermediate_size), OutputPart.split("up", intermediate_size)],
             dtype, device, quant, opts)
@@ -30,5 +31,9 @@ class SwiGLUOAIMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if (self.opts is None or self.opts.fused_swiglu) and triton_usable(gate_up):
+            from nanoserve.kernels.swiglu import swiglu_oai as fused
+
+            return self.down_proj(fused(gate_up, self.alpha, self.limit))
         gate, up = gate_up[:, : self.intermediate_local], gate_up[:, self.intermediate_local:]
         return self.down_proj(swiglu_oai(gate, up, self.alpha, self.limit).to(x.dtype))
