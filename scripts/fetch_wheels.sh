@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that cannot reach the package index: the packages nanoserve needs beyond a CUDA PyTorch
-# image (torch, triton, transformers, numpy, tokenizers, safetensors, httpx, anyio, h11, click are assumed there),
+# image (torch, triton, transformers, numpy, tokenizers, safetensors, httpx, click are assumed there),
 # at the versions installed here, for CPython 3.12 on x86-64 Linux, into .whl/ (ignored by git). The device scripts
 # (scripts/gpu_*.sh) install .whl/*.whl into /tmp/site before they run.
 #   bash scripts/fetch_wheels.sh [--python-version 3.12] [extra packages...]
@@ -8,10 +8,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYV=3.12
 if [ "${1:-}" = "--python-version" ]; then PYV=$2; shift 2; fi
-# the engine (structured outputs), the server, the clients the agent session drives, and what they pull in
+# the engine (structured outputs), the server, the clients the agent session drives, and what they pull in (the
+# openai 3.x client talks through httpx2, which the GPU image does not carry)
 PKGS=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
       fastapi starlette uvicorn httptools opentelemetry-api annotated-doc prometheus-client
-      openai anthropic distro jiter docstring-parser sniffio "$@")
+      openai anthropic distro jiter docstring-parser sniffio
+      httpx2 httpcore2 truststore idna anyio h11 certifi typing-extensions "$@")
 mkdir -p .whl
 for name in "${PKGS[@]}"; do
   version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')

@@ -111,11 +111,11 @@ def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilin
             entry[fmt] = {"ms": ms, "tflop_s": flops / ms / 1e9, "gb_s": nbytes / ms / 1e6}
         entry["speedup"] = entry["bf16"]["ms"] / entry["mxfp8"]["ms"]
         out.append(entry)
-        rows.append([t, touched, entry["timed"], entry["bf16"]["ms"], entry["mxfp8"]["ms"], entry["bf16"]["tflop_s"],
+        rows.append([t, touched, entry["timed"], entry["bf16"]["ms"] * 1e3, entry["mxfp8"]["ms"] * 1e3, entry["bf16"]["tflop_s"],
                      entry["mxfp8"]["tflop_s"], entry["bf16"]["gb_s"], entry["mxfp8"]["gb_s"], entry["speedup"]])
     title = (f"Fused MoE (top-{k} + folded shared expert, H {h}, I {inter}, {e} experts), bf16 vs MXFP8 weights "
-             f"(median ms; GB/s of the weights read; ceilings {hw.name})")
-    return {"rows": out, "table": table(("tokens", "experts", "timed", "bf16 ms", "mxfp8 ms", "bf16 TFLOP/s",
+             f"(median us; GB/s of the weights read; ceilings {hw.name})")
+    return {"rows": out, "table": table(("tokens", "experts", "timed", "bf16 us", "mxfp8 us", "bf16 TFLOP/s",
                                          "mxfp8 TFLOP/s", "bf16 GB/s", "mxfp8 GB/s", "speedup"), rows, title)}
 
 
