@@ -21,7 +21,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nanoserve.kernels import reference
+from nanoserve.kernels import fp8_configs, reference
 from nanoserve.kernels.fp8_linear import LinearTiles, fp8_linear
 from nanoserve.kernels.moe import GemmTiles, MoEConfig, fused_moe
 from nanoserve.model.mxfp8 import dequantize_mxfp8, quantize_mxfp8
@@ -148,6 +148,30 @@ def test_fp8_linear_tuned_table_file(tmp_path, monkeypatch):
     w, s = mx_weight(32, 64, gen)
     with pytest.raises(ValueError, match="variant"):
         fp8_linear(torch.randn(2, 64, device=DEVICE), w, s, tiles=LinearTiles(16, 32, 64, 4, 1, "fast"))
+
+
+def test_tune_sweep_times_the_builtin_entry_first():
+    """scripts/tune_fp8.py times the entry the engine already runs before any candidate (so a sweep cut short by
+    its deadline cannot write a worse one), also when --variants leaves its variant out, and only once."""
+    from scripts import tune_fp8
+
+    incumbent = tune_fp8.builtin_moe(6144, 3072, 128, 4096)
+    assert incumbent == fp8_configs.FP8_MOE_TILES["cuda"][(6144, 3072, 128)][4096]
+    saved = tune_fp8.VARIANTS[:]
+    try:
+        tune_fp8.VARIANTS[:] = ["bcast"]
+        swept = tune_fp8.incumbent_first(tune_fp8.moe_candidates(4096), incumbent)
+        assert swept[0] == incumbent and incumbent[0] == "scaled" and len(swept) == len(set(swept))
+        assert all(e[0] == "bcast" for e in swept[1:])
+        tune_fp8.VARIANTS[:] = list(fp8_configs.FP8_VARIANTS)
+        linear = tune_fp8.builtin_linear(6144, 8192, 3)  # 3 rows: the 8-row bucket
+        assert linear == fp8_configs.FP8_LINEAR_TILES["cuda"][(6144, 8192)][8]
+        swept = tune_fp8.incumbent_first(tune_fp8.linear_candidates(3), linear)
+        assert swept[0] == linear and swept.count(linear) == 1
+        assert tune_fp8.builtin_linear(96, 128, 1) is None
+        assert tune_fp8.incumbent_first([("bcast",)], None) == [("bcast",)]
+    finally:
+        tune_fp8.VARIANTS[:] = saved
 
 
 def test_fp8_linear_rejects_bad_inputs():
