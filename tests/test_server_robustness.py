@@ -100,6 +100,13 @@ def test_request_limits(srv):
 
     chunked = httpx.post(url, content=chunks(), timeout=30, headers={"Content-Type": "application/json"})
     assert chunked.status_code == 413, chunked.text
+    # Anthropic's route answers in Anthropic's error shape, whether the middleware or the route refuses the body
+    for body in (b"{" + b" " * BODY_LIMIT + b"}", chunks()):
+        big = httpx.post(f"{srv.url}/v1/messages", content=body, timeout=30,
+                         headers={"Content-Type": "application/json"})
+        assert big.status_code == 413 and big.json()["type"] == "error", big.text
+        assert big.json()["error"]["type"] == "request_too_large", big.text
+        assert "--max-request-body-bytes" in big.json()["error"]["message"]
     many = httpx.post(url, json=dict(model=MODEL, prompt=["a", "b", "c", "d", "e"], max_tokens=1), timeout=30)
     assert many.status_code == 400 and "--max-prompts-per-request" in many.json()["error"]["message"]
     assert many.json()["error"]["param"] == "prompt"
@@ -265,6 +272,8 @@ def test_sigterm_aborts_what_outlives_the_timeout_then_exits_0(tiny_dir, tmp_pat
         srv.proc.send_signal(signal.SIGTERM)
         time.sleep(0.1)
         late = httpx.post(f"{srv.url}/v1/completions", json=dict(long, max_tokens=2), timeout=10)
+        late_messages = httpx.post(f"{srv.url}/v1/messages", timeout=10, json=dict(
+            model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]))
         health = httpx.get(f"{srv.url}/health", timeout=10)
         rc = srv.proc.wait(timeout=60)
         elapsed = time.monotonic() - t0
@@ -275,6 +284,9 @@ def test_sigterm_aborts_what_outlives_the_timeout_then_exits_0(tiny_dir, tmp_pat
     assert 3 <= elapsed < 15, elapsed
     assert late.status_code == 503 and int(late.headers["Retry-After"]) >= 1
     assert late.json()["error"]["code"] == 503 and "shutting down" in late.json()["error"]["message"]
+    assert late_messages.status_code == 503 and int(late_messages.headers["Retry-After"]) >= 1
+    assert late_messages.json()["type"] == "error", late_messages.text
+    assert late_messages.json()["error"]["type"] == "overloaded_error"
     assert health.status_code == 503
     assert streamed[-1] == "data: [DONE]", streamed[-3:]
     error = json.loads(streamed[-2][6:])["error"]
@@ -335,11 +347,13 @@ def test_a_dead_worker_turns_every_route_and_exits_1(tiny_dir, tmp_path):
         [worker] = worker_pids(srv.proc.pid)
         os.kill(worker, signal.SIGKILL)
         t0 = time.monotonic()
-        health = models = None
+        health = models = messages = None
         while time.monotonic() - t0 < 10:
             try:
                 health = httpx.get(f"{srv.url}/health", timeout=10)
                 models = httpx.get(f"{srv.url}/v1/models", timeout=10)
+                messages = httpx.post(f"{srv.url}/v1/messages", timeout=10, json=dict(
+                    model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "hi"}]))
             except httpx.TransportError:
                 break  # already gone
             if health.status_code == 503:
@@ -350,6 +364,8 @@ def test_a_dead_worker_turns_every_route_and_exits_1(tiny_dir, tmp_path):
     assert health is not None and health.status_code == 503, log
     assert "worker 1 died" in health.json()["error"]["message"]
     assert models.status_code == 500 and "worker 1 died" in models.json()["error"]["message"], models.text
+    assert messages.status_code == 500 and messages.json()["type"] == "error", messages.text  # Anthropic's shape
+    assert "worker 1 died" in messages.json()["error"]["message"]
     assert rc == 1, log
 
 

@@ -148,8 +148,14 @@ def fields_renamed(names: tuple[tuple[str, str], ...], tool_fields: dict[str, st
 
 
 # -- the app's exception handlers ----------------------------------------------------------------------------
+def anthropic_path(path: str) -> bool:
+    """Whether an error on this path is written in Anthropic's shape (the Messages API's routes), also by the
+    middlewares that answer before a route runs (413, 408, 503 while draining)."""
+    return path.startswith(ANTHROPIC_PATHS)
+
+
 def _anthropic(request: Request) -> bool:
-    return request.url.path.startswith(ANTHROPIC_PATHS)
+    return anthropic_path(request.url.path)
 
 
 async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
