@@ -58,12 +58,17 @@ def graph_us(call: Callable[[int], object], calls: int = 50, replays: int = 20, 
     return statistics.median(times)
 
 
+def timed_as(tokens: int) -> str:
+    """How a batch of `tokens` is timed: "graph" (a decode step) up to GRAPH_MAX_TOKENS, else "eager"."""
+    return "graph" if tokens <= GRAPH_MAX_TOKENS else "eager"
+
+
 def batch_ms(fns: list[Callable[[], object]], tokens: int) -> float:
     """Milliseconds per call of the same operation on different weight copies `fns` (called in turn), timed as the
-    engine runs a batch of `tokens`: in a CUDA graph up to GRAPH_MAX_TOKENS, else eagerly (do_bench, first copy)."""
+    engine runs a batch of `tokens` (`timed_as`): in a CUDA graph, or eagerly (do_bench, the first copy)."""
     import triton
 
-    if tokens <= GRAPH_MAX_TOKENS:
+    if timed_as(tokens) == "graph":
         return graph_us(lambda i: fns[i % len(fns)](), calls=10 * len(fns), replays=20, warm=len(fns)) / 1e3
     return triton.testing.do_bench(fns[0], warmup=5, rep=40, return_mode="median")
 
@@ -100,7 +105,7 @@ def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilin
         weights, ids = reference.route(logits, torch.zeros(e, device=device), k)
         touched = int(torch.unique(ids).numel()) + 1  # + the shared expert
         flops = 2 * 3 * h * inter * t * (k + 1)
-        entry = {"tokens": t, "experts_touched": touched, "timed": "graph" if t <= GRAPH_MAX_TOKENS else "eager"}
+        entry = {"tokens": t, "experts_touched": touched, "timed": timed_as(t)}
         for fmt in FORMATS:
             if fmt == "bf16":
                 def fn(): return fused_moe(x, w13, w2, weights, ids, **args)
@@ -111,8 +116,9 @@ def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilin
             entry[fmt] = {"ms": ms, "tflop_s": flops / ms / 1e9, "gb_s": nbytes / ms / 1e6}
         entry["speedup"] = entry["bf16"]["ms"] / entry["mxfp8"]["ms"]
         out.append(entry)
-        rows.append([t, touched, entry["timed"], entry["bf16"]["ms"] * 1e3, entry["mxfp8"]["ms"] * 1e3, entry["bf16"]["tflop_s"],
-                     entry["mxfp8"]["tflop_s"], entry["bf16"]["gb_s"], entry["mxfp8"]["gb_s"], entry["speedup"]])
+        rows.append([t, touched, entry["timed"], entry["bf16"]["ms"] * 1e3, entry["mxfp8"]["ms"] * 1e3,
+                     entry["bf16"]["tflop_s"], entry["mxfp8"]["tflop_s"], entry["bf16"]["gb_s"], entry["mxfp8"]["gb_s"],
+                     entry["speedup"]])
     title = (f"Fused MoE (top-{k} + folded shared expert, H {h}, I {inter}, {e} experts), bf16 vs MXFP8 weights "
              f"(median us; GB/s of the weights read; ceilings {hw.name})")
     return {"rows": out, "table": table(("tokens", "experts", "timed", "bf16 us", "mxfp8 us", "bf16 TFLOP/s",
@@ -168,7 +174,7 @@ def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: i
             mx = batch_ms([lambda q=q, s=s: fp8_linear(x, q, s) for q, s in qs], t)
             flops = 2 * t * n * k
             entry = {"shape": name, "n": n, "k": k, "tokens": t, "bf16_ms": bf, "mxfp8_ms": mx,
-                     "timed": "graph" if t <= GRAPH_MAX_TOKENS else "eager",
+                     "timed": timed_as(t),
                      "bf16_gb_s": n * k * 2 / bf / 1e6, "mxfp8_gb_s": n * k * (1 + 1 / 32) / mx / 1e6,
                      "bf16_tflop_s": flops / bf / 1e9, "mxfp8_tflop_s": flops / mx / 1e9, "speedup": bf / mx}
             out.append(entry)

@@ -10,6 +10,7 @@ blocks (answer_blocks.py: thinking, text, calls) become content blocks and, stre
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import uuid
@@ -33,6 +34,11 @@ ANTHROPIC_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequ
 """Chat field -> this API's field, in the errors of the chat preparation (errors.fields_renamed)."""
 TOOL_FIELDS = {"parameters": "input_schema"}
 """A chat tool's field -> this API's name for it."""
+
+
+def anthropic_fields() -> contextlib.AbstractContextManager[None]:
+    """Errors raised inside name this API's fields (ANTHROPIC_FIELDS, TOOL_FIELDS) instead of the chat's."""
+    return fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS)
 
 THINKING_MODES = {"enabled": "enabled", "disabled": "disabled", "adaptive": "adaptive"}
 """thinking.type -> M3's chat-template variable thinking_mode."""
@@ -106,7 +112,7 @@ def chat_request(req: A.ChatFields) -> P.ChatCompletionRequest:
 
 
 def prepare_message(server: OpenAIServer, req: A.MessagesRequest) -> tuple[Prepared, P.ChatCompletionRequest]:
-    with fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS):
+    with anthropic_fields():
         chat = chat_request(req)
         return prepare_chat(server, chat), chat
 
@@ -114,7 +120,7 @@ def prepare_message(server: OpenAIServer, req: A.MessagesRequest) -> tuple[Prepa
 def count_tokens(server: OpenAIServer, req: A.CountTokensRequest) -> A.CountTokensResponse:
     """The prompt's size: the chat template's rendering of the request (its tools checked as /v1/messages checks
     them), tokenized."""
-    with fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS):
+    with anthropic_fields():
         chat = chat_request(req)
         chat_setup(server, chat)
         _, text = render_messages(server, chat)

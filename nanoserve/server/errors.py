@@ -63,6 +63,11 @@ class APIError(Exception):
         body = self.anthropic_body() if anthropic else self.body()
         return JSONResponse(body.model_dump(), status_code=self.status, headers=self.headers)
 
+    async def answer(self, scope, receive, send) -> None:
+        """Answer an ASGI request with this error, in the shape its path takes (for the middlewares, which run
+        before any route and its exception handlers)."""
+        await self.response(anthropic_path(scope["path"]))(scope, receive, send)
+
     def anthropic_body(self) -> A.ErrorBody:
         """Anthropic's shape: {"type": "error", "error": {"type", "message"}} with its error types."""
         return A.ErrorBody(error=A.ErrorDetail(type=ANTHROPIC_ERROR_TYPES.get(self.status, "api_error"),
@@ -100,9 +105,9 @@ def invalid_value(exc: ValueError, req: P.SamplingRequest, prompt_field: str) ->
     request's name."""
     message = str(exc)
     first = message.split(" ", 1)[0].split("=", 1)[0].rstrip(":")
-    if first not in SAMPLING_FIELDS and first in type(req).model_fields:  # a request field the engine checks
-        return APIError(400, message, param=first)
     if first not in SAMPLING_FIELDS:
+        if first in type(req).model_fields:  # a request field the engine checks (priority, cache_salt)
+            return APIError(400, message, param=first)
         return APIError(400, message, param=prompt_field if first.startswith("prompt") else None)
     param = req.request_field(first)
     return APIError(400, param + message[len(first):], param=param)
@@ -149,8 +154,7 @@ def fields_renamed(names: tuple[tuple[str, str], ...], tool_fields: dict[str, st
 
 # -- the app's exception handlers ----------------------------------------------------------------------------
 def anthropic_path(path: str) -> bool:
-    """Whether an error on this path is written in Anthropic's shape (the Messages API's routes), also by the
-    middlewares that answer before a route runs (413, 408, 503 while draining)."""
+    """Whether an error on this path is written in Anthropic's shape (the Messages API's routes)."""
     return path.startswith(ANTHROPIC_PATHS)
 
 

@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Sized
 from dataclasses import dataclass
 
-from nanoserve.server.errors import APIError, anthropic_path
+from nanoserve.server.errors import APIError
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 64 << 20
 DEFAULT_REQUEST_HEADER_TIMEOUT_S = 30.0
@@ -109,7 +109,7 @@ class BodyLimitMiddleware:
         limit, timeout = self.limits.max_request_body_bytes, self.limits.request_body_timeout
         length = dict(scope["headers"]).get(b"content-length")
         if limit and length is not None and length.isdigit() and int(length) > limit:
-            await BodyTooLarge(limit, int(length)).response(anthropic_path(scope["path"]))(scope, receive, send)
+            await BodyTooLarge(limit, int(length)).answer(scope, receive, send)
             return
         received, body_done = 0, False
 

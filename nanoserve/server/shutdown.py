@@ -32,7 +32,7 @@ import time
 import uvicorn
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine, EngineShutdownError
-from nanoserve.server.errors import APIError, anthropic_path
+from nanoserve.server.errors import APIError
 
 logger = logging.getLogger(__name__)
 
@@ -105,15 +105,13 @@ class LifecycleMiddleware:
             return
         life = self.lifecycle
         if scope["path"] not in UNGUARDED_PATHS:
-            anthropic = anthropic_path(scope["path"])
             if life.dead_reason is not None:
-                await APIError(500, life.dead_reason).response(anthropic)(scope, receive, send)
+                await APIError(500, life.dead_reason).answer(scope, receive, send)
                 return
             if life.draining:
                 retry = str(EngineShutdownError.retry_after)
-                refusal = APIError(503, "the server is shutting down and accepts no new requests",
-                                   headers={"Retry-After": retry, "Connection": "close"})
-                await refusal.response(anthropic)(scope, receive, send)
+                await APIError(503, "the server is shutting down and accepts no new requests",
+                               headers={"Retry-After": retry, "Connection": "close"}).answer(scope, receive, send)
                 return
         life.in_flight += 1
         try:

@@ -8,9 +8,8 @@ from typing import Annotated
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server.anthropic_api import (ANTHROPIC_FIELDS, TOOL_FIELDS, count_tokens, message_events, message_response,
+from nanoserve.server.anthropic_api import (anthropic_fields, count_tokens, message_events, message_response,
                                             new_message_id, prepare_message)
-from nanoserve.server.errors import fields_renamed
 from nanoserve.server.protocol.anthropic_api import CountTokensRequest, MessagesRequest
 from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse
@@ -25,11 +24,11 @@ async def create_message(request: Request, server: Server,
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
     prepared, chat = await server.offload.run(len(await request.body()), prepare_message, server, req)
     message_id = new_message_id()
-    with fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS):
+    with anthropic_fields():
         streams = await add_requests(server, message_id, prepared, chat, "messages")
     if req.stream:
         return EventStreamResponse(message_events(server, req, prepared, message_id, streams[0]), streams)
-    with fields_renamed(ANTHROPIC_FIELDS, TOOL_FIELDS):
+    with anthropic_fields():
         [output] = await wait_for_outputs(request, streams, chat, "messages")
     return JSONResponse(message_response(server, req, prepared, message_id, output).model_dump())
 
