@@ -164,6 +164,7 @@ def test_no_tool_chats_offer_tools_and_answer_directly():
     for chat in draw("no_tool", seed=6):
         assert chat.tools and not any(m.get("tool_calls") for m in chat.messages)
         assert chat.messages[-1]["role"] == "assistant" and chat.messages[-1]["content"]
+        assert chat.expected["calls"] == []
 
 
 def test_arith_scratchpad_and_answer():

@@ -335,6 +335,10 @@ def _cap(s: str) -> str:
     return s[:1].upper() + s[1:]
 
 
+def _a(noun: str) -> str:
+    return ("an " if noun[:1] in "aeiou" else "a ") + noun
+
+
 # -- arith --------------------------------------------------------------------------------------------------------
 def _digits(n: int) -> list[int]:
     return [int(c) for c in reversed(str(n))]
@@ -387,14 +391,20 @@ def _arith_exchange(rng: random.Random, mode: str) -> Exchange:
 
 
 # -- chat and define ---------------------------------------------------------------------------------------------
+MAX_GLOSS = 160
+
+
 def clean_gloss(gloss: str) -> str:
     """A gloss as one definition: WordNet's examples (after '; "') dropped, no trailing punctuation."""
     return gloss.split('; "')[0].split(";  ")[0].strip().rstrip(";.").strip()
 
 
 def _define_exchange(rng: random.Random, mode: str, src: Sources) -> Exchange:
-    word, gloss = rng.choice(src.glosses)
-    word, gloss = word.replace("_", " "), clean_gloss(gloss)
+    for _ in range(8):  # a short definition: the answers stay short
+        word, gloss = rng.choice(src.glosses)
+        word, gloss = word.replace("_", " "), clean_gloss(gloss)
+        if len(gloss) <= MAX_GLOSS:
+            break
     q = rng.choice((f"What does {word} mean?", f"Define {word}.", f"What is the meaning of the word \"{word}\"?",
                     f"What does the word {word} mean?", f"Explain the word {word}.", f"Definition of {word}?"))
     a = rng.choice((f"{_cap(word)} means {gloss}.", f"\"{_cap(word)}\": {gloss}.", f"The word {word} means {gloss}.",
@@ -434,7 +444,7 @@ def _date(rng):
 
 
 def _number(rng):
-    x = rng.randint(1, 99999) / rng.choice((10, 100))
+    x = rng.randint(1, 9999) / rng.choice((10, 100))
     return x if x != int(x) else x + 0.5
 
 
@@ -521,11 +531,14 @@ def _param(rng: random.Random, taken: set[str]) -> Param:
 
 
 def make_tool(rng: random.Random, taken_names: set[str]) -> Tool:
-    """A tool named verb_noun (sometimes verb_adjective_noun) with 1-4 parameters, the first one required."""
+    """A tool named verb_noun (sometimes verb_adjective_noun) with 1-4 parameters, the first one required; the
+    question asking for it says "verb the [adjective] noun"."""
     verb, noun = rng.choice(VERBS), rng.choice(NOUNS)
     if noun == "weather":  # weather questions belong to weather_tool's shapes
         noun = "forecast"
-    name = f"{verb}_{rng.choice(ADJECTIVES)}_{noun}" if rng.random() < 0.15 else f"{verb}_{noun}"
+    if rng.random() < 0.15:  # the adjective is part of what the question names
+        noun = f"{rng.choice(ADJECTIVES)}_{noun}"
+    name = f"{verb}_{noun}"
     while name in taken_names or name in WEATHER_NAMES:
         name += "_" + rng.choice(NOUNS)
     params: list[Param] = []
@@ -564,7 +577,7 @@ def _finish_tool(rng: random.Random, tool: Tool) -> Tool:
     fn: dict[str, Any] = {"name": tool.name}
     if rng.random() < 0.85:
         fn["description"] = ("Get the current weather for a city." if tool.weather
-                             else f"{_cap(tool.verb)} a {tool.noun.replace('_', ' ')}.")
+                             else f"{_cap(tool.verb)} {_a(tool.noun.replace('_', ' '))}.")
     fn["parameters"] = parameters
     tool.spec = {"type": "function", "function": fn}
     return tool
@@ -716,6 +729,7 @@ def sample_no_tool(rng: random.Random, src: Sources) -> Chat:
     x = rng.random()
     ex = (_arith_exchange(rng, mode) if x < 0.3 else _define_exchange(rng, mode, src) if x < 0.5
           else _chat_exchange(rng, mode, src))
+    ex.expected["calls"] = []  # a grader checks that no tool was called
     return _chat(rng, "no_tool", mode, [ex], tools)
 
 
