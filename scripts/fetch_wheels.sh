@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for a GPU machine that cannot reach the package index: the packages nanoserve needs beyond a CUDA PyTorch
-# image (torch, triton, transformers, numpy, tokenizers, safetensors, httpx, click are assumed there),
-# at the versions installed here, for CPython 3.12 on x86-64 Linux, into .whl/ (ignored by git). The device scripts
-# (scripts/gpu_*.sh) install .whl/*.whl into /tmp/site before they run.
+# image (torch, triton, transformers, numpy, tokenizers, safetensors, httpx, click are assumed there), for CPython
+# 3.12 on x86-64 Linux, into .whl/ (ignored by git): at the version installed here where a package is installed,
+# else the index's newest. scripts/gpu_session.sh installs .whl/*.whl into /tmp/site before it runs anything.
 #   bash scripts/fetch_wheels.sh [--python-version 3.12] [extra packages...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,7 +16,8 @@ PKGS=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-insp
       httpx2 httpcore2 truststore idna anyio h11 certifi typing-extensions "$@")
 mkdir -p .whl
 for name in "${PKGS[@]}"; do
-  version=$(python3 -m pip show "$name" 2>/dev/null | sed -n 's/^Version: //p')
+  # not installed here: pip show fails, which must not end the script (pipefail); the spec is then unpinned
+  version=$( (python3 -m pip show "$name" 2>/dev/null || true) | sed -n 's/^Version: //p')
   spec=$name${version:+==$version}
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version "$PYV" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \

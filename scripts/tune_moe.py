@@ -28,14 +28,20 @@ import re
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+import triton  # noqa: E402
 
-from gpu_moe_bench import BF16_REL_TOL, COPY_CEILING_GBS, PEAK_TFLOPS, Problem, bench_ms, rel_err  # noqa: E402
-from nanoserve.kernels import configs, moe  # noqa: E402
+from nanoserve.bench.floor import H200  # noqa: E402
+from nanoserve.bench.moe_problem import BF16_REL_TOL, rel_err  # noqa: E402
+from nanoserve.bench.moe_problem import MoEProblem as Problem  # noqa: E402
+from nanoserve.kernels import moe  # noqa: E402
 from nanoserve.kernels.moe import GemmTiles, MoEConfig  # noqa: E402
+
+PEAK_TFLOPS = H200.flops_per_s / 1e12
+COPY_CEILING_GBS = H200.bytes_per_s / 1e9
+"""One H200's bf16 matmul and device-copy ceilings (bench/floor.py): what the printed fractions are of."""
 
 UP_TILES = [GemmTiles(*t) for t in [(64, 64, 4, 4), (64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 8, 4),
                                     (128, 64, 4, 4), (64, 128, 4, 3), (256, 64, 8, 3), (128, 32, 4, 5)]]
@@ -45,6 +51,11 @@ BLOCK_M = (64, 128)
 GROUP_M = (8, 16, 32)
 CONFIGS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanoserve", "kernels",
                           "configs.py")
+
+
+def bench_ms(fn, rep: int = 100) -> float:
+    """Median milliseconds per call (triton.testing.do_bench clears L2 before each call)."""
+    return triton.testing.do_bench(fn, warmup=10, rep=rep, return_mode="median")
 
 
 def entry(cfg: MoEConfig) -> tuple:

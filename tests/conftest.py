@@ -1,4 +1,6 @@
-"""Shared test setup: Triton's CPU interpreter, deterministic torch, and a session-wide m3-tiny checkpoint."""
+"""Shared test setup: Triton's CPU interpreter, deterministic torch, a session-wide m3-tiny checkpoint, and the
+`gpu` marker: a test marked `gpu` is skipped where torch sees no CUDA/HIP device (`pytest -m gpu` runs them all
+on a GPU machine)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,17 @@ import pytest  # noqa: E402
 # thrashes when the 2-core CI machine is busy).
 torch.set_num_threads(1)
 os.environ.setdefault("NANOSERVE_CPU_THREADS", "1")  # the same for LLM and for server processes the tests start
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked `gpu` on a machine without a GPU (they check compiled kernels, CUDA graphs and
+    real-width models that the CPU cannot run)."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="marked gpu: needs a CUDA/HIP device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,10 @@ profile: `python -m nanoserve.bench --help`.
     ablation.py    every switch off alone (approximations on alone), one table
     profile.py     torch.profiler over decode steps, grouped per kernel family
     serve.py       W3: closed-loop streaming client, vllm-bench-serve metrics
-    micro.py       kernel micro-benchmarks (MoE, projections: bf16 vs MXFP8) and the card's measured ceilings
+    micro.py       kernel micro-benchmarks (MoE, projections: bf16 vs MXFP8; decode routing) and the card's
+                   measured ceilings
+    micro_attention.py   the attention kernels' micro-benchmarks (dense and MSA, decode and prefill)
+    moe_problem.py one fused-MoE problem at a model's widths with its fp32 oracle (the MoE tuner, the GPU tests)
     accuracy.py    native MXFP8 against the same weights dequantised: logprob differences, top-1 agreement
     report.py      results.json, aligned tables, PNG plots
     session.py     one guarded, time-budgeted session that ties these together

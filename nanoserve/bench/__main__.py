@@ -11,6 +11,7 @@
     python -m nanoserve.bench --scale small                     # CPU-sized workloads (m3-tiny)
     python -m nanoserve.bench --quantization bf16,mxfp8 --workloads W1,W2,W4,W5 --micro moe,linear
                                                                 # bf16 and MXFP8 weights side by side
+    python -m nanoserve.bench --micro attention,route,ceilings   # kernel micro-benchmarks alone (GPU)
     python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
@@ -90,8 +91,9 @@ def parser() -> argparse.ArgumentParser:
                     "checkpoint's): mxfp8 quantizes bf16 weights at load (m3-slice: the same random draw), bf16 "
                     "dequantizes an MXFP8 checkpoint; a comma list (bf16,mxfp8) runs every workload in each format "
                     "and prints them side by side")
-    ap.add_argument("--micro", default=None, help="kernel micro-benchmarks in bf16 and MXFP8 weights (GPU): moe, "
-                    "linear; ceilings: the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s (comma list)")
+    ap.add_argument("--micro", default=None, help="kernel micro-benchmarks (GPU, comma list): moe, linear (bf16 "
+                    "and MXFP8 weights side by side); attention (dense and MSA, decode and prefill); route (the "
+                    "decode routing); ceilings (the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s)")
     ap.add_argument("--mxfp8-accuracy", action="store_true",
                     help="log-probabilities of native MXFP8 weights against the same weights dequantised (and the "
                     "unquantised model): max / mean |difference| and top-1 agreement over --prompt-len-token prompts "
@@ -226,7 +228,7 @@ def _run(args, session: BenchSession, model: str, scale: str) -> int:
         args.ablate = True
     if args.ablate and not names:
         names = ["W1"]
-    elif not names and not profile_names and not prefill_names and not args.serve and not args.mxfp8_accuracy:
+    elif not (names or profile_names or prefill_names or args.serve or args.mxfp8_accuracy or args.micro):
         names = list(W.OFFLINE)
     for n in names + profile_names + prefill_names:
         if n not in W.ALL:
@@ -288,9 +290,11 @@ def _accuracy(args, session: BenchSession, model: str) -> None:
 
 def _micro(args, session: BenchSession) -> None:
     from nanoserve.bench import micro
+    from nanoserve.bench.micro_attention import attention_micro
 
     kinds = [k.strip() for k in args.micro.split(",") if k.strip()]
-    runs = {"ceilings": micro.ceilings_micro, "moe": micro.moe_micro, "linear": micro.linear_micro}
+    runs = {"ceilings": micro.ceilings_micro, "moe": micro.moe_micro, "linear": micro.linear_micro,
+            "route": micro.route_micro, "attention": attention_micro}
     unknown = sorted(set(kinds) - set(runs))
     if unknown:
         raise SystemExit(f"--micro: unknown {', '.join(unknown)}; choose from {', '.join(runs)}")

@@ -60,9 +60,10 @@ def compare(got: torch.Tensor, want: torch.Tensor) -> dict:
 
 
 def mxfp8_accuracy(model: str, opts: Optimizations, dtype: torch.dtype, device: torch.device,
-                   prompt_len: int = 1024, num_prompts: int = 2, seed: int = 5) -> dict:
-    """Build `model` (a preset or checkpoint directory) natively in MXFP8, dequantised, and (a bf16 one)
-    unquantised, run the same random prompts through each, and compare (module docstring)."""
+                   prompt_len: int = 1024, num_prompts: int = 2, seed: int = 5, unquantised: bool = True) -> dict:
+    """Build `model` (a preset or checkpoint directory) natively in MXFP8, dequantised, and (a bf16 one, unless
+    `unquantised` is False) unquantised, run the same random prompts through each, and compare (module
+    docstring)."""
     from nanoserve.model.loader import checkpoint_quantization
     from nanoserve.presets.catalog import PRESETS
     from nanoserve.presets.resolve import load_model_or_preset, resolve_model_dir
@@ -72,7 +73,7 @@ def mxfp8_accuracy(model: str, opts: Optimizations, dtype: torch.dtype, device: 
     stored = None if model in PRESETS else checkpoint_quantization(resolve_model_dir(model))
     builds = {"native": (opts.replace(mxfp8_weights=True), "mxfp8"),
               "dequantised": (opts.replace(mxfp8_weights=False), "mxfp8")}
-    if stored != "mxfp8":
+    if stored != "mxfp8" and unquantised:
         builds["unquantised"] = (opts, None)
     gen = torch.Generator().manual_seed(seed)
     prompts = None

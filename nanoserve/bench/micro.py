@@ -6,6 +6,8 @@
   fp8-weight GEMM.
 - `ceilings_micro`: the card's copy bandwidth and its bf16 and fp8 matmul rates, the roofs the other two are read
   against.
+- `route_micro`: the decode routing, torch + moe_align against the one-launch kernel (switch fused_routing).
+- The attention kernels' tables are in bench/micro_attention.py.
 
 Each batch is timed as the engine runs it: decode-sized batches (up to `GRAPH_MAX_TOKENS`) as calls captured back to
 back in one CUDA graph and replayed (`graph_us`: no launch overhead, which at these sizes is larger than the
@@ -184,3 +186,39 @@ def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: i
     return {"rows": out, "table": table(("projection", "tokens", "timed", "bf16 us", "mxfp8 us", "bf16 GB/s",
                                          "mxfp8 GB/s", "bf16 TFLOP/s", "mxfp8 TFLOP/s", "speedup"), rows,
                                         "Projections: bf16 F.linear vs the Triton MXFP8-weight GEMM (median)")}
+
+
+ROUTE_WARPS = (1, 2, 4, 8)
+ROUTE_BLOCK_M = 16
+"""The MoE tile height at decode sizes (kernels/configs.py MOE_TILES), which the alignment pads each run to."""
+
+
+def route_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
+    """The decode routing (switch fused_routing): the torch routing + moe_align (the switch off) against the
+    one-launch kernels/moe_route.py at each warp count, for the token counts it takes (up to
+    ROUTE_ALIGN_MAX_TOKENS; larger ones are left out). Microseconds per call, 50 calls in one CUDA graph."""
+    from nanoserve.kernels import reference
+    from nanoserve.kernels.moe_align import moe_align
+    from nanoserve.kernels.moe_route import ROUTE_ALIGN_MAX_TOKENS, route_align_warps, route_and_align
+
+    e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    slots, block_m = e + 1, ROUTE_BLOCK_M
+    gen = torch.Generator(device=device).manual_seed(seed)
+    bias = torch.empty(e, device=device).normal_(0, 0.1, generator=gen)
+    out, rows = [], []
+    for t in (t for t in tokens if t <= ROUTE_ALIGN_MAX_TOKENS):
+        logits = torch.empty(t, e, device=device).normal_(0, 1, generator=gen)
+
+        def torch_path():
+            _, ids = reference.route(logits, bias, k)
+            return moe_align(ids, slots, block_m, fold_shared=True)
+
+        entry = {"tokens": t, "torch_us": graph_us(lambda i: torch_path()), "default_warps": route_align_warps(t)}
+        for w in ROUTE_WARPS:
+            entry[f"fused_{w}w_us"] = graph_us(lambda i, w=w: route_and_align(logits, bias, k, slots, block_m,
+                                                                               fold_shared=True, num_warps=w))
+        out.append(entry)
+        rows.append([t, entry["torch_us"], *(entry[f"fused_{w}w_us"] for w in ROUTE_WARPS), entry["default_warps"]])
+    title = f"Decode routing + alignment ({e} experts, top-{k}, the shared expert folded; us per call in a CUDA graph)"
+    headers = ("tokens", "torch + moe_align us", *(f"fused {w} warps us" for w in ROUTE_WARPS), "engine's warps")
+    return {"rows": out, "table": table(headers, rows, title)}

@@ -1,6 +1,5 @@
 """One benchmark session: the models it builds (once each), the parts it runs (each guarded, each flushed to
-results.json as soon as it ends), and a global time budget. Both `python -m nanoserve.bench` and
-scripts/gpu_bench_all.py drive this."""
+results.json as soon as it ends), and a global time budget. `python -m nanoserve.bench` drives this."""
 
 from __future__ import annotations
 

@@ -45,8 +45,9 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     # Decode-sized timings moved by up to 2x between the two runs for one entry (docs/benchmarks.md): entries
     # within that spread of each other are not told apart.
     # The 1/8/64-row entries were then re-picked by `python scripts/gpu_fp8dec.py --budget 170 --write-configs`
-    # (2026-12-04, H200, Triton 3.6, kernel sources of commit 4e6483c): the table's tensor-core entries against the
-    # CUDA-core "gemv" variant, each timed with the L2 flushed; "gemv" wins at 1 row (and at 8 rows of qkv+index).
+    # (in git at 8277a9c; 2026-12-04, H200, Triton 3.6, kernel sources of commit 4e6483c): the table's tensor-core
+    # entries against the CUDA-core "gemv" variant, each timed with the L2 flushed; "gemv" wins at 1 row (and at 8
+    # rows of qkv+index).
     "cuda": {
         (6144, 12288): {
             1: ('bcast', 16, 64, 128, 4, 4, 8),

@@ -32,8 +32,9 @@ ROUTE_ALIGN_MAX_TOKENS = 16
 ROUTE_ALIGN_MAX_PAIRS = 64
 """Most (token, slot) pairs on the one-launch path: its pair x pair matrices stay [64, 64] (M3: 12 tokens)."""
 ROUTE_ALIGN_WARPS = ((2, 1), (8, 4), (ROUTE_ALIGN_MAX_TOKENS, 8))
-"""(most tokens, warps): the fastest warp count by batch, from `scripts/gpu_route_bench.py` on an H200 (1 token:
-2.2 us with 1 warp vs 3.0 with 4; 4 tokens: 2.9 us with 4; 12 tokens: 5.5 us with 8 vs 6.5 with 4)."""
+"""(most tokens, warps): the fastest warp count by batch, from `scripts/gpu_route_bench.py` (in git at 8277a9c; now
+`python -m nanoserve.bench --micro route --micro-tokens 1,4,12`) on an H200 (1 token: 2.2 us with 1 warp vs 3.0
+with 4; 4 tokens: 2.9 us with 4; 12 tokens: 5.5 us with 8 vs 6.5 with 4)."""
 
 
 def route_align_warps(tokens: int) -> int:

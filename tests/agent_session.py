@@ -1,7 +1,9 @@
 """An agent session against a real `python -m nanoserve.server` with the agent flags, driven by the openai SDK.
 
-    python3 scripts/gpu_agent.py --out "$OUT"                          # the GPU: m3-slice (scripts/gpu_agent.sh)
-    python3 scripts/gpu_agent.py --model m3-tiny --cpu --out /tmp/agent   # any machine: m3-tiny on the CPU
+    python -m tests.agent_session --out DIR                          # a GPU: m3-slice
+    python -m tests.agent_session --model m3-tiny --cpu --out DIR    # any machine: m3-tiny on the CPU (~1 minute)
+
+tests/test_gpu_agent_session.py runs it on the GPU under `pytest -m gpu`.
 
 The server runs with `--enable-auto-tool-choice --tool-call-parser minimax_m3 --reasoning-parser minimax_m3`. The
 presets have random weights, so only what structured decoding guarantees is asserted: `tool_choice: "required"` and a

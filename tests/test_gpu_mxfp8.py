@@ -1,0 +1,142 @@
+"""MXFP8 weights on the GPU (marked `gpu`; tests/test_kernel_fp8.py and tests/test_mxfp8.py check the same kernels
+and paths at small widths on the CPU, where Triton's interpreter cannot compute bf16).
+
+- The Triton fp8-weight GEMM against `reference.fp8_linear` at M3's projection widths and at a ragged K, for
+  decode-sized (split-K, GEMV) and prefill-sized row counts, in bf16.
+- The fused MoE with fp8 experts and the folded shared expert against `reference.moe_experts` on the same fp8
+  weights, plus the shared expert through F.linear.
+- Both replayed from a CUDA graph equal their eager call bit for bit.
+- m3-slice served natively in MXFP8 gives the log-probabilities of the same weights dequantised at load, bit for
+  bit (docs/mxfp8.md says why: at prefill sizes both paths add the same bf16 products in the same order).
+
+Tolerance of the kernels: max |kernel - reference| <= 2e-2 x max |reference| (bf16 outputs; both accumulate in
+fp32).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+RTOL = 2e-2
+ALPHA, LIMIT, SCALE = 1.702, 7.0, 2.0
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    """max |got - want| / max |want|; inf when `got` holds a non-finite value."""
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return float((got.float() - want.float()).abs().max() / want.float().abs().max())
+
+
+def quantized(n: int, k: int, gen: torch.Generator):
+    from nanoserve.model.mxfp8 import quantize_mxfp8
+
+    return quantize_mxfp8(torch.empty(n, k, device="cuda").normal_(0, 0.02, generator=gen))
+
+
+@pytest.mark.parametrize("n,k", [(9856, 6144), (6144, 8192), (1000, 544)])
+@pytest.mark.parametrize("m", [1, 5, 64, 200, 4096])
+def test_fp8_linear_matches_the_reference_bf16(m, n, k):
+    from nanoserve.kernels import reference
+    from nanoserve.kernels.fp8_linear import fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    q, s = quantized(n, k, gen)
+    x = torch.empty(m, k, device="cuda").normal_(0, 1, generator=gen).bfloat16()
+    assert rel_err(fp8_linear(x, q, s), reference.fp8_linear(x, q, s)) <= RTOL
+
+
+class FP8Experts:
+    """16 fp8 experts of M3's widths plus the shared one as the last slot."""
+
+    def __init__(self, hidden=6144, inter=3072, experts=16, top_k=4, seed=0):
+        from nanoserve.model.mxfp8 import quantize_mxfp8
+
+        self.h, self.inter, self.e, self.k = hidden, inter, experts, top_k
+        self.gen = torch.Generator(device="cuda").manual_seed(seed)
+        q13, s13, q2, s2 = [], [], [], []
+        for _ in range(experts + 1):
+            w13 = torch.empty(2 * inter, hidden, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02,
+                                                                                            generator=self.gen)
+            w2 = torch.empty(hidden, inter, device="cuda", dtype=torch.bfloat16).normal_(0, 0.02, generator=self.gen)
+            for (q, s), qs, ss in ((quantize_mxfp8(w13), q13, s13), (quantize_mxfp8(w2), q2, s2)):
+                qs.append(q)
+                ss.append(s)
+        self.q13, self.s13, self.q2, self.s2 = (torch.stack(t) for t in (q13, s13, q2, s2))
+
+    def inputs(self, tokens: int):
+        from nanoserve.kernels import reference
+
+        x = torch.empty(tokens, self.h, device="cuda").normal_(0, 1, generator=self.gen).bfloat16()
+        logits = torch.empty(tokens, self.e, device="cuda").normal_(0, 1, generator=self.gen)
+        weights, ids = reference.route(logits, torch.zeros(self.e, device="cuda"), self.k)
+        return x, weights, ids
+
+    def fused(self, x, weights, ids):
+        from nanoserve.kernels.moe import fused_moe
+
+        return fused_moe(x, self.q13, self.q2, weights, ids, alpha=ALPHA, limit=LIMIT, routed_scaling_factor=SCALE,
+                         fold_shared=True, w13_scale=self.s13, w2_scale=self.s2)
+
+    def reference(self, x, weights, ids):
+        from nanoserve.kernels import reference
+
+        e = self.e
+        want = reference.moe_experts(x, self.q13[:e], self.q2[:e], ids, weights, ALPHA, LIMIT, None,
+                                     self.s13[:e], self.s2[:e]).float() * SCALE
+        up = reference.weight(self.q13[e], self.s13[e], x.dtype)
+        down = reference.weight(self.q2[e], self.s2[e], x.dtype)
+        gu = torch.nn.functional.linear(x, up)
+        act = reference.swiglu_oai(gu[:, :self.inter], gu[:, self.inter:], ALPHA, LIMIT).to(x.dtype)
+        return want + torch.nn.functional.linear(act, down).float()
+
+
+@pytest.fixture(scope="module")
+def experts() -> FP8Experts:
+    return FP8Experts()
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 1024])
+def test_fused_moe_with_fp8_experts_matches_the_reference(experts, tokens):
+    x, weights, ids = experts.inputs(tokens)
+    assert rel_err(experts.fused(x, weights, ids), experts.reference(x, weights, ids)) <= RTOL
+
+
+def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
+    """A decode step's fp8 launches (the split-K / GEMV linear of one row, the fused MoE of four tokens)."""
+    from nanoserve.kernels.fp8_linear import fp8_linear
+
+    q, s = quantized(6144, 6144, experts.gen)
+    x1 = torch.empty(1, 6144, device="cuda").normal_(0, 1, generator=experts.gen).bfloat16()
+    x4, weights, ids = experts.inputs(4)
+
+    def step():
+        return fp8_linear(x1, q, s), experts.fused(x4, weights, ids)
+
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+
+
+def test_native_mxfp8_logprobs_equal_the_dequantised_weights_bit_for_bit():
+    """m3-slice, two 256-token prompts, every position over the whole vocabulary."""
+    from nanoserve.bench.accuracy import mxfp8_accuracy
+    from nanoserve.config import Optimizations
+
+    res = mxfp8_accuracy("m3-slice", Optimizations(), torch.bfloat16, torch.device("cuda"), prompt_len=256,
+                         unquantised=False)
+    pair = res["pairs"]["native vs dequantised"]
+    assert pair["positions"] == 512
+    assert pair["max_abs_logprob_diff"] == 0.0 and pair["top1_agreement"] == 1.0
