@@ -1,0 +1,51 @@
+"""Write a trained M3Train as a checkpoint directory in the released layout, which nanoserve and transformers load.
+
+    export(model, out_dir, tokenizer_json)
+
+The directory holds config.json (the released `minimax_m3_vl` dialect, with a tiny vision config so transformers'
+VL class can build its unused tower, and `num_mtp_modules`), model.safetensors (matrices, embeddings and norms in
+bf16; the router and its correction bias in fp32, as released; the MTP module under `language_model.model.mtp.*`),
+and the tokenizer with nanoserve's M3 chat template and generation_config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import save_file
+
+from nanoserve.presets.make_checkpoint import TINY_VISION_CONFIG
+from nanoserve.presets.tokenizer import BOS, CHAT_TEMPLATE, EOS
+
+# The defaults the server applies to requests that leave them unset: the model is small, so a low temperature
+# keeps its answers on the formats it learned.
+GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2], "temperature": 0.3, "top_p": 0.9, "top_k": 40,
+                     "do_sample": True}
+
+
+def export(model, out: str, tokenizer_json: str) -> None:
+    os.makedirs(out, exist_ok=True)
+    tensors = {}
+    for name, t in model.checkpoint_tensors().items():
+        fp32 = name.endswith((".gate.weight", "e_score_correction_bias"))
+        tensors[name] = t.detach().to("cpu", torch.float32 if fp32 else torch.bfloat16).contiguous()
+    save_file(tensors, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+    config = model.cfg.to_hf_dict(vision_config=TINY_VISION_CONFIG)
+    config["text_config"]["num_mtp_modules"] = 1 if model.mtp is not None else 0
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    shutil.copy(tokenizer_json, os.path.join(out, "tokenizer.json"))
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
+                  "pad_token": "]!p~[", "add_bos_token": False, "add_eos_token": False,
+                  "model_max_length": model.cfg.max_position_embeddings, "clean_up_tokenization_spaces": False}
+    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
+        json.dump(tok_config, f, indent=2)
+    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
+        json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": "]!p~["}, f, indent=2)
+    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
+        f.write(CHAT_TEMPLATE)
+    with open(os.path.join(out, "generation_config.json"), "w") as f:
+        json.dump(GENERATION_CONFIG, f, indent=2)

@@ -1,0 +1,333 @@
+"""M3 as a trainable, batched PyTorch module: the same forward pass nanoserve serves, written for training.
+
+nanoserve's own model is inference-only (paged KV cache, per-sequence reference paths, Triton kernels). Training
+wants the opposite trade: whole padded batches, autograd, and a few extra outputs. This module computes M3's text
+forward pass (Gemma norms, per-head QK norm, partial NeoX RoPE, GQA, MSA's indexer and block top-k, the sigmoid
+router with its correction bias, routed experts scaled by `routed_scaling_factor` plus the shared expert,
+SwiGLU-OAI) on `[B, T]` token batches, and its parameters carry the released checkpoint names (`export.py` writes
+them out unchanged), so what is trained here is what nanoserve loads.
+
+Three things exist only for training:
+- **the indexer loss.** MSA's top-k is a hard choice, so no gradient reaches the indexer through the attention.
+  Each sparse layer returns the KL divergence from the dense attention distribution (averaged over the query heads
+  of a KV group, detached) to the indexer's softmax over the same keys, on a random subset of query rows - the
+  warm-up DeepSeek-V3.2 uses for its indexer.
+- **sparse mode.** `attention="sparse"` attends through the indexer's real block selection (a boolean mask), so the
+  model learns to work with what the indexer picks; `"dense"` is plain causal attention (what MSA is anyway while
+  a sequence fits in top-k blocks).
+- **the MTP module** (`mtp.layers.0.*`): one more MSA+MoE decoder block that reads the main model's final-normed
+  hidden state at t and the embedding of token t+1 and predicts token t+2, for speculative decoding.
+
+Documents packed into one row are kept apart by `doc_ids` (attention never crosses a document) and each restarts
+its positions at 0, so every chat is trained exactly as it is served.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from nanoserve.model.m3_config import M3Config
+
+
+def gemma_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * (1.0 + w.float())).to(x.dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX partial RoPE on x [B, T, H, D] with cos/sin [B, T, r/2]: the first r dims rotate."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    c, s = cos[:, :, None, :].to(x.dtype), sin[:, :, None, :].to(x.dtype)
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    g = gate.clamp(max=limit)
+    u = up.clamp(min=-limit, max=limit)
+    return g * torch.sigmoid(alpha * g) * (u + 1.0)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+
+
+def linear(n_out: int, n_in: int) -> nn.Linear:
+    return nn.Linear(n_in, n_out, bias=False)
+
+
+class Attention(nn.Module):
+    """GQA with per-head QK norm and partial RoPE; on sparse layers, MSA's indexer and block selection."""
+
+    def __init__(self, cfg: M3Config, sparse: bool):
+        super().__init__()
+        self.cfg, self.sparse = cfg, sparse
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj, self.k_proj = linear(cfg.q_size, h), linear(cfg.kv_size, h)
+        self.v_proj, self.o_proj = linear(cfg.kv_size, h), linear(h, cfg.q_size)
+        self.q_norm, self.k_norm = Norm(d), Norm(d)
+        if sparse:
+            di = cfg.index_head_dim
+            self.index_q_proj, self.index_k_proj = linear(cfg.index_n_heads * di, h), linear(di, h)
+            self.index_q_norm, self.index_k_norm = Norm(di), Norm(di)
+
+    def forward(self, x, cos, sin, allowed, mode: str, kl_rows: torch.Tensor | None):
+        cfg = self.cfg
+        b, t, _ = x.shape
+        eps, d = cfg.rms_norm_eps, cfg.head_dim
+        q = rope(gemma_norm(self.q_proj(x).view(b, t, -1, d), self.q_norm.weight, eps), cos, sin)
+        k = rope(gemma_norm(self.k_proj(x).view(b, t, -1, d), self.k_norm.weight, eps), cos, sin)
+        v = self.v_proj(x).view(b, t, -1, d)
+        hq, hkv = q.shape[2], k.shape[2]
+        group = hq // hkv
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        aux = {}
+        mask = allowed[:, None]  # [B, 1, T, T]
+        if self.sparse:
+            di = cfg.index_head_dim
+            iq = rope(gemma_norm(self.index_q_proj(x).view(b, t, -1, di), self.index_q_norm.weight, eps), cos, sin)
+            ik = rope(gemma_norm(self.index_k_proj(x).view(b, t, 1, di), self.index_k_norm.weight, eps), cos, sin)
+            scores = torch.einsum("btgd,bsd->bgts", iq.float(), ik[:, :, 0].float())  # [B, G, T, T]
+            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
+            if mode == "sparse":
+                keep = self.block_mask(scores.detach(), allowed)  # [B, G, T, T]
+                mask = keep.repeat_interleave(group, dim=1)
+            if kl_rows is not None:
+                aux["index_kl"] = self.index_kl(q, k, scores, allowed, kl_rows, group)
+        out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                             attn_mask=mask, scale=1.0 / math.sqrt(d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), aux
+
+    def block_mask(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """MSA's selection as a key mask: block scores are the max token score in each block of `block_size`
+        positions, the query's own block is forced, the top-k blocks are kept, then token causality. Rows hold one
+        document each (positions = row offsets), as in serving."""
+        cfg = self.cfg
+        bsz, g, t, _ = scores.shape
+        bs = cfg.index_block_size
+        nb = -(-t // bs)
+        padded = F.pad(scores, (0, nb * bs - t), value=float("-inf"))
+        block = padded.view(bsz, g, t, nb, bs).amax(-1)  # [B, G, T, nb]
+        own = torch.arange(t, device=scores.device) // bs
+        blocks = torch.arange(nb, device=scores.device)
+        forced = (blocks[None, :] <= own[:, None]) & (blocks[None, :] > own[:, None] - cfg.index_local_blocks)
+        block = block.masked_fill(forced, float("inf"))
+        k = min(cfg.index_topk_blocks, nb)
+        top = block.topk(k, dim=-1)
+        chosen = torch.zeros_like(block, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
+        keys = chosen.repeat_interleave(bs, dim=-1)[..., :t]
+        return keys & allowed[:, None]
+
+    def index_kl(self, q, k, scores, allowed, rows, group):
+        """KL(dense attention || indexer softmax) on the query rows `rows` [R], averaged over rows, batch, groups.
+        The target is the dense attention distribution of the group's query heads (mean over heads), detached."""
+        d = self.cfg.head_dim
+        qr = q[:, :, rows].detach().float()  # [B, Hq, R, D]
+        kk = k.detach().float().repeat_interleave(group, 1)
+        att = torch.matmul(qr, kk.transpose(-1, -2)) / math.sqrt(d)
+        ok = allowed[:, rows][:, None]  # [B, 1, R, T]
+        att = att.masked_fill(~ok, float("-inf")).softmax(-1)
+        target = att.view(att.shape[0], -1, group, *att.shape[2:]).mean(2)  # [B, G, R, T]
+        logq = (scores[:, :, rows] / math.sqrt(self.cfg.index_head_dim)).log_softmax(-1)
+        logq = logq.masked_fill(~ok, 0.0)
+        kl = (target * (target.clamp_min(1e-12).log() - logq)).sum(-1)
+        valid = ok.any(-1).float()  # rows of padding have no keys
+        return (kl * valid).sum() / valid.sum().clamp_min(1.0) / target.shape[1]
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: M3Config, width: int):
+        super().__init__()
+        self.cfg = cfg
+        h = cfg.hidden_size
+        self.gate_proj, self.up_proj, self.down_proj = linear(width, h), linear(width, h), linear(h, width)
+
+    def forward(self, x):
+        return self.down_proj(swiglu_oai(self.gate_proj(x), self.up_proj(x), self.cfg.swiglu_alpha,
+                                         self.cfg.swiglu_limit))
+
+
+class MoE(nn.Module):
+    """The sigmoid router (fp32), its correction bias (selection only; balanced without an auxiliary loss by
+    `update_bias`), top-k experts renormalised and scaled by routed_scaling_factor, plus the shared expert."""
+
+    def __init__(self, cfg: M3Config):
+        super().__init__()
+        self.cfg = cfg
+        h, e, i = cfg.hidden_size, cfg.num_local_experts, cfg.intermediate_size
+        self.gate = linear(e, h)
+        self.register_buffer("e_score_correction_bias", torch.zeros(e))
+        self.w1 = nn.Parameter(torch.empty(e, i, h))  # gate
+        self.w3 = nn.Parameter(torch.empty(e, i, h))  # up
+        self.w2 = nn.Parameter(torch.empty(e, h, i))  # down
+        self.shared_experts = DenseMLP(cfg, cfg.shared_intermediate_size)
+        self.register_buffer("load", torch.zeros(e), persistent=False)
+
+    def forward(self, x, token_mask):
+        cfg = self.cfg
+        shape = x.shape
+        xf = x.reshape(-1, shape[-1])
+        logits = F.linear(xf.float(), self.gate.weight.float())
+        s = torch.sigmoid(logits)
+        ids = torch.topk(s.detach() + self.e_score_correction_bias, cfg.num_experts_per_tok, dim=-1).indices
+        w = s.gather(1, ids)
+        w = w / w.sum(-1, keepdim=True)
+        out = torch.zeros_like(xf, dtype=torch.float32)
+        live = token_mask.reshape(-1)
+        for e in range(cfg.num_local_experts):
+            tok, slot = torch.where(ids == e)
+            if tok.numel() == 0:
+                continue
+            xe = xf[tok]
+            a = swiglu_oai(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]), cfg.swiglu_alpha, cfg.swiglu_limit)
+            out = out.index_add(0, tok, F.linear(a, self.w2[e]).float() * w[tok, slot, None])
+        with torch.no_grad():
+            self.load += torch.bincount(ids[live].reshape(-1), minlength=cfg.num_local_experts).float()
+        y = cfg.routed_scaling_factor * out.to(x.dtype) + self.shared_experts(xf)
+        return y.view(shape)
+
+    @torch.no_grad()
+    def update_bias(self, rate: float) -> None:
+        """Aux-loss-free balance (DeepSeek-V3): nudge each expert's bias against its load since the last call."""
+        if self.load.sum() > 0:
+            self.e_score_correction_bias += rate * torch.sign(self.load.mean() - self.load)
+        self.load.zero_()
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: M3Config, layer: int | None, sparse_attn: bool | None = None, moe: bool | None = None):
+        super().__init__()
+        sparse_attn = cfg.is_sparse_attention(layer) if sparse_attn is None else sparse_attn
+        moe = cfg.is_moe(layer) if moe is None else moe
+        self.input_layernorm, self.post_attention_layernorm = Norm(cfg.hidden_size), Norm(cfg.hidden_size)
+        self.self_attn = Attention(cfg, sparse_attn)
+        if moe:
+            self.block_sparse_moe = MoE(cfg)
+        else:
+            self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size)
+        self.eps = cfg.rms_norm_eps
+
+    def forward(self, x, cos, sin, allowed, token_mask, mode, kl_rows):
+        a, aux = self.self_attn(gemma_norm(x, self.input_layernorm.weight, self.eps), cos, sin, allowed, mode,
+                                kl_rows)
+        x = x + a
+        h = gemma_norm(x, self.post_attention_layernorm.weight, self.eps)
+        ffn = self.block_sparse_moe(h, token_mask) if hasattr(self, "block_sparse_moe") else self.mlp(h)
+        return x + ffn, aux
+
+
+class MTP(nn.Module):
+    """One DeepSeek-V3-style MTP module: z = eh_proj([enorm(embed(x_{t+1})); hnorm(h_t)]) -> an MSA+MoE block ->
+    final_layernorm -> the shared LM head, predicting x_{t+2}."""
+
+    def __init__(self, cfg: M3Config):
+        super().__init__()
+        h = cfg.hidden_size
+        self.enorm, self.hnorm, self.final_layernorm = Norm(h), Norm(h), Norm(h)
+        self.eh_proj = linear(h, 2 * h)
+        self.transformer_layer = Block(cfg, None, sparse_attn=True, moe=True)
+
+
+class M3Train(nn.Module):
+    def __init__(self, cfg: M3Config, mtp: bool = True):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = Norm(cfg.hidden_size)
+        self.lm_head = linear(cfg.vocab_size, cfg.hidden_size)
+        self.mtp = MTP(cfg) if mtp else None
+        half = cfg.rotary_dim // 2
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
+        self.register_buffer("inv_freq", inv[:half], persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight") or ".enorm." in name or ".hnorm." in name or "layernorm" in name:
+                nn.init.zeros_(p)
+            else:
+                nn.init.normal_(p, 0.0, std)
+        # residual-branch outputs scaled down with depth (GPT-2's rule), so the stream starts near the embedding
+        scale = 1.0 / math.sqrt(2 * (self.cfg.num_hidden_layers + 1))
+        for name, p in self.named_parameters():
+            if name.endswith(("o_proj.weight", "down_proj.weight", ".w2")):
+                p.data.mul_(scale)
+
+    def moe_layers(self):
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def forward(self, ids: torch.Tensor, doc_ids: torch.Tensor, positions: torch.Tensor, mode: str = "dense",
+                kl_rows: int = 0, mtp: bool = True):
+        """ids, doc_ids, positions [B, T]. Returns (logits [B, T, V], mtp_logits [B, T-1, V] or None, aux) where
+        mtp_logits[:, t] predicts ids[:, t + 2] and aux holds the mean indexer KL ("index_kl")."""
+        cfg = self.cfg
+        b, t = ids.shape
+        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+        allowed = causal[None] & (doc_ids[:, :, None] == doc_ids[:, None, :])
+        token_mask = doc_ids >= 0
+        freqs = positions.float()[..., None] * self.inv_freq
+        cos, sin = freqs.cos(), freqs.sin()
+        rows = None
+        if kl_rows:
+            rows = torch.randperm(t, device=ids.device)[:kl_rows]
+        x = self.embed_tokens(ids)
+        kls = []
+        for layer in self.layers:
+            x, aux = layer(x, cos, sin, allowed, token_mask, mode, rows)
+            if "index_kl" in aux:
+                kls.append(aux["index_kl"])
+        h = gemma_norm(x, self.norm.weight, cfg.rms_norm_eps)
+        logits = self.lm_head(h)
+        mtp_logits = None
+        if mtp and self.mtp is not None and t > 1:
+            m = self.mtp
+            e = gemma_norm(self.embed_tokens(ids[:, 1:]), m.enorm.weight, cfg.rms_norm_eps)
+            hp = gemma_norm(h[:, :-1], m.hnorm.weight, cfg.rms_norm_eps)
+            z = m.eh_proj(torch.cat([e, hp], dim=-1))
+            # row t reads h_t and x_{t+1} at position t (vLLM's MTP convention: the target's positions)
+            z, aux = m.transformer_layer(z, cos[:, :-1], sin[:, :-1], allowed[:, :-1, :-1], token_mask[:, :-1],
+                                         mode, None)
+            mtp_logits = self.lm_head(gemma_norm(z, m.final_layernorm.weight, cfg.rms_norm_eps))
+        out_aux = {"index_kl": torch.stack(kls).mean() if kls else torch.zeros((), device=ids.device)}
+        return logits, mtp_logits, out_aux
+
+    # -- the released checkpoint names ------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor under its released M3 name (`language_model.model.layers.N...`), experts split per index,
+        the router and its bias in fp32; MTP under `language_model.model.mtp.layers.0.*`."""
+        out: dict[str, torch.Tensor] = {}
+        p = "language_model."
+        out[f"{p}model.embed_tokens.weight"] = self.embed_tokens.weight
+        out[f"{p}model.norm.weight"] = self.norm.weight
+        out[f"{p}lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            out.update(_block_tensors(layer, f"{p}model.layers.{i}"))
+        if self.mtp is not None:
+            mp = f"{p}model.mtp.layers.0"
+            for n in ("enorm", "hnorm", "final_layernorm"):
+                out[f"{mp}.{n}.weight"] = getattr(self.mtp, n).weight
+            out[f"{mp}.eh_proj.weight"] = self.mtp.eh_proj.weight
+            out.update(_block_tensors(self.mtp.transformer_layer, f"{mp}.transformer_layer"))
+        return {k: v.detach() for k, v in out.items()}
+
+
+def _block_tensors(layer: Block, prefix: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in layer.named_parameters():
+        if ".w1" in name or ".w2" in name or ".w3" in name:
+            continue
+        out[f"{prefix}.{name}"] = t
+    if hasattr(layer, "block_sparse_moe"):
+        moe = layer.block_sparse_moe
+        out[f"{prefix}.block_sparse_moe.e_score_correction_bias"] = moe.e_score_correction_bias
+        for e in range(moe.w1.shape[0]):
+            for w in ("w1", "w2", "w3"):
+                out[f"{prefix}.block_sparse_moe.experts.{e}.{w}.weight"] = getattr(moe, w)[e]
+    return out

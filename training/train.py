@@ -1,0 +1,197 @@
+"""Train m3-mini from the prepared arrays, then export it as a checkpoint nanoserve serves.
+
+    python -m training.train --data data/prepared --out data/run [--time-budget 840] [--device cuda]
+
+One loop, three losses: next-token cross-entropy (on the corpus everywhere, on chats only on the assistant turns),
+the MTP module's next-next-token cross-entropy (weight 0.3), and each MSA layer's indexer KL toward the dense
+attention (weight 0.5; model.py). Rows are packed with whole chats (or corpus windows), documents kept apart by
+the attention mask and each restarting its positions at 0. Every `--long-every`-th step trains one long
+retrieval chat instead; in the last `--sparse-frac` of training those run through MSA's real block selection
+(`attention="sparse"`), so the model learns to answer from the blocks its indexer picks. The MoE stays balanced by
+the auxiliary-loss-free bias update after every step.
+
+The learning-rate schedule (warm-up, then cosine to 10 %) follows progress = max(step / --steps, elapsed /
+--time-budget), so the same command finishes its schedule on a GPU in minutes or on a CPU in an hour. At the end
+(and every --save-every seconds) the weights are exported with export.py to `<out>/checkpoint`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from nanoserve.presets.tokenizer import EOS_ID
+from training.config import MINI
+from training.model import M3Train
+
+
+class Docs:
+    """A token array with per-token `trains` flags and document starts (prepare.py's files)."""
+
+    def __init__(self, data: str, name: str):
+        self.ids = np.load(os.path.join(data, f"{name}.npy"))
+        self.trains = np.load(os.path.join(data, f"{name}_trains.npy"))
+        self.starts = np.load(os.path.join(data, f"{name}_docs.npy"))
+        self.ends = np.append(self.starts[1:], len(self.ids))
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def doc(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        s, e = self.starts[i], self.ends[i]
+        return self.ids[s:e], self.trains[s:e]
+
+
+def pack_docs(docs: Docs, rng: np.random.Generator, t: int):
+    """One row of whole documents drawn at random until the next would not fit; longer ones are skipped."""
+    ids = np.full(t, EOS_ID, np.int64)
+    trains = np.zeros(t, np.float32)
+    doc_ids = np.full(t, -1, np.int64)
+    pos = np.zeros(t, np.int64)
+    at, n, tries = 0, 0, 0
+    while at < t and tries < 64:
+        d_ids, d_tr = docs.doc(int(rng.integers(len(docs))))
+        tries += 1
+        if len(d_ids) > t:  # a chat longer than a row would lose its trained end: long chats train apart
+            continue
+        if len(d_ids) > t - at:
+            break
+        k = min(len(d_ids), t - at)
+        ids[at:at + k], trains[at:at + k], doc_ids[at:at + k] = d_ids[:k], d_tr[:k], n
+        pos[at:at + k] = np.arange(k)
+        at, n = at + k, n + 1
+    return ids, trains, doc_ids, pos
+
+
+def window(docs: Docs, rng: np.random.Generator, t: int):
+    """A window of t tokens of the corpus stream at a random offset; a document's positions count from its start."""
+    start = int(rng.integers(len(docs.ids) - t))
+    ids = docs.ids[start:start + t].astype(np.int64)
+    trains = docs.trains[start:start + t].astype(np.float32)
+    doc = np.searchsorted(docs.starts, np.arange(start, start + t), side="right") - 1
+    pos = np.arange(start, start + t) - docs.starts[doc]
+    return ids, trains, doc - doc[0], pos
+
+
+def batch(rows, device):
+    cols = list(zip(*rows))
+    return [torch.as_tensor(np.stack(c)).to(device) for c in cols]
+
+
+def losses(model, ids, trains, doc_ids, pos, mode: str, kl_rows: int):
+    logits, mtp_logits, aux = model(ids, doc_ids, pos, mode=mode, kl_rows=kl_rows)
+    same1 = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)
+    w1 = trains[:, 1:] * same1
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
+    main = (ce * w1.flatten()).sum() / w1.sum().clamp_min(1)
+    mtp = torch.zeros((), device=ids.device)
+    if mtp_logits is not None and ids.shape[1] > 2:
+        same2 = (doc_ids[:, 2:] == doc_ids[:, :-2]) & (doc_ids[:, 2:] >= 0)
+        w2 = trains[:, 2:] * same2
+        ce2 = F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1).float(), ids[:, 2:].flatten(), reduction="none")
+        mtp = (ce2 * w2.flatten()).sum() / w2.sum().clamp_min(1)
+    return main, mtp, aux["index_kl"]
+
+
+def param_groups(model, wd: float):
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 and "embed" not in name else no_decay).append(p)
+    return [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--data", default="data/prepared")
+    ap.add_argument("--tokenizer", default="data/tokenizer/tokenizer.json")
+    ap.add_argument("--out", default="data/run")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default)")
+    ap.add_argument("--steps", type=int, default=100_000)
+    ap.add_argument("--time-budget", type=float, default=840.0, help="seconds; the schedule ends by then")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--long-seq", type=int, default=8192, help="longest retrieval chat trained (tokens)")
+    ap.add_argument("--long-every", type=int, default=8)
+    ap.add_argument("--sparse-frac", type=float, default=0.2)
+    ap.add_argument("--text-frac", type=float, default=0.35, help="share of short rows from the corpus")
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=150)
+    ap.add_argument("--kl-rows", type=int, default=64)
+    ap.add_argument("--bias-rate", type=float, default=1e-3)
+    ap.add_argument("--save-every", type=float, default=600.0)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+
+    from training.export import export
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    rng = np.random.default_rng(args.seed)
+    device = torch.device(args.device)
+    text, chat, long = (Docs(args.data, n) for n in ("text", "chats", "long"))
+    long_ok = np.flatnonzero(long.ends - long.starts <= args.long_seq)
+    model = M3Train(MINI).to(device)
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
+                            fused=device.type == "cuda")
+    print(f"m3-mini: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
+          f"text {len(text.ids) / 1e6:.1f} M tokens, chats {len(chat.ids) / 1e6:.1f} M, long {len(long_ok)} chats")
+    os.makedirs(args.out, exist_ok=True)
+    log = open(os.path.join(args.out, "train_log.jsonl"), "a")
+    t0 = last_save = time.time()
+    tokens = 0
+    step = 0
+    while True:
+        progress = max(step / args.steps, (time.time() - t0) / args.time_budget)
+        if progress >= 1.0:
+            break
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        is_long = args.long_every and step % args.long_every == args.long_every - 1
+        if is_long:
+            i = int(long_ok[rng.integers(len(long_ok))])
+            ids, tr = long.doc(i)
+            n = len(ids)
+            rows = [(ids.astype(np.int64), tr.astype(np.float32), np.zeros(n, np.int64), np.arange(n))]
+            mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
+        else:
+            rows = [window(text, rng, args.seq) if rng.random() < args.text_frac else pack_docs(chat, rng, args.seq)
+                    for _ in range(args.batch)]
+            mode = "dense"
+        ids, trains, doc_ids, pos = batch(rows, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            main_l, mtp_l, kl = losses(model, ids, trains, doc_ids, pos, mode, args.kl_rows)
+            loss = main_l + 0.3 * mtp_l + 0.5 * kl
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        for moe in model.moe_layers():
+            moe.update_bias(args.bias_rate)
+        tokens += int(ids.numel())
+        step += 1
+        if step % 20 == 0 or is_long and step % 40 == 0:
+            rec = {"step": step, "s": round(time.time() - t0, 1), "tokens": tokens, "lr": lr, "mode": mode,
+                   "long": bool(is_long), "loss": round(main_l.item(), 4), "mtp": round(mtp_l.item(), 4),
+                   "index_kl": round(kl.item(), 4)}
+            log.write(json.dumps(rec) + "\n")
+            log.flush()
+            print(rec, flush=True)
+        if time.time() - last_save > args.save_every:
+            export(model, os.path.join(args.out, "checkpoint"), args.tokenizer)
+            last_save = time.time()
+    export(model, os.path.join(args.out, "checkpoint"), args.tokenizer)
+    print(f"done: {step} steps, {tokens / 1e6:.1f} M tokens, {time.time() - t0:.0f} s -> {args.out}/checkpoint")
+
+
+if __name__ == "__main__":
+    main()
