@@ -31,7 +31,8 @@ class ModelInput:
     sample_rows: list[int]  # sequences (by batch index) whose last token's logits are wanted
     prompt_rows: list[int] = field(default_factory=list)
     """Tokens (by index into input_ids) whose logits are wanted too: the prompt positions of the requests that
-    asked for prompt logprobs (only those). Their logits follow the sample rows' in what the runner returns."""
+    asked for prompt logprobs, then the positions of a speculative verify step (engine/speculative.py). Their
+    logits follow the sample rows' in what the runner returns."""
 
 
 @dataclass

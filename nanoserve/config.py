@@ -176,6 +176,12 @@ class Optimizations:
         "which may end a format, at once), and the masks are filled into two pinned buffers that are copied up "
         "directly", "each token is accepted by its grammar as it is received, before the next step is scheduled, "
         "and the mask is filled into a pageable buffer and staged through a fresh pinned copy")
+    speculative_decoding: bool = switch(
+        True, ENGINE, "engine/speculative.py", "with a speculative_config (--speculative-config): each decoding "
+        "sequence drafts up to k tokens (ngram prompt lookup) and one target pass verifies them, keeping the "
+        "longest accepted prefix plus one token (greedy: token for token the same output; sampling: rejection "
+        "sampling, the same distribution); without a speculative_config nothing changes",
+        "one token per sequence per step; a speculative_config given is not used (logged at start)")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)
@@ -291,6 +297,10 @@ class EngineConfig:
     worker_timeout: float | None = None
     """Tensor parallelism: seconds after which a worker that does not answer (no heartbeat, or a step's peers
     silent) fails the engine; None = $NANOSERVE_WORKER_TIMEOUT, else 30; 0 = never (distributed/watchdog.py)."""
+    speculative_config: dict[str, Any] | None = None
+    """Speculative decoding (vLLM's argument): {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n, "prompt_lookup_min": m}; None = none. Checked when the engine is built
+    (spec_decode/config.py); docs/speculative_decoding.md."""
     optimizations: Optimizations = field(default_factory=Optimizations)
 
     def __post_init__(self) -> None:
@@ -359,3 +369,5 @@ class EngineConfig:
              "a number of seconds >= 0 (0 = no hang detection) or None")
         need(self.logprobs_mode in LOGPROBS_MODES, "logprobs_mode", f"one of {', '.join(LOGPROBS_MODES)}")
         need(isinstance(self.optimizations, Optimizations), "optimizations", "an Optimizations instance")
+        need(self.speculative_config is None or isinstance(self.speculative_config, dict), "speculative_config",
+             "a dict (method, num_speculative_tokens, ...) or None")

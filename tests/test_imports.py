@@ -2,7 +2,7 @@
 
 Layers, bottom to top (a module may import its own layer and any lower one):
 
-    kernels  <-  model  <-  presets  <-  runner  <-  executor, distributed  <-  engine  <-  entrypoints
+    kernels  <-  model  <-  presets  <-  runner, spec_decode  <-  executor, distributed  <-  engine  <-  entrypoints
         <-  server, bench, walkthrough (and the `nanoserve` package itself, the public API)
 
 The kernels know nothing of the model; the model loader reads directories and knows nothing of presets; the
@@ -30,6 +30,7 @@ LAYER_OF = {  # by the package under nanoserve/
     "model": 1,
     "presets": 2,  # the preset catalog and checkpoint maker: above the loader, which must not import them
     "runner": 3,
+    "spec_decode": 3,  # drafters and the acceptance rule: the runner may run a drafter beside the model
     "executor": 4, "distributed": 4,
     "engine": 5,
     "entrypoints": 6,

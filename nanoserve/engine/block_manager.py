@@ -154,6 +154,25 @@ class BlockManager:
         self.on_event("free", seq=seq, blocks=list(table))
         table.clear()
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past the first `num_tokens` tokens: speculative decoding allocated room for
+        every draft token, and the rejected ones' slots hold nothing to keep. Those blocks were never full of
+        computed tokens, so none is cached or shared."""
+        table = self.tables.get(seq.seq_id)
+        keep = self.blocks_needed(num_tokens)
+        if not table or len(table) <= keep:
+            return
+        dropped = table[keep:]
+        del table[keep:]
+        for block_id in reversed(dropped):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+                if block.hash is None:
+                    self.free.move_to_end(block_id, last=False)
+        self.on_event("free", seq=seq, blocks=dropped)
+
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register seq's full, computed blocks in the prefix cache (call after each step)."""
         if not self.enable_prefix_caching:

@@ -27,6 +27,11 @@ stop id) is already in N+1 and is handled as one a stop string ends; one whose l
 not scheduled again. A step waits for the tokens first, as overlap alone does, when a running sequence's sampling
 reads its own output on the host (structured outputs, bad_words, penalties: `reads_own_output`), when the step in
 flight computes prompt logprobs, or when the executor cannot feed tokens (tensor parallelism).
+
+Speculative decoding (switch `speculative_decoding`, with a `speculative_config`; engine/speculative.py): before
+each schedule the decoding sequences draft tokens, a step verifies them with their newest token, and `_receive`
+appends the accepted ones plus one, each through the usual stop checks - the stop strings too, at once, so a stop
+inside the accepted run cuts it there. Async scheduling is off while speculating.
 """
 
 from __future__ import annotations
@@ -47,11 +52,13 @@ from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
+from nanoserve.engine.speculative import DeviceVerify, Speculator
 from nanoserve.engine.stop_checker import Stop, StopChecker
 from nanoserve.engine.structured_output import StructuredOutputManager
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
 from nanoserve.sampling import SamplingParams
+from nanoserve.spec_decode.config import SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +79,28 @@ class EngineStats:
     num_steps: int = 0
     num_aborted: int = 0
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    # speculative decoding, in vLLM's terms (its vllm:spec_decode_* metrics): verify steps of a sequence, draft
+    # tokens verified, draft tokens accepted, and accepted per draft position (a tuple: replaced, never mutated,
+    # so a copy of the stats keeps its own)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verify step yields per sequence on average: 1 + its accepted drafts (vLLM's definition)."""
+        n = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    def record_acceptance(self, num_draft: int, num_accepted: int) -> None:
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_draft
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = list(self.spec_decode_accepted_per_pos) + [0] * (num_draft - len(self.spec_decode_accepted_per_pos))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+        self.spec_decode_accepted_per_pos = tuple(per_pos)
 
 
 @dataclass
@@ -84,10 +113,12 @@ class LaunchedStep:
     sample: DeviceSample | None
     prompt_logprobs: prompt_lp.DevicePromptLogprobs | None = None
     prompt_seqs: dict[int, Sequence] = field(default_factory=dict)
+    verify: DeviceVerify | None = None  # speculative decoding: the sequences that verified drafts, their outcome
 
 
-Received = tuple[Sequence, SampleResult | None, int]  # a sequence, its step's draw on the host (None: it ended
-# without a token of this step), its row in it
+Received = tuple[Sequence, SampleResult | None, int, bool]  # a sequence, its step's draw on the host (None: it
+# ended without a token of this step), its row in it, and whether its stop strings were checked already (a
+# verified token)
 
 
 class LLMEngine:
@@ -135,11 +166,25 @@ class LLMEngine:
         self.overlap_grammar = opts.overlap_grammar
         self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
+        self.speculator = self._speculator(config)
+        if self.speculator is not None:
+            self.async_scheduling = False  # a draft is made from the previous step's tokens, on the host
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         logger.info("engine ready: model=%s device=%s blocks=%d x %d tokens, max_model_len=%d, "
                     "max_num_batched_tokens=%d, max_num_seqs=%d; switches %s", config.model, self.executor.device,
                     num_blocks, self.block_size, self.max_model_len, budget, config.max_num_seqs, opts.describe())
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        """The drafter and verifier of config.speculative_config (checked even when the switch is off)."""
+        if config.speculative_config is None:
+            return None
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if not config.optimizations.speculative_decoding:
+            logger.info("speculative_config %s is not used: the speculative_decoding switch is off", spec)
+            return None
+        logger.info("speculative decoding: %s (async scheduling off; verify steps run eagerly)", spec)
+        return Speculator(spec, self.max_model_len)
 
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
@@ -260,6 +305,8 @@ class LLMEngine:
     def _launch(self, previous: LaunchedStep | None = None) -> LaunchedStep | None:
         """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works.
         `previous`: the step still in flight whose tokens this one may take on the device (async scheduling)."""
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
@@ -269,7 +316,8 @@ class LLMEngine:
         feed = token_feed(fed, previous)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
         logits = self.executor.execute_model(inp, feed) if feed is not None else self.executor.execute_model(inp)
-        sampled = [s.seq for s in sched.scheduled if s.samples]
+        sampled = [s.seq for s in sched.scheduled if s.samples and not s.num_draft]
+        verifying = [s for s in sched.scheduled if s.num_draft]
         # structured outputs, on the host while the forward runs: the grammars catch up on the last tokens
         # (overlap_grammar; else _receive accepted them) and the constrained rows' token masks are filled
         grammar = None
@@ -281,11 +329,16 @@ class LLMEngine:
         sample = self.sampler.sample(logits[: len(sampled)], sampled, grammar, self.executor.last_argmax()) \
             if sampled else None
         launched = LaunchedStep(sampled, sample)
+        num_prompt_rows = len(targets)
         if prompt_rows:  # the prompt positions' logits follow the sample rows'
-            launched.prompt_logprobs = prompt_lp.compute(logits[len(sampled):], prompt_rows, targets,
+            launched.prompt_logprobs = prompt_lp.compute(logits[len(sampled): len(sampled) + num_prompt_rows],
+                                                         prompt_rows, targets,
                                                          as_logits=self.config.logprobs_mode.endswith("logits"))
             launched.prompt_seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
-        for seq in sampled:  # its token is on the device until _receive takes it
+        if verifying:  # then the k + 1 positions of each sequence that verifies drafts
+            launched.verify = self.speculator.verify(logits[len(sampled) + num_prompt_rows:], verifying,
+                                                     self.sampler)
+        for seq in sampled + [s.seq for s in verifying]:  # its token is on the device until _receive takes it
             seq.num_pending += 1
         self.scheduler.update_after_step(sched)
         return launched
@@ -296,17 +349,19 @@ class LLMEngine:
         if launched.prompt_logprobs is not None:  # before the next schedule, which reads how many there are
             for seq_id, entries in prompt_lp.to_host(launched.prompt_logprobs, self._token_text).items():
                 launched.prompt_seqs[seq_id].prompt_logprobs.extend(d for _, d in entries)
-        if launched.sample is None:
-            return []
-        result = self.sampler.to_host(launched.sample)
         received: list[Received] = []
+        if launched.verify is not None:
+            self._receive_verified(launched.verify, received)
+        if launched.sample is None:
+            return received
+        result = self.sampler.to_host(launched.sample)
         for i, seq in enumerate(launched.seqs):
             if seq.is_finished:  # (finishing dropped its pending tokens)
                 continue
             seq.num_pending -= 1
             if seq.grammar is not None and seq.grammar.failed:  # rejected its previous token at catch-up
                 self._finish(seq, FinishReason.ERROR, None)  # this step's (unmasked) token is dropped
-                received.append((seq, None, i))
+                received.append((seq, None, i, False))
                 continue
             token = result.token_ids[i]
             seq.output_token_ids.append(token)
@@ -315,8 +370,33 @@ class LLMEngine:
                 self._finish(seq, FinishReason.ERROR, None)
             else:
                 self._finish_if(seq, self.stop_checker.check_token(seq))  # a sequence it ends has its text done
-            received.append((seq, result, i))
+            received.append((seq, result, i, False))
         return received
+
+    def _receive_verified(self, verify: DeviceVerify, received: list[Received]) -> None:
+        """The tokens of the sequences that verified drafts: the accepted drafts and the drawn token, appended one
+        at a time through every stop check (stop strings included: a stop ends the run there); then the K/V of
+        the accepted positions is kept and the blocks of the rejected ones given back."""
+        result = self.speculator.to_host(verify)
+        for r, seq in enumerate(verify.seqs):
+            if seq.is_finished:  # aborted, or ended by a stop string, since the step was launched
+                continue
+            seq.num_pending -= 1
+            row = r * verify.width
+            tokens = [t for t in result.token_ids[row: row + verify.width] if t >= 0]
+            self.stats.record_acceptance(verify.num_draft[r], len(tokens) - 1)
+            for j, token in enumerate(tokens):
+                seq.output_token_ids.append(token)
+                self.stats.num_generation_tokens += 1
+                received.append((seq, result, row + j, True))
+                stop = self.stop_checker.check_token(seq)
+                if stop is None:
+                    stop = self.stop_checker.check_text(seq)
+                if stop is not None:
+                    self._finish(seq, stop.reason, stop.stop_reason)
+                    break
+            if not seq.is_finished:
+                self.scheduler.accept_drafts(seq, len(tokens) - 1)
 
     def _grammar_accepts(self, seq: Sequence, token: int) -> bool:
         """The grammar takes the token now - always with overlap_grammar off; with it on only EOS, which may end
@@ -336,14 +416,14 @@ class LLMEngine:
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
-        for seq, result, i in received:
+        for seq, result, i, text_done in received:
             if result is None:  # ended without a token (its grammar failed at catch-up)
                 touched[seq.request_id] = self.requests[seq.request_id]
                 continue
             if seq.first_token_time is not None:
                 gaps.append(now - seq.last_token_time)
             record_token(seq, result, i, now)
-            if not seq.is_finished:
+            if not seq.is_finished and not text_done:
                 self._finish_if(seq, self.stop_checker.check_text(seq))
             touched[seq.request_id] = self.requests[seq.request_id]
         if gaps:
@@ -412,8 +492,10 @@ def model_input(sched: SchedulerOutput, vocab_size: int
     """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table; for the
     sequences that need prompt logprobs, which extra logits rows give them and the prompt tokens those score; and
     the input positions whose token is still pending on the device (a placeholder 0 in the list, with its
-    sequence: async scheduling feeds it)."""
+    sequence: async scheduling feeds it). The positions of the sequences that verify drafts ask for their logits
+    after the prompt rows' (ModelInput.prompt_rows holds both: the runner returns the logits of any row listed)."""
     ids: list[int] = []
+    verify_rows: list[int] = []
     fed: list[tuple[int, Sequence]] = []
     query_lens, seq_lens, tables, sample_rows = [], [], [], []
     prompt_token_rows: list[int] = []
@@ -434,19 +516,23 @@ def model_input(sched: SchedulerOutput, vocab_size: int
                                                                vocab_size if num == -1 else num))
                 targets.extend(seq.prompt_token_ids[first + 1: last + 1])
         # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
-        known = min(end, seq.num_known_tokens)
+        known = min(end - s.num_draft, seq.num_known_tokens)
         if start >= prompt_len:
             ids.extend(seq.output_token_ids[start - prompt_len: known - prompt_len])
         elif known <= prompt_len:
             ids.extend(seq.prompt_token_ids[start:known])
         else:
             ids.extend(seq.token_ids[start:known])
-        for _ in range(max(start, known), end):  # pending tokens: filled in on the device
+        for _ in range(max(start, known), end - s.num_draft):  # pending tokens: filled in on the device
             fed.append((len(ids), seq))
             ids.append(0)
+        if s.num_draft:  # speculative decoding: every position's logits, after the prompt rows
+            verify_rows.extend(range(len(ids) - 1, len(ids) + s.num_draft))
+            ids.extend(s.draft)
         query_lens.append(s.num_new_tokens)
         seq_lens.append(start + s.num_new_tokens)
         tables.append(list(seq.block_table))
-        if s.samples:
+        if s.samples and not s.num_draft:
             sample_rows.append(row)
-    return ModelInput(ids, query_lens, seq_lens, tables, sample_rows, prompt_token_rows), prompt_rows, targets, fed
+    inp = ModelInput(ids, query_lens, seq_lens, tables, sample_rows, prompt_token_rows + verify_rows)
+    return inp, prompt_rows, targets, fed

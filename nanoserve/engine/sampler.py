@@ -305,6 +305,21 @@ class Sampler:
     def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """Temperature, top-k, top-p, min-p, then one draw per row (all rows here have temperature > 0).
         Returns the tokens and the logits they were drawn from (filtered-out tokens at -inf)."""
+        logits = self._filter(logits, seqs)
+        probs = torch.softmax(logits, dim=-1)
+        out = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
+        for i in seeded:
+            out[i] = exponential_race(probs[i], self._generator(seqs[i]))
+        if len(seeded) < len(seqs):
+            rest = [i for i in range(len(seqs)) if seqs[i].params.seed is None]
+            idx = self._tensor(rest, torch.long)
+            out[idx] = exponential_race(probs[idx], self.generator)
+        return out, logits
+
+    def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Temperature, top-k, top-p and min-p (all rows here have temperature > 0): the logits a draw samples
+        from, filtered-out tokens at -inf."""
         temps = self._tensor([s.params.temperature for s in seqs], torch.float32)
         logits = logits / temps[:, None]
         top_k = self._tensor([s.params.top_k for s in seqs], torch.long)
@@ -322,13 +337,35 @@ class Sampler:
             drop |= probs < min_p[:, None] * probs[:, :1]
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-        probs = torch.softmax(logits, dim=-1)
-        out = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-        seeded = [i for i, s in enumerate(seqs) if s.params.seed is not None]
-        for i in seeded:
-            out[i] = exponential_race(probs[i], self._generator(seqs[i]))
-        if len(seeded) < len(seqs):
-            rest = [i for i in range(len(seqs)) if seqs[i].params.seed is None]
-            idx = self._tensor(rest, torch.long)
-            out[idx] = exponential_race(probs[idx], self.generator)
-        return out, logits
+        return logits
+
+    # -- speculative decoding (engine/speculative.py) -------------------------------------------------------
+    @torch.inference_mode()
+    def target_distributions(self, logits: torch.Tensor, seqs: list[Sequence]
+                             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For the rows of a verify step (row i scores a position of seqs[i]; a sequence repeats for each of its
+        positions): the distribution the draw would sample each row's token from - allowed_token_ids and
+        logit_bias applied, then temperature, top-k, top-p, min-p, softmax; a greedy row's is one-hot at its
+        argmax - and the values its logprobs report (per logprobs_mode; None when no row asks). The sequences
+        here have no processing step that reads their own output (engine/speculative.py `speculable`)."""
+        logits = logits.to(torch.float32, copy=True)
+        wanted = any(s.params.logprobs is not None for s in seqs)
+        raw = self.logprobs_mode.startswith("raw")
+        source = self._logprob_values(logits) if wanted and raw else None
+        logits = self._restrict_to_allowed(logits, seqs)
+        logits = self._apply_logit_bias(logits, seqs)
+        probs = torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
+        if rows:
+            idx = self._tensor(rows, torch.long)
+            filtered = self._filter(logits[idx], [seqs[i] for i in rows])
+            probs[idx] = torch.softmax(filtered, dim=-1)
+            if wanted and not raw:
+                logits = logits.index_copy(0, idx, filtered)
+        if wanted and not raw:
+            source = self._logprob_values(logits)
+        return probs, source
+
+    def generator_for(self, seq: Sequence) -> torch.Generator:
+        """The generator seq's random draws come from: its own when the request has a seed, else the engine's."""
+        return self._generator(seq) if seq.params.seed is not None else self.generator

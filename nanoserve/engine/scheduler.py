@@ -49,19 +49,28 @@ class SchedulerConfig:
 @dataclass
 class ScheduledSeq:
     seq: Sequence
-    num_new_tokens: int  # tokens computed for it this step (its query length)
+    num_new_tokens: int  # tokens computed for it this step (its query length), draft tokens included
+    num_draft: int = 0
+    """Speculative decoding: the last num_draft of those tokens are seq.spec_token_ids[:num_draft], verified by
+    this step (a decode of 1 + num_draft positions)."""
+
+    @property
+    def draft(self) -> list[int]:
+        return self.seq.spec_token_ids[: self.num_draft]
 
     @property
     def is_decode(self) -> bool:
-        """Computes just the newest sampled token. A prompt's last token is prefill even when it is the only
-        one left to compute (a full prefix-cache hit), so the prefill counters see it."""
+        """Computes just the newest sampled token (and drafts to verify after it). A prompt's last token is
+        prefill even when it is the only one left to compute (a full prefix-cache hit), so the prefill counters
+        see it."""
         seq = self.seq
-        return self.num_new_tokens == 1 and seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1
+        return self.num_new_tokens - self.num_draft == 1 and \
+            seq.num_prompt_tokens <= seq.num_computed_tokens == seq.num_tokens - 1
 
     @property
     def samples(self) -> bool:
         """Does this step finish computing the sequence's tokens, so a next token is sampled?"""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - self.num_draft == self.seq.num_tokens
 
 
 @dataclass
@@ -139,14 +148,18 @@ class Scheduler:
             n = self._chunk(seq, remaining, budget, chunked)
             if n > budget:
                 continue  # unchunked prefill that does not fit this step's leftover budget
-            while not self.bm.allocate(seq, seq.num_computed_tokens + n):
+            # speculative decoding: a decode verifies its drafts too, as far as the budget and the pool allow
+            draft = min(len(seq.spec_token_ids), budget - n) if remaining == 1 else 0
+            if draft and not self.bm.allocate(seq, seq.num_computed_tokens + n + draft):
+                draft = 0
+            while not self.bm.allocate(seq, seq.num_computed_tokens + n + draft):
                 victim = queue.pop() if queue else seq
                 self._preempt(victim, out, needed_by=seq)
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n))
-                budget -= n
+                out.scheduled.append(ScheduledSeq(seq, n + draft, draft))
+                budget -= n + draft
 
         # 2. waiting sequences, first come first served
         admit = self.opts.continuous_batching or not self.running
@@ -178,7 +191,8 @@ class Scheduler:
             if s.num_new_tokens < s.seq.num_tokens - s.seq.num_computed_tokens:
                 self.on_event("chunk", seq=s.seq, num_new_tokens=s.num_new_tokens,
                               remaining=s.seq.num_tokens - s.seq.num_computed_tokens - s.num_new_tokens)
-        # decodes (one new token) first: the attention kernels take the batch in that order
+        # decodes (one new token) first: the attention kernels take the batch in that order (a decode that
+        # verifies drafts has several and runs with the prefills)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         return out
 
@@ -200,6 +214,7 @@ class Scheduler:
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(seq, front=True)
@@ -208,10 +223,20 @@ class Scheduler:
 
     # -- after the step -----------------------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and register newly full blocks in the prefix cache."""
+        """Advance computed-token counts and register newly full blocks in the prefix cache. Draft tokens are not
+        counted: the ones accepted are added when the step's tokens arrive (accept_drafts)."""
         for s in out.scheduled:
-            s.seq.num_computed_tokens += s.num_new_tokens
+            s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
             self.bm.cache_full_blocks(s.seq)
+
+    def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
+        """A verify step's result: its first num_accepted drafts were right, so their K/V (written by the step)
+        is kept; the blocks that only the rejected ones needed go back to the pool. Call after their tokens are
+        appended."""
+        seq.num_computed_tokens += num_accepted
+        if self.opts.paged_kv:  # (off, the sequence keeps the max_model_len of blocks it reserved)
+            self.bm.trim(seq, seq.num_computed_tokens)
+        self.bm.cache_full_blocks(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         """End a sequence (stop, length or abort) wherever it is, returning its blocks."""

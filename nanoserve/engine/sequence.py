@@ -67,6 +67,9 @@ class Sequence:
     """With the priority scheduling policy: lower runs first (vLLM's meaning); ties go by arrival."""
     cache_salt: str | None = None
     """The request's prefix-cache salt: only sequences with the same salt (or none) share cached blocks."""
+    spec_token_ids: list[int] = field(default_factory=list)
+    """Speculative decoding: draft tokens proposed to follow this sequence's tokens, verified in its next step
+    (engine/speculative.py). Not part of num_tokens: they are guesses until the target model accepts them."""
     num_pending: int = 0
     """Tokens sampled on the device whose value the host has not received yet (the step that samples one is in
     flight). They count in num_tokens - the scheduler and the KV cache hold their positions, and async scheduling

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "then arrival; preemption takes the worst first")
     e.add_argument("--max-logprobs", type=int, default=EngineConfig.max_logprobs,
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for")
+    e.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative_decoding.md)')
     e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
                    help="what logprobs report: raw_* of the model's logits (default), processed_* of the logits "
                         "the draw used (after bias, penalties, temperature, top-k/p); *_logits as logits")
@@ -203,11 +206,23 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_tokens=args.kv_cache_tokens,
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
             scheduling_policy=args.scheduling_policy,
-            logprobs_mode=args.logprobs_mode,
+            logprobs_mode=args.logprobs_mode, speculative_config=args.speculative_config,
             served_model_name=args.served_model_name[0] if args.served_model_name else None, optimizations=Optimizations().replace(**switches),
             **aliases)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def speculative_config(text: str) -> dict:
+    """--speculative-config's type: a JSON object, checked here so that a bad one stops the start at once."""
+    from nanoserve.spec_decode.config import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+        SpeculativeConfig.from_dict(value)
+    except ValueError as exc:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
 
 
 def chat_options(args: argparse.Namespace):

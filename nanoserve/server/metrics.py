@@ -113,6 +113,7 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.success.labels(*self.values, reason)
         self._cache_config_info(engine)
+        self.spec = SpecDecodeMetrics(r, labels, self.values) if engine.engine.speculator is not None else None
         self._last = EngineStats()
         engine.finish_listeners.append(self.observe_finished)
         engine.engine.add_observer(self.on_engine_event)
@@ -164,6 +165,8 @@ class ServerMetrics:
                 metric.labels(*v).inc(delta)
         if now.num_aborted > last.num_aborted:  # aborted requests never produce a finished output
             self.success.labels(*v, "abort").inc(now.num_aborted - last.num_aborted)
+        if self.spec is not None:
+            self.spec.update(now, last)
         self._last = now
 
     def render(self, snap: EngineSnapshot) -> tuple[bytes, str]:
@@ -194,3 +197,34 @@ class ServerMetrics:
         longest = max((len(c.token_ids) for c in out.outputs), default=0)
         if longest > 1 and m.first_token_time is not None and m.last_token_time is not None:
             self.tpot.labels(*v).observe((m.last_token_time - m.first_token_time) / (longest - 1))
+
+
+class SpecDecodeMetrics:
+    """vLLM's speculative-decoding counters (registered only when the engine speculates): verify steps of a
+    sequence, draft tokens verified, draft tokens accepted, and accepted per draft position (label `position`)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: list[str], values: tuple[str, ...]):
+        self.values = values
+        self.drafts = Counter("vllm:spec_decode_num_drafts", "Verify steps of a sequence (one draft each).",
+                              labels, registry=registry)
+        self.draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", labels,
+                                    registry=registry)
+        self.accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", labels,
+                                registry=registry)
+        self.per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by their "
+                               "position in the draft (0 = the first).", labels + ["position"], registry=registry)
+        for metric in (self.drafts, self.draft_tokens, self.accepted):
+            metric.labels(*values)
+
+    def update(self, now: EngineStats, last: EngineStats) -> None:
+        v = self.values
+        for metric, field in ((self.drafts, "spec_decode_num_drafts"),
+                              (self.draft_tokens, "spec_decode_num_draft_tokens"),
+                              (self.accepted, "spec_decode_num_accepted_tokens")):
+            delta = getattr(now, field) - getattr(last, field)
+            if delta > 0:
+                metric.labels(*v).inc(delta)
+        before = last.spec_decode_accepted_per_pos
+        for pos, count in enumerate(now.spec_decode_accepted_per_pos):
+            delta = count - (before[pos] if pos < len(before) else 0)
+            self.per_pos.labels(*v, str(pos)).inc(max(delta, 0))

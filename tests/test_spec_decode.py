@@ -1,0 +1,368 @@
+"""Speculative decoding: the ngram drafter, the acceptance rule, and the engine with `speculative_config`.
+
+Greedy output with speculation must equal greedy output without it, token for token (fp32, CPU, m3-tiny's random
+weights, whose greedy output repeats itself often enough for prompt lookup to be accepted), also with prefix
+caching, under preemption, with a small token budget, with stop strings and logprobs; an abort while a verify
+step is in flight must leave every block free; rejection sampling must reproduce the target distribution
+(a chi-square test on a small vocabulary).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from nanoserve import LLM, Optimizations, SamplingParams
+from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.spec_decode.ngram import NgramProposer
+from nanoserve.spec_decode.rejection import rejection_sample
+
+FAST = Optimizations.reference_kernels().replace(cuda_graphs=False)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MAX_MODEL_LEN = 256
+
+
+# -- the config ------------------------------------------------------------------------------------------------
+def test_config_takes_vllms_names_and_defaults():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 4})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (5, 5)  # vLLM's defaults
+    cfg = SpeculativeConfig.from_dict({"method": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_max": 3})
+    assert (cfg.method, cfg.prompt_lookup_min, cfg.prompt_lookup_max) == ("ngram", 3, 3)
+
+
+@pytest.mark.parametrize("raw, words", [
+    ({"method": "ngram", "num_speculative_tokens": 2, "draft_model": "x"}, ["unknown", "draft_model"]),
+    ({"method": "medusa", "num_speculative_tokens": 2}, ["method", "medusa"]),
+    ({"method": "ngram"}, ["num_speculative_tokens"]),
+    ({"method": "ngram", "num_speculative_tokens": 0}, ["num_speculative_tokens"]),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     ["prompt_lookup_min", "prompt_lookup_max"]),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, ["prompt_lookup_min"]),
+    ("ngram", ["dict"]),
+])
+def test_bad_config_is_an_error_naming_the_field(raw, words):
+    with pytest.raises(ValueError) as err:
+        SpeculativeConfig.from_dict(raw)
+    assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_llm_refuses_a_bad_speculative_config():
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        LLM("m3-tiny", optimizations=FAST, max_model_len=MAX_MODEL_LEN,
+            speculative_config={"method": "ngram", "num_speculative_tokens": -1})
+
+
+# -- the ngram drafter -----------------------------------------------------------------------------------------
+def test_ngram_proposes_what_followed_the_latest_longest_match():
+    assert NgramProposer(2, 2, 4).propose([1, 2, 3, 4, 2, 3]) == [4, 2, 3]  # fewer than k follow: up to the end
+    # the 3-gram [1, 2, 3] matched at its most recent earlier place (before the 7), not the first (before the 9)
+    assert NgramProposer(1, 3, 3).propose([5, 1, 2, 3, 9, 9, 1, 2, 3, 7, 1, 2, 3]) == [7, 1, 2]
+    # the longest n first: [8, 4] occurs once, followed by 6; the 1-gram [4] last occurred before 5
+    assert NgramProposer(1, 2, 1).propose([8, 4, 6, 4, 5, 8, 4]) == [6]
+    assert NgramProposer(2, 2, 3).propose([8, 4, 6, 4, 5, 3, 4]) == []  # no 2-gram match, and 1-grams are off
+    assert NgramProposer(1, 1, 2).propose([7]) == [] and NgramProposer(1, 1, 2).propose([1, 2], k=0) == []
+    # ids whose bytes straddle: 256 = 00 01 .., a byte search must match whole tokens only
+    assert NgramProposer(1, 1, 2).propose([1, 256, 1, 0, 256]) == [1, 0]
+
+
+# -- the acceptance rule ---------------------------------------------------------------------------------------
+CHI2_CRITICAL_5DF = 20.52  # chi-square with 5 degrees of freedom at p = 0.001
+
+
+def chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=probs.numel()).double()
+    expected = probs.double() / probs.double().sum() * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+@pytest.mark.parametrize("drafter", ["distribution", "deterministic"])
+def test_rejection_sampling_keeps_the_target_distribution(drafter):
+    """Drafts drawn from q (or a fixed guess, q one-hot), accepted or replaced by the rule: the first emitted token
+    follows p_0, and the second (where the first draft was accepted) p_1 - whatever q is."""
+    g = torch.Generator().manual_seed(0)
+    vocab, rows, k = 6, 40000, 2
+    p = torch.softmax(torch.randn(k + 1, vocab, generator=g) * 1.5, dim=-1)
+    q = torch.softmax(torch.randn(k, vocab, generator=g), dim=-1)
+    if drafter == "distribution":
+        drafts = torch.multinomial(q, rows, replacement=True, generator=g).T.contiguous()
+        draft_probs = q.expand(rows, k, vocab)
+    else:
+        drafts = torch.tensor([[2, 4]]).expand(rows, k).contiguous()
+        draft_probs = None
+    tokens, accepted = rejection_sample(
+        p.repeat(rows, 1), torch.arange(rows) * (k + 1), drafts, torch.full((rows,), k),
+        torch.rand(rows, k, generator=g), torch.empty(rows, vocab).exponential_(generator=g), draft_probs)
+    assert chi_square(tokens[:, 0], p[0]) < CHI2_CRITICAL_5DF
+    second = accepted >= 1
+    assert chi_square(tokens[second, 1], p[1]) < CHI2_CRITICAL_5DF
+    # the draft is kept as far as it was accepted, one token is drawn after it, the rest is padding
+    width = torch.arange(k + 1)[None, :]
+    assert torch.equal(tokens[:, :k][width[:, :k] < accepted[:, None]], drafts[width[:, :k] < accepted[:, None]])
+    assert bool((tokens >= 0).sum(dim=1).eq(accepted + 1).all())
+    # a deterministic guess is accepted with probability p(guess)
+    if draft_probs is None:
+        assert abs(float((accepted >= 1).double().mean()) - float(p[0, 2])) < 0.01
+
+
+def test_greedy_rows_accept_the_longest_prefix_equal_to_the_argmax():
+    vocab = 5
+    target = torch.zeros(2 * 4, vocab)
+    argmax = [[1, 2, 3, 4], [0, 0, 0, 0]]
+    for r in range(2):
+        for j in range(4):
+            target[r * 4 + j, argmax[r][j]] = 1.0  # a greedy row's distribution: one-hot at the argmax
+    drafts = torch.tensor([[1, 2, 0], [0, 3, 0]])
+    tokens, accepted = rejection_sample(target, torch.tensor([0, 4]), drafts, torch.tensor([3, 1]),
+                                        torch.rand(2, 3), torch.empty(2, vocab).exponential_())
+    assert accepted.tolist() == [2, 1]
+    assert tokens.tolist() == [[1, 2, 3, -1], [0, 0, -1, -1]]  # the argmax after the accepted run
+
+
+# -- the engine --------------------------------------------------------------------------------------------------
+def repetitive_prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    motif = [rng.randrange(9, 512) for _ in range(12)]
+    return [motif * 4, [rng.randrange(9, 512) for _ in range(40)], motif[:5] * 6 + [rng.randrange(9, 512)],
+            [rng.randrange(9, 512) for _ in range(90)]]
+
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+
+
+def run(llm: LLM, prompts, params) -> list:
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def tokens_of(outs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.fixture(scope="module")
+def ref_llm() -> LLM:
+    return LLM("m3-tiny", optimizations=FAST, max_model_len=MAX_MODEL_LEN)
+
+
+@pytest.fixture(scope="module")
+def expected(ref_llm) -> list[list[int]]:
+    return tokens_of(run(ref_llm, repetitive_prompts(), GREEDY))
+
+
+@pytest.fixture(scope="module")
+def spec_llm() -> LLM:
+    return LLM("m3-tiny", optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM)
+
+
+def test_greedy_output_is_unchanged_and_drafts_are_accepted(spec_llm, expected):
+    stats = spec_llm.engine.stats
+    before = (stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens, stats.num_steps)
+    assert tokens_of(run(spec_llm, repetitive_prompts(), GREEDY)) == expected
+    drafts, accepted = stats.spec_decode_num_drafts - before[0], stats.spec_decode_num_accepted_tokens - before[1]
+    assert drafts > 10 and accepted > 10, "prompt lookup was meant to find and land drafts here"
+    assert stats.spec_decode_num_draft_tokens >= accepted
+    assert sum(stats.spec_decode_accepted_per_pos) == stats.spec_decode_num_accepted_tokens
+    assert list(stats.spec_decode_accepted_per_pos) == sorted(stats.spec_decode_accepted_per_pos, reverse=True)
+    assert stats.spec_decode_mean_accepted_length > 1.0
+    # fewer steps than tokens: 4 prompts x 40 tokens would take 40 decode steps one token at a time
+    assert stats.num_steps - before[2] < 40
+    assert_all_blocks_free(spec_llm)
+
+
+@pytest.mark.parametrize("setting", ["no_prefix_caching", "preemption", "small_budget", "switch_off"])
+def test_greedy_output_is_unchanged_under(setting, expected):
+    kwargs = dict(optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM)
+    if setting == "no_prefix_caching":
+        kwargs["enable_prefix_caching"] = False
+    elif setting == "preemption":
+        kwargs["num_gpu_blocks_override"] = 16  # 256 tokens for 209 prompt + 160 output tokens
+    elif setting == "small_budget":
+        kwargs["max_num_batched_tokens"] = 18  # chunked prompts; drafts cut to what the budget leaves
+    else:
+        kwargs["optimizations"] = FAST.replace(speculative_decoding=False)
+    llm = LLM("m3-tiny", **kwargs)
+    assert tokens_of(run(llm, repetitive_prompts(), GREEDY)) == expected
+    stats = llm.engine.stats
+    if setting == "switch_off":
+        assert llm.engine.speculator is None and stats.spec_decode_num_drafts == 0
+    else:
+        assert stats.spec_decode_num_accepted_tokens > 0
+    if setting == "preemption":
+        assert stats.num_preemptions > 0, "the pool was meant to be small enough to preempt"
+    if setting == "no_prefix_caching":
+        assert stats.prefix_cache_hits == 0
+    assert_all_blocks_free(llm)
+
+
+def test_prefix_cache_is_hit_after_speculated_outputs(spec_llm, ref_llm):
+    """The blocks a speculating sequence registered hold what the tokens say: a prompt that continues one of
+    them is served from the cache and still decodes as without speculation."""
+    prompt = repetitive_prompts()[0]
+    first = tokens_of(run(spec_llm, [prompt], GREEDY))[0]
+    hits = spec_llm.engine.stats.prefix_cache_hits
+    longer = prompt + first
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert tokens_of(run(spec_llm, [longer], sp)) == tokens_of(run(ref_llm, [longer], sp))
+    assert spec_llm.engine.stats.prefix_cache_hits - hits >= 5 * 16  # 48 prompt + most of 40 output tokens
+    assert_all_blocks_free(spec_llm)
+
+
+def test_stop_strings_and_max_tokens_cut_an_accepted_run(spec_llm, ref_llm):
+    prompts = repetitive_prompts()
+    ref = run(ref_llm, prompts, GREEDY)
+    cut = 0
+    for i, out in enumerate(ref):
+        text = out.outputs[0].text
+        for start in (len(text) // 3, len(text) // 2):
+            stop = text[start: start + 3]
+            if not stop.strip():
+                continue
+            sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[stop])
+            want, got = run(ref_llm, [prompts[i]], sp)[0].outputs[0], run(spec_llm, [prompts[i]], sp)[0].outputs[0]
+            assert (got.token_ids, got.text, got.finish_reason, got.stop_reason) == \
+                (want.token_ids, want.text, want.finish_reason, want.stop_reason)
+            cut += want.finish_reason == "stop"
+    assert cut >= 4
+    for max_tokens in (1, 2, 5, 7):  # drafts are cut to what max_tokens leaves
+        sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        assert tokens_of(run(spec_llm, prompts, sp)) == [t[:max_tokens] for t in tokens_of(ref)]
+    assert_all_blocks_free(spec_llm)
+
+
+def test_logprobs_are_the_targets_at_each_position(spec_llm, ref_llm):
+    prompts = repetitive_prompts()[:2]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    accepted = spec_llm.engine.stats.spec_decode_num_accepted_tokens
+    for want, got in zip(run(ref_llm, prompts, sp), run(spec_llm, prompts, sp)):
+        w, g = want.outputs[0], got.outputs[0]
+        assert g.token_ids == w.token_ids and len(g.logprobs) == len(w.logprobs) == 24
+        for lw, lg in zip(w.logprobs, g.logprobs):
+            assert list(lw) == list(lg)
+            assert all(abs(lw[t] - lg[t]) < 1e-4 for t in lw)
+        assert abs(g.cumulative_logprob - w.cumulative_logprob) < 1e-3
+    assert spec_llm.engine.stats.spec_decode_num_accepted_tokens > accepted
+
+
+def test_processed_logprobs_too(ref_llm):
+    """logprobs_mode processed_logprobs: the logprobs of the logits the draw used, position by position."""
+    prompts = repetitive_prompts()[:2]
+    sp = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1, logit_bias={77: 1.5}),
+          SamplingParams(temperature=0.7, top_k=5, max_tokens=16, ignore_eos=True, logprobs=1, seed=3)]
+    llm = LLM("m3-tiny", optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM,
+              logprobs_mode="processed_logprobs")
+    plain = LLM("m3-tiny", optimizations=FAST, max_model_len=MAX_MODEL_LEN, logprobs_mode="processed_logprobs")
+    want, got = run(plain, prompts, sp), run(llm, prompts, sp)
+    w, g = want[0].outputs[0], got[0].outputs[0]  # greedy: the same tokens, the same values
+    assert g.token_ids == w.token_ids
+    assert all(list(a) == list(b) and all(abs(a[t] - b[t]) < 1e-4 for t in a) for a, b in zip(w.logprobs, g.logprobs))
+    for lp in got[1].outputs[0].logprobs:  # sampled with top_k=5: only the kept tokens have a finite logprob
+        (token, value), = [(t, v) for t, v in lp.items()][:1]
+        assert value > float("-inf")
+    assert llm.engine.stats.spec_decode_num_drafts > 0
+    assert_all_blocks_free(llm)
+
+
+def test_sampled_requests_speculate_and_finish(spec_llm):
+    """Sampling (rejection sampling: its distribution is the unit test's) runs through verify steps: seeded
+    requests are reproducible, n > 1 completions differ, every block comes back."""
+    prompts = repetitive_prompts()[:2]
+    sp = SamplingParams(temperature=0.8, top_k=20, max_tokens=30, ignore_eos=True, seed=11, n=2)
+    drafts = spec_llm.engine.stats.spec_decode_num_drafts
+    a, b = run(spec_llm, prompts, sp), run(spec_llm, prompts, sp)
+    assert [[c.token_ids for c in o.outputs] for o in a] == [[c.token_ids for c in o.outputs] for o in b]
+    assert all(len(c.token_ids) == 30 for o in a for c in o.outputs)
+    assert any(o.outputs[0].token_ids != o.outputs[1].token_ids for o in a)
+    assert spec_llm.engine.stats.spec_decode_num_drafts > drafts
+    assert_all_blocks_free(spec_llm)
+
+
+def test_requests_that_cannot_speculate_decode_beside_those_that_do(spec_llm, ref_llm):
+    """Penalties read a sequence's own output while it is sampled: such a request decodes one token per step in
+    the same batches, unchanged."""
+    prompts = repetitive_prompts()[:2]
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3), GREEDY]
+    assert tokens_of(run(spec_llm, prompts, params)) == tokens_of(run(ref_llm, prompts, params))
+    assert_all_blocks_free(spec_llm)
+
+
+def test_abort_while_a_verify_step_is_in_flight_frees_every_block(spec_llm, ref_llm):
+    engine = spec_llm.engine
+    prompts = repetitive_prompts()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, GREEDY)
+    verifying = False
+    for _ in range(30):
+        engine.step()
+        inflight = engine._in_flight
+        if inflight is not None and inflight.verify is not None:
+            verifying = True
+            break
+    assert verifying, "a verify step was meant to be in flight"
+    aborted = {s.request_id for s in inflight.verify.seqs}
+    engine.abort_request(sorted(aborted))
+    engine.block_manager.check_integrity()
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    kept = sorted(set(f"r{i}" for i in range(len(prompts))) - aborted)
+    assert sorted(finished) == kept
+    expected = tokens_of(run(ref_llm, prompts, GREEDY))
+    assert all(finished[rid] == expected[int(rid[1:])] for rid in kept)
+    assert_all_blocks_free(spec_llm)
+
+
+# -- the server ----------------------------------------------------------------------------------------------------
+def test_server_speculates_with_vllms_flag_and_reports_acceptance(tiny_dir, tmp_path):
+    """`--speculative-config` on a real server process: greedy completions (streamed too) equal the offline ones
+    without speculation, /metrics carries vLLM's spec_decode counters, and a bad config stops the start naming
+    the key."""
+    import json
+    import subprocess
+    import sys
+
+    import httpx
+    import openai
+
+    from tests.server_utils import KV_CACHE_TOKENS, MAX_MODEL_LEN as SERVER_LEN, ServerProcess, metric
+
+    prompts = repetitive_prompts()[:3]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    with LLM(tiny_dir, optimizations=FAST, device="cpu", max_model_len=SERVER_LEN,
+             kv_cache_tokens=KV_CACHE_TOKENS) as llm:
+        offline = tokens_of(run(llm, prompts, sp))
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--speculative-config", json.dumps(NGRAM)) as srv:
+        client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=60)
+        online = []
+        for p in prompts:
+            out = client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0.0,
+                                            extra_body={"ignore_eos": True, "return_token_ids": True})
+            online.append(out.choices[0].token_ids)
+        stream = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=24, temperature=0.0,
+                                           stream=True, extra_body={"ignore_eos": True})
+        streamed = "".join(chunk.choices[0].text for chunk in stream)
+        whole = client.completions.create(model="tiny", prompt=prompts[0], max_tokens=24, temperature=0.0,
+                                          extra_body={"ignore_eos": True}).choices[0].text
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+        log = srv.log()
+    assert online == offline
+    assert streamed == whole
+    assert "speculative decoding: SpeculativeConfig(method='ngram', num_speculative_tokens=3" in log
+    drafts = metric(text, "vllm:spec_decode_num_drafts_total")
+    draft_tokens = metric(text, "vllm:spec_decode_num_draft_tokens_total")
+    accepted = metric(text, "vllm:spec_decode_num_accepted_tokens_total")
+    per_pos = [metric(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", position=str(i)) for i in range(3)]
+    assert 0 < accepted <= draft_tokens <= 3 * drafts
+    assert sum(per_pos) == accepted and per_pos == sorted(per_pos, reverse=True)
+    bad = subprocess.run([sys.executable, "-m", "nanoserve.server", "--model", tiny_dir, "--speculative-config",
+                          '{"method": "ngram", "num_speculative_tokens": 2, "model": "draft"}'],
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--speculative-config" in bad.stderr and "model" in bad.stderr
