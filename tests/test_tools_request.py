@@ -105,12 +105,18 @@ def test_forced_call_structure_accepts_what_the_template_writes(tiny_tokenizer):
     from xgrammar.testing import _is_grammar_accept_string as accepts
 
     tools = check_tools([ORDER, WEATHER])
-    call = rendered_call(tiny_tokenizer, "create_order", ARGS)
-    _, calls = MiniMaxM3ToolCallParser(tools).parse(call)
+    _, calls = MiniMaxM3ToolCallParser(tools).parse(rendered_call(tiny_tokenizer, "create_order", ARGS))
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("create_order", ARGS)]
+    # an object without declared properties (labels) is written as a JSON object: element names cannot be held
+    # to match their closing tags by a grammar
+    call = rendered_call(tiny_tokenizer, "create_order", {k: v for k, v in ARGS.items() if k != "labels"})
+    labels = "]<]minimax[>[<labels>" + json.dumps(ARGS["labels"]) + "]<]minimax[>[</labels>"
+    json_labels = call.replace("]<]minimax[>[</invoke>", labels + "]<]minimax[>[</invoke>")
+    assert [json.loads(c.arguments) for c in MiniMaxM3ToolCallParser(tools).parse(json_labels)[1]] == [ARGS]
     for choice in (ToolChoice("named", "create_order"), ToolChoice("required")):
         grammar = xgr.Grammar.from_structural_tag(json.dumps(MiniMaxM3ToolCallParser.structural_tag(tools, choice)))
-        assert accepts(grammar, call), choice
+        assert accepts(grammar, call) and accepts(grammar, json_labels), choice
+        assert not accepts(grammar, call.replace(">by the door]", ">by the <door>]")), choice  # no markup
         assert not accepts(grammar, call.replace(">42]", ">forty-two]")), choice  # user_id is an integer
         assert not accepts(grammar, call.replace(">M]", ">XL]")), choice  # size is an enum
     named_weather = xgr.Grammar.from_structural_tag(json.dumps(
@@ -188,7 +194,7 @@ def test_forced_call_markers_are_their_tokens(tiny_tokenizer):
         matcher = xgr.GrammarMatcher(compiler.compile_structural_tag(json.dumps(tag)))
         return all(matcher.accept_token(t) for t in ids) and matcher.accept_token(tiny_tokenizer.eos_token_id)
 
-    call = rendered_call(tiny_tokenizer, "create_order", ARGS)
+    call = rendered_call(tiny_tokenizer, "create_order", {k: v for k, v in ARGS.items() if k != "labels"})
     ids = tiny_tokenizer.encode(call, add_special_tokens=False)
     ns = tiny_tokenizer.convert_tokens_to_ids("]<]minimax[>[")
     spelled = tiny_tokenizer.encode("]<]", add_special_tokens=False) + \

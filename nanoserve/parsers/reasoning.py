@@ -52,15 +52,20 @@ class ReasoningParser:
         the open block ("open"), nothing ("closed"), or a whole block, a bare closer or nothing ("none").
         `max_reasoning_tokens` bounds the thinking: past it the only way on is the end marker, then the answer
         (so that an answer the request cannot do without, a forced tool call, still has room).
-        `token_markers`: the thinking markers that are single tokens; each is then matched as its token (the
-        thinking ends at that token, as the engine's reasoning end is found on token ids)."""
+        `token_markers`: the parsers' markers that are single tokens; each is then matched as its token (the
+        thinking ends at that token, as the engine's reasoning end is found on token ids), and the thinking
+        holds none of the others."""
         answer = tag["format"]
 
         def marker(text: str) -> dict | str:
             return {"type": "token", "token": text} if text in token_markers else text
 
         end = marker(cls.end)
-        thinking: dict = {"type": "any_tokens" if isinstance(end, dict) else "any_text"}
+        # the thinking holds no other marker: a tool call opened inside it, or a second block, is not the call
+        if isinstance(end, dict):
+            thinking: dict = {"type": "any_tokens", "exclude_tokens": sorted(token_markers - {cls.end})}
+        else:
+            thinking = {"type": "any_text", "excludes": [cls.start]}
         if max_reasoning_tokens is not None:
             thinking["max_tokens"] = max(0, max_reasoning_tokens)
         block = {"type": "tag", "begin": "", "content": thinking, "end": end}

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from nanoserve.parsers.markers import is_proper_prefix, partial_prefix
-from nanoserve.parsers.tool_values import Element, ValueType, convert, parameter_types, resolve_ref, value_type
+from nanoserve.parsers.tool_values import Element, ValueType, arguments_type, convert, resolve_ref
 
 if TYPE_CHECKING:
     from nanoserve.parsers.tools import ToolChoice
@@ -109,7 +109,7 @@ class ToolCallParser:
     decode with skip_special_tokens=False for this parser to work."""
 
     def __init__(self, tools: dict[str, dict[str, Any] | None]):
-        self.types = {name: parameter_types(params) for name, params in tools.items()}
+        self.types = {name: arguments_type(params) for name, params in tools.items()}
 
     def feed(self, text: str) -> list[Event]:
         raise NotImplementedError
@@ -222,7 +222,7 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
         self.buf = ""
         self.mode = "text"  # text | block | invoke
         self.index = -1  # the current (or last) call
-        self.call_types: dict[str, ValueType] = {}
+        self.call_type: ValueType | None = None  # the current call's arguments
         self.args_open = False  # the current call has sent its "{"
 
     # each step looks at self.buf and returns (events, consumed?) - False means: wait for more text
@@ -279,7 +279,7 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
                 name = next((g for g in m.groups() if g is not None), "").strip() if m else ""
                 if name:
                     self.index += 1
-                    self.call_types = self.types.get(name, {})
+                    self.call_type = self.types.get(name)
                     self.args_open = False
                     events.append(CallStart(self.index, name))
                     self.buf = rest[close + 1:]
@@ -320,7 +320,7 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
             self._end_call(events)
             self._malformed(events)
             return True
-        value = convert(element.value, self.call_types.get(element.name))
+        value = convert(element.value, self.call_type.field(element.name) if self.call_type else None)
         sep = "," if self.args_open else "{"
         events.append(CallArguments(self.index, sep + json.dumps(element.name, ensure_ascii=False) + ":" +
                                     json.dumps(value, ensure_ascii=False, separators=(",", ":"))))
@@ -346,8 +346,8 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
         """M3's markup for a forced call, and nothing else (vLLM's rule: the answer is the call(s), then EOS):
         `required` is one block of one or more invokes of the declared tools (exactly one when
         parallel_tool_calls is false), `named` one block with one invoke of that tool. Parameters follow the
-        declared order, required ones always, optional ones maybe; a string value is raw text, a
-        number/boolean/enum JSON, an object its fields as elements, an array `<item>` elements.
+        declared order, required ones always, undeclared ones never; each value is held to its schema
+        (M3CallFormat), so the arguments the parser reads back validate against the tool's parameters.
 
         `token_markers`: the markers (NS, `<tool_call>`, `</tool_call>`) that are single tokens of the
         tokenizer the format is compiled for. Each is then that token, never spelled from smaller pieces: the
@@ -367,11 +367,29 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
             fmt.lit(BLOCK_START + "\n"), one if single else {"type": "plus", "content": one}, fmt.lit(BLOCK_END))}
 
 
-ANY_TEXT = {"type": "any_text"}  # inside a tag: any text up to the tag's end
+STRING_CHAR = r"[^<>\[\]\uD800-\uDFFF]"
+"""What a string value of a forced call may hold: any character but the ones M3's markers are built of (every
+marker - NS, the tool-call and thinking tags, the chat format's turn markers - has one), so no marker can be written
+inside a value, as a token or spelled from smaller ones, and the value ends only at its closing tag. A regex over
+characters (no surrogates), so the text is valid UTF-8 and its length is what maxLength counts."""
+NUMBER_KEYS = ("type", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+MAX_FORMAT_DEPTH = 8  # deeper (or recursive) schemas: their values are free strings
 
 
 class M3CallFormat:
-    """Builds the xgrammar structural tag of M3 tool calls as the chat template writes them (its to_xml macro).
+    """Builds the xgrammar structural tag of M3 tool calls as the chat template writes them (its to_xml macro),
+    each argument held to its JSON schema so that what the parser reads back (tool_values.convert) validates:
+
+        string           `pattern` as a regex; else STRING_CHAR{minLength,maxLength}
+        enum / const     one of the values, as the template writes them (a boolean as true/false)
+        integer/number   a JSON number within minimum/maximum (xgrammar's JSON schema)
+        boolean / null   true or false / null
+        object           its declared properties as elements, in order, required ones always, optional ones
+                         maybe (undeclared ones never); one without declared properties: a JSON object
+        array            minItems..maxItems `<item>` elements, each held to `items`
+        type list, anyOf, oneOf   one of the alternatives
+        anything else    a free string
+
     `token_markers`: markers to match as their single token (see MiniMaxM3ToolCallParser.structural_tag)."""
 
     def __init__(self, token_markers: frozenset[str] = frozenset()):
@@ -380,6 +398,10 @@ class M3CallFormat:
     @staticmethod
     def seq(*elements: dict[str, Any]) -> dict[str, Any]:
         return {"type": "sequence", "elements": list(elements)}
+
+    @staticmethod
+    def either(options: list[dict[str, Any]]) -> dict[str, Any]:
+        return options[0] if len(options) == 1 else {"type": "or", "elements": options}
 
     def lit(self, text: str) -> dict[str, Any]:
         """Literal text, its token markers as tokens."""
@@ -397,15 +419,8 @@ class M3CallFormat:
         return parts[0] if len(parts) == 1 else self.seq(*parts) if parts else {"type": "const_string", "value": ""}
 
     def element(self, name: str, value: dict[str, Any]) -> dict[str, Any]:
-        """`NS<name>` value `NS</name>`. A string's text ends at the NS token when NS is a token marker (it
-        cannot hold one); other free text, which may hold nested elements, ends at the closing tag's text."""
-        begin, end = f"{NS}<{name}>", f"{NS}</{name}>"
-        if value is ANY_TEXT_STRING and NS in self.markers:
-            return self.seq(self.lit(begin), {"type": "tag", "begin": "", "content": {"type": "any_tokens"},
-                                              "end": {"type": "token", "token": NS}}, self.lit(f"</{name}>"))
-        if value is ANY_TEXT or value is ANY_TEXT_STRING:
-            return {"type": "tag", "begin": begin, "content": ANY_TEXT, "end": end}
-        return self.seq(self.lit(begin), value, self.lit(end))
+        """`NS<name>` value `NS</name>`."""
+        return self.seq(self.lit(f"{NS}<{name}>"), value, self.lit(f"{NS}</{name}>"))
 
     def invoke(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
         root = parameters or {}
@@ -414,7 +429,10 @@ class M3CallFormat:
 
     def fields(self, schema: dict[str, Any], root: dict[str, Any], depth: int) -> dict[str, Any]:
         props = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-        required = set(schema.get("required", []))
+        required = [r for r in schema.get("required", []) if isinstance(r, str)]
+        extra = schema.get("additionalProperties")
+        # a required key the properties do not declare still has to be there: its schema is additionalProperties'
+        props = {**props, **{r: extra if isinstance(extra, dict) else {} for r in required if r not in props}}
         args = []
         for key, sub in props.items():
             element = self.element(key, self.value(sub, root, depth))
@@ -422,26 +440,137 @@ class M3CallFormat:
         return self.seq(*args) if args else {"type": "const_string", "value": ""}
 
     def value(self, schema: Any, root: dict[str, Any], depth: int) -> dict[str, Any]:
-        """A value: free text where the schema does not pin the shape down."""
-        for _ in range(8):
-            if isinstance(schema, dict) and isinstance(schema.get("$ref"), str):
-                schema = resolve_ref(schema["$ref"], root)
-        vtype = value_type(schema, root, depth) if isinstance(schema, dict) else None
-        if vtype is None or depth > 8 or vtype.kind == "any_of":
-            return ANY_TEXT
-        if vtype.kind == "string":
-            values = schema.get("enum")
-            if isinstance(values, list) and values and all(isinstance(v, str) and v for v in values):
-                return {"type": "or", "elements": [{"type": "const_string", "value": v} for v in values]}
-            return ANY_TEXT_STRING
-        if vtype.kind == "object":
-            if not isinstance(schema.get("properties"), dict) or not schema["properties"] \
-                    or vtype.additional is not None:
-                return ANY_TEXT  # undeclared keys: free text up to the closing tag
-            return self.fields(schema, root, depth + 1)
-        if vtype.kind == "array":
-            return {"type": "star", "content": self.element("item", self.value(schema.get("items"), root, depth + 1))}
-        return {"type": "json_schema", "json_schema": {k: v for k, v in schema.items() if k != "description"}}
+        """One value held to `schema` (the table in the class docstring)."""
+        for _ in range(MAX_FORMAT_DEPTH):
+            if not (isinstance(schema, dict) and isinstance(schema.get("$ref"), str)):
+                break
+            schema = resolve_ref(schema["$ref"], root)
+        if not isinstance(schema, dict) or depth > MAX_FORMAT_DEPTH:
+            return self.string({})
+        if "const" in schema:
+            return self.literal(schema["const"])
+        if isinstance(schema.get("enum"), list) and schema["enum"]:
+            return self.either([self.literal(v) for v in schema["enum"]])
+        kind = schema.get("type")
+        if isinstance(kind, list) and kind:
+            return self.either([self.value({**schema, "type": k}, root, depth) for k in dict.fromkeys(kind)])
+        for key in ("anyOf", "oneOf"):
+            if isinstance(schema.get(key), list) and schema[key]:
+                return self.either([self.value(alt, root, depth + 1) for alt in schema[key]])
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+        if kind == "string":
+            return self.string(schema)
+        if kind in ("integer", "number"):
+            return {"type": "json_schema", "json_schema": {k: schema[k] for k in NUMBER_KEYS if k in schema}}
+        if kind == "boolean":
+            return self.either([self.literal(True), self.literal(False)])
+        if kind == "null":
+            return self.literal(None)
+        if kind == "object":
+            if isinstance(schema.get("properties"), dict) and schema["properties"] or schema.get("required"):
+                return self.fields(schema, root, depth + 1)
+            # no declared keys: a JSON object (the parser reads a JSON text as the object); its strings are held
+            # to STRING_CHAR like any other value, and its keys may not hold a marker
+            return {"type": "json_schema", "json_schema": plain_json_strings(schema, root), "max_whitespace_cnt": 1}
+        if kind == "array":
+            low = schema.get("minItems", 0)
+            high = schema.get("maxItems", -1)
+            item = self.element("item", self.value(schema.get("items", {}), root, depth + 1))
+            return {"type": "repeat", "min": low if isinstance(low, int) and low >= 0 else 0,
+                    "max": high if isinstance(high, int) and high >= 0 else -1, "content": item}
+        return self.string({})
+
+    @staticmethod
+    def literal(value: Any) -> dict[str, Any]:
+        """A constant as the template writes it: a string as itself, anything else as JSON."""
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+        return {"type": "const_string", "value": text}
+
+    @staticmethod
+    def string(schema: dict[str, Any]) -> dict[str, Any]:
+        """A string value: its `pattern` (matched whole), else STRING_CHAR repeated within its length bounds."""
+        pattern = schema.get("pattern")
+        if isinstance(pattern, str) and pattern:
+            return {"type": "regex", "pattern": whole_match(pattern)}
+        return {"type": "regex", "pattern": STRING_CHAR + length_range(schema)}
 
 
-ANY_TEXT_STRING = {"type": "any_text"}  # a string value: free text (a distinct object, so `element` can tell)
+def length_range(schema: dict[str, Any]) -> str:
+    """A string schema's minLength/maxLength as a regex repetition."""
+    low = schema.get("minLength", 0)
+    low = low if isinstance(low, int) and low > 0 else 0
+    high = schema.get("maxLength")
+    if not isinstance(high, int) or high < 0:
+        return "*" if low == 0 else f"{{{low},}}"
+    return f"{{{low},{max(low, high)}}}"
+
+
+def whole_match(pattern: str) -> str:
+    """A JSON schema pattern (a search) as a regex for the whole value: the anchors dropped (a value matching the
+    whole pattern also contains a match)."""
+    if pattern.startswith("^"):
+        pattern = pattern[1:]
+    if pattern.endswith("$") and not pattern.endswith("\\$"):
+        pattern = pattern[:-1]
+    return pattern
+
+
+def plain_json_strings(schema: Any, root: dict[str, Any], depth: int = 0) -> Any:
+    """`schema` with its $refs inlined and every string schema that has no pattern, enum, const or format given a
+    pattern of STRING_CHAR within its length bounds (xgrammar's JSON grammar then keeps markers out of the
+    strings)."""
+    if not isinstance(schema, dict) or depth > MAX_FORMAT_DEPTH:
+        return schema
+    if isinstance(schema.get("$ref"), str):
+        return plain_json_strings(resolve_ref(schema["$ref"], root), root, depth + 1)
+    out = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+    for key in ("properties", "patternProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = {k: plain_json_strings(v, root, depth + 1) for k, v in out[key].items()}
+    for key in ("items", "additionalProperties"):
+        if isinstance(out.get(key), dict):
+            out[key] = plain_json_strings(out[key], root, depth + 1)
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(out.get(key), list):
+            out[key] = [plain_json_strings(v, root, depth + 1) for v in out[key]]
+    if out.get("type") == "object" or "properties" in out or "additionalProperties" in out:  # its keys too
+        names = out.get("propertyNames") if isinstance(out.get("propertyNames"), dict) else {}
+        out["propertyNames"] = plain_json_strings({"type": "string", **names}, root, depth + 1)
+    if out.get("type") == "string" and not ({"pattern", "enum", "const", "format"} & out.keys()):
+        out["pattern"] = "^" + STRING_CHAR + length_range(out) + "$"
+    return out
+
+
+UNBOUNDED_ROOM = 64
+"""Tokens counted for a part of a format with no bound of its own (an unbounded string or number, a pattern, a
+free JSON object), and for each of the items an unbounded repetition is counted with (ROOM_ITEMS)."""
+ROOM_ITEMS = 4
+
+
+def format_tokens(fmt: dict[str, Any]) -> int:
+    """The most tokens text of structural-tag format `fmt` can take (every token holds at least one byte, a token
+    marker is one token), with UNBOUNDED_ROOM for each part that has no bound: the room a forced call needs."""
+    kind = fmt.get("type")
+    if kind == "const_string":
+        return len(fmt["value"].encode())
+    if kind == "token":
+        return 1
+    if kind == "sequence":
+        return sum(format_tokens(e) for e in fmt["elements"])
+    if kind == "or":
+        return max(format_tokens(e) for e in fmt["elements"])
+    if kind == "optional":
+        return format_tokens(fmt["content"])
+    if kind in ("repeat", "plus", "star"):
+        high = fmt.get("max", -1)
+        return format_tokens(fmt["content"]) * (high if high >= 0 else ROOM_ITEMS)
+    if kind == "regex":
+        m = re.fullmatch(re.escape(STRING_CHAR) + r"\{(\d+),(\d+)\}", fmt["pattern"])
+        return 4 * int(m.group(2)) if m else UNBOUNDED_ROOM  # a character is at most 4 bytes
+    if kind == "json_schema":
+        schema = fmt["json_schema"]
+        if schema.get("type") == "integer" and isinstance(schema.get("minimum"), int) \
+                and isinstance(schema.get("maximum"), int):
+            return max(len(str(schema["minimum"])), len(str(schema["maximum"])))
+    return UNBOUNDED_ROOM

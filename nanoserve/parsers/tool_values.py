@@ -50,17 +50,21 @@ class ValueType:
     items: "ValueType | None" = None  # array
     options: list["ValueType"] = field(default_factory=list)  # any_of
 
+    def field(self, name: str) -> "ValueType | None":
+        """An object's field: its declared type, else the type of undeclared keys."""
+        return self.properties.get(name, self.additional)
+
 
 TYPE_NAMES = {"string": "string", "integer": "integer", "number": "number", "boolean": "boolean", "null": "null",
               "object": "object", "array": "array"}
 
 
-def parameter_types(parameters: dict[str, Any] | None) -> dict[str, ValueType]:
-    """The type of each top-level parameter of a tool's `parameters` schema (parameters without one are absent)."""
+def arguments_type(parameters: dict[str, Any] | None) -> ValueType | None:
+    """The type of a call's arguments, from the tool's `parameters` schema (None: nothing usable)."""
     if not isinstance(parameters, dict):
-        return {}
+        return None
     root = value_type(parameters, parameters, 0)
-    return root.properties if root is not None and root.kind == "object" else {}
+    return root if root is not None and root.kind == "object" else None
 
 
 def value_type(schema: Any, root: dict[str, Any], depth: int) -> ValueType | None:
@@ -206,7 +210,7 @@ def elements_to_object(elements: list[Element], vtype: ValueType | None) -> dict
     out: dict[str, Any] = {}
     repeated: set[str] = set()
     for e in elements:
-        t = vtype.properties.get(e.name, vtype.additional) if vtype is not None else None
+        t = vtype.field(e.name) if vtype is not None else None
         v = convert(e.value, t)
         if e.name not in out:
             out[e.name] = v

@@ -14,7 +14,7 @@ from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.engine.structured_output import format_element
 from nanoserve.parsers.chat_output import ChoiceText
 from nanoserve.parsers.reasoning import ReasoningParser
-from nanoserve.parsers.tool_calls import ToolCallParser
+from nanoserve.parsers.tool_calls import ToolCallParser, format_tokens
 from nanoserve.parsers.tools import ToolChoice, ToolError, check_tools, resolve_tool_choice
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 from nanoserve.server import protocol as P
@@ -157,24 +157,20 @@ def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
                      include_reasoning=req.include_reasoning)
 
 
-FORCED_CALL_ROOM = 1024
-"""Tokens of a forced call's max_tokens kept for the call itself (at most half of them): the thinking before it
-may take the rest, then the grammar closes the thinking. Without it a model that thinks on would reach max_tokens
-inside (or before) its call, and the call would come back cut off."""
-
-
 def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
                        token_markers: frozenset[str] = frozenset(), thinking_budget: int | None = None
                        ) -> dict[str, Any]:
     """The xgrammar structural tag a forced tool_choice ("required", a named function) holds the output to: the
-    tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part),
-    which may take at most `max_tokens` less the call's room (FORCED_CALL_ROOM), and at most `thinking_budget`
-    (the request's thinking_token_budget). `token_markers`: the parsers' markers that are single tokens, matched
-    as those tokens."""
+    tool parser's markup for the call, after the thinking the prompt allows (the reasoning parser's part). The
+    thinking may take `max_tokens` less the room the call needs (format_tokens: the most tokens the call's format
+    can take, with a fixed allowance for its unbounded parts, plus the end-of-thinking marker and EOS), and at most
+    `thinking_budget` (the request's thinking_token_budget); past that the only way on is the end of thinking.
+    Without the bound a model that thinks on would reach max_tokens before or inside its call.
+    `token_markers`: the parsers' markers that are single tokens, matched as those tokens."""
     tag = setup.tool_parser.structural_tag(setup.tools, setup.tool_choice, setup.parallel_tool_calls,
                                            token_markers)
     if setup.reasoning_parser:
-        budget = None if max_tokens is None else max_tokens - min(max_tokens // 2, FORCED_CALL_ROOM)
+        budget = None if max_tokens is None else max(0, max_tokens - format_tokens(tag["format"]) - 3)
         if thinking_budget is not None:
             budget = thinking_budget if budget is None else min(budget, thinking_budget)
         tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state, budget, token_markers)
