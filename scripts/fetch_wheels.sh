@@ -2,7 +2,7 @@
 # Wheels for a GPU machine that cannot reach the package index: the packages nanoserve needs beyond a CUDA PyTorch
 # image (torch, triton, transformers, numpy, tokenizers, safetensors, httpx, click are assumed there), for CPython
 # 3.12 on x86-64 Linux, into .whl/ (ignored by git): at the version installed here where a package is installed,
-# else the index's newest. scripts/gpu_session.sh installs .whl/*.whl into /tmp/site before it runs anything.
+# else the index's newest. scripts/gpu_run.sh installs .whl/*.whl into /tmp/site before it runs anything.
 #   bash scripts/fetch_wheels.sh [--python-version 3.12] [extra packages...]
 set -euo pipefail
 cd "$(dirname "$0")/.."

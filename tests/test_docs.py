@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import sys
@@ -113,6 +114,55 @@ def test_docs_name_only_what_is_in_this_repository():
                 elif "://" not in target and not (path.parent / target).exists():
                     found.append(f"{path.relative_to(ROOT)}:{n}: link {target} does not exist")
     assert not found, "\n".join(found)
+
+
+SCRIPT_CITATION = re.compile(r"scripts/([\w.-]+\.(?:py|sh))")
+"""A script named by its path. Beside `in git at <commit>` (on its line or the next) it cites a removed script as
+the provenance of a number."""
+
+
+def test_scripts_are_documented_tools():
+    """scripts/ holds tools: each says what it is for and how to run it (a module docstring naming its command,
+    or a shell header comment that does)."""
+    for path in sorted((ROOT / "scripts").iterdir()):
+        text = path.read_text()
+        run = f"scripts/{path.name}"
+        if path.suffix == ".py":
+            doc = ast.get_docstring(ast.parse(text)) or ""
+            assert doc and run in doc, f"{run}: its docstring must say what it is for and how to run it ({run})"
+        elif path.suffix == ".sh":
+            header = "".join(line for line in text.splitlines(True)[1:] if line.startswith("#")).split("\nset ")[0]
+            assert run in header, f"{run}: its header comment must say how to run it ({run})"
+        else:
+            raise AssertionError(f"{run}: scripts/ holds Python and shell tools only")
+
+
+def test_every_cited_script_exists():
+    """The docs, the README, the code and the tests name only scripts that exist (or say at which commit one that
+    was removed can be read)."""
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts += [p for d in ("nanoserve", "scripts", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
+    texts += sorted((ROOT / "scripts").glob("*.sh"))
+    missing = []
+    for path in texts:
+        lines = path.read_text().splitlines()
+        for n, line in enumerate(lines):
+            for name in SCRIPT_CITATION.findall(line):
+                near = " ".join(lines[max(0, n - 1):n + 2])  # a citation may wrap onto the next line
+                if not (ROOT / "scripts" / name).exists() and "in git at" not in near:
+                    missing.append(f"{path.relative_to(ROOT)}:{n + 1}: scripts/{name}")
+    assert not missing, "cited scripts that do not exist:\n" + "\n".join(missing)
+
+
+def test_benchmark_pages_show_current_results_not_a_diary():
+    """docs/benchmarks.md opens with the current results (each table names its run), then the method; neither it,
+    docs/optimizations.md nor the README keeps dated sections or speaks of sessions: history is in git."""
+    bench = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert bench.index("## Current results") < bench.index("## Method") < bench.index("## How to reproduce")
+    for name in ("docs/benchmarks.md", "docs/optimizations.md", "README.md"):
+        for n, line in enumerate((ROOT / name).read_text().splitlines(), 1):
+            assert not re.match(r"#+ .*\d{4}-\d{2}-\d{2}", line), f"{name}:{n}: a dated section: {line}"
+            assert not re.search(r"\bsessions?\b", line, re.I), f"{name}:{n}: speaks of a session: {line}"
 
 
 def test_walkthrough_doc_quotes_real_output():

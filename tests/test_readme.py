@@ -86,3 +86,45 @@ def test_test_extra_provides_what_the_suite_needs():
     assert "pytest" in names
     if "--timeout" in pyproject:
         assert "pytest-timeout" in names
+
+
+MEASURED_NUMBER = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|(?<![\w.,])\d+(?:\.\d+)?(?![\w.,])")
+"""A measured number in a table cell: 1.447, 6,419, 226 - not the digits of a name (W4, bf16, p99, 16k-token)."""
+
+
+def _json_numbers(value) -> set[float]:
+    if isinstance(value, bool):
+        return set()
+    if isinstance(value, (int, float)):
+        return {float(value)}
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return set().union(*(_json_numbers(v) for v in value)) if value else set()
+    return set()
+
+
+def test_readme_measured_numbers_are_the_records_and_the_docs():
+    """Every number of the README's Measured table is in the results/ JSON file its row names (the run of record)
+    and is quoted as written in docs/benchmarks.md: the README, the records and the docs cannot disagree."""
+    import json
+
+    text = _read("README.md")
+    section = text[text.index("## Measured"):]
+    section = section[:section.index("\n## ", 1)]
+    rows = [line for line in section.splitlines() if line.startswith("| W")]
+    assert len(rows) >= 6, "the Measured table lost its rows"
+    docs = _read("docs", "benchmarks.md")
+    missing = []
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        record = re.fullmatch(r"`(\S+\.json)`", cells[-1])
+        assert record, f"the row names no results/ file: {row}"
+        numbers = _json_numbers(json.loads(_read("results", record.group(1))))
+        for cell in cells[1:-1]:
+            for token in MEASURED_NUMBER.findall(cell):
+                if float(token.replace(",", "")) not in numbers:
+                    missing.append(f"{token} ({cells[0]}) is not in results/{record.group(1)}")
+                if not re.search(rf"(?<![\d.,]){re.escape(token)}(?![\d])", docs):
+                    missing.append(f"{token} ({cells[0]}) is not quoted in docs/benchmarks.md")
+    assert not missing, "\n".join(missing)

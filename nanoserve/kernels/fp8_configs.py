@@ -42,7 +42,7 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     # 6144 x 8192, dense gate_up 24576 x 6144, dense down 6144 x 12288) on an H200, from two runs of
     # `scripts/tune_fp8.py` (2026-12-03, Triton 3.6; commits 2a271b1 and aae03ba: the second timed "swap", which
     # did not compile in the first, and "dequant"), each entry the lowest mean time of the runs that timed it.
-    # Decode-sized timings moved by up to 2x between the two runs for one entry (docs/benchmarks.md): entries
+    # Decode-sized timings moved by up to 2x between the two runs for one entry (docs/optimizations.md): entries
     # within that spread of each other are not told apart.
     # The 1/8/64-row entries were then re-picked by `python scripts/gpu_fp8dec.py --budget 170 --write-configs`
     # (in git at 8277a9c; 2026-12-04, H200, Triton 3.6, kernel sources of commit 4e6483c): the table's tensor-core

@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# One GPU run, in order: the wheels, the GPU tests, the benchmark under a time budget, and (optionally) W3 against
+# a server. What each step writes goes under $OUT (logs, the bench's results.json and tables), and everything is
+# packed into $OUT/gpu_run.tgz after each step, so a run cut short still returns what it measured.
+#
+#   OUT=DIR [STEPS=tests,bench] [BUDGET=400] [BENCH_ARGS="--workloads W1,W2,W4 --w4-lens 131072"] \
+#       [TESTS="-m gpu"] [W3_ARGS="--concurrency 1,64"] bash scripts/gpu_run.sh
+#
+# Steps (STEPS, comma list, in this order):
+#   tests   python -m pytest $TESTS (default: -m gpu, every test marked gpu); log in tests.txt
+#   bench   python -m nanoserve.bench $BENCH_ARGS --time-budget $BUDGET --out $OUT/bench (default args: the
+#           offline workloads W1, W2, W4, W5, W6 on m3-slice); log in bench.txt
+#   w3      python -m nanoserve.server --model m3-slice on port 8123, then python -m nanoserve.bench --serve with
+#           $W3_ARGS (add --serve-logprobs 5 for logprobs on every request); logs in w3_server.txt and w3.txt
+#
+# A machine that cannot reach the package index takes the packages nanoserve needs beyond a CUDA PyTorch image
+# from .whl/ (bash scripts/fetch_wheels.sh on a machine that can): they are installed once, into /tmp/site.
+# NANOSERVE_GIT_COMMIT is set from git when the checkout has its history, so the results name their commit.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a directory for the logs and results}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+if [ -z "${NANOSERVE_GIT_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
+  export NANOSERVE_GIT_COMMIT=$(git rev-parse HEAD)
+fi
+pack() { tar czf /tmp/gpu_run.tgz -C "$OUT" --exclude gpu_run.tgz . 2>/dev/null && mv /tmp/gpu_run.tgz "$OUT/"; }
+{ nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  echo "commit ${NANOSERVE_GIT_COMMIT:-unknown}"; } | tee "$OUT/gpu.txt"
+
+STEPS=${STEPS:-tests,bench}
+for step in ${STEPS//,/ }; do
+  case $step in
+    tests)
+      # shellcheck disable=SC2086
+      timeout "${TESTS_TIMEOUT:-420}" python3 -m pytest ${TESTS:--m gpu} -q -rs -p no:cacheprovider \
+        > "$OUT/tests.txt" 2>&1
+      echo "tests exit $?"; tail -5 "$OUT/tests.txt";;
+    bench)
+      # shellcheck disable=SC2086
+      timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
+        --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
+      echo "bench exit $?"; tail -c 6000 "$OUT/bench.txt";;
+    w3)
+      port=8123
+      python3 -m nanoserve.server --model m3-slice --port $port --served-model-name bench --max-model-len 4096 \
+        --log-level warning > "$OUT/w3_server.txt" 2>&1 &
+      server=$!
+      for _ in $(seq 1 150); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null 2>&1 && break
+        kill -0 $server 2>/dev/null || break
+        sleep 2
+      done
+      # shellcheck disable=SC2086
+      timeout "${W3_TIMEOUT:-300}" python3 -m nanoserve.bench --serve "http://127.0.0.1:$port" \
+        --served-model-name bench --model m3-slice ${W3_ARGS:-} --out "$OUT/w3" > "$OUT/w3.txt" 2>&1
+      echo "w3 exit $?"; grep -A8 "^W3 closed loop" "$OUT/w3.txt" | tail -9
+      kill -TERM $server 2>/dev/null; wait $server 2>/dev/null;;
+    *) echo "unknown step $step (tests, bench, w3)" >&2;;
+  esac
+  pack
+done
