@@ -101,3 +101,70 @@ def test_forced_calls_validate_under_the_schema(client, thinking, choice, stream
         no_marker(reasoning, content, arguments)
         if thinking == "disabled":
             assert not reasoning, (seed, reasoning)
+
+
+# -- markers never leak ----------------------------------------------------------------------------------------
+NS, S, E = "]<]minimax[>[", "<mm:think>", "</mm:think>"
+CALL = [NS, "<tool_call>", "\n", NS, '<invoke name="get_weather">', NS, "<city>Oslo", NS, "</city>", NS,
+        "</invoke>", "\n", NS, "</tool_call>"]
+
+
+def forced(parts: list[str]) -> dict:
+    """A structural tag that makes the model write exactly `parts`, each marker as its own token (what a model
+    that emits these markers writes)."""
+    return {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "token", "token": p} if p in MARKERS else {"type": "const_string", "value": p} for p in parts]}}
+
+
+def answer(client, tok_end: int, thinking: str, parts: list[str], stream: bool, max_tokens: int = 200):
+    """The chat answer when the model writes `parts` after the thinking the mode allows (a logit_bias makes it
+    close that thinking at once: the format holds only what follows the first </mm:think>, as with any format
+    under --reasoning-parser): (reasoning, content, calls, finish_reason)."""
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+              max_tokens=max_tokens, seed=0, logit_bias={str(tok_end): 100},
+              extra_body={"chat_template_kwargs": {"thinking_mode": thinking},
+                          "structured_outputs": {"structural_tag": forced(parts)}})
+    if stream:
+        return streamed(client, **kw)
+    choice = client.chat.completions.create(**kw).choices[0]
+    msg = choice.message
+    return (msg.reasoning_content, msg.content, [(c.function.name, c.function.arguments) for c in msg.tool_calls or []],
+            choice.finish_reason)
+
+
+@pytest.fixture(scope="module")
+def end_token(tiny_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_dir).convert_tokens_to_ids(E)
+
+
+@pytest.mark.parametrize("thinking", ["enabled", "disabled", "adaptive"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_markers_never_leak(client, end_token, thinking, stream):
+    """Stray, leading and repeated thinking markers are never content; a call opened before the thinking closed
+    is a call; whatever the thinking mode, streamed or not."""
+    first = [] if thinking == "disabled" else [E]  # the biased closer the other modes start with
+    # a stray closer in the content, closers repeated at the start (as seen at the start of multi-turn replies)
+    reasoning, content, calls, finish = answer(client, end_token, thinking, first + [E, E, "Hello", E, " there"],
+                                               stream)
+    no_marker(reasoning, content)
+    assert content == "Hello there" and calls == [] and finish == "stop"
+    assert not reasoning
+    # a block opened twice, then a tool call opened inside it before it closes
+    reasoning, content, calls, finish = answer(client, end_token, thinking, first + [S, S, "plan ", *CALL, E],
+                                               stream)
+    no_marker(reasoning, content, *(a for _, a in calls))
+    assert reasoning == "plan " and not content, (reasoning, content)
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})] and finish == "tool_calls"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_cut_by_max_tokens_ends_cleanly(client, end_token, stream):
+    """max_tokens inside a call's second parameter: the answer (and the stream, to its end) holds the call with
+    the parameter that was complete, finish_reason "length", and nothing of the cut markup."""
+    parts = CALL[:9] + [NS, "<unit>" + "x" * 300, NS, "</unit>"] + CALL[9:]
+    reasoning, content, calls, finish = answer(client, end_token, "disabled", parts, stream, max_tokens=120)
+    no_marker(reasoning, content)
+    assert not content and finish == "length"
+    assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})]

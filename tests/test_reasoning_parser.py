@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from nanoserve.parsers.chat_output import ChoiceText
 from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser, get_reasoning_parser
@@ -24,9 +26,14 @@ S, E = "<mm:think>", "</mm:think>"
     (False, f"{S}let me see{E}\n\nIt is 4.", "let me see", "\n\nIt is 4."),
     (False, f"Intro {S}hmm{E} outro", "hmm", "Intro  outro"),
     (False, f"{S}never closed", "never closed", ""),
-    # no block: a bare leading closer (the model declining to think) is dropped, a later one is text
+    # no block: a bare leading closer (the model declining to think) is dropped, and so is any later stray one
     (False, f"{E}No thinking needed.", None, "No thinking needed."),
-    (False, f"Plain answer, then a stray {E} stays.", None, f"Plain answer, then a stray {E} stays."),
+    (False, f"Plain answer, then a stray {E} goes.", None, "Plain answer, then a stray  goes."),
+    # markers repeated at the start of a reply (seen in multi-turn chats): never text
+    (False, f"{E}{E}Twice closed.", None, "Twice closed."),
+    (True, f"{S}opened twice{E}{E}done", "opened twice", "done"),
+    (False, f"{S}{S}deep{E}x{E}", "deep", "x"),
+    (True, f"{E}{S}second thoughts{E}answer", "second thoughts", "answer"),  # a later block is reasoning too
     (False, "Just text.", None, "Just text."),
     # an unfinished marker at the very end is text of its part
     (False, "ends with <mm:th", None, "ends with <mm:th"),
@@ -81,8 +88,14 @@ def choice(opened: bool, tools: bool = True) -> ChoiceText:
     (False, f"{S}hm{E}Let me check.\n{CALL}", "hm", "Let me check.\n", [("get_weather", {"city": "Paris",
                                                                                        "days": 2})]),
     (False, f"{E}It is sunny.", None, "It is sunny.", []),
-    # a call written inside the reasoning is reasoning, not a call
-    (True, f"maybe {CALL}? no.{E}No call.", f"maybe {CALL}? no.", "No call.", []),
+    # a call opened before the thinking closed is a call: the thinking ends where it opens, the closer after it
+    # is dropped
+    (True, f"maybe {CALL}{E}", "maybe ", None, [("get_weather", {"city": "Paris", "days": 2})]),
+    (True, f"maybe {CALL}? no.{E}Done.", "maybe ", "? no.Done.", [("get_weather", {"city": "Paris", "days": 2})]),
+    (False, f"{S}hmm {CALL}", "hmm ", None, [("get_weather", {"city": "Paris", "days": 2})]),
+    # stray tool-call markers outside a block are dropped, in the content and in the reasoning
+    (False, f"{E}a {NS} b </tool_call> c", None, "a  b  c", []),
+    (True, f"a {NS}<tool_ b </tool_call>{E}c", "a <tool_ b ", "c", []),
 ])
 def test_reasoning_then_tool_calls(opened, text, reasoning, content, calls):
     parsed = choice(opened).parse(text)
@@ -100,6 +113,35 @@ def test_reasoning_then_tool_calls(opened, text, reasoning, content, calls):
 
 
 def test_without_tool_parsing_calls_stay_content():
-    """tool_choice "none" (or no tools): the markup is the model's text."""
+    """tool_choice "none" (or no tools): the markup is the model's text, and a call inside the thinking stays
+    reasoning."""
     parsed = choice(False, tools=False).parse(f"{E}{CALL}")
     assert parsed.content == CALL and parsed.tool_calls == [] and parsed.reasoning is None
+    parsed = choice(True, tools=False).parse(f"maybe {CALL}{E}no")
+    assert parsed.reasoning == f"maybe {CALL}" and parsed.content == "no"
+
+
+PIECES = [S, E, NS, "<tool_call>", "</tool_call>", '<invoke name="get_weather">', "</invoke>", "<city>", "</city>",
+          "Paris", "\n", " ", "<", "/", "]", "x"]
+MARKERS = (S, E, NS, "<tool_call>", "</tool_call>")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES), max_size=40), st.booleans(), st.booleans(), st.data())
+def test_no_marker_is_ever_text(pieces, opened, tools, data):
+    """Any mix of marker fragments, whatever the thinking mode and split: no stream piece's reasoning or content
+    ever holds a marker or ends with the start of a block, and the pieces join to the whole-text answer."""
+    text = "".join(pieces)
+    whole = choice(opened, tools).parse(text)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(text)), max_size=6)))
+    ch, pieces_out, last = choice(opened, tools), [], 0
+    for cut in cuts + [len(text)]:
+        pieces_out.append(ch.feed(text[last:cut]))
+        last = cut
+    pieces_out.append(ch.finish())
+    reasoning = "".join(p.reasoning for p in pieces_out)
+    content = "".join(p.content for p in pieces_out)
+    assert reasoning == (whole.reasoning or "")
+    assert content.strip() == (whole.content or "").strip()
+    for part in (reasoning, content) if tools else (reasoning,):
+        assert not any(m in part for m in MARKERS if tools or m in (S, E)), (text, part)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.parsers.tool_calls import (CallArguments, CallStart, MiniMaxM3ToolCallParser, Text, collect,
+from nanoserve.parsers.tool_calls import (MARKER, CallArguments, CallStart, MiniMaxM3ToolCallParser, Text, collect,
                                           get_tool_call_parser)
 
 NS = "]<]minimax[>["
@@ -172,7 +172,7 @@ def test_whitespace_and_stray_text_between_parameters():
 
 @pytest.mark.parametrize("text, content, calls", [
     # an unfinished start marker at the end was content
-    (f"plain {NS}<tool_ca", f"plain {NS}<tool_ca", []),
+    (f"plain {NS}<tool_ca", "plain <tool_ca", []),
     # a closing tag that closes nothing ends the block: the rest is content
     (f"{START}\n{NS}</user_id> after error", f"\n{NS}</user_id> after error", []),
     # an unknown tag where an invoke should start
@@ -192,6 +192,7 @@ def test_whitespace_and_stray_text_between_parameters():
     (f"{START}{NS}<invoke name=\"\">{NS}</invoke>{END}", f"{NS}<invoke name=\"\">{NS}</invoke>{END}", []),
 ])
 def test_malformed_markup_is_content(text, content, calls):
+    content = MARKER.sub("", content)  # the text is content, but a marker is never text
     got_content, got_calls, _ = parse(text)
     assert (got_content, got_calls) == (content, calls)
     for cut in range(len(text) + 1):  # and the same streamed, whatever the split

@@ -1,6 +1,7 @@
 """One choice's generated text -> its chat message fields: reasoning, content, tool calls.
 
-The reasoning parser runs first; its content goes through the tool-call parser (when the request parses tools).
+The reasoning parser runs first; its content goes through the tool-call parser (when the request parses tools), and a
+call block opened inside the thinking ends the thinking, so the call is parsed as one.
 `feed` takes each new piece of text as it is generated and returns what the stream should send for it; `finish`
 flushes what was held back. A non-streaming response is the same pieces joined (`ChoiceText.parse`), so both
 answers agree for any split of the text.
@@ -41,6 +42,8 @@ class ChoiceText:
     def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
         self.reasoning = reasoning
         self.tools = tools
+        if reasoning is not None and tools is not None:  # a call opened inside the thinking is still a call
+            reasoning.call_start, reasoning.drop = tools.call_start, tools.markers
 
     def feed(self, text: str) -> Piece:
         return self._piece(*self.reasoning.feed(text) if self.reasoning else ("", text), final=False)

@@ -10,10 +10,15 @@ prompt, so the parser is told whether the prompt left a thinking block open (the
 
     prompt left it open       everything up to `</mm:think>` is reasoning, the rest content;
                               an output that never closes it is all reasoning
-    otherwise                 a leading `</mm:think>` (the model declining to think, as M3 does in `adaptive` mode
-                              and after tool results) is dropped and the rest is content;
-                              text before a `<mm:think>` is content, the block is reasoning, text after it content;
+    otherwise                 text before a `<mm:think>` is content, the block is reasoning, text after it content;
                               a block that never closes is reasoning to the end
+
+A marker is never text of either part, wherever the model writes it: a `</mm:think>` outside a block (the bare
+leading closer of a model declining to think, as M3 does in `adaptive` mode and after tool results; a stray or
+repeated one later) is dropped, a `<mm:think>` inside a block (a repeated opener at the start of a reply) is
+dropped, and a later block is reasoning too. When the output is read for tool calls, a call block opened inside
+the thinking ends the thinking: the call is content, parsed as a call (M3 sometimes opens its call before
+closing its thinking), and the closer that may follow it is dropped.
 """
 
 from __future__ import annotations
@@ -83,10 +88,15 @@ class ReasoningParser:
             fmt = answer
         return {**tag, "format": fmt}
 
-    def __init__(self, starts_in_reasoning: bool):
-        self.state = "reasoning" if starts_in_reasoning else "begin"
+    def __init__(self, starts_in_reasoning: bool, call_start: str | None = None):
+        """`starts_in_reasoning`: the prompt left a thinking block open. `call_start`: the tool-call parser's
+        block opener, when the request's output is read for tool calls: a call opened inside the thinking ends
+        the thinking there (the block goes on to the tool parser as content)."""
+        self.state = "reasoning" if starts_in_reasoning else "content"
         self.buf = ""
         self.saw_reasoning = starts_in_reasoning
+        self.call_start = call_start
+        self.drop: tuple[str, ...] = ()  # the tool parser's markers: never text of the reasoning either
 
     def feed(self, text: str) -> tuple[str, str]:
         """(reasoning, content) added by this piece of text."""
@@ -126,50 +136,44 @@ class MiniMaxM3ReasoningParser(ReasoningParser):
     turn_start = "]~b]"
     markers = (start, end)
 
-    # states: begin (nothing decided yet) -> content_before (no block yet) -> reasoning -> content
+    # states: content, reasoning. A `<mm:think>` opens a block (one inside a block is dropped), a `</mm:think>`
+    # closes one (one outside a block is dropped), a tool-call block opened inside the thinking closes it
     def feed(self, text: str) -> tuple[str, str]:
         self.buf += text
-        reasoning, content = [], []
+        reasoning: list[str] = []
+        content: list[str] = []
         while self.buf:
-            if self.state == "begin":
-                if self.buf.startswith(self.end):  # a bare closer: the model chose not to think
-                    self.buf = self.buf[len(self.end):]
-                    self.state = "content"
-                elif self.buf.startswith(self.start):
-                    self.buf = self.buf[len(self.start):]
-                    self.state, self.saw_reasoning = "reasoning", True
-                elif is_proper_prefix(self.buf, self.start, self.end):
-                    break
-                else:
-                    self.state = "content_before"
-            elif self.state == "content_before":
-                i = self.buf.find(self.start)
-                if i == -1:
-                    keep = partial_prefix(self.buf, self.start)
-                    content.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
-                    break
-                content.append(self.buf[:i])
-                self.buf = self.buf[i + len(self.start):]
-                self.state, self.saw_reasoning = "reasoning", True
-            elif self.state == "reasoning":
-                i = self.buf.find(self.end)
-                if i == -1:
-                    keep = partial_prefix(self.buf, self.end)
-                    reasoning.append(self.buf[:len(self.buf) - keep])
-                    self.buf = self.buf[len(self.buf) - keep:]
-                    break
-                reasoning.append(self.buf[:i])
-                self.buf = self.buf[i + len(self.end):]
+            markers = (self.start, self.end)
+            if self.state == "reasoning" and self.call_start:
+                markers += (self.call_start, *self.drop)
+            out = reasoning if self.state == "reasoning" else content
+            hits = [(self.buf.find(m), -len(m), m) for m in markers if m in self.buf]
+            if not hits:
+                keep = max(partial_prefix(self.buf, m) for m in markers)
+                out.append(self.buf[:len(self.buf) - keep])
+                self.buf = self.buf[len(self.buf) - keep:]
+                break
+            i, _, marker = min(hits)
+            out.append(self.buf[:i])
+            if is_proper_prefix(self.buf[i:], *markers):  # NS, so far: maybe the start of a call block
+                self.buf = self.buf[i:]
+                break
+            if marker == self.call_start:  # the call goes to the content, marker and all
+                self.buf = self.buf[i:]
                 self.state = "content"
-            else:
-                content.append(self.buf)
-                self.buf = ""
+                continue
+            self.buf = self.buf[i + len(marker):]  # the marker is never text (a tool marker here is dropped)
+            if marker == self.start and self.state == "content":
+                self.state, self.saw_reasoning = "reasoning", True
+            elif marker == self.end and self.state == "reasoning":
+                self.state = "content"
         return "".join(reasoning), "".join(content)
 
     def finish(self) -> tuple[str, str]:
         """What was held back: a marker that never completed is ordinary text of its part."""
         rest, self.buf = self.buf, ""
-        if self.state == "reasoning":
+        if self.state == "reasoning":  # a tool marker held back (the start of a call that never came) is dropped
+            for marker in sorted(self.drop, key=len, reverse=True):
+                rest = rest.replace(marker, "")
             return rest, ""
-        return "", rest
+        return "", rest  # the tool parser drops its own markers

@@ -108,6 +108,9 @@ class ToolCallParser:
     """Strings the parser needs to see in the text: a tokenizer that treats one of them as a special token must
     decode with skip_special_tokens=False for this parser to work."""
 
+    call_start = ""
+    """The text that opens a call block: the reasoning parser ends the thinking where one opens."""
+
     def __init__(self, tools: dict[str, dict[str, Any] | None]):
         self.types = {name: arguments_type(params) for name, params in tools.items()}
 
@@ -151,6 +154,7 @@ BLOCK_END = NS + "</tool_call>"
 INVOKE_START = NS + "<invoke"
 INVOKE_END = NS + "</invoke>"
 INVOKE_HEADER = re.compile(re.escape(INVOKE_START) + r"\s+name=(?:\"([^\"<>]*)\"|'([^'<>]*)'|([^\s\"'<>]+))\s*>")
+MARKER = re.compile("|".join(re.escape(m) for m in (NS, "<tool_call>", "</tool_call>")))
 MAX_NESTING = 64  # deeper element nesting is malformed (the parser recurses)
 MAX_HEADER = 512  # an invoke header longer than this without its '>' is malformed
 
@@ -216,6 +220,7 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
 
     name = "minimax_m3"
     markers = (NS, "<tool_call>", "</tool_call>")
+    call_start = BLOCK_START
 
     def __init__(self, tools: dict[str, dict[str, Any] | None]):
         super().__init__(tools)
@@ -239,26 +244,32 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
         events: list[Event] = []
         if self.mode == "invoke":  # the output ended inside a call: close it with the parameters that were whole
             self._end_call(events)
-        elif self.mode == "text" and self.buf:  # the start of a marker that never came: it was content
-            events.append(Text(self.buf))
+        elif self.mode == "text" and self.buf:  # the start of a block that never came: it was content
+            events.append(Text(self.without_markers(self.buf)))
         # in a block, what is left is an unfinished marker (anything else would have ended the block): dropped
         self.buf, self.mode = "", "text"
         return events
 
     # -- the three modes ------------------------------------------------------------------------------------
     def _text(self, events: list[Event]) -> bool:
+        """Outside a block: content up to the next block. A marker outside a block (a stray NS, `</tool_call>`)
+        is not content: it is dropped."""
         i = self.buf.find(BLOCK_START)
         if i == -1:
-            keep = partial_prefix(self.buf, BLOCK_START)
-            if len(self.buf) > keep:
-                events.append(Text(self.buf[:len(self.buf) - keep]))
-                self.buf = self.buf[len(self.buf) - keep:]
+            keep = max(partial_prefix(self.buf, m) for m in (BLOCK_START, *self.markers))
+            text = self.buf[:len(self.buf) - keep]
+            self.buf = self.buf[len(self.buf) - keep:]
+            if text:
+                events.append(Text(self.without_markers(text)))
             return False
         if i:
-            events.append(Text(self.buf[:i]))
+            events.append(Text(self.without_markers(self.buf[:i])))
         self.buf = self.buf[i + len(BLOCK_START):]
         self.mode = "block"
         return True
+
+    def without_markers(self, text: str) -> str:
+        return MARKER.sub("", text)  # one pass: the text around a removed marker cannot form a new one
 
     def _block(self, events: list[Event]) -> bool:
         """Between invokes: whitespace, then an invoke or the end of the block."""
