@@ -366,3 +366,164 @@ def test_server_speculates_with_vllms_flag_and_reports_acceptance(tiny_dir, tmp_
                           '{"method": "ngram", "num_speculative_tokens": 2, "model": "draft"}'],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--speculative-config" in bad.stderr and "model" in bad.stderr
+
+
+# -- the MTP drafter ----------------------------------------------------------------------------------------------
+def mtp_tensors(model_dir: str, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random tensors for an MTP module of the checkpoint's model: its block takes the shapes of the model's last
+    MSA+MoE layer, under `language_model.model.mtp.layers.0.transformer_layer.`, plus enorm, hnorm, eh_proj and
+    final_layernorm."""
+    from safetensors import safe_open
+
+    from nanoserve.model.loader import checkpoint_files, read_config
+
+    cfg = read_config(model_dir)
+    last = max(i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i) and cfg.is_sparse_attention(i))
+    layer = f"language_model.model.layers.{last}."
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for key, path in checkpoint_files(model_dir).items():
+        if key.startswith(layer):
+            with safe_open(path, framework="pt") as f:
+                t = f.get_tensor(key)
+            out["language_model.model.mtp.layers.0.transformer_layer." + key.removeprefix(layer)] = \
+                (torch.randn(t.shape, generator=g) * 0.05).to(t.dtype)
+    h = cfg.hidden_size
+    for n in ("enorm", "hnorm", "final_layernorm"):
+        out[f"language_model.model.mtp.layers.0.{n}.weight"] = torch.randn(h, generator=g) * 0.1
+    out["language_model.model.mtp.layers.0.eh_proj.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.05).to(
+        torch.bfloat16)
+    return out
+
+
+@pytest.fixture(scope="module")
+def mtp_dir(tiny_dir, tmp_path_factory) -> str:
+    """The m3-tiny checkpoint plus an MTP module in a second safetensors file."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("m3-tiny-mtp")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    assert not (path / "model.safetensors.index.json").exists()
+    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_mtp_loader_reads_every_key(mtp_dir, tmp_path):
+    from safetensors.torch import save_file
+
+    from nanoserve.model.loader import CheckpointError, load_model
+    from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp
+
+    model, _ = load_model(mtp_dir, FAST)  # the main loader skips the MTP tensors
+    mtp = M3MTP(model.cfg, FAST, torch.float32, "cpu")
+    tensors = mtp_tensors(mtp_dir)
+    assert has_mtp(mtp_dir) and load_mtp(mtp, mtp_dir) == len(tensors)
+    params = dict(mtp.named_parameters())
+    block = f"layers.{model.cfg.num_hidden_layers}"
+    assert torch.equal(params["eh_proj.weight"], tensors["language_model.model.mtp.layers.0.eh_proj.weight"].float())
+    assert torch.equal(params["enorm.weight"], tensors["language_model.model.mtp.layers.0.enorm.weight"])
+    o_proj = "language_model.model.mtp.layers.0.transformer_layer.self_attn.o_proj.weight"
+    assert torch.equal(params[f"{block}.self_attn.o_proj.weight"], tensors[o_proj].float())
+    assert all(bool(p.abs().sum() > 0) for p in params.values()), "a parameter was left unfilled"
+    # a missing and an unexpected tensor are named
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        (bad / f).symlink_to(f"{mtp_dir}/{f}")
+    broken = dict(tensors)
+    del broken[o_proj]
+    broken["language_model.model.mtp.layers.0.surprise.weight"] = torch.zeros(2)
+    save_file(broken, str(bad / "mtp.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing MTP tensor\(s\): .*o_proj.*unexpected MTP tensor\(s\): "
+                                              r".*surprise"):
+        load_mtp(M3MTP(model.cfg, FAST, torch.float32, "cpu"), str(bad))
+
+
+def test_mtp_needs_a_checkpoint_with_an_mtp_module(tiny_dir):
+    with pytest.raises(ValueError, match=r"method 'mtp'.*no MTP module"):
+        LLM(tiny_dir, optimizations=FAST, max_model_len=MAX_MODEL_LEN,
+            speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_max apply to method 'ngram' only"):
+        SpeculativeConfig.from_dict({"method": "mtp", "prompt_lookup_max": 3})
+    assert SpeculativeConfig.from_dict({"method": "mtp"}).num_speculative_tokens == 1
+
+
+@pytest.fixture(scope="module")
+def mtp_expected(mtp_dir) -> list[list[int]]:
+    with LLM(mtp_dir, optimizations=FAST, max_model_len=MAX_MODEL_LEN) as llm:
+        return tokens_of(run(llm, repetitive_prompts(), GREEDY))
+
+
+@pytest.mark.parametrize("setting", ["plain", "no_prefix_caching", "preemption", "small_budget"])
+def test_mtp_greedy_output_is_unchanged(mtp_dir, mtp_expected, setting):
+    kwargs = dict(optimizations=FAST, max_model_len=MAX_MODEL_LEN,
+                  speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    if setting == "no_prefix_caching":
+        kwargs["enable_prefix_caching"] = False
+    elif setting == "preemption":
+        kwargs["num_gpu_blocks_override"] = 16
+    elif setting == "small_budget":
+        kwargs["max_num_batched_tokens"] = 18
+    with LLM(mtp_dir, **kwargs) as llm:
+        assert llm.engine.executor.runner.mtp is not None
+        assert tokens_of(run(llm, repetitive_prompts(), GREEDY)) == mtp_expected
+        stats = llm.engine.stats
+        assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens > stats.spec_decode_num_drafts
+        if setting == "preemption":
+            assert stats.num_preemptions > 0
+        sp = SamplingParams(temperature=0.8, max_tokens=12, seed=5, ignore_eos=True)
+        assert all(len(t) == 12 for t in tokens_of(run(llm, repetitive_prompts()[:2], sp)))
+        assert_all_blocks_free(llm)
+
+
+def reference_mtp_drafts(model, mtp, tokens: list[int], k: int) -> list[int]:
+    """The MTP drafts for a sequence computed from scratch: one prefill of the main model over `tokens`, the MTP
+    module over every position at once (h_p with x_{p+1}), then k - 1 further steps on its own output."""
+    from nanoserve.batch import AttentionMetadata
+    from nanoserve.model.mtp import mtp_config
+    from nanoserve.runner.kv_cache import allocate_kv_caches
+
+    bs, n = model.cfg.index_block_size, len(tokens)
+    blocks = -(-(n + k) // bs)
+    kv, index = allocate_kv_caches(mtp_config(model.cfg), blocks, bs, torch.float32, "cpu")
+    model.bind_kv_caches(kv, index)
+    mtp.bind_kv_cache(kv[-1], index[-1])
+    table = [list(range(blocks))]
+    meta = AttentionMetadata.build([n], [n], table, bs)
+    hidden = model(torch.tensor(tokens), meta.positions, meta)
+    meta = AttentionMetadata.build([n - 1], [n - 1], table, bs)
+    h = mtp(model, torch.tensor(tokens[1:]), hidden[:-1], meta.positions, meta)[-1:]
+    drafts = []
+    for j in range(k):
+        token = model.compute_logits(h).argmax(dim=-1)
+        drafts.append(int(token))
+        meta = AttentionMetadata.build([1], [n + j], table, bs)
+        h = mtp(model, token, h, meta.positions, meta)
+    return drafts
+
+
+def test_mtp_drafts_equal_a_from_scratch_computation(mtp_dir):
+    """The MTP's K/V, written step by step (prefill chunks, verify steps with rejected positions, rollback), gives
+    the drafts that one computation from scratch over the sequence's tokens gives."""
+    from nanoserve.model.loader import load_model
+    from nanoserve.model.mtp import M3MTP, load_mtp
+
+    model, _ = load_model(mtp_dir, FAST)
+    mtp = M3MTP(model.cfg, FAST, torch.float32, "cpu")
+    load_mtp(mtp, mtp_dir)
+    with LLM(mtp_dir, optimizations=FAST, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=18,
+             speculative_config={"method": "mtp", "num_speculative_tokens": 3}) as llm:
+        engine = llm.engine
+        for i, p in enumerate(repetitive_prompts()[:3]):
+            engine.add_request(f"r{i}", p, GREEDY)
+        checked = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                if len(seq.spec_token_ids) == 3:
+                    assert seq.spec_token_ids == reference_mtp_drafts(model, mtp, seq.token_ids, 3)
+                    checked += 1
+        assert checked >= 30
+        assert_all_blocks_free(llm)

@@ -52,7 +52,7 @@ from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
-from nanoserve.engine.speculative import DeviceVerify, Speculator
+from nanoserve.engine.speculative import DeviceVerify, Speculator, StepRows
 from nanoserve.engine.stop_checker import Stop, StopChecker
 from nanoserve.engine.structured_output import StructuredOutputManager
 from nanoserve.engine.tokenizer import load_tokenizer
@@ -114,6 +114,7 @@ class LaunchedStep:
     prompt_logprobs: prompt_lp.DevicePromptLogprobs | None = None
     prompt_seqs: dict[int, Sequence] = field(default_factory=dict)
     verify: DeviceVerify | None = None  # speculative decoding: the sequences that verified drafts, their outcome
+    rows: list[StepRows] = field(default_factory=list)  # (speculative decoding) each sequence's rows in the batch
 
 
 Received = tuple[Sequence, SampleResult | None, int, bool]  # a sequence, its step's draw on the host (None: it
@@ -167,6 +168,7 @@ class LLMEngine:
         self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
         self.speculator = self._speculator(config)
+        self._last_rows: list[StepRows] = []  # the last received step's final positions (the MTP drafter's input)
         if self.speculator is not None:
             self.async_scheduling = False  # a draft is made from the previous step's tokens, on the host
         self.stats = EngineStats()
@@ -183,8 +185,10 @@ class LLMEngine:
         if not config.optimizations.speculative_decoding:
             logger.info("speculative_config %s is not used: the speculative_decoding switch is off", spec)
             return None
+        if spec.method == "mtp" and config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'mtp' runs with tensor_parallel_size 1 only")
         logger.info("speculative decoding: %s (async scheduling off; verify steps run eagerly)", spec)
-        return Speculator(spec, self.max_model_len)
+        return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate)
 
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
@@ -306,7 +310,8 @@ class LLMEngine:
         """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works.
         `previous`: the step still in flight whose tokens this one may take on the device (async scheduling)."""
         if self.speculator is not None:
-            self.speculator.propose(self.scheduler.running)
+            self.speculator.propose(self.scheduler.running, self._last_rows)
+            self._last_rows = []
         sched = self.scheduler.schedule()
         self.stats.num_preemptions += len(sched.preempted)
         if sched.is_empty:
@@ -340,6 +345,11 @@ class LLMEngine:
                                                      self.sampler)
         for seq in sampled + [s.seq for s in verifying]:  # its token is on the device until _receive takes it
             seq.num_pending += 1
+        if self.speculator is not None:
+            offset = 0
+            for s in sched.scheduled:
+                launched.rows.append((s.seq, s.seq.num_computed_tokens, offset, s.num_new_tokens - s.num_draft))
+                offset += s.num_new_tokens
         self.scheduler.update_after_step(sched)
         return launched
 
@@ -350,8 +360,12 @@ class LLMEngine:
             for seq_id, entries in prompt_lp.to_host(launched.prompt_logprobs, self._token_text).items():
                 launched.prompt_seqs[seq_id].prompt_logprobs.extend(d for _, d in entries)
         received: list[Received] = []
+        accepted: dict[int, int] = {}
         if launched.verify is not None:
-            self._receive_verified(launched.verify, received)
+            accepted = self._receive_verified(launched.verify, received)
+        if self.speculator is not None:  # the positions made final: the drafter reads them (unfinished sequences)
+            self._last_rows = [(seq, start, offset, n + accepted.get(seq.seq_id, 0))
+                               for seq, start, offset, n in launched.rows]
         if launched.sample is None:
             return received
         result = self.sampler.to_host(launched.sample)
@@ -373,11 +387,13 @@ class LLMEngine:
             received.append((seq, result, i, False))
         return received
 
-    def _receive_verified(self, verify: DeviceVerify, received: list[Received]) -> None:
+    def _receive_verified(self, verify: DeviceVerify, received: list[Received]) -> dict[int, int]:
         """The tokens of the sequences that verified drafts: the accepted drafts and the drawn token, appended one
         at a time through every stop check (stop strings included: a stop ends the run there); then the K/V of
-        the accepted positions is kept and the blocks of the rejected ones given back."""
+        the accepted positions is kept and the blocks of the rejected ones given back. Returns each unfinished
+        sequence's accepted drafts (by seq_id)."""
         result = self.speculator.to_host(verify)
+        accepted: dict[int, int] = {}
         for r, seq in enumerate(verify.seqs):
             if seq.is_finished:  # aborted, or ended by a stop string, since the step was launched
                 continue
@@ -397,6 +413,8 @@ class LLMEngine:
                     break
             if not seq.is_finished:
                 self.scheduler.accept_drafts(seq, len(tokens) - 1)
+                accepted[seq.seq_id] = len(tokens) - 1
+        return accepted
 
     def _grammar_accepts(self, seq: Sequence, token: int) -> bool:
         """The grammar takes the token now - always with overlap_grammar off; with it on only EOS, which may end

@@ -2,8 +2,9 @@
 with a `speculative_config`).
 
     1. Draft. Before each schedule, every decoding sequence that may speculate (`speculable`) gets up to k draft
-       tokens in `Sequence.spec_token_ids` from the drafter (spec_decode/ngram.py), fewer near max_tokens or
-       max_model_len so that a fully accepted draft never runs past them.
+       tokens in `Sequence.spec_token_ids` from the drafter - prompt lookup on the host (spec_decode/ngram.py), or
+       the checkpoint's MTP module on the device (model/mtp.py, run by the runner over the positions the last step
+       made final) - fewer near max_tokens or max_model_len so that a fully accepted draft never runs past them.
     2. Schedule. The scheduler gives such a sequence 1 + k positions in one step (its newest token and the
        drafts), as far as the token budget and the KV pool allow (`ScheduledSeq.num_draft`): one prefill-like
        query of k + 1 tokens over its paged cache, which every attention path (dense and MSA, whose selection is
@@ -28,18 +29,24 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.spec_decode.rejection import rejection_sample
 
 if TYPE_CHECKING:
     from nanoserve.engine.scheduler import ScheduledSeq
+    from nanoserve.executor.base import Executor
+
+StepRows = tuple[Sequence, int, int, int]
+"""A sequence's part of the last step: its first position, its first row in the step's flat batch, and how many
+of its positions are final (computed, and their next token known: a verify step's accepted ones)."""
 
 logger = logging.getLogger(__name__)
 
@@ -68,24 +75,64 @@ def speculable(seq: Sequence) -> bool:
 class Speculator:
     """The engine's drafter and verifier for one SpeculativeConfig (see the module docstring)."""
 
-    def __init__(self, config: SpeculativeConfig, max_model_len: int):
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, executor: Executor,
+                 allocate: Callable[[Sequence, int], bool]):
+        """`executor`: runs a model-based drafter (mtp); `allocate(seq, num_tokens)`: the block manager's, for the
+        positions an MTP draft is computed at."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
-        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k)
+        self.executor = executor
+        self.allocate = allocate
+        self.proposer = NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max, self.k) \
+            if config.method == "ngram" else None
 
-    def propose(self, running: list[Sequence]) -> None:
-        """Set each running sequence's drafts for the next step ([] for one that does not speculate now)."""
+    def room(self, seq: Sequence) -> int:
+        """How many draft tokens seq may verify next step: 0 unless it is decoding and speculable; at most k, and
+        no more than max_tokens and max_model_len leave for the drafts and the bonus token."""
+        if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
+                or not speculable(seq):
+            return 0
+        room = self.max_model_len - seq.num_tokens - 1
+        if seq.params.max_tokens is not None:
+            room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(self.k, room))
+
+    def propose(self, running: list[Sequence], last_rows: list[StepRows]) -> None:
+        """Set each running sequence's drafts for the next step ([] for one that does not speculate now).
+        `last_rows`: the last step's sequences and their final positions (what the MTP drafter reads)."""
         for seq in running:
             seq.spec_token_ids = []
-            if seq.num_computed_tokens != seq.num_tokens - 1 or seq.num_computed_tokens < seq.num_prompt_tokens \
-                    or not speculable(seq):
-                continue
-            room = self.max_model_len - seq.num_tokens - 1
-            if seq.params.max_tokens is not None:
-                room = min(room, seq.params.max_tokens - seq.num_output_tokens - 1)
-            if room > 0:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, min(self.k, room))
+        if self.proposer is None:
+            self._propose_mtp(last_rows)
+            return
+        for seq in running:
+            room = self.room(seq)
+            if room:
+                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+
+    def _propose_mtp(self, last_rows: list[StepRows]) -> None:
+        """The MTP module's K/V over every position the last step made final (so later drafts can attend to
+        them: also for sequences that do not draft now), and the drafts of the sequences that may speculate."""
+        entries = [(seq, start, offset, n) for seq, start, offset, n in last_rows
+                   if seq.status == SequenceStatus.RUNNING and n > 0 and start + n == seq.num_computed_tokens]
+        if not entries:
+            return
+        entries.sort(key=lambda e: e[3] != 1)  # one-row sequences first, as the attention kernels take them
+        inp = DraftInput([], [], [], [], [], [])
+        for seq, start, offset, n in entries:
+            k = self.room(seq)
+            # each draft after the first is computed one position further: those positions need blocks
+            if k > 1 and not self.allocate(seq, start + n + k - 1):
+                k = 1
+            inp.rows.extend(range(offset, offset + n))
+            inp.next_ids.extend(seq.token_at(p + 1) for p in range(start, start + n))
+            inp.query_lens.append(n)
+            inp.seq_lens.append(start + n)
+            inp.block_tables.append(list(seq.block_table))
+            inp.num_drafts.append(k)
+        for (seq, *_), drafts in zip(entries, self.executor.propose_drafts(inp)):
+            seq.spec_token_ids = drafts
 
     def verify(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], sampler: Sampler) -> DeviceVerify:
         """Queue the acceptance of the scheduled drafts on the device. `logits`: the k_r + 1 rows of each

@@ -11,6 +11,7 @@ import torch
 
 from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.model.m3_config import M3Config
+from nanoserve.spec_decode.draft_input import DraftInput
 
 
 class Executor:
@@ -39,6 +40,11 @@ class Executor:
         """The argmax of the last step's logits if the step computed it on the device (a decode graph under the
         captured_argmax switch), valid until the next step; None otherwise."""
         return None
+
+    def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
+        """Speculative decoding with a model-based drafter (the MTP module): its draft tokens per sequence, read
+        from the last step's hidden states (spec_decode/draft_input.py). Only where the runner loaded one."""
+        raise NotImplementedError(f"{type(self).__name__} runs no model-based drafter")
 
     def check_health(self) -> None:
         """Raise if a worker is gone."""

@@ -9,6 +9,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.executor.base import Executor
 from nanoserve.parallel_state import get_tp
 from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.spec_decode.draft_input import DraftInput
 
 
 class LocalExecutor(Executor):
@@ -36,6 +37,9 @@ class LocalExecutor(Executor):
 
     def last_argmax(self) -> torch.Tensor | None:
         return self.runner.last_argmax
+
+    def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
+        return self.runner.propose_drafts(inp)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

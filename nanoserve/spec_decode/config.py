@@ -7,14 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram",)
-"""The drafters this engine has."""
+METHODS = ("ngram", "mtp")
+"""The drafters this engine has: prompt lookup, and the checkpoint's own MTP module (model/mtp.py)."""
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How to draft: `method`, how many draft tokens a step verifies (`num_speculative_tokens`, k), and the ngram
-    drafter's match lengths (`prompt_lookup_min` <= n <= `prompt_lookup_max`, vLLM's names and defaults)."""
+    drafter's match lengths (`prompt_lookup_min` <= n <= `prompt_lookup_max`, vLLM's names and defaults). With
+    "mtp", k defaults to 1 (one MTP module); a larger k applies the module again to its own output."""
 
     method: str
     num_speculative_tokens: int
@@ -37,10 +38,15 @@ class SpeculativeConfig:
             method = "ngram"
         if method not in METHODS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}, got {method!r}")
-        k = raw.get("num_speculative_tokens")
+        k = raw.get("num_speculative_tokens", 1 if method == "mtp" else None)
         if not _is_int(k) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        if method != "ngram":
+            given = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if raw.get(n) is not None]
+            if given:
+                raise ValueError(f"speculative_config: {', '.join(given)} apply to method 'ngram' only")
+            return cls(method, k)
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")
