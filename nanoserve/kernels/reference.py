@@ -113,28 +113,55 @@ def _sequences(meta: AttentionMetadata):
         start += q_len
 
 
+SCORE_BYTES = 1 << 30
+"""The most bytes of fp32 scores the attention and MSA references hold at once for one sequence: its queries go
+through in chunks of SCORE_BYTES // (heads x context x 4) (at M3's 64 query heads and a 131,072-token context, 32
+queries at a time), so a reference path stays a few GiB however long the prompt - any one kernel switch can be
+turned off at long context. A query's result does not depend on the others in its chunk."""
+
+
+def _query_chunks(num_queries: int, bytes_per_query: int, query_chunk: int | None) -> list[tuple[int, int]]:
+    """[start, end) ranges covering num_queries: query_chunk queries each, or as many as SCORE_BYTES holds."""
+    size = query_chunk or max(1, SCORE_BYTES // max(1, bytes_per_query))
+    return [(a, min(a + size, num_queries)) for a in range(0, num_queries, size)]
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
-    """Exact softmax attention. q [Hq, Tq, D], k/v [Hkv, Tk, D], allowed [Hq or 1, Tq, Tk] bool -> [Tq, Hq, D].
-    GQA: query head h reads KV head h // (Hq // Hkv). Scores and softmax in fp32."""
-    group = q.shape[0] // k.shape[0]
-    k = k.repeat_interleave(group, dim=0).float()
-    v = v.repeat_interleave(group, dim=0).float()
-    scores = torch.matmul(q.float(), k.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    """Exact softmax attention. q [Tq, Hq, D], k/v [Hkv, Tk, D] fp32, allowed [Hkv or 1, 1, Tq, Tk] bool ->
+    [Tq, Hq, D]. GQA: query head h reads KV head h // (Hq // Hkv); the heads of a group share their KV head's
+    matrices (no copy per query head). Scores and softmax in fp32."""
+    tq, hq, d = q.shape
+    hkv, tk = k.shape[0], k.shape[1]
+    group = hq // hkv
+    qg = q.float().transpose(0, 1).reshape(hkv, group * tq, d)  # head h = kv * group + g
+    scores = torch.matmul(qg, k.transpose(-1, -2)).mul_(scale).view(hkv, group, tq, tk)
+    scores.masked_fill_(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.matmul(probs, v).transpose(0, 1).to(q.dtype)
+    del scores
+    out = torch.matmul(probs.view(hkv, group * tq, tk), v)  # [Hkv, group x Tq, D]
+    return out.view(hq, tq, d).transpose(0, 1).to(q.dtype)
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _context_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V as fp32 [Hkv, seq_len, D]."""
+    k = gather_context(kv_cache[:, 0], block_table, seq_len).transpose(0, 1).float()
+    v = gather_context(kv_cache[:, 1], block_table, seq_len).transpose(0, 1).float()
+    return k, v
+
+
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    query_chunk: int | None = None) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over each sequence's cached context (this step's K/V already written).
-    A query at position p sees keys 0..p. Returns [T, Hq, D]."""
+    A query at position p sees keys 0..p. Returns [T, Hq, D]. Queries go through in chunks (SCORE_BYTES; or
+    query_chunk at a time)."""
     out = torch.empty_like(q)
     for s, tokens, seq_len in _sequences(meta):
-        k = gather_context(kv_cache[:, 0], meta.block_tables[s], seq_len).transpose(0, 1)  # [Hkv, L, D]
-        v = gather_context(kv_cache[:, 1], meta.block_tables[s], seq_len).transpose(0, 1)
+        k, v = _context_kv(kv_cache, meta.block_tables[s], seq_len)
         pos = meta.positions[tokens]
-        allowed = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [Tq, L]
-        out[tokens] = _attend(q[tokens].transpose(0, 1), k, v, allowed[None], scale)
+        keys = torch.arange(seq_len, device=q.device)
+        for a, b in _query_chunks(pos.shape[0], q.shape[1] * seq_len * 4, query_chunk):
+            allowed = keys[None, :] <= pos[a:b, None]  # [Tc, L]
+            out[tokens.start + a:tokens.start + b] = _attend(q[tokens][a:b], k, v, allowed[None, None], scale)
     return out
 
 
@@ -180,40 +207,45 @@ def msa_topk_blocks(block_scores: torch.Tensor, positions: torch.Tensor, block_s
 
 
 def msa_select(index_q: torch.Tensor, index_cache: torch.Tensor, meta: AttentionMetadata, topk: int,
-               local_blocks: int) -> torch.Tensor:
-    """MSA indexer for a whole batch: index_q [T, G, Di] -> selected logical blocks [T, G, topk] int32 (-1 pad)."""
+               local_blocks: int, query_chunk: int | None = None) -> torch.Tensor:
+    """MSA indexer for a whole batch: index_q [T, G, Di] -> selected logical blocks [T, G, topk] int32 (-1 pad).
+    Queries are scored in chunks (SCORE_BYTES; or query_chunk at a time)."""
     block_size = index_cache.shape[1]
     out = torch.full((index_q.shape[0], index_q.shape[1], topk), -1, dtype=torch.int32, device=index_q.device)
     for s, tokens, seq_len in _sequences(meta):
         keys = gather_context(index_cache, meta.block_tables[s], seq_len)
         pos = meta.positions[tokens]
-        scores = msa_block_scores(index_q[tokens], keys, pos, block_size)
-        out[tokens] = msa_topk_blocks(scores, pos, block_size, topk, local_blocks)
+        iq = index_q[tokens]
+        for a, b in _query_chunks(pos.shape[0], iq.shape[1] * seq_len * 4, query_chunk):
+            scores = msa_block_scores(iq[a:b], keys, pos[a:b], block_size)
+            out[tokens.start + a:tokens.start + b] = msa_topk_blocks(scores, pos[a:b], block_size, topk,
+                                                                     local_blocks)
     return out
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, query_chunk: int | None = None) -> torch.Tensor:
     """Exact attention of q [T, Hq, D] over the union of the blocks its KV group selected (selected [T, Hkv, k],
     logical block indices, -1 = none), with token-level causality re-applied (keys <= the query's position).
-    One softmax over that union. Returns [T, Hq, D]."""
+    One softmax over that union. Returns [T, Hq, D]. Queries go through in chunks (SCORE_BYTES; or query_chunk at
+    a time)."""
     out = torch.empty_like(q)
     block_size = kv_cache.shape[2]
     n_kv = kv_cache.shape[3]
-    group = q.shape[1] // n_kv
     for s, tokens, seq_len in _sequences(meta):
-        k = gather_context(kv_cache[:, 0], meta.block_tables[s], seq_len).transpose(0, 1)
-        v = gather_context(kv_cache[:, 1], meta.block_tables[s], seq_len).transpose(0, 1)
+        k, v = _context_kv(kv_cache, meta.block_tables[s], seq_len)
         pos = meta.positions[tokens]
-        sel = selected[tokens].long()  # [Tq, Hkv, k]
         n_blocks = -(-seq_len // block_size)
-        keep = torch.zeros(sel.shape[0], n_kv, n_blocks + 1, dtype=torch.bool, device=q.device)
-        keep.scatter_(-1, sel.masked_fill(sel < 0, n_blocks), True)
-        key_block = torch.arange(seq_len, device=q.device) // block_size
-        keep_keys = keep[..., :n_blocks][..., key_block]  # [Tq, Hkv, L]
-        causal = torch.arange(seq_len, device=q.device)[None, :] <= pos[:, None]  # [Tq, L]
-        allowed = (keep_keys & causal[:, None, :]).repeat_interleave(group, dim=1).transpose(0, 1)  # [Hq, Tq, L]
-        out[tokens] = _attend(q[tokens].transpose(0, 1), k, v, allowed, scale)
+        keys = torch.arange(seq_len, device=q.device)
+        key_block = keys // block_size
+        for a, b in _query_chunks(pos.shape[0], q.shape[1] * seq_len * 4, query_chunk):
+            sel = selected[tokens][a:b].long()  # [Tc, Hkv, k]
+            keep = torch.zeros(sel.shape[0], n_kv, n_blocks + 1, dtype=torch.bool, device=q.device)
+            keep.scatter_(-1, sel.masked_fill(sel < 0, n_blocks), True)
+            causal = keys[None, :] <= pos[a:b, None]  # [Tc, L]
+            allowed = keep[..., :n_blocks][..., key_block] & causal[:, None, :]  # [Tc, Hkv, L]
+            out[tokens.start + a:tokens.start + b] = _attend(q[tokens][a:b], k, v,
+                                                             allowed.transpose(0, 1)[:, None], scale)
     return out
 
 
