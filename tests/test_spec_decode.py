@@ -292,6 +292,43 @@ def test_requests_that_cannot_speculate_decode_beside_those_that_do(spec_llm, re
     assert_all_blocks_free(spec_llm)
 
 
+@pytest.mark.parametrize("overlap_grammar", [True, False])
+def test_structured_outputs_speculate_under_their_grammar(overlap_grammar, ref_llm):
+    """A JSON schema, a regex and a grammar with speculation: each verified position is masked by the grammar
+    after the draft tokens before it, drafts are cut where the grammar forbids them, and the grammar advances
+    over the accepted tokens only - greedy output equals the output without speculation, and stays valid."""
+    import json
+
+    import jsonschema
+
+    from nanoserve.sampling import StructuredOutputsParams as SO
+    from tests.test_structured_output_engine import PERSON
+
+    opts = FAST.replace(overlap_grammar=overlap_grammar)
+    params = [SamplingParams(temperature=0.0, max_tokens=80, structured_outputs=SO(json=PERSON,
+                                                                                 disable_any_whitespace=True)),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=SO(regex=r"(ab|abc|[0-9]{2})+;")),
+              SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=SO(
+                  grammar='root ::= "(" num ("+" num)* ")"\nnum ::= [1-9] [0-9]?')),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=40,
+                             structured_outputs=SO(regex=r"(xy|x[0-9])+\."))]
+    prompts = ["Tell me about", "Codes: abab", "Sum: (1+2+1+2", "Pairs:"]
+    plain = LLM("m3-tiny", optimizations=opts, max_model_len=MAX_MODEL_LEN)
+    spec = LLM("m3-tiny", optimizations=opts, max_model_len=MAX_MODEL_LEN,
+               speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 2,
+                                   "prompt_lookup_min": 1})
+    want, got = plain.generate(prompts, params, use_tqdm=False), spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got[:3]] == [o.outputs[0].token_ids for o in want[:3]]
+    jsonschema.validate(json.loads(got[0].outputs[0].text), PERSON)
+    import re
+    assert re.fullmatch(r"\((?:[1-9][0-9]?\+)*[1-9][0-9]?\)", got[2].outputs[0].text)
+    sampled = got[3].outputs[0]
+    assert re.fullmatch(r"(xy|x[0-9])+\.", sampled.text) or sampled.finish_reason == "length"
+    assert all(o.outputs[0].finish_reason in ("stop", "length") for o in got)
+    assert spec.engine.stats.spec_decode_num_accepted_tokens > 0
+    assert_all_blocks_free(spec)
+
+
 def test_abort_while_a_verify_step_is_in_flight_frees_every_block(spec_llm, ref_llm):
     engine = spec_llm.engine
     prompts = repetitive_prompts()

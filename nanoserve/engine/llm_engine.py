@@ -310,6 +310,8 @@ class LLMEngine:
         """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works.
         `previous`: the step still in flight whose tokens this one may take on the device (async scheduling)."""
         if self.speculator is not None:
+            if self.overlap_grammar:  # a structured output's drafts are checked against its current grammar
+                self.structured_output.catch_up([s for s in self.scheduler.running if s.grammar is not None])
             self.speculator.propose(self.scheduler.running, self._last_rows)
             self._last_rows = []
         sched = self.scheduler.schedule()
@@ -405,6 +407,9 @@ class LLMEngine:
                 seq.output_token_ids.append(token)
                 self.stats.num_generation_tokens += 1
                 received.append((seq, result, row + j, True))
+                if not self._grammar_accepts(seq, token):  # rejected (the masks should prevent it)
+                    self._finish(seq, FinishReason.ERROR, None)
+                    break
                 stop = self.stop_checker.check_token(seq)
                 if stop is None:
                     stop = self.stop_checker.check_text(seq)

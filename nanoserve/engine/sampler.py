@@ -341,14 +341,15 @@ class Sampler:
 
     # -- speculative decoding (engine/speculative.py) -------------------------------------------------------
     @torch.inference_mode()
-    def target_distributions(self, logits: torch.Tensor, seqs: list[Sequence]
+    def target_distributions(self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarBitmask | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For the rows of a verify step (row i scores a position of seqs[i]; a sequence repeats for each of its
-        positions): the distribution the draw would sample each row's token from - allowed_token_ids and
-        logit_bias applied, then temperature, top-k, top-p, min-p, softmax; a greedy row's is one-hot at its
-        argmax - and the values its logprobs report (per logprobs_mode; None when no row asks). The sequences
-        here have no processing step that reads their own output (engine/speculative.py `speculable`)."""
-        logits = logits.to(torch.float32, copy=True)
+        positions): the distribution the draw would sample each row's token from - the structured-output mask of
+        each constrained row at its position (`grammar`), allowed_token_ids and logit_bias applied, then
+        temperature, top-k, top-p, min-p, softmax; a greedy row's is one-hot at its argmax - and the values its
+        logprobs report (per logprobs_mode; None when no row asks). No other processing step reads the
+        sequences' own output (engine/speculative.py `speculable`)."""
+        logits = self._apply_grammar(logits.to(torch.float32, copy=True), grammar)
         wanted = any(s.params.logprobs is not None for s in seqs)
         raw = self.logprobs_mode.startswith("raw")
         source = self._logprob_values(logits) if wanted and raw else None

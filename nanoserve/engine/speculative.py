@@ -19,9 +19,11 @@ with a `speculative_config`).
        ones needed. The rejected slots' K/V is garbage that the next step overwrites before anything reads it
        (a query reads positions up to its own).
 
-Sequences that do not speculate decode as before, in the same batch: those whose sampling reads their own output
-on the host (structured outputs, bad_words, penalties), those still under min_tokens, and any while a speculative
-step cannot be formed. Async scheduling is off while speculating (a draft needs the previous step's tokens on the
+Structured outputs speculate under their grammar: a draft is cut where the grammar forbids it, and each verified
+position is masked with the grammar's state after the draft tokens before it (`grammar_masks`). Sequences that do
+not speculate decode as before, in the same batch: those whose sampling reads their own output on the host
+otherwise (bad_words, penalties), those still under min_tokens, and any while a speculative step cannot be
+formed. Async scheduling is off while speculating (a draft needs the previous step's tokens on the
 host); verify steps run eagerly (a CUDA graph captures one-token decodes only).
 """
 
@@ -35,6 +37,7 @@ import torch
 
 from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.structured_output import GrammarBitmask
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.spec_decode.ngram import NgramProposer
@@ -63,13 +66,58 @@ class DeviceVerify:
 
 
 def speculable(seq: Sequence) -> bool:
-    """May seq verify drafts? Not when a processing step of its sampling reads its own output (a grammar,
-    bad_words, penalties) or min_tokens still holds back a stop: the target distributions of the k + 1 positions
-    are computed at once, from what is known before the step."""
+    """May seq verify drafts? Not when a processing step of its sampling reads its own output on the host
+    (bad_words, penalties) or min_tokens still holds back a stop: the target distributions of the k + 1 positions
+    are computed at once, from what is known before the step. A structured output may (its grammar gives each
+    position's mask by walking the draft and rolling back: `grammar_masks`), once its format holds (not in the
+    thinking before it) and its grammar has seen every output token."""
     p = seq.params
-    return (seq.grammar is None and not p.bad_words_token_ids and p.repetition_penalty == 1.0
+    g = seq.grammar
+    return ((g is None or (g.active and not g.failed and g.num_seen == len(seq.output_token_ids)))
+            and not p.bad_words_token_ids and p.repetition_penalty == 1.0
             and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and seq.num_output_tokens >= p.min_tokens and seq.num_pending == 0)
+
+
+def grammar_prefix(seq: Sequence, drafts: list[int]) -> list[int]:
+    """The longest prefix of `drafts` that seq's grammar allows (ending at a token that terminates it); the
+    grammar is left as it was. A draft token the format forbids could never be accepted, and the masks of the
+    positions after it could not be computed."""
+    matcher = seq.grammar.matcher
+    n = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[:n]
+
+
+def grammar_masks(scheduled: list[ScheduledSeq], vocab_size: int) -> GrammarBitmask | None:
+    """The structured-output masks of a verify step's rows (a sequence's k + 1 positions in turn): position j's
+    is the grammar's after the first j draft tokens, which it accepts one by one and then rolls back."""
+    constrained = [i for i, s in enumerate(scheduled) if s.seq.grammar is not None]
+    if not constrained:
+        return None
+    import xgrammar as xgr
+
+    starts = [0]
+    for s in scheduled:
+        starts.append(starts[-1] + s.num_draft + 1)
+    bitmask = xgr.allocate_token_bitmask(starts[-1], vocab_size)
+    rows = []
+    for i in constrained:
+        s = scheduled[i]
+        matcher = s.seq.grammar.matcher
+        for j in range(s.num_draft + 1):
+            matcher.fill_next_token_bitmask(bitmask, starts[i] + j)
+            rows.append(starts[i] + j)
+            if j < s.num_draft and not matcher.accept_token(s.draft[j]):
+                raise RuntimeError(f"sequence {s.seq.seq_id}: its grammar rejects draft token {s.draft[j]}, which "
+                                   f"grammar_prefix let through")
+        matcher.rollback(s.num_draft)
+    return GrammarBitmask(bitmask, rows, vocab_size)
 
 
 class Speculator:
@@ -105,11 +153,14 @@ class Speculator:
             seq.spec_token_ids = []
         if self.proposer is None:
             self._propose_mtp(last_rows)
-            return
+        else:
+            for seq in running:
+                room = self.room(seq)
+                if room:
+                    seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
         for seq in running:
-            room = self.room(seq)
-            if room:
-                seq.spec_token_ids = self.proposer.propose(seq.token_ids, room)
+            if seq.grammar is not None and seq.spec_token_ids:
+                seq.spec_token_ids = grammar_prefix(seq, seq.spec_token_ids)
 
     def _propose_mtp(self, last_rows: list[StepRows]) -> None:
         """The MTP module's K/V over every position the last step made final (so later drafts can attend to
@@ -142,7 +193,7 @@ class Speculator:
         k_max = max(counts)
         device = logits.device
         row_seqs = [s.seq for s in scheduled for _ in range(s.num_draft + 1)]
-        probs, source = sampler.target_distributions(logits, row_seqs)
+        probs, source = sampler.target_distributions(logits, row_seqs, grammar_masks(scheduled, logits.shape[-1]))
         offsets = [0]
         for n in counts[:-1]:
             offsets.append(offsets[-1] + n + 1)
