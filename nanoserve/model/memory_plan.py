@@ -2,9 +2,10 @@
 rest leaves.
 
 `kv_bytes_per_token` is what the engine sizes its KV pool with (runner/kv_cache.py `kv_cache_bytes_per_block`),
-and `kv_pool_bytes` is the budget rule it divides (runner/model_runner.py `determine_num_blocks`): the device's
-total memory x gpu_memory_utilization, less what is in use at the peak of a worst-case step (the weights plus that
-step's activations, measured at start) and what other processes hold. `memory_plan` applies the same two
+and `kv_pool_bytes` is the budget rule it divides (runner/model_runner.py `determine_num_blocks`, through
+`engine_kv_pool_bytes`): the device's total memory x gpu_memory_utilization, less what the engine uses at the peak
+of a worst-case step (its weights plus that step's activations, measured at start) and what other processes
+hold - capped by what is free, so engines built one after another in one process each get their share. `memory_plan` applies the same two
 functions to a configuration on paper, with the weights counted by `weight_bytes_per_gpu` and a fixed reserve for
 the activations.
 
@@ -64,6 +65,40 @@ def kv_pool_bytes(total_bytes: int, gpu_memory_utilization: float, used_bytes: i
     """The bytes the KV pool gets: total x gpu_memory_utilization, less what is in use at the peak of a step
     (weights, activations, other processes). The engine's rule (runner/model_runner.py) and the plan's."""
     return int(total_bytes * gpu_memory_utilization - used_bytes)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """What an engine reads of its GPU when it sizes its KV pool (bytes; runner/model_runner.py): before it loaded
+    its weights, and around one worst-case warm-up step."""
+
+    total: int
+    """The device's memory (torch.cuda.mem_get_info)."""
+    free: int
+    """Free on the device after the warm-up step's memory went back to it."""
+    baseline: int
+    """Allocated by this process before the engine loaded its weights: other engines of the process, and the
+    tensors of one shut down but not yet collected."""
+    held: int
+    """Allocated by this process after the warm-up: the baseline plus this engine's weights."""
+    peak: int
+    """The most allocated by this process during the warm-up step: held plus the step's activations."""
+    reserved: int
+    """Held by this process's caching allocator after the warm-up (allocated or cached)."""
+
+
+def engine_kv_pool_bytes(mem: DeviceMemory, gpu_memory_utilization: float) -> int:
+    """The bytes an engine's KV pool gets: its share, total x gpu_memory_utilization less what the engine itself
+    uses at the peak of a step (its weights and activations, counted from its baseline) and what other processes
+    hold (kv_pool_bytes); at most what is free, less the room its steps' activations need again. Alone on the
+    device that is the share (the share is the smaller). A second engine in the same process does not count the
+    first one's memory in its share: it gets its share if the device has it, or what is left (vLLM's
+    gpu_memory_utilization is per instance likewise)."""
+    own_peak = mem.peak - mem.baseline
+    other_processes = mem.total - mem.free - mem.reserved
+    share = kv_pool_bytes(mem.total, gpu_memory_utilization, own_peak + other_processes)
+    fits = mem.free + (mem.reserved - mem.held) - (mem.peak - mem.held)  # free, the allocator's cache, less a step
+    return min(share, fits)
 
 
 @dataclass(frozen=True)

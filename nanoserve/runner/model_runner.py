@@ -7,6 +7,7 @@ returns the logits of the sequences that need a next token.
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import torch
@@ -15,7 +16,7 @@ from nanoserve.batch import AttentionMetadata, ModelInput, TokenFeed
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from nanoserve.kernels import check_tuned_files
 from nanoserve.model.m3_config import M3Config
-from nanoserve.model.memory_plan import kv_pool_bytes
+from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp, mtp_config
 from nanoserve.parallel_state import get_tp
 from nanoserve.presets.resolve import load_model_or_preset
@@ -53,6 +54,10 @@ class ModelRunner:
             if self.device.index is None:  # "cuda" means the current device; set_device needs an index
                 self.device = torch.device("cuda", torch.cuda.current_device())
             torch.cuda.set_device(self.device)
+            # what the process holds before this engine's weights (other engines; tensors of one shut down are
+            # collected first): the KV pool's share counts this engine's memory only (determine_num_blocks)
+            gc.collect()
+            self._memory_baseline = torch.cuda.memory_allocated(self.device)
         torch.manual_seed(config.seed)
         check_tuned_files()  # a bad $NANOSERVE_*_TUNED_CONFIG stops the start, before the weights load
         self.model, self.model_dir = load_model_or_preset(config.model, config.optimizations, self.dtype,
@@ -106,13 +111,15 @@ class ModelRunner:
         if self.device.type != "cuda":
             tokens = cfg.kv_cache_tokens or max(DEFAULT_CPU_KV_TOKENS, max_model_len)
             return -(-tokens // self.block_size)
+        gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         self._warmup(min(max_num_batched_tokens, max_model_len), max_num_seqs)
         peak = torch.cuda.max_memory_allocated(self.device)
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = kv_pool_bytes(total, cfg.gpu_memory_utilization, peak + used_by_others)
+        budget = engine_kv_pool_bytes(DeviceMemory(
+            total=total, free=free, baseline=self._memory_baseline, held=torch.cuda.memory_allocated(self.device),
+            peak=peak, reserved=torch.cuda.memory_reserved(self.device)), cfg.gpu_memory_utilization)
         per_block = kv_cache_bytes_per_block(mtp_config(self.cfg) if self.mtp else self.cfg, self.block_size,
                                              self.dtype)
         blocks = int(budget // per_block)
