@@ -1,6 +1,8 @@
 """Write a trained M3Train as a checkpoint directory in the released layout, which nanoserve and transformers load.
 
-    export(model, out_dir, tokenizer_json)
+    export(model, out_dir, tokenizer_json)        # train.py calls it
+    python -m training.export --checkpoint data/run/checkpoint --out nanoserve/presets/m3_mini
+                                                  # ship it in the package, with its held-out set
 
 The directory holds config.json (the released `minimax_m3_vl` dialect, with a tiny vision config so transformers'
 VL class can build its unused tower, and `num_mtp_modules`), model.safetensors (matrices, embeddings and norms in
@@ -49,3 +51,38 @@ def export(model, out: str, tokenizer_json: str) -> None:
         f.write(CHAT_TEMPLATE)
     with open(os.path.join(out, "generation_config.json"), "w") as f:
         json.dump(GENERATION_CONFIG, f, indent=2)
+
+
+def ship(checkpoint: str, data: str, out: str, text_chars: int = 60_000) -> None:
+    """Copy a trained checkpoint into the package with its held-out set: the prompts (heldout.jsonl.gz, from
+    prepare.py) and the first `text_chars` characters of each corpus's held-out text (heldout_text.jsonl.gz),
+    which `python -m nanoserve.bench --quality` grades."""
+    import gzip
+
+    from training.tokenizer import SOURCES
+
+    os.makedirs(out, exist_ok=True)
+    for name in os.listdir(checkpoint):
+        shutil.copy(os.path.join(checkpoint, name), os.path.join(out, name))
+    shutil.copy(os.path.join(data, "heldout.jsonl.gz"), os.path.join(out, "heldout.jsonl.gz"))
+    with gzip.open(os.path.join(out, "heldout_text.jsonl.gz"), "wt", encoding="utf-8") as f:
+        for source in SOURCES:
+            text = open(os.path.join(data, f"heldout_{source}.txt"), encoding="utf-8").read()[:text_chars]
+            f.write(json.dumps({"source": source, "text": text}) + "\n")
+
+
+def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Copy a trained m3-mini checkpoint and its held-out set into the "
+                                 "package (nanoserve/presets/m3_mini).")
+    ap.add_argument("--checkpoint", default="data/run/checkpoint")
+    ap.add_argument("--data", default="data/prepared")
+    ap.add_argument("--out", default="nanoserve/presets/m3_mini")
+    args = ap.parse_args()
+    ship(args.checkpoint, args.data, args.out)
+    print(f"shipped {args.checkpoint} -> {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,8 +18,8 @@ Three things exist only for training:
 - **the MTP module** (`mtp.layers.0.*`): one more MSA+MoE decoder block that reads the main model's final-normed
   hidden state at t and the embedding of token t+1 and predicts token t+2, for speculative decoding.
 
-Documents packed into one row are kept apart by `doc_ids` (attention never crosses a document) and each restarts
-its positions at 0, so every chat is trained exactly as it is served.
+Each row of a batch holds one chat from position 0 (padded at its end), so every chat is trained exactly as it is
+served, with plain causal attention.
 """
 
 from __future__ import annotations
@@ -77,34 +77,40 @@ class Attention(nn.Module):
             self.index_q_proj, self.index_k_proj = linear(cfg.index_n_heads * di, h), linear(di, h)
             self.index_q_norm, self.index_k_norm = Norm(di), Norm(di)
 
-    def forward(self, x, cos, sin, allowed, mode: str, kl_rows: torch.Tensor | None):
+    def forward(self, x, cos, sin, mode: str, kl_rows: torch.Tensor | None):
         cfg = self.cfg
         b, t, _ = x.shape
         eps, d = cfg.rms_norm_eps, cfg.head_dim
         q = rope(gemma_norm(self.q_proj(x).view(b, t, -1, d), self.q_norm.weight, eps), cos, sin)
         k = rope(gemma_norm(self.k_proj(x).view(b, t, -1, d), self.k_norm.weight, eps), cos, sin)
         v = self.v_proj(x).view(b, t, -1, d)
-        hq, hkv = q.shape[2], k.shape[2]
-        group = hq // hkv
+        group = q.shape[2] // k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         aux = {}
-        mask = allowed[:, None]  # [B, 1, T, T]
+        mask = None  # plain causal attention (each row is one document, padded at its end)
         if self.sparse:
             di = cfg.index_head_dim
-            iq = rope(gemma_norm(self.index_q_proj(x).view(b, t, -1, di), self.index_q_norm.weight, eps), cos, sin)
             ik = rope(gemma_norm(self.index_k_proj(x).view(b, t, 1, di), self.index_k_norm.weight, eps), cos, sin)
-            scores = torch.einsum("btgd,bsd->bgts", iq.float(), ik[:, :, 0].float())  # [B, G, T, T]
-            scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-            if mode == "sparse":
-                keep = self.block_mask(scores.detach(), allowed)  # [B, G, T, T]
-                mask = keep.repeat_interleave(group, dim=1)
-            if kl_rows is not None:
-                aux["index_kl"] = self.index_kl(q, k, scores, allowed, kl_rows, group)
-        out = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                             attn_mask=mask, scale=1.0 / math.sqrt(d))
+            if mode == "sparse" or kl_rows is not None:
+                xr = x if mode == "sparse" else x[:, kl_rows]
+                cr, sr = (cos, sin) if mode == "sparse" else (cos[:, kl_rows], sin[:, kl_rows])
+                iq = rope(gemma_norm(self.index_q_proj(xr).view(b, xr.shape[1], -1, di), self.index_q_norm.weight,
+                                     eps), cr, sr)
+                rows = torch.arange(t, device=x.device) if mode == "sparse" else kl_rows
+                causal = torch.arange(t, device=x.device)[None, :] <= rows[:, None]  # [R, T]
+                scores = torch.einsum("brgd,bsd->bgrs", iq.float(), ik[:, :, 0].float())
+                scores = scores.masked_fill(~causal, float("-inf"))  # [B, G, R, T]
+                if mode == "sparse":
+                    mask = self.block_mask(scores.detach(), causal).repeat_interleave(group, dim=1)
+                    scores = scores[:, :, kl_rows] if kl_rows is not None else None
+                if kl_rows is not None:
+                    aux["index_kl"] = self.index_kl(q, k, scores, causal[kl_rows] if mode == "sparse" else causal,
+                                                    kl_rows, group)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                             scale=1.0 / math.sqrt(d), enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), aux
 
-    def block_mask(self, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    def block_mask(self, scores: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
         """MSA's selection as a key mask: block scores are the max token score in each block of `block_size`
         positions, the query's own block is forced, the top-k blocks are kept, then token causality. Rows hold one
         document each (positions = row offsets), as in serving."""
@@ -122,23 +128,21 @@ class Attention(nn.Module):
         top = block.topk(k, dim=-1)
         chosen = torch.zeros_like(block, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
         keys = chosen.repeat_interleave(bs, dim=-1)[..., :t]
-        return keys & allowed[:, None]
+        return keys & causal
 
-    def index_kl(self, q, k, scores, allowed, rows, group):
-        """KL(dense attention || indexer softmax) on the query rows `rows` [R], averaged over rows, batch, groups.
-        The target is the dense attention distribution of the group's query heads (mean over heads), detached."""
+    def index_kl(self, q, k, scores, ok, rows, group):
+        """KL(dense attention || indexer softmax) on the query rows `rows` [R] (scores [B, G, R, T], ok [R, T] the
+        causal keys), averaged over rows, batch and groups. The target is the dense attention distribution of the
+        group's query heads (mean over heads), detached."""
         d = self.cfg.head_dim
         qr = q[:, :, rows].detach().float()  # [B, Hq, R, D]
         kk = k.detach().float().repeat_interleave(group, 1)
         att = torch.matmul(qr, kk.transpose(-1, -2)) / math.sqrt(d)
-        ok = allowed[:, rows][:, None]  # [B, 1, R, T]
         att = att.masked_fill(~ok, float("-inf")).softmax(-1)
         target = att.view(att.shape[0], -1, group, *att.shape[2:]).mean(2)  # [B, G, R, T]
-        logq = (scores[:, :, rows] / math.sqrt(self.cfg.index_head_dim)).log_softmax(-1)
-        logq = logq.masked_fill(~ok, 0.0)
+        logq = (scores / math.sqrt(self.cfg.index_head_dim)).log_softmax(-1).masked_fill(~ok, 0.0)
         kl = (target * (target.clamp_min(1e-12).log() - logq)).sum(-1)
-        valid = ok.any(-1).float()  # rows of padding have no keys
-        return (kl * valid).sum() / valid.sum().clamp_min(1.0) / target.shape[1]
+        return kl.mean()
 
 
 class DenseMLP(nn.Module):
@@ -213,9 +217,8 @@ class Block(nn.Module):
             self.mlp = DenseMLP(cfg, cfg.dense_intermediate_size)
         self.eps = cfg.rms_norm_eps
 
-    def forward(self, x, cos, sin, allowed, token_mask, mode, kl_rows):
-        a, aux = self.self_attn(gemma_norm(x, self.input_layernorm.weight, self.eps), cos, sin, allowed, mode,
-                                kl_rows)
+    def forward(self, x, cos, sin, token_mask, mode, kl_rows):
+        a, aux = self.self_attn(gemma_norm(x, self.input_layernorm.weight, self.eps), cos, sin, mode, kl_rows)
         x = x + a
         h = gemma_norm(x, self.post_attention_layernorm.weight, self.eps)
         ffn = self.block_sparse_moe(h, token_mask) if hasattr(self, "block_sparse_moe") else self.mlp(h)
@@ -263,28 +266,27 @@ class M3Train(nn.Module):
     def moe_layers(self):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
-    def forward(self, ids: torch.Tensor, doc_ids: torch.Tensor, positions: torch.Tensor, mode: str = "dense",
-                kl_rows: int = 0, mtp: bool = True):
-        """ids, doc_ids, positions [B, T]. Returns (logits [B, T, V], mtp_logits [B, T-1, V] or None, aux) where
-        mtp_logits[:, t] predicts ids[:, t + 2] and aux holds the mean indexer KL ("index_kl")."""
+    def forward(self, ids: torch.Tensor, lengths: torch.Tensor, mode: str = "dense", kl_rows: int = 0,
+                mtp: bool = True, heads: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """ids [B, T]: one document per row from position 0, `lengths` [B] real tokens (the rest is padding, which
+        only attends to what precedes it and is never trained). Returns (logits [B, T, V], mtp_logits [B, T-1, V]
+        or None, aux) where mtp_logits[:, t] predicts ids[:, t + 2] and aux holds the mean indexer KL.
+        `heads` (two boolean masks [B, T] and [B, T-1]) computes the LM head only where they are true: the logits
+        come back flattened over those positions (training takes the loss on assistant turns only)."""
         cfg = self.cfg
         b, t = ids.shape
-        causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
-        allowed = causal[None] & (doc_ids[:, :, None] == doc_ids[:, None, :])
-        token_mask = doc_ids >= 0
-        freqs = positions.float()[..., None] * self.inv_freq
-        cos, sin = freqs.cos(), freqs.sin()
-        rows = None
-        if kl_rows:
-            rows = torch.randperm(t, device=ids.device)[:kl_rows]
+        token_mask = torch.arange(t, device=ids.device)[None, :] < lengths[:, None]
+        freqs = torch.arange(t, device=ids.device, dtype=torch.float32)[None, :, None] * self.inv_freq
+        cos, sin = freqs.cos().expand(b, -1, -1), freqs.sin().expand(b, -1, -1)
+        rows = torch.randperm(t, device=ids.device)[:kl_rows].sort().values if kl_rows else None
         x = self.embed_tokens(ids)
         kls = []
         for layer in self.layers:
-            x, aux = layer(x, cos, sin, allowed, token_mask, mode, rows)
+            x, aux = layer(x, cos, sin, token_mask, mode, rows)
             if "index_kl" in aux:
                 kls.append(aux["index_kl"])
         h = gemma_norm(x, self.norm.weight, cfg.rms_norm_eps)
-        logits = self.lm_head(h)
+        logits = self.lm_head(h if heads is None else h[heads[0]])
         mtp_logits = None
         if mtp and self.mtp is not None and t > 1:
             m = self.mtp
@@ -292,9 +294,9 @@ class M3Train(nn.Module):
             hp = gemma_norm(h[:, :-1], m.hnorm.weight, cfg.rms_norm_eps)
             z = m.eh_proj(torch.cat([e, hp], dim=-1))
             # row t reads h_t and x_{t+1} at position t (vLLM's MTP convention: the target's positions)
-            z, aux = m.transformer_layer(z, cos[:, :-1], sin[:, :-1], allowed[:, :-1, :-1], token_mask[:, :-1],
-                                         mode, None)
-            mtp_logits = self.lm_head(gemma_norm(z, m.final_layernorm.weight, cfg.rms_norm_eps))
+            z, _ = m.transformer_layer(z, cos[:, :-1], sin[:, :-1], token_mask[:, :-1], mode, None)
+            z = gemma_norm(z, m.final_layernorm.weight, cfg.rms_norm_eps)
+            mtp_logits = self.lm_head(z if heads is None else z[heads[1]])
         out_aux = {"index_kl": torch.stack(kls).mean() if kls else torch.zeros((), device=ids.device)}
         return logits, mtp_logits, out_aux
 

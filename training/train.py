@@ -4,8 +4,8 @@
 
 One loop, three losses: next-token cross-entropy (on the corpus everywhere, on chats only on the assistant turns),
 the MTP module's next-next-token cross-entropy (weight 0.3), and each MSA layer's indexer KL toward the dense
-attention (weight 0.5; model.py). Rows are packed with whole chats (or corpus windows), documents kept apart by
-the attention mask and each restarting its positions at 0. Every `--long-every`-th step trains one long
+attention (weight 0.5; model.py). A step is either --batch windows of --seq corpus tokens (share --text-frac) or
+whole chats of similar length, one per row from position 0, padded to the longest. Every `--long-every`-th step trains one long
 retrieval chat instead; in the last `--sparse-frac` of training those run through MSA's real block selection
 (`attention="sparse"`), so the model learns to answer from the blocks its indexer picks. The MoE stays balanced by
 the auxiliary-loss-free bias update after every step.
@@ -49,54 +49,49 @@ class Docs:
         return self.ids[s:e], self.trains[s:e]
 
 
-def pack_docs(docs: Docs, rng: np.random.Generator, t: int):
-    """One row of whole documents drawn at random until the next would not fit; longer ones are skipped."""
-    ids = np.full(t, EOS_ID, np.int64)
-    trains = np.zeros(t, np.float32)
-    doc_ids = np.full(t, -1, np.int64)
-    pos = np.zeros(t, np.int64)
-    at, n, tries = 0, 0, 0
-    while at < t and tries < 64:
-        d_ids, d_tr = docs.doc(int(rng.integers(len(docs))))
-        tries += 1
-        if len(d_ids) > t:  # a chat longer than a row would lose its trained end: long chats train apart
-            continue
-        if len(d_ids) > t - at:
-            break
-        k = min(len(d_ids), t - at)
-        ids[at:at + k], trains[at:at + k], doc_ids[at:at + k] = d_ids[:k], d_tr[:k], n
-        pos[at:at + k] = np.arange(k)
-        at, n = at + k, n + 1
-    return ids, trains, doc_ids, pos
+def chat_rows(docs: Docs, rng: np.random.Generator, budget: int, t: int):
+    """Whole chats of similar length, as many as fit `budget` tokens once padded to the longest (at most t)."""
+    cand = [i for i in rng.integers(len(docs), size=64) if docs.ends[i] - docs.starts[i] <= t]
+    cand.sort(key=lambda i: docs.ends[i] - docs.starts[i])
+    start = int(rng.integers(len(cand)))
+    picked = [cand[start]]
+    j = start + 1
+    while j < len(cand) and (len(picked) + 1) * (docs.ends[cand[j]] - docs.starts[cand[j]]) <= budget:
+        picked.append(cand[j])
+        j += 1
+    return [docs.doc(int(i)) for i in picked]
 
 
-def window(docs: Docs, rng: np.random.Generator, t: int):
-    """A window of t tokens of the corpus stream at a random offset; a document's positions count from its start."""
-    start = int(rng.integers(len(docs.ids) - t))
-    ids = docs.ids[start:start + t].astype(np.int64)
-    trains = docs.trains[start:start + t].astype(np.float32)
-    doc = np.searchsorted(docs.starts, np.arange(start, start + t), side="right") - 1
-    pos = np.arange(start, start + t) - docs.starts[doc]
-    return ids, trains, doc - doc[0], pos
+def text_rows(docs: Docs, rng: np.random.Generator, n: int, t: int):
+    """n windows of t tokens of the corpus stream at random offsets (documents end with EOS)."""
+    starts = rng.integers(len(docs.ids) - t, size=n)
+    return [(docs.ids[s:s + t], docs.trains[s:s + t]) for s in starts]
 
 
 def batch(rows, device):
-    cols = list(zip(*rows))
-    return [torch.as_tensor(np.stack(c)).to(device) for c in cols]
+    """Rows of (ids, trains) padded to the longest: ids, trains, lengths."""
+    t = max(len(r[0]) for r in rows)
+    ids = np.full((len(rows), t), EOS_ID, np.int64)
+    trains = np.zeros((len(rows), t), np.float32)
+    for i, (r_ids, r_tr) in enumerate(rows):
+        ids[i, :len(r_ids)], trains[i, :len(r_tr)] = r_ids, r_tr
+    lengths = np.array([len(r[0]) for r in rows])
+    return (torch.as_tensor(ids).to(device), torch.as_tensor(trains).to(device),
+            torch.as_tensor(lengths).to(device))
 
 
-def losses(model, ids, trains, doc_ids, pos, mode: str, kl_rows: int):
-    logits, mtp_logits, aux = model(ids, doc_ids, pos, mode=mode, kl_rows=kl_rows)
-    same1 = (doc_ids[:, 1:] == doc_ids[:, :-1]) & (doc_ids[:, 1:] >= 0)
-    w1 = trains[:, 1:] * same1
-    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten(), reduction="none")
-    main = (ce * w1.flatten()).sum() / w1.sum().clamp_min(1)
+def losses(model, ids, trains, lengths, mode: str, kl_rows: int):
+    """Next-token and MTP (next-next-token) cross-entropy on the trained tokens, and the indexer KL. The LM head
+    runs only on the positions whose next (or next-next) token trains."""
+    w1 = torch.zeros_like(trains, dtype=torch.bool)
+    w1[:, :-1] = trains[:, 1:] > 0
+    w2 = torch.zeros_like(trains[:, :-1], dtype=torch.bool)
+    w2[:, :-1] = trains[:, 2:] > 0
+    logits, mtp_logits, aux = model(ids, lengths, mode=mode, kl_rows=min(kl_rows, ids.shape[1]), heads=(w1, w2))
+    main = F.cross_entropy(logits.float(), ids[:, 1:][w1[:, :-1]])
     mtp = torch.zeros((), device=ids.device)
-    if mtp_logits is not None and ids.shape[1] > 2:
-        same2 = (doc_ids[:, 2:] == doc_ids[:, :-2]) & (doc_ids[:, 2:] >= 0)
-        w2 = trains[:, 2:] * same2
-        ce2 = F.cross_entropy(mtp_logits[:, :-1].flatten(0, 1).float(), ids[:, 2:].flatten(), reduction="none")
-        mtp = (ce2 * w2.flatten()).sum() / w2.sum().clamp_min(1)
+    if mtp_logits is not None and mtp_logits.shape[0]:
+        mtp = F.cross_entropy(mtp_logits.float(), ids[:, 2:][w2[:, :-1]])
     return main, mtp, aux["index_kl"]
 
 
@@ -158,18 +153,15 @@ def main() -> None:
             g["lr"] = lr
         is_long = args.long_every and step % args.long_every == args.long_every - 1
         if is_long:
-            i = int(long_ok[rng.integers(len(long_ok))])
-            ids, tr = long.doc(i)
-            n = len(ids)
-            rows = [(ids.astype(np.int64), tr.astype(np.float32), np.zeros(n, np.int64), np.arange(n))]
+            rows = [long.doc(int(long_ok[rng.integers(len(long_ok))]))]
             mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
+        elif rng.random() < args.text_frac:
+            rows, mode = text_rows(text, rng, args.batch, args.seq), "dense"
         else:
-            rows = [window(text, rng, args.seq) if rng.random() < args.text_frac else pack_docs(chat, rng, args.seq)
-                    for _ in range(args.batch)]
-            mode = "dense"
-        ids, trains, doc_ids, pos = batch(rows, device)
+            rows, mode = chat_rows(chat, rng, args.batch * args.seq, args.seq), "dense"
+        ids, trains, lengths = batch(rows, device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            main_l, mtp_l, kl = losses(model, ids, trains, doc_ids, pos, mode, args.kl_rows)
+            main_l, mtp_l, kl = losses(model, ids, trains, lengths, mode, args.kl_rows)
             loss = main_l + 0.3 * mtp_l + 0.5 * kl
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,8 +1,14 @@
-"""Named model presets with random weights: `m3-tiny` for CPU tests and the default server, `m3-slice` for GPU
-benchmarks (the released model's widths with 4 layers; docs/benchmarks.md)."""
+"""The models nanoserve knows by name.
+
+- `m3-mini` ships in the package: a small M3 trained for real (docs/m3_mini.md), a checkpoint directory like any
+  other. It is the default model of the server, `LLM()` and the walkthrough.
+- Presets with random weights, generated on first use: `m3-tiny` for unit tests (every mechanism at CPU size),
+  `m3-slice` for GPU benchmarks (the released model's widths with 4 layers; docs/benchmarks.md).
+"""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
@@ -46,9 +52,14 @@ def _slice() -> Preset:
 
 
 PRESETS = {"m3-tiny": _tiny, "m3-slice": _slice}
+SHIPPED = {"m3-mini": os.path.join(os.path.dirname(__file__), "m3_mini")}
+"""Trained models in the package: name -> checkpoint directory."""
+MODEL_NAMES = sorted(SHIPPED) + sorted(PRESETS)
+DEFAULT_MODEL = "m3-mini"
 
 
 def get_preset(name: str) -> Preset:
     if name not in PRESETS:
-        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} or pass a directory")
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)} (random weights), "
+                         f"{sorted(SHIPPED)} (trained) or pass a directory")
     return PRESETS[name]()

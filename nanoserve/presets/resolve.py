@@ -1,6 +1,6 @@
-"""Turn the `model` a user names - a preset or a checkpoint directory - into a loaded model.
+"""Turn the `model` a user names - a shipped model, a preset or a checkpoint directory - into a loaded model.
 
-A directory goes straight to the loader. A preset is either generated once into the cache as a real checkpoint
+A directory, or a model shipped in the package (m3-mini), goes straight to the loader. A preset is either generated once into the cache as a real checkpoint
 directory (make_checkpoint.ensure_preset_checkpoint) and then loaded like any other, or - for presets too large
 to write (`Preset.draw_on_device`) - built with its random weights drawn directly in device memory.
 """
@@ -16,19 +16,22 @@ from nanoserve.model.checkpoint_names import weight_loaders
 from nanoserve.model.loader import CheckpointError, load_model, resolve_quantization
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.mxfp8 import QuantizeOnLoad, is_quantized_matrix
-from nanoserve.presets.catalog import PRESETS, get_preset
+from nanoserve.presets.catalog import MODEL_NAMES, PRESETS, SHIPPED, get_preset
 from nanoserve.presets.checkpoint_layout import random_tensors
 
 
 def resolve_model_dir(model: str) -> str:
-    """A preset name becomes its generated cache directory; a path must exist."""
+    """A shipped model's name becomes its directory in the package, a preset name its generated cache directory;
+    a path must exist."""
+    if model in SHIPPED:
+        return SHIPPED[model]
     if model in PRESETS:
         from nanoserve.presets.make_checkpoint import ensure_preset_checkpoint
 
         return ensure_preset_checkpoint(model)
     if not os.path.isdir(model):
         raise CheckpointError(f"model directory {model!r} does not exist (and is not a preset: "
-                              f"{', '.join(sorted(PRESETS))})")
+                              f"{', '.join(MODEL_NAMES)})")
     return model
 
 

@@ -1,0 +1,206 @@
+"""What a model can do, measured: held-out perplexity per corpus and accuracy on held-out tasks.
+
+    python -m nanoserve.bench --quality                      # m3-mini on the CPU, a few minutes
+    python -m nanoserve.bench --quality --quality-limit 20   # fewer prompts per task, faster
+
+A trained model's directory carries its held-out set (`heldout.jsonl.gz`: prompts rendered through its chat
+template with what a grader expects; `heldout_text.jsonl.gz`: text of each training corpus kept out of training).
+Every prompt is answered greedily through the engine, then graded the way a client reads the answer:
+
+    arith           the reasoning parser splits thinking from the answer; the answer holds the right number
+    tool            the minimax_m3 tool parser finds a call: right tool name, arguments equal to the expected
+                    values (so valid under the schema), on tools never seen in training
+    no_tool         tools were offered but the question needs none: no call, and an answer
+    thinking        every answer above is well-formed: ended by EOS, one closed thinking block at most, no marker
+                    in the answer
+    retrieval_Nk    a pass key hidden in N thousand tokens of filler is read back (MSA really drops blocks there)
+    ppl <corpus>    perplexity of held-out text (first --quality-text-tokens tokens per corpus)
+
+`selection` runs the retrieval prompts again with MSA's block choice replaced: `local` keeps the query's newest
+blocks, `random` the own block plus random earlier ones; the gap to `learned` is what the indexer is worth.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+TASK_TOKENS = {"arith": 200, "tool": 120, "no_tool": 80}
+RETRIEVAL_TOKENS = 24
+
+
+@dataclass
+class QualityReport:
+    """Accuracy per task (fraction correct, with the count), perplexity per corpus."""
+
+    accuracy: dict[str, tuple[float, int]] = field(default_factory=dict)
+    perplexity: dict[str, float] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"accuracy": {k: {"value": v, "n": n} for k, (v, n) in self.accuracy.items()},
+                "perplexity": self.perplexity}
+
+
+def heldout_rows(model_dir: str, limit: int | None) -> list[dict]:
+    path = os.path.join(model_dir, "heldout.jsonl.gz")
+    if not os.path.isfile(path):
+        raise ValueError(f"--quality: {model_dir} has no held-out set (heldout.jsonl.gz); it is written with a "
+                         f"trained model (training/prepare.py)")
+    rows, per_task = [], {}
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            n = per_task.get(r["task"], 0)
+            if limit is None or n < limit:
+                rows.append(r)
+                per_task[r["task"]] = n + 1
+    return rows
+
+
+def split_answer(prompt: str, text: str) -> tuple[str, str]:
+    """(reasoning, content) of one output, as the server's reasoning parser returns them."""
+    from nanoserve.parsers.reasoning import get_reasoning_parser
+
+    cls = get_reasoning_parser("minimax_m3")
+    reasoning, content = cls(cls.prompt_opens_reasoning(prompt)).parse(text)
+    return reasoning or "", content
+
+
+MARKERS = ("<mm:think>", "</mm:think>", "]<]minimax[>[", "<tool_call>", "</tool_call>", "[e~[", "]~b]")
+
+
+def grade(row: dict, text: str, finish: str) -> dict[str, bool]:
+    """Which checks one output passes: its task's and the thinking format's."""
+    from nanoserve.parsers.tool_calls import get_tool_call_parser
+
+    reasoning, content = split_answer(row["prompt"], text)
+    tools = {t["function"]["name"]: t["function"].get("parameters") for t in row.get("tools") or []}
+    calls = []
+    if tools:
+        content, calls = get_tool_call_parser("minimax_m3")(tools).parse(content)
+    well_formed = finish == "stop" and not any(m in content for m in MARKERS) and \
+        text.count("<mm:think>") <= 1 and text.count("</mm:think>") <= 1
+    task = row["task"]
+    exp = row["expected"]
+    if task == "arith":
+        numbers = re.findall(r"-?\d+", content)
+        ok = bool(numbers) and numbers[-1] == str(exp["answer"])
+    elif task == "tool":
+        ok = bool(calls) and calls[0].name == exp["name"] and json.loads(calls[0].arguments) == exp["arguments"]
+    elif task == "no_tool":
+        ok = not calls and bool(content.strip())
+    else:  # retrieval
+        ok = str(exp["value"]) in content
+    return {task: ok, "thinking": well_formed}
+
+
+def run_tasks(llm, rows: list[dict]) -> dict[str, list[bool]]:
+    from nanoserve.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=TASK_TOKENS.get(r["task"], RETRIEVAL_TOKENS))
+              for r in rows]
+    outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
+    results: dict[str, list[bool]] = {}
+    for r, o in zip(rows, outs):
+        c = o.outputs[0]
+        for k, v in grade(r, c.text, c.finish_reason).items():
+            if k == "thinking" and r["task"].startswith("retrieval"):
+                continue
+            results.setdefault(k, []).append(v)
+    return results
+
+
+def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512) -> dict[str, float]:
+    """exp(mean negative log-likelihood) of each corpus's held-out text, in windows of `window` tokens."""
+    from nanoserve.sampling import SamplingParams
+
+    path = os.path.join(model_dir, "heldout_text.jsonl.gz")
+    out = {}
+    tok = llm.engine.tokenizer
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        corpora = [json.loads(line) for line in f]
+    for c in corpora:
+        ids = tok.encode(c["text"])[:max_tokens]
+        windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
+        outs = llm.generate([{"prompt_token_ids": w} for w in windows],
+                            SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+        nll, n = 0.0, 0
+        for w, o in zip(windows, outs):
+            for tid, entry in zip(w[1:], o.prompt_logprobs[1:]):
+                nll -= entry[tid].logprob
+                n += 1
+        out[c["source"]] = math.exp(nll / max(n, 1))
+    return out
+
+
+# -- replacing MSA's learned block choice -------------------------------------------------------------------------
+
+
+def _forced_selection(kind: str, topk: int, local: int, block_size: int, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def select(index_q: torch.Tensor, meta) -> torch.Tensor:
+        out = torch.full((index_q.shape[0], index_q.shape[1], topk), -1, dtype=torch.int32)
+        own = (meta.positions.cpu() // block_size).long()
+        for t in range(index_q.shape[0]):
+            n = int(own[t]) + 1
+            if kind == "local":
+                picked = list(range(n - 1, max(-1, n - 1 - topk), -1))
+            else:
+                rest = torch.randperm(max(n - 1, 0), generator=gen)[: topk - 1].tolist() if n > 1 else []
+                picked = [n - 1] + rest
+            out[t, :, : len(picked)] = torch.tensor(picked, dtype=torch.int32)
+        return out.to(index_q.device)
+
+    return select
+
+
+def force_selection(llm, kind: str | None) -> None:
+    """Make every MSA layer of the engine's model select `kind` blocks ("local", "random"), or its own (None)."""
+    model = llm.engine.executor.runner.model
+    cfg = model.cfg
+    for module in model.modules():
+        if hasattr(module, "_select") and hasattr(module, "index_cache"):
+            if kind is None:
+                module.__dict__.pop("_select", None)
+            else:
+                module._select = _forced_selection(kind, cfg.index_topk_blocks, cfg.index_local_blocks,
+                                                   cfg.index_block_size)
+
+
+def evaluate(llm, model_dir: str, limit: int | None = None, text_tokens: int = 8192,
+             selections: bool = True) -> QualityReport:
+    rows = heldout_rows(model_dir, limit)
+    report = QualityReport()
+    for task, oks in run_tasks(llm, rows).items():
+        report.accuracy[task] = (sum(oks) / len(oks), len(oks))
+    if selections:
+        retrieval = [r for r in rows if r["task"].startswith("retrieval")]
+        for kind in ("local", "random"):
+            force_selection(llm, kind)
+            try:
+                for task, oks in run_tasks(llm, retrieval).items():
+                    report.accuracy[f"{task} ({kind} selection)"] = (sum(oks) / len(oks), len(oks))
+            finally:
+                force_selection(llm, None)
+    if text_tokens:
+        report.perplexity = perplexity(llm, model_dir, text_tokens)
+    return report
+
+
+def format_report(report: QualityReport, title: str) -> str:
+    lines = [f"## {title}", "", "| task | accuracy | n |", "|---|---|---|"]
+    for task, (acc, n) in report.accuracy.items():
+        lines.append(f"| {task} | {acc * 100:.1f} % | {n} |")
+    if report.perplexity:
+        lines += ["", "| held-out corpus | perplexity |", "|---|---|"]
+        for name, ppl in report.perplexity.items():
+            lines.append(f"| {name} | {ppl:.2f} |")
+    return "\n".join(lines)
