@@ -2,15 +2,16 @@
 
     python scripts/tune_moe.py --tokens 4096,16384 [--budget 90] [--write-configs] [--out DIR]
 
-For each token count: coordinate descent from the table's current entry (TMA descriptors on, BLOCK_M, GEMM 1
-tiles, GEMM 2 tiles, GROUP_M, BLOCK_M again, TMA flipped once more), each candidate timed as the median of triton.testing.do_bench over the whole fused MoE
-(alignment + both GEMMs + reduction, the shared expert folded in, as the model runs it) on random bf16 weights and
-a uniform random routing at the model's shapes (default m3-slice: hidden 6144, 128 experts of 3072, top-4). The
-winner is checked against an fp32 per-expert computation before it is accepted (a config that fails the check
-keeps the old entry). Candidates are limited to tiles that fit Hopper's shared memory; one that fails to compile
-or launch is skipped. Bounded by --budget seconds in all, shared evenly by the token counts still to run (one
-that runs out keeps its best so far). --decode-check also times the table's entries at 1 and 16 tokens as GB/s of
-the expert weights they touch against the copy ceiling (what a prefill-bucket change must not cost).
+For each token count: coordinate descent from the table's current entry (TMA descriptors on, BLOCK_M, GEMM 1 tiles,
+GEMM 2 tiles, GROUP_M, BLOCK_M again, TMA flipped once more), each candidate timed as the median of
+triton.testing.do_bench over the whole fused MoE (alignment + both GEMMs + reduction, the shared expert folded in,
+as the model runs it) on random bf16 weights and a uniform random routing at the model's shapes (default m3-slice:
+hidden 6144, 128 experts of 3072, top-4). The winner is checked against an fp32 per-expert computation before it is
+accepted (a config that fails the check keeps the old entry). Candidates are limited to tiles that fit Hopper's
+shared memory; one that fails to compile or launch is skipped. Bounded by --budget seconds in all, shared evenly by
+the token counts still to run (one that runs out keeps its best so far). --decode-check also times the table's
+entries at 1 and 16 tokens as GB/s of the expert weights they touch against the copy ceiling (what a prefill-bucket
+change must not cost).
 
 Results: `$OUT/tune_moe.json` (every candidate's time), the MOE_TILES lines printed last, and with
 --write-configs the shape's entries rewritten in place in nanoserve/kernels/configs.py (the token buckets are the

@@ -39,8 +39,9 @@ import httpx
 import openai
 
 ROOT = Path(__file__).resolve().parent.parent
-CPU_FLAGS = ["--device", "cpu", "--kv-cache-tokens", "16384", "--no-triton-attention", "--no-triton-msa", "--no-fused-moe", "--no-fold-shared-expert",
-             "--no-fused-qk-norm-rope", "--no-fused-add-rmsnorm", "--no-cuda-graphs"]
+CPU_FLAGS = ["--device", "cpu", "--kv-cache-tokens", "16384", "--no-triton-attention", "--no-triton-msa",
+             "--no-fused-moe", "--no-fold-shared-expert", "--no-fused-qk-norm-rope", "--no-fused-add-rmsnorm",
+             "--no-cuda-graphs"]
 AGENT_FLAGS = ["--enable-auto-tool-choice", "--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3"]
 THINK_END = "</mm:think>"
 
@@ -317,7 +318,7 @@ def run_cases(s: Session) -> None:
     def json_off():
         r = s.chat(user, "disabled", response_format=ANSWER_FORMAT, extra_body=COMPACT)
         msg = r.choices[0].message
-        value = check_answer(msg.content)
+        check_answer(msg.content)
         assert getattr(msg, "reasoning_content", None) is None, msg
         assert r.choices[0].finish_reason == "stop", r.choices[0].finish_reason
         return r, f"content={msg.content}"
@@ -327,7 +328,7 @@ def run_cases(s: Session) -> None:
         r = s.chat(user, "enabled", response_format=ANSWER_FORMAT, extra_body=COMPACT, **s.end_bias())
         free = s.chat(user, "enabled", **s.end_bias())
         msg = r.choices[0].message
-        value = check_answer(msg.content)
+        check_answer(msg.content)
         reasoning = getattr(msg, "reasoning_content", None)
         assert isinstance(reasoning, str), f"reasoning_content {reasoning!r}"
         # the thinking is not held to the format: it is what the same request without the format thinks

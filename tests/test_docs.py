@@ -1,8 +1,8 @@
 """The docs cannot go stale silently.
 
 - docs/architecture.md's switch table is generated from the switch declarations in nanoserve.config.Optimizations
-  (default, exact or approximation, layer, module, reference path) and from the code that reads each switch. The test regenerates it and compares;
-  after adding or changing a switch, refresh the table with
+  (default, exact or approximation, layer, module, reference path) and from the code that reads each switch. The
+  test regenerates it and compares; after adding or changing a switch, refresh the table with
 
       python tests/test_docs.py --write
 

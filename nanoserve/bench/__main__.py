@@ -102,8 +102,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: $NANOSERVE_CPU_THREADS, else every physical "
                          "core)")
-    ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model (weights "
-                    "and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
+    ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model "
+                    "(weights and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 

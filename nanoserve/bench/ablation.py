@@ -5,9 +5,9 @@ Model-side switches are flipped on the shared Optimizations object (the layers r
 kernels they select are warmed up before the timed run; engine-side switches take effect in the fresh engine each
 row gets. A switch read when the model is built (`build_time`: mxfp8_weights, which decides whether the weights are
 fp8 or dequantized) gets a model built again for its row, and the base model back after it (two builds); each row
-records the weights it ran on (format, bytes), so such a row shows that it ran what it claims. "Same tokens" compares every request's greedy output with the all-on row: kernels and their references
-agree to rounding, so in bf16 a long greedy continuation may legitimately drift - the first diverging position
-is shown.
+records the weights it ran on (format, bytes), so such a row shows that it ran what it claims. "Same tokens"
+compares every request's greedy output with the all-on row: kernels and their references agree to rounding, so in
+bf16 a long greedy continuation may legitimately drift - the first diverging position is shown.
 """
 
 from __future__ import annotations

@@ -138,6 +138,33 @@ def causal_flops(cfg: M3Config, n: int, heads: int, keys_per_query: int | None =
     return 4.0 * heads * cfg.head_dim * keys
 
 
+def decode_row(cfg: M3Config, ctx: int, batch: int, device: torch.device) -> dict:
+    """One decode case: `batch` sequences of `ctx` tokens, one new token each."""
+    b = Batch(cfg, [1] * batch, [ctx] * batch, device)
+    sel = b.select()
+    row = {"context": ctx, "batch": batch, "dense_ms": cold_graph_ms(b.dense),
+           "msa_ms": cold_graph_ms(lambda: b.sparse(b.select())),
+           "msa_select_ms": cold_graph_ms(b.select), "msa_sparse_ms": cold_graph_ms(lambda: b.sparse(sel))}
+    row["dense_gb_s"] = dense_decode_bytes(cfg, [ctx] * batch) / row["dense_ms"] / 1e6
+    row["msa_gb_s"] = msa_decode_bytes(cfg, [ctx] * batch) / row["msa_ms"] / 1e6
+    return row
+
+
+def prefill_row(cfg: M3Config, n: int, device: torch.device) -> dict:
+    """One prefill case: a whole prompt of n tokens."""
+    b = Batch(cfg, [n], [n], device)
+    row = {"tokens": n, "dense_ms": eager_ms(b.dense), "msa_select_ms": eager_ms(b.select)}
+    row["dense_tflop_s"] = causal_flops(cfg, n, cfg.num_attention_heads) / row["dense_ms"] / 1e9
+    row["msa_select_tflop_s"] = causal_flops(cfg, n, cfg.index_n_heads) / 2 / row["msa_select_ms"] / 1e9
+    sparse_keys = cfg.index_topk_blocks * cfg.index_block_size
+    for kind, index_q in (("random", b.index_q), ("smooth", b.smooth_index_queries())):
+        sel = b.select(index_q)
+        ms = eager_ms(lambda sel=sel: b.sparse(sel))
+        row[f"sparse_{kind}_ms"] = ms
+        row[f"sparse_{kind}_tflop_s"] = causal_flops(cfg, n, cfg.num_attention_heads, sparse_keys) / ms / 1e9
+    return row
+
+
 def attention_micro(cfg: M3Config, tokens: list[int] | None, device: torch.device,
                     contexts: tuple[int, ...] = DECODE_CONTEXTS, batches: tuple[int, ...] = DECODE_BATCHES,
                     prefill_lens: tuple[int, ...] = PREFILL_LENS) -> dict:
@@ -145,29 +172,10 @@ def attention_micro(cfg: M3Config, tokens: list[int] | None, device: torch.devic
     decode, prefill = [], []
     for ctx in contexts:
         for batch in batches:
-            b = Batch(cfg, [1] * batch, [ctx] * batch, device)
-            sel = b.select()
-            row = {"context": ctx, "batch": batch, "dense_ms": cold_graph_ms(b.dense),
-                   "msa_ms": cold_graph_ms(lambda: b.sparse(b.select())),
-                   "msa_select_ms": cold_graph_ms(b.select), "msa_sparse_ms": cold_graph_ms(lambda: b.sparse(sel))}
-            row["dense_gb_s"] = dense_decode_bytes(cfg, [ctx] * batch) / row["dense_ms"] / 1e6
-            row["msa_gb_s"] = msa_decode_bytes(cfg, [ctx] * batch) / row["msa_ms"] / 1e6
-            decode.append(row)
-            del b, sel
-            torch.cuda.empty_cache()  # up to 16 GiB of KV per case
-    sparse_keys = cfg.index_topk_blocks * cfg.index_block_size
+            decode.append(decode_row(cfg, ctx, batch, device))
+            torch.cuda.empty_cache()  # each case's KV (up to 16 GiB) goes back before the next
     for n in prefill_lens:
-        b = Batch(cfg, [n], [n], device)
-        row = {"tokens": n, "dense_ms": eager_ms(b.dense), "msa_select_ms": eager_ms(b.select)}
-        row["dense_tflop_s"] = causal_flops(cfg, n, cfg.num_attention_heads) / row["dense_ms"] / 1e9
-        row["msa_select_tflop_s"] = causal_flops(cfg, n, cfg.index_n_heads) / 2 / row["msa_select_ms"] / 1e9
-        for kind, index_q in (("random", b.index_q), ("smooth", b.smooth_index_queries())):
-            sel = b.select(index_q)
-            ms = eager_ms(lambda: b.sparse(sel))
-            row[f"sparse_{kind}_ms"] = ms
-            row[f"sparse_{kind}_tflop_s"] = causal_flops(cfg, n, cfg.num_attention_heads, sparse_keys) / ms / 1e9
-        prefill.append(row)
-        del b
+        prefill.append(prefill_row(cfg, n, device))
         torch.cuda.empty_cache()
     text = table(("context", "batch", "dense us", "dense GB/s", "MSA us", "select us", "sparse us", "MSA GB/s"),
                  [[r["context"], r["batch"], r["dense_ms"] * 1e3, r["dense_gb_s"], r["msa_ms"] * 1e3,

@@ -5,9 +5,9 @@ rest leaves.
 and `kv_pool_bytes` is the budget rule it divides (runner/model_runner.py `determine_num_blocks`, through
 `engine_kv_pool_bytes`): the device's total memory x gpu_memory_utilization, less what the engine uses at the peak
 of a worst-case step (its weights plus that step's activations, measured at start) and what other processes
-hold - capped by what is free, so engines built one after another in one process each get their share. `memory_plan` applies the same two
-functions to a configuration on paper, with the weights counted by `weight_bytes_per_gpu` and a fixed reserve for
-the activations.
+hold, capped by what is free (so an engine beside another in one process does not count the other's memory).
+`memory_plan` applies the same two functions to a configuration on paper, with the weights counted by
+`weight_bytes_per_gpu` and a fixed reserve for the activations.
 
 `weight_bytes_per_gpu` follows the sharding rules of the layers (model/layers/): query heads, the dense MLP and the
 shared expert split over tensor-parallel ranks; KV and index-query heads split while tp <= num_key_value_heads and
