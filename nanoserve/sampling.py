@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,16 +177,16 @@ class SamplingParams:
 
         if not is_int(self.n) or self.n < 1:
             raise bad("n", "an integer >= 1")
-        if not is_num(self.temperature) or not 0.0 <= self.temperature <= 100.0:
-            raise bad("temperature", "a number in [0, 100]")
+        if not is_num(self.temperature) or not 0.0 <= self.temperature < math.inf:
+            raise bad("temperature", "a finite number >= 0")
         if not is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "a number in (0, 1]")
         if not is_int(self.top_k) or self.top_k < 0:
             raise bad("top_k", "an integer >= 0 (0 or -1 = disabled)")
         if not is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "a number in [0, 1]")
-        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty <= 10.0:
-            raise bad("repetition_penalty", "a number in (0, 10]")
+        if not is_num(self.repetition_penalty) or not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "a finite number > 0")
         if not is_num(self.presence_penalty) or not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", "a number in [-2, 2]")
         if not is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:

@@ -49,7 +49,7 @@ def run(llm: LLM, prompt: list[int], **params):
 @pytest.mark.parametrize("kwargs, name", [
     ({"n": 0}, "n"), ({"n": 1.5}, "n"), ({"n": True}, "n"),
     ({"temperature": -0.1}, "temperature"), ({"temperature": float("nan")}, "temperature"),
-    ({"temperature": "1"}, "temperature"), ({"temperature": 1e9}, "temperature"),
+    ({"temperature": "1"}, "temperature"), ({"temperature": float("inf")}, "temperature"),
     ({"top_p": 0.0}, "top_p"), ({"top_p": 1.01}, "top_p"), ({"top_p": float("nan")}, "top_p"),
     ({"top_k": -2}, "top_k"), ({"top_k": 2.5}, "top_k"),
     ({"min_p": -0.1}, "min_p"), ({"min_p": 1.5}, "min_p"),

@@ -284,6 +284,10 @@ def tokenize(server: OpenAIServer, prompt: str | P.ElidedText | list[int], add_s
         if isinstance(prompt, P.ElidedText):  # elided with the same limit, so the check above has refused it
             raise RuntimeError(f"{prompt!r} passed the character limit it was elided by")
         return prompt, server.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+    outside = next((t for t in prompt if not 0 <= t < server.vocab_size), None)
+    if outside is not None:  # before anything reads the ids (decoding one past the vocabulary overflows)
+        raise APIError(400, f"prompt: Token id {outside} is out of vocabulary (the vocabulary has "
+                            f"{server.vocab_size} tokens)", param="prompt")
     return None, prompt
 
 

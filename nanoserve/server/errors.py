@@ -35,6 +35,7 @@ ANTHROPIC_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_erro
 ANTHROPIC_PATHS = "/v1/messages"
 """Errors on these routes (Anthropic's Messages API) take Anthropic's shape."""
 SAMPLING_FIELDS = set(SamplingParams.__dataclass_fields__)
+RANGE_ERRORS = ("greater_than", "greater_than_equal", "less_than", "less_than_equal")
 MAX_ECHOED_INPUT_CHARS = 40  # error messages quote a bad value only when it is short
 
 
@@ -92,6 +93,8 @@ def describe_validation_error(exc: ValidationError) -> APIError:
         path, msg = msg.split(": ", 1)
     if err["type"] == "missing":
         msg = "this field is required"
+    elif err["type"] in RANGE_ERRORS:  # pydantic's error type, which vLLM's messages carry and its tests read
+        msg += f" (got {err['input']!r}) [type={err['type']}]"
     elif "input" in err and not err["type"].startswith("value_error") and \
             len(repr(err["input"])) <= MAX_ECHOED_INPUT_CHARS:
         msg += f" (got {err['input']!r})"

@@ -70,7 +70,7 @@ BLOCKS = {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult", "t
 
 def _block_kind(value: Any) -> str | None:
     kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
-    return BLOCKS.get(kind)
+    return BLOCKS.get(kind) if isinstance(kind, str) else None  # a type that is no string is no known block
 
 
 ContentBlock = Annotated[Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")]

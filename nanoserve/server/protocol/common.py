@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidatorFunctionWrapHandler,
                       field_validator, model_validator)
 
-from nanoserve.sampling import SamplingParams, StructuredOutputsParams
+from nanoserve.sampling import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
 
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                          "guided_whitespace_pattern")
@@ -166,8 +166,9 @@ class SamplingRequest(RequestBody):
     top_p: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    seed: Int | None = None
-    """Any int64: the same seed gives the same tokens whatever else is in the batch."""
+    seed: Int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
+    """Any int64 (vLLM's range, checked as vLLM does, by the request model): the same seed gives the same tokens
+    whatever else is in the batch."""
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -15,7 +15,9 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions. `prompt`: a string, a list of strings, token ids, or a list of token-id lists;
     each prompt is one engine request with `n` completions."""
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]] | None = None
+    prompt_embeds: Any = None
+    """vLLM's embedded prompts: refused (this server takes text and token ids)."""
     max_tokens: Int | None = 16
     """Null means 16, as in vLLM; 0 only with echo (the prompt alone comes back)."""
     logprobs: Int | None = None
@@ -36,8 +38,8 @@ class CompletionRequest(SamplingRequest):
         def token_ids(x: Any) -> bool:
             return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
 
-        if isinstance(v, list) and not v:
-            raise ValueError("must not be empty")
+        if v is None or (isinstance(v, list) and not v):
+            return None  # refused with vLLM's message below
         if isinstance(v, str) or token_ids(v) or (isinstance(v, list) and (
                 all(isinstance(p, str) for p in v) or all(token_ids(p) for p in v))):
             return v
@@ -45,12 +47,16 @@ class CompletionRequest(SamplingRequest):
 
     @model_validator(mode="after")
     def _unsupported_completion_fields(self) -> "CompletionRequest":
+        if self.prompt_embeds is not None and self.prompt_embeds != []:
+            raise ValueError("prompt_embeds: not supported by this server (send the prompt as text or token ids)")
+        if self.prompt is None:
+            raise ValueError("prompt: Either prompt or prompt_embeds must be provided and non-empty.")
         if self.suffix is not None:
             raise ValueError("suffix: not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of: not supported by this server (use n)")
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens: must be >= 1 (0 only with echo)")
+        if self.max_tokens is not None and (self.max_tokens < 0 or self.max_tokens == 0 and not self.echo):
+            raise ValueError(f"max_tokens: must be at least 1 (0 only with echo), got {self.max_tokens}")
         return self
 
     @property

@@ -93,7 +93,7 @@ def _item_kind(value: Any) -> str | None:
         kind = value.get("type", "message" if "role" in value else None)
     else:
         kind = getattr(value, "type", None)
-    return INPUT_ITEMS.get(kind)
+    return INPUT_ITEMS.get(kind) if isinstance(kind, str) else None  # a type that is no string is no known item
 
 
 InputItem = Annotated[Annotated[InputMessage, Tag("Message")] | Annotated[FunctionCallItem, Tag("FunctionCall")]
