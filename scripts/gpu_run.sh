@@ -6,12 +6,13 @@
 #   OUT=DIR [STEPS=tests,bench] [BUDGET=400] [BENCH_ARGS="--workloads W1,W2,W4 --w4-lens 131072"] \
 #       [TESTS="-m gpu"] [W3_ARGS="--concurrency 1,64"] bash scripts/gpu_run.sh
 #
-# Steps (STEPS, comma list, in this order):
+# Steps (STEPS, a comma list, run in the order given):
 #   tests   python -m pytest $TESTS (default: -m gpu, every test marked gpu); log in tests.txt
 #   bench   python -m nanoserve.bench $BENCH_ARGS --time-budget $BUDGET --out $OUT/bench (default args: the
 #           offline workloads W1, W2, W4, W5, W6 on m3-slice); log in bench.txt
-#   w3      python -m nanoserve.server --model m3-slice on port 8123, then python -m nanoserve.bench --serve with
-#           $W3_ARGS (add --serve-logprobs 5 for logprobs on every request); logs in w3_server.txt and w3.txt
+#   w3      python -m nanoserve.server --model $MODEL (default m3-slice) on port 8123, then python -m
+#           nanoserve.bench --serve with $W3_ARGS (add --serve-logprobs 5 for logprobs on every request); logs in
+#           w3_server.txt and w3.txt
 #
 # A machine that cannot reach the package index takes the packages nanoserve needs beyond a CUDA PyTorch image
 # from .whl/ (bash scripts/fetch_wheels.sh on a machine that can): they are installed once, into /tmp/site.
@@ -50,7 +51,7 @@ for step in ${STEPS//,/ }; do
       echo "bench exit $?"; tail -c 6000 "$OUT/bench.txt";;
     w3)
       port=8123
-      python3 -m nanoserve.server --model m3-slice --port $port --served-model-name bench --max-model-len 4096 \
+      python3 -m nanoserve.server --model "${MODEL:-m3-slice}" --port $port --served-model-name bench --max-model-len 4096 \
         --log-level warning > "$OUT/w3_server.txt" 2>&1 &
       server=$!
       for _ in $(seq 1 150); do
@@ -60,7 +61,7 @@ for step in ${STEPS//,/ }; do
       done
       # shellcheck disable=SC2086
       timeout "${W3_TIMEOUT:-300}" python3 -m nanoserve.bench --serve "http://127.0.0.1:$port" \
-        --served-model-name bench --model m3-slice ${W3_ARGS:-} --out "$OUT/w3" > "$OUT/w3.txt" 2>&1
+        --served-model-name bench --model "${MODEL:-m3-slice}" ${W3_ARGS:-} --out "$OUT/w3" > "$OUT/w3.txt" 2>&1
       echo "w3 exit $?"; grep -A8 "^W3 closed loop" "$OUT/w3.txt" | tail -9
       kill -TERM $server 2>/dev/null; wait $server 2>/dev/null;;
     *) echo "unknown step $step (tests, bench, w3)" >&2;;

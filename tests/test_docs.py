@@ -165,6 +165,23 @@ def test_benchmark_pages_show_current_results_not_a_diary():
             assert not re.search(r"\bsessions?\b", line, re.I), f"{name}:{n}: speaks of a session: {line}"
 
 
+def test_the_bench_checks_the_targets_the_docs_state():
+    """The targets table the bench prints (bench/report.py TARGETS) holds the goals of docs/benchmarks.md's."""
+    from nanoserve.bench.report import TARGETS
+
+    docs = {"W1 TPOT (ms)": "W1 bf16 TPOT", "W2 output tok/s": "W2 output tok/s",
+            "W4 TPOT 128k / 1k": "W4 TPOT at 128k / TPOT at 1k", "W4 TTFT at 128k (s)": "W4 TTFT at 128k",
+            "W2J / W2 output tok/s": "W2J / W2"}
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    table = text[text.index("### Against the targets"):text.index("### Decode: W1 and W2")]
+    goals = {cells[0]: cells[1] for cells in ([c.strip() for c in line.strip("|").split("|")]
+                                              for line in table.splitlines() if line.startswith("| "))}
+    assert set(TARGETS) == set(docs)
+    for name, (op, goal) in TARGETS.items():
+        stated = re.fullmatch(r"(<=|>=) ([\d,.]+)(?: \w+)?", goals[docs[name]])
+        assert stated and stated.group(1) == op and float(stated.group(2).replace(",", "")) == goal, (name, goals)
+
+
 def test_walkthrough_doc_quotes_real_output():
     from nanoserve import walkthrough
 
