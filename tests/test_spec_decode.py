@@ -269,6 +269,45 @@ def test_processed_logprobs_too(ref_llm):
     assert_all_blocks_free(llm)
 
 
+def test_prompt_logprobs_beside_verify_steps(ref_llm):
+    """A prompt that asks for prompt logprobs is prefilled (in chunks) in the steps where others verify drafts:
+    its rows come before theirs in the step's logits, and both come out as without speculation."""
+    prompts = repetitive_prompts()
+    logprob_params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    spec_llm = LLM("m3-tiny", optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM,
+                   max_num_batched_tokens=16)
+    engine = spec_llm.engine
+    for i in (0, 1):  # two sequences decoding (and drafting) before the prompt-logprob request arrives
+        engine.add_request(f"early{i}", prompts[i], GREEDY)
+    finished = {}
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+    for _ in range(6):
+        step()
+    mixed = []
+
+    def watch(event, **payload):
+        if event == "step":
+            scheduled = payload["scheduled"]
+            mixed.append(any(s.num_draft for s in scheduled) and any(s.seq.needs_prompt_logprobs for s in scheduled))
+    engine.add_observer(watch)
+    engine.add_request("plp", prompts[3], logprob_params)
+    while engine.has_unfinished_requests():
+        step()
+    engine.observers.remove(watch)
+    assert any(mixed), "the prompt-logprob prefill was meant to share a step with a verify query"
+    want = run(ref_llm, [prompts[0], prompts[1], prompts[3]], [GREEDY, GREEDY, logprob_params])
+    got = [finished["early0"], finished["early1"], finished["plp"]]
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert len(got[2].prompt_logprobs) == len(prompts[3])
+    for a, b in zip(want[2].prompt_logprobs[1:], got[2].prompt_logprobs[1:]):
+        assert list(a) == list(b) and all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert_all_blocks_free(spec_llm)
+
+
 def test_sampled_requests_speculate_and_finish(spec_llm):
     """Sampling (rejection sampling: its distribution is the unit test's) runs through verify steps: seeded
     requests are reproducible, n > 1 completions differ, every block comes back."""

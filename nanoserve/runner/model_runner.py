@@ -197,15 +197,16 @@ class ModelRunner:
         assert self.mtp is not None and self.last_hidden is not None, "no MTP drafter or no step to draft from"
         dev = self.device
         hidden = self.last_hidden[torch.tensor(inp.rows, dtype=torch.int64, device=dev)]
-        meta = AttentionMetadata.build(inp.query_lens, inp.seq_lens, inp.block_tables, self.block_size, dev)
-        out = self.mtp(self.model, torch.tensor(inp.next_ids, dtype=torch.int64, device=dev), hidden,
-                       meta.positions, meta)
-        drafts: list[list[int]] = [[] for _ in inp.seq_lens]
-        ends = torch.tensor(inp.query_lens, dtype=torch.int64).cumsum(0) - 1
         active = [s for s, n in enumerate(inp.num_drafts) if n > 0]
+        # the step's tensors as a forward's (fast_input_prep: numpy into pinned buffers): the rows' next tokens
+        # as input ids, and each drafting sequence's last row as its logits row
+        next_ids, meta, last_rows = self.prepare(ModelInput(inp.next_ids, inp.query_lens, inp.seq_lens,
+                                                            inp.block_tables, active))
+        out = self.mtp(self.model, next_ids, hidden, meta.positions, meta)
+        drafts: list[list[int]] = [[] for _ in inp.seq_lens]
         if not active:
             return drafts
-        h = out[ends[active].to(dev)]
+        h = out[last_rows]
         tokens = self.model.compute_logits(h).argmax(dim=-1)
         for j in range(max(inp.num_drafts)):
             for s, t in zip(active, tokens.tolist()):
