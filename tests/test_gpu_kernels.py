@@ -113,7 +113,7 @@ def test_qk_norm_rope_insert_bf16(cfg):
     w = [torch.randn(d, device=dev, generator=gen) * 0.1 for _ in range(4)]
     pos = torch.randint(0, 100000, (t,), device=dev, generator=gen)
     cos, sin = reference.rope_cos_sin(pos, reference.rope_inv_freq(cfg.rotary_dim, cfg.rope_theta, dev))
-    n_blocks = 8
+    n_blocks = max(8, -(-2 * t // block))  # room for every token, half the slots left untouched
     slots = torch.randperm(n_blocks * block, device=dev, generator=gen)[:t]
     slots[::7] = -1
     kv = torch.full((n_blocks, 2, block, hkv, d), float("nan"), dtype=torch.bfloat16, device=dev)
