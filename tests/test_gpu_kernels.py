@@ -3,7 +3,8 @@ CPU runs the same kernels at small widths in fp32/fp16 under Triton's interprete
 computes bf16 wrongly).
 
 Attention: 64 query heads and 4 KV heads of 128, MSA's 4 index heads of 128 over 128-token blocks, top-16 blocks
-with the local one; a mixed batch (decodes at short and long contexts, a whole prefill, a chunk starting mid-block).
+with the local one; a mixed batch (decodes at short and long contexts, a whole prefill, a chunk starting mid-block),
+and a chunk at the end of a 32,768-token context (the long-context tiles).
 The MoE: hidden 6144, 128 experts of 3072, top-4 and the folded shared expert. Every output tensor a kernel
 allocates starts as NaN (so an element it forgot to write shows), and the decode paths are captured in a CUDA graph
 and replayed on new inputs, as the engine runs them.
@@ -95,6 +96,29 @@ def test_msa_select_and_sparse_attention_bf16(cfg):
         out = b.sparse(ref_sel)
     assert not out.isnan().any()
     assert rel_norm_err(out, reference.sparse_attention(b.q, b.kv, b.meta, ref_sel, b.scale)) < BF16_REL_TOL
+
+
+@pytest.mark.parametrize("by_block", [True, False], ids=["by-block", "per-token"])
+def test_long_context_prefill_bf16(cfg, by_block):
+    """A chunk of 256 queries at the end of a 32,768-token context: the `_long` tiles of kernels/configs.py (dense
+    prefill, MSA scores and top-k), and the sparse attention grouped by block (switch msa_sparse_by_block) or
+    per token."""
+    from nanoserve.kernels import configs, reference
+    from nanoserve.kernels.msa import sparse_attention
+    from tests.test_kernel_attention import poisoned_outputs
+
+    context = configs.LONG_PREFILL_CONTEXT
+    b = batch(cfg, [256], [context], seed=5)
+    with poisoned_outputs():
+        dense = b.dense()
+    assert not dense.isnan().any()
+    assert rel_norm_err(dense, reference.paged_attention(b.q, b.kv, b.meta, b.scale)) < BF16_REL_TOL
+    ref_sel = reference.msa_select(b.index_q, b.index_cache, b.meta, cfg.index_topk_blocks, cfg.index_local_blocks)
+    assert selection_mismatches(b, b.select(), ref_sel, b.index_q) == 0
+    with poisoned_outputs():
+        sparse = sparse_attention(b.q, b.kv, b.meta, ref_sel, b.scale, by_block=by_block)
+    assert not sparse.isnan().any()
+    assert rel_norm_err(sparse, reference.sparse_attention(b.q, b.kv, b.meta, ref_sel, b.scale)) < BF16_REL_TOL
 
 
 def test_qk_norm_rope_insert_bf16(cfg):
