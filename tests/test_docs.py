@@ -182,6 +182,22 @@ def test_the_bench_checks_the_targets_the_docs_state():
         assert stated and stated.group(1) == op and float(stated.group(2).replace(",", "")) == goal, (name, goals)
 
 
+def test_every_result_of_record_names_its_run():
+    """results/*.json: each file is one run's record, named <date>_<commit(s)>_<what>.json, whose meta gives the
+    date, the commit(s), the card and the command."""
+    import json
+
+    files = sorted((ROOT / "results").glob("*.json"))
+    assert files, "results/ holds no record"
+    for path in files:
+        meta = json.loads(path.read_text())["meta"]
+        assert re.fullmatch(r"\d{4}-\d{2}-\d{2}_[\w.-]+\.json", path.name), path.name
+        assert str(meta["date"]).startswith(path.name[:10]), path.name
+        commits = [meta["commit"]] if "commit" in meta else meta.get("commits", [])
+        assert meta.get("device") and meta.get("command") and commits, path.name
+        assert all(str(c)[:7] in path.name for c in commits), f"{path.name}: its name lacks a commit of {commits}"
+
+
 def test_walkthrough_doc_quotes_real_output():
     from nanoserve import walkthrough
 
