@@ -178,10 +178,10 @@ class Optimizations:
         "and the mask is filled into a pageable buffer and staged through a fresh pinned copy")
     speculative_decoding: bool = switch(
         True, ENGINE, "engine/speculative.py", "with a speculative_config (--speculative-config): each decoding "
-        "sequence drafts up to k tokens (ngram prompt lookup, or the checkpoint's MTP module) and one target pass "
-        "verifies them, keeping the longest accepted prefix plus one token (greedy: token for token the same "
-        "output; sampling: rejection sampling, the same distribution); without a speculative_config nothing "
-        "changes",
+        "sequence drafts up to k tokens (ngram prompt lookup, the checkpoint's MTP module or an EAGLE-3 draft) and "
+        "one target pass verifies them, keeping the longest accepted prefix plus one token (greedy: token for token "
+        "the same output; sampling: rejection sampling, the same distribution); without a speculative_config "
+        "nothing changes",
         "one token per sequence per step; a speculative_config given is not used (logged at start)")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
@@ -300,8 +300,8 @@ class EngineConfig:
     silent) fails the engine; None = $NANOSERVE_WORKER_TIMEOUT, else 30; 0 = never (distributed/watchdog.py)."""
     speculative_config: dict[str, Any] | None = None
     """Speculative decoding (vLLM's argument): {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n, "prompt_lookup_min": m} or {"method": "mtp", "num_speculative_tokens": k};
-    None = none. Checked when the engine is built
+    "prompt_lookup_max": n, "prompt_lookup_min": m}, {"method": "mtp", "num_speculative_tokens": k} or
+    {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}; None = none. Checked when the engine is built
     (spec_decode/config.py); docs/speculative_decoding.md."""
     optimizations: Optimizations = field(default_factory=Optimizations)
 

@@ -543,7 +543,7 @@ def test_mtp_greedy_output_is_unchanged(mtp_dir, mtp_expected, setting):
     elif setting == "small_budget":
         kwargs["max_num_batched_tokens"] = 18
     with LLM(mtp_dir, **kwargs) as llm:
-        assert llm.engine.executor.runner.mtp is not None
+        assert llm.engine.executor.runner.drafter is not None
         assert tokens_of(run(llm, repetitive_prompts(), GREEDY)) == mtp_expected
         stats = llm.engine.stats
         assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens > stats.spec_decode_num_drafts
@@ -600,6 +600,183 @@ def test_mtp_drafts_equal_a_from_scratch_computation(mtp_dir):
             for seq in engine.scheduler.running:
                 if len(seq.spec_token_ids) == 3:
                     assert seq.spec_token_ids == reference_mtp_drafts(model, mtp, seq.token_ids, 3)
+                    checked += 1
+        assert checked >= 30
+        assert_all_blocks_free(llm)
+
+
+# -- the EAGLE-3 drafter ------------------------------------------------------------------------------------------
+EAGLE_TAPS = [0, 2, 4]  # m3-tiny has 4 layers: 4 is the stream after the last one
+DRAFT_VOCAB = 200
+
+
+def write_eagle3_dir(path, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A random EAGLE-3 draft for m3-tiny in vLLM's layout (config.json with eagle_config, midlayer.* tensors, fc,
+    norm, its own head over a smaller draft vocabulary with d2t, and t2d); returns the tensors."""
+    import json
+
+    from safetensors.torch import save_file
+
+    h, heads, kv, hd, inter = 128, 4, 2, 32, 256
+    config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": h,
+              "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd, "intermediate_size": inter,
+              "hidden_act": "silu", "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "vocab_size": 512,
+              "draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": h, "num_hidden_layers": 1,
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": EAGLE_TAPS, "use_aux_hidden_state": True}}
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=0.05):
+        return (torch.randn(shape, generator=g) * scale).to(torch.bfloat16)
+    targets = torch.randperm(512, generator=g)[:DRAFT_VOCAB].sort().values
+    tensors = {"midlayer.input_layernorm.weight": 1 + rnd(h), "midlayer.hidden_norm.weight": 1 + rnd(h),
+               "midlayer.post_attention_layernorm.weight": 1 + rnd(h),
+               "midlayer.self_attn.q_proj.weight": rnd(heads * hd, 2 * h),
+               "midlayer.self_attn.k_proj.weight": rnd(kv * hd, 2 * h),
+               "midlayer.self_attn.v_proj.weight": rnd(kv * hd, 2 * h),
+               "midlayer.self_attn.o_proj.weight": rnd(h, heads * hd),
+               "midlayer.mlp.gate_proj.weight": rnd(inter, h), "midlayer.mlp.up_proj.weight": rnd(inter, h),
+               "midlayer.mlp.down_proj.weight": rnd(h, inter), "fc.weight": rnd(h, 3 * h), "norm.weight": 1 + rnd(h),
+               "lm_head.weight": rnd(DRAFT_VOCAB, h, scale=0.5), "d2t": targets - torch.arange(DRAFT_VOCAB),
+               "t2d": torch.zeros(512, dtype=torch.bool).index_fill_(0, targets, True)}
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file(tensors, str(path / "model.safetensors"))
+    return tensors
+
+
+@pytest.fixture(scope="module")
+def eagle_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("eagle3") / "draft"
+    write_eagle3_dir(path)
+    return str(path)
+
+
+def eagle_config(draft: str, k: int = 3) -> dict:
+    return {"method": "eagle3", "model": draft, "num_speculative_tokens": k}
+
+
+def test_eagle3_loader_reads_every_tensor_and_names_what_is_wrong(tiny_dir, eagle_dir, tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from nanoserve.model.eagle3 import load_eagle3
+    from nanoserve.model.loader import CheckpointError, load_model
+
+    model, _ = load_model(tiny_dir, FAST)
+    tensors = write_eagle3_dir(tmp_path / "again")
+    drafter = load_eagle3(eagle_dir, model, FAST, torch.float32, "cpu")
+    assert drafter.cfg.aux_layer_ids == tuple(EAGLE_TAPS) and drafter.cfg.draft_vocab_size == DRAFT_VOCAB
+    for name, t in tensors.items():
+        if name == "t2d":
+            continue
+        key = "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+        got = {"lm_head.weight": drafter.lm_head, "d2t": drafter.d2t}.get(key)
+        got = drafter.w(key) if got is None else got
+        assert torch.equal(got.to(t.dtype), t), name
+    assert drafter.embed is None  # the target's embedding
+    bad = tmp_path / "bad"
+    broken = dict(tensors)
+    del broken["fc.weight"]
+    broken["midlayer.self_attn.q_proj.weight"] = torch.zeros(3, 3)
+    broken["extra.weight"] = torch.zeros(2)
+    bad.mkdir()
+    (bad / "config.json").write_text((tmp_path / "again" / "config.json").read_text())
+    save_file(broken, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\): fc.weight; unexpected tensor\(s\): extra.weight"):
+        load_eagle3(str(bad), model, FAST, torch.float32, "cpu")
+    broken["fc.weight"] = tensors["fc.weight"]
+    del broken["extra.weight"]
+    save_file(broken, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"q_proj.weight has shape \(3, 3\), expected \(128, 256\)"):
+        load_eagle3(str(bad), model, FAST, torch.float32, "cpu")
+    config = json.loads((bad / "config.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [0, 2, 9]
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="eagle_aux_hidden_state_layer_ids"):
+        load_eagle3(str(bad), model, FAST, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="needs model"):
+        SpeculativeConfig.from_dict({"method": "eagle3", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="applies to method 'eagle3' only"):
+        SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3, "model": eagle_dir})
+    with pytest.raises(ValueError, match="does not exist"):
+        LLM(tiny_dir, optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=eagle_config("/nope"))
+
+
+@pytest.mark.parametrize("setting", ["plain", "preemption"])
+def test_eagle3_greedy_output_is_unchanged(tiny_dir, eagle_dir, setting):
+    kwargs = dict(optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=eagle_config(eagle_dir))
+    if setting == "preemption":
+        kwargs["num_gpu_blocks_override"] = 16
+    with LLM(tiny_dir, optimizations=FAST, max_model_len=MAX_MODEL_LEN) as ref:
+        want = tokens_of(run(ref, repetitive_prompts(), GREEDY))
+    with LLM(tiny_dir, **kwargs) as llm:
+        assert tokens_of(run(llm, repetitive_prompts(), GREEDY)) == want
+        stats = llm.engine.stats
+        assert stats.spec_decode_num_drafts > 0 and stats.spec_decode_num_draft_tokens > stats.spec_decode_num_drafts
+        if setting == "preemption":
+            assert stats.num_preemptions > 0
+        assert_all_blocks_free(llm)
+
+
+def reference_eagle3_drafts(model, drafter, tokens: list[int], k: int) -> list[int]:
+    """EAGLE-3 drafts from scratch: one prefill of the target over `tokens` with its taps caught, the draft layer
+    over every position at once, then k - 1 steps on its own pre-norm output."""
+    from nanoserve.batch import AttentionMetadata
+    from nanoserve.runner.kv_cache import allocate_kv_caches
+
+    bs, n = model.cfg.index_block_size, len(tokens)
+    blocks = -(-(n + k) // bs)
+    kv, index = allocate_kv_caches(model.cfg, blocks, bs, torch.float32, "cpu")
+    model.bind_kv_caches(kv, index)
+    c = drafter.cfg
+    drafter.bind_kv_cache(torch.zeros(blocks, 2, bs, c.num_key_value_heads, c.head_dim))
+    taps = {}
+    layers = len(model.layers)
+    hooks = [model.layers[i].register_forward_pre_hook(
+        lambda m, args, i=i: taps.__setitem__(i, args[0] if args[1] is None else args[0] + args[1]))
+        for i in c.aux_layer_ids if i < layers]
+    hooks.append(model.layers[-1].register_forward_hook(
+        lambda m, args, out: taps.__setitem__(layers, out[0] + out[1])))
+    table = [list(range(blocks))]
+    meta = AttentionMetadata.build([n], [n], table, bs)
+    model(torch.tensor(tokens), meta.positions, meta)
+    for h in hooks:
+        h.remove()
+    hidden = drafter.combine(torch.cat([taps[i] for i in c.aux_layer_ids], -1))[:-1]
+    meta = AttentionMetadata.build([n - 1], [n - 1], table, bs)
+    out, carry = drafter.step(model, torch.tensor(tokens[1:]), hidden, meta.positions, meta)
+    out, carry = out[-1:], carry[-1:]
+    drafts = []
+    for j in range(k):
+        token = drafter.draft_tokens(model, out)
+        drafts.append(int(token))
+        meta = AttentionMetadata.build([1], [n + j], table, bs)
+        out, carry = drafter.step(model, token, carry, meta.positions, meta)
+    return drafts
+
+
+def test_eagle3_drafts_equal_a_from_scratch_computation(tiny_dir, eagle_dir):
+    """The taps of every target step, the draft layer's K/V written step by step (prefill chunks, verify steps,
+    rollback) and the draft vocabulary's map give the drafts one computation from scratch gives."""
+    from nanoserve.model.eagle3 import load_eagle3
+    from nanoserve.model.loader import load_model
+
+    model, _ = load_model(tiny_dir, FAST)
+    drafter = load_eagle3(eagle_dir, model, FAST, torch.float32, "cpu")
+    with LLM(tiny_dir, optimizations=FAST, max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=18,
+             speculative_config=eagle_config(eagle_dir)) as llm:
+        engine = llm.engine
+        for i, p in enumerate(repetitive_prompts()[:3]):
+            engine.add_request(f"r{i}", p, GREEDY)
+        checked = 0
+        while engine.has_unfinished_requests():
+            engine.step()
+            for seq in engine.scheduler.running:
+                if len(seq.spec_token_ids) == 3:
+                    drafts = reference_eagle3_drafts(model, drafter, seq.token_ids, 3)
+                    assert seq.spec_token_ids == drafts
+                    assert all(d in drafter.d2t.add(torch.arange(DRAFT_VOCAB)).tolist() for d in drafts)
                     checked += 1
         assert checked >= 30
         assert_all_blocks_free(llm)

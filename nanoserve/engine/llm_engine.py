@@ -168,7 +168,7 @@ class LLMEngine:
         self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
         self._in_flight: LaunchedStep | None = None
         self.speculator = self._speculator(config)
-        self._last_rows: list[StepRows] = []  # the last received step's final positions (the MTP drafter's input)
+        self._last_rows: list[StepRows] = []  # the last received step's final positions (a draft model's input)
         if self.speculator is not None:
             self.async_scheduling = False  # a draft is made from the previous step's tokens, on the host
         self.stats = EngineStats()
@@ -185,8 +185,8 @@ class LLMEngine:
         if not config.optimizations.speculative_decoding:
             logger.info("speculative_config %s is not used: the speculative_decoding switch is off", spec)
             return None
-        if spec.method == "mtp" and config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method 'mtp' runs with tensor_parallel_size 1 only")
+        if spec.method != "ngram" and config.tensor_parallel_size > 1:
+            raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1 only")
         logger.info("speculative decoding: %s (async scheduling off; verify steps run eagerly)", spec)
         return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate)
 

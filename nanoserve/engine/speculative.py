@@ -3,8 +3,9 @@ with a `speculative_config`).
 
     1. Draft. Before each schedule, every decoding sequence that may speculate (`speculable`) gets up to k draft
        tokens in `Sequence.spec_token_ids` from the drafter - prompt lookup on the host (spec_decode/ngram.py), or
-       the checkpoint's MTP module on the device (model/mtp.py, run by the runner over the positions the last step
-       made final) - fewer near max_tokens or max_model_len so that a fully accepted draft never runs past them.
+       a draft model on the device (MTP: model/mtp.py; EAGLE-3: model/eagle3.py; run by runner/drafter.py over
+       the positions the last step made final) - fewer near max_tokens or max_model_len so that a fully accepted
+       draft never runs past them.
     2. Schedule. The scheduler gives such a sequence 1 + k positions in one step (its newest token and the
        drafts), as far as the token budget and the KV pool allow (`ScheduledSeq.num_draft`): one prefill-like
        query of k + 1 tokens over its paged cache, which every attention path (dense and MSA, whose selection is
@@ -125,8 +126,8 @@ class Speculator:
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, executor: Executor,
                  allocate: Callable[[Sequence, int], bool]):
-        """`executor`: runs a model-based drafter (mtp); `allocate(seq, num_tokens)`: the block manager's, for the
-        positions an MTP draft is computed at."""
+        """`executor`: runs a model-based drafter (mtp, eagle3); `allocate(seq, num_tokens)`: the block manager's,
+        for the positions a draft model computes its later drafts at."""
         self.config = config
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
@@ -148,11 +149,11 @@ class Speculator:
 
     def propose(self, running: list[Sequence], last_rows: list[StepRows]) -> None:
         """Set each running sequence's drafts for the next step ([] for one that does not speculate now).
-        `last_rows`: the last step's sequences and their final positions (what the MTP drafter reads)."""
+        `last_rows`: the last step's sequences and their final positions (what a draft model reads)."""
         for seq in running:
             seq.spec_token_ids = []
         if self.proposer is None:
-            self._propose_mtp(last_rows)
+            self._propose_by_model(last_rows)
         else:
             for seq in running:
                 room = self.room(seq)
@@ -162,9 +163,10 @@ class Speculator:
             if seq.grammar is not None and seq.spec_token_ids:
                 seq.spec_token_ids = grammar_prefix(seq, seq.spec_token_ids)
 
-    def _propose_mtp(self, last_rows: list[StepRows]) -> None:
-        """The MTP module's K/V over every position the last step made final (so later drafts can attend to
-        them: also for sequences that do not draft now), and the drafts of the sequences that may speculate."""
+    def _propose_by_model(self, last_rows: list[StepRows]) -> None:
+        """A draft model (MTP, EAGLE-3): its K/V over every position the last step made final (so later drafts
+        can attend to them: also for sequences that do not draft now), and the drafts of the sequences that may
+        speculate."""
         entries = [(seq, start, offset, n) for seq, start, offset, n in last_rows
                    if seq.status == SequenceStatus.RUNNING and n > 0 and start + n == seq.num_computed_tokens]
         if not entries:

@@ -17,13 +17,11 @@ from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from nanoserve.kernels import check_tuned_files
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
-from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp, mtp_config
-from nanoserve.parallel_state import get_tp
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
-from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.runner.drafter import DraftRunner
 from nanoserve.spec_decode.draft_input import DraftInput
 
 logger = logging.getLogger(__name__)
@@ -79,26 +77,9 @@ class ModelRunner:
         self.last_argmax: torch.Tensor | None = None
         """The argmax of the last step's logits when its decode graph computed it (switch captured_argmax): a view
         of the graph's static tokens, valid until the next step."""
-        self.mtp = self._load_mtp()
-        self.last_hidden: torch.Tensor | None = None
-        """With the MTP drafter: the last step's final-normed hidden states, every token's (what it reads)."""
-
-    def _load_mtp(self) -> M3MTP | None:
-        """The checkpoint's MTP module when speculative decoding drafts with it (method "mtp"), else None."""
-        cfg = self.config
-        if cfg.speculative_config is None or not cfg.optimizations.speculative_decoding or \
-                SpeculativeConfig.from_dict(cfg.speculative_config).method != "mtp":
-            return None
-        if get_tp().size > 1:
-            raise ValueError("speculative_config method 'mtp' runs with tensor_parallel_size 1 only")
-        if not has_mtp(self.model_dir):
-            raise ValueError(f"speculative_config method 'mtp': the checkpoint in {self.model_dir} has no MTP module "
-                             f"(language_model.model.mtp.layers.0.* tensors)")
-        mtp = M3MTP(self.cfg, cfg.optimizations, self.dtype, self.device)
-        count = load_mtp(mtp, self.model_dir)
-        mtp.eval()
-        logger.info("MTP drafter: %d tensors from %s", count, self.model_dir)
-        return mtp
+        self.drafter = DraftRunner.build(config, self.model, self.model_dir, self.dtype, self.device,
+                                         self.block_size)
+        """Speculative decoding's model-based drafter (MTP, EAGLE-3; runner/drafter.py), or None."""
 
     # -- KV cache -----------------------------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -120,8 +101,8 @@ class ModelRunner:
         budget = engine_kv_pool_bytes(DeviceMemory(
             total=total, free=free, baseline=self._memory_baseline, held=torch.cuda.memory_allocated(self.device),
             peak=peak, reserved=torch.cuda.memory_reserved(self.device)), cfg.gpu_memory_utilization)
-        per_block = kv_cache_bytes_per_block(mtp_config(self.cfg) if self.mtp else self.cfg, self.block_size,
-                                             self.dtype)
+        per_block = kv_cache_bytes_per_block(self.cfg, self.block_size, self.dtype) + \
+            (self.drafter.bytes_per_block() if self.drafter else 0)
         blocks = int(budget // per_block)
         logger.info("KV cache: %.2f GiB for %d blocks of %d tokens (peak step memory %.2f GiB)",
                     blocks * per_block / 2**30, blocks, self.block_size, peak / 2**30)
@@ -148,18 +129,14 @@ class ModelRunner:
         self.model.bind_kv_caches([None] * self.cfg.num_hidden_layers, [None] * self.cfg.num_hidden_layers)
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        if self.mtp is not None:
-            self.mtp.bind_kv_cache(None, None)
-            self.last_hidden = None
+        if self.drafter is not None:
+            self.drafter.allocate(0)
         if num_blocks:
-            if self.mtp is None:
-                self.kv_caches, self.index_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size,
-                                                                       self.dtype, self.device)
-            else:  # the MTP block's pools are one more layer's, under the same block tables
-                self.kv_caches, self.index_caches = allocate_kv_caches(mtp_config(self.cfg), num_blocks,
-                                                                       self.block_size, self.dtype, self.device)
-                self.mtp.bind_kv_cache(self.kv_caches[-1], self.index_caches[-1])
+            self.kv_caches, self.index_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size,
+                                                                   self.dtype, self.device)
             self.model.bind_kv_caches(self.kv_caches, self.index_caches)
+            if self.drafter is not None:
+                self.drafter.allocate(num_blocks)
 
     # -- one step -----------------------------------------------------------------------------------------
     def prepare(self, inp: ModelInput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
@@ -185,44 +162,14 @@ class ModelRunner:
         input_ids, meta, logits_index = self.prepare(inp)
         apply_token_feed(input_ids, feed)
         hidden = self.model(input_ids, meta.positions, meta)
-        if self.mtp is not None:
-            self.last_hidden = hidden
+        if self.drafter is not None:
+            self.drafter.observe(hidden)
         return self.model.compute_logits(hidden[logits_index])
 
-    @torch.inference_mode()
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
-        """The MTP drafter (see DraftInput): its K/V over the positions the last step finished, then greedy drafts
-        - step 1 from its output at each sequence's last such position, step j from its own output of step j - 1
-        and the token drafted there, one position further. Returns each sequence's drafts."""
-        assert self.mtp is not None and self.last_hidden is not None, "no MTP drafter or no step to draft from"
-        dev = self.device
-        hidden = self.last_hidden[torch.tensor(inp.rows, dtype=torch.int64, device=dev)]
-        active = [s for s, n in enumerate(inp.num_drafts) if n > 0]
-        # the step's tensors as a forward's (fast_input_prep: numpy into pinned buffers): the rows' next tokens
-        # as input ids, and each drafting sequence's last row as its logits row
-        next_ids, meta, last_rows = self.prepare(ModelInput(inp.next_ids, inp.query_lens, inp.seq_lens,
-                                                            inp.block_tables, active))
-        out = self.mtp(self.model, next_ids, hidden, meta.positions, meta)
-        drafts: list[list[int]] = [[] for _ in inp.seq_lens]
-        if not active:
-            return drafts
-        h = out[last_rows]
-        tokens = self.model.compute_logits(h).argmax(dim=-1)
-        for j in range(max(inp.num_drafts)):
-            for s, t in zip(active, tokens.tolist()):
-                drafts[s].append(t)
-            keep = [i for i, s in enumerate(active) if inp.num_drafts[s] > j + 1]
-            if not keep:
-                break
-            active = [active[i] for i in keep]
-            idx = torch.tensor(keep, dtype=torch.int64, device=dev)
-            h, tokens = h[idx], tokens[idx]
-            lens = [inp.seq_lens[s] + j + 1 for s in active]
-            meta = AttentionMetadata.build([1] * len(active), lens, [inp.block_tables[s] for s in active],
-                                           self.block_size, dev)
-            h = self.mtp(self.model, tokens, h, meta.positions, meta)
-            tokens = self.model.compute_logits(h).argmax(dim=-1)
-        return drafts
+        """Speculative decoding: the model-based drafter's tokens per sequence (runner/drafter.py)."""
+        assert self.drafter is not None, "no model-based drafter was loaded"
+        return self.drafter.propose(inp, self.prepare)
 
     def _decode_graphs(self, inp: ModelInput) -> cuda_graphs.GraphRunner | None:
         """The decode graphs if this step can replay one: a decode-only batch (every sequence one new token, all
@@ -241,10 +188,11 @@ class ModelRunner:
         opts = self.config.optimizations
         if not opts.cuda_graphs or not self.num_blocks or self.max_model_len is None:
             return None
-        if self.mtp is not None:  # a replayed graph keeps no hidden states for the MTP drafter to read
-            if self._graph_notice != "mtp":
-                logger.info("CUDA graphs not used: the MTP drafter reads every step's hidden states")
-                self._graph_notice = "mtp"
+        if self.drafter is not None:  # a replayed graph keeps no hidden states for the drafter to read
+            if self._graph_notice != "drafter":
+                logger.info("CUDA graphs not used: the %s drafter reads every step's hidden states",
+                            self.drafter.method)
+                self._graph_notice = "drafter"
             return None
         state = cuda_graphs.switch_state(opts)
         if self.graphs is None or state != self._graph_switches:

@@ -158,7 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the most logprobs / top_logprobs / prompt_logprobs a request may ask for")
     e.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\' (docs/speculative_decoding.md)')
+                        '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; method mtp, or eagle3 with "model": '
+                        'DRAFT_DIR (docs/speculative_decoding.md)')
     e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
                    help="what logprobs report: raw_* of the model's logits (default), processed_* of the logits "
                         "the draw used (after bias, penalties, temperature, top-k/p); *_logits as logits")

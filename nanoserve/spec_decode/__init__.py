@@ -2,7 +2,7 @@
 
     config.py      SpeculativeConfig: vLLM's `speculative_config` (method, num_speculative_tokens, ...), checked
     ngram.py       NgramProposer: prompt lookup - the last n tokens matched earlier in the context
-    draft_input.py DraftInput: what the engine asks the runner's MTP drafter (model/mtp.py) for
+    draft_input.py DraftInput: what the engine asks a draft model (runner/drafter.py: MTP, EAGLE-3) for
     rejection.py   the acceptance rule: greedy = longest matching prefix; sampling = rejection sampling that
                    keeps the target model's distribution exactly
 

@@ -7,20 +7,23 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-METHODS = ("ngram", "mtp")
-"""The drafters this engine has: prompt lookup, and the checkpoint's own MTP module (model/mtp.py)."""
+METHODS = ("ngram", "mtp", "eagle3")
+"""The drafters this engine has: prompt lookup, the checkpoint's own MTP module (model/mtp.py), and an EAGLE-3
+draft directory (model/eagle3.py)."""
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """How to draft: `method`, how many draft tokens a step verifies (`num_speculative_tokens`, k), and the ngram
     drafter's match lengths (`prompt_lookup_min` <= n <= `prompt_lookup_max`, vLLM's names and defaults). With
-    "mtp", k defaults to 1 (one MTP module); a larger k applies the module again to its own output."""
+    "mtp", k defaults to 1 (one MTP module); a larger k applies the module again to its own output. "eagle3" needs
+    `model`, the draft directory."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
+    model: str | None = None
 
     @classmethod
     def from_dict(cls, raw: Any) -> "SpeculativeConfig":
@@ -42,11 +45,18 @@ class SpeculativeConfig:
         if not _is_int(k) or k < 1:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
         lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        model = raw.get("model")
+        if method == "eagle3":
+            if not isinstance(model, str) or not model:
+                raise ValueError("speculative_config: method 'eagle3' needs model, the draft model's directory")
+        elif model is not None:
+            raise ValueError(f"speculative_config: model (a draft directory) applies to method 'eagle3' only, not "
+                             f"{method!r}")
         if method != "ngram":
             given = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if raw.get(n) is not None]
             if given:
                 raise ValueError(f"speculative_config: {', '.join(given)} apply to method 'ngram' only")
-            return cls(method, k)
+            return cls(method, k, model=model)
         for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
             if v is not None and (not _is_int(v) or v < 1):
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {v!r}")

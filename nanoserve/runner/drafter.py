@@ -1,0 +1,167 @@
+"""The model-based drafters of speculative decoding on this rank: M3's own MTP module (method "mtp") and an EAGLE-3
+draft model (method "eagle3"), with what they read of each target step and their K/V pools.
+
+    DraftRunner.build(...)   the drafter that speculative_config names (None for ngram, or none at all)
+    observe(hidden)          after every target forward: keep what the drafter reads (the final hidden states
+                             for MTP; for EAGLE-3 the residual stream entering each tap layer, caught by forward
+                             pre-hooks - or leaving the last layer)
+    propose(DraftInput)      its K/V over the positions the last step made final, then greedy drafts
+
+Both drafters work alike: at position t the draft layer reads (the target's state at t, the token x_{t+1}) and
+its output's logits give x_{t+2}; each further draft feeds the layer its own output and the token it drafted,
+one position further. Their K/V live in pools of their own under the sequences' block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from nanoserve.batch import AttentionMetadata, ModelInput
+from nanoserve.config import EngineConfig
+from nanoserve.model.eagle3 import Eagle3Drafter, load_eagle3
+from nanoserve.model.m3 import M3ForCausalLM
+from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp
+from nanoserve.parallel_state import get_tp
+from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.spec_decode.draft_input import DraftInput
+
+logger = logging.getLogger(__name__)
+
+Prepare = Callable[[ModelInput], tuple[torch.Tensor, AttentionMetadata, torch.Tensor]]
+
+
+class DraftRunner:
+    """One drafter, its taps on the target and its K/V pool (see the module docstring)."""
+
+    def __init__(self, method: str, drafter: M3MTP | Eagle3Drafter, model: M3ForCausalLM, dtype: torch.dtype,
+                 device: torch.device, block_size: int):
+        self.method, self.drafter, self.model = method, drafter, model
+        self.dtype, self.device, self.block_size = dtype, device, block_size
+        self.last: torch.Tensor | None = None  # what the drafter reads of the last step, every token's row
+        self._taps: dict[int, torch.Tensor] = {}
+        if isinstance(drafter, Eagle3Drafter):
+            for layer in drafter.cfg.aux_layer_ids:
+                if layer < len(model.layers):
+                    model.layers[layer].register_forward_pre_hook(self._tap(layer))
+                else:  # the stream after the last layer, before the final norm
+                    model.layers[-1].register_forward_hook(self._tap_output(layer))
+
+    @classmethod
+    def build(cls, config: EngineConfig, model: M3ForCausalLM, model_dir: str, dtype: torch.dtype,
+              device: torch.device, block_size: int) -> "DraftRunner | None":
+        if config.speculative_config is None or not config.optimizations.speculative_decoding:
+            return None
+        spec = SpeculativeConfig.from_dict(config.speculative_config)
+        if spec.method not in ("mtp", "eagle3"):
+            return None
+        if get_tp().size > 1:
+            raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1 only")
+        if spec.method == "mtp":
+            if not has_mtp(model_dir):
+                raise ValueError(f"speculative_config method 'mtp': the checkpoint in {model_dir} has no MTP "
+                                 f"module (language_model.model.mtp.layers.0.* tensors)")
+            drafter: M3MTP | Eagle3Drafter = M3MTP(model.cfg, config.optimizations, dtype, device)
+            count = load_mtp(drafter, model_dir)
+            logger.info("MTP drafter: %d tensors from %s", count, model_dir)
+        else:
+            drafter = load_eagle3(spec.model, model, config.optimizations, dtype, device)
+            logger.info("EAGLE-3 drafter from %s: taps on layers %s, draft vocabulary %d", spec.model,
+                        drafter.cfg.aux_layer_ids, drafter.cfg.draft_vocab_size)
+        return cls(spec.method, drafter.eval(), model, dtype, device, block_size)
+
+    # -- the K/V pool ------------------------------------------------------------------------------------------
+    def bytes_per_block(self) -> int:
+        item = torch.empty((), dtype=self.dtype).element_size()
+        if isinstance(self.drafter, Eagle3Drafter):
+            c = self.drafter.cfg
+            return 2 * self.block_size * c.num_key_value_heads * c.head_dim * item
+        c = self.model.cfg
+        return self.block_size * (2 * c.num_key_value_heads * c.head_dim + c.index_head_dim) * item
+
+    def allocate(self, num_blocks: int) -> None:
+        """Pools of `num_blocks` blocks (0: none), under the same block ids as the target's."""
+        self.last = None
+        if isinstance(self.drafter, Eagle3Drafter):
+            c = self.drafter.cfg
+            kv = torch.zeros(num_blocks, 2, self.block_size, c.num_key_value_heads, c.head_dim, dtype=self.dtype,
+                             device=self.device) if num_blocks else None
+            self.drafter.bind_kv_cache(kv)
+            return
+        c = self.model.cfg
+        if not num_blocks:
+            self.drafter.bind_kv_cache(None, None)
+            return
+        self.drafter.bind_kv_cache(
+            torch.zeros(num_blocks, 2, self.block_size, c.num_key_value_heads, c.head_dim, dtype=self.dtype,
+                        device=self.device),
+            torch.zeros(num_blocks, self.block_size, c.index_head_dim, dtype=self.dtype, device=self.device))
+
+    # -- what it reads of the target ---------------------------------------------------------------------------
+    def _tap(self, layer: int):
+        def hook(module, args):
+            x, residual = args[0], args[1]
+            self._taps[layer] = x if residual is None else x + residual  # the stream entering the layer
+        return hook
+
+    def _tap_output(self, key: int):
+        def hook(module, args, output):
+            out, residual = output[0], output[1]
+            self._taps[key] = out + residual
+        return hook
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """After a target forward: keep the final hidden states (MTP) or the taps, side by side (EAGLE-3)."""
+        if isinstance(self.drafter, Eagle3Drafter):
+            self.last = torch.cat([self._taps.pop(i) for i in self.drafter.cfg.aux_layer_ids], dim=-1)
+        else:
+            self.last = hidden
+
+    # -- drafting ----------------------------------------------------------------------------------------------
+    def _step(self, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the draft layer: (final-normed output, the next pass's hidden input)."""
+        if isinstance(self.drafter, Eagle3Drafter):
+            return self.drafter.step(self.model, ids, hidden, meta.positions, meta)
+        out = self.drafter(self.model, ids, hidden, meta.positions, meta)
+        return out, out
+
+    def _tokens(self, normed: torch.Tensor) -> torch.Tensor:
+        if isinstance(self.drafter, Eagle3Drafter):
+            return self.drafter.draft_tokens(self.model, normed)
+        return self.model.compute_logits(normed).argmax(dim=-1)
+
+    @torch.inference_mode()
+    def propose(self, inp: DraftInput, prepare: Prepare) -> list[list[int]]:
+        """The drafter's K/V over the positions the last step finished, then greedy drafts (see DraftInput):
+        step 1 from its output at each sequence's last such position, step j from its own output of step j - 1
+        and the token drafted there, one position further. `prepare`: the runner's step-input preparation."""
+        assert self.last is not None, "no target step to draft from"
+        rows = self.last[torch.tensor(inp.rows, dtype=torch.int64, device=self.device)]
+        hidden = self.drafter.combine(rows) if isinstance(self.drafter, Eagle3Drafter) else rows
+        active = [s for s, n in enumerate(inp.num_drafts) if n > 0]
+        # the rows' next tokens as input ids, each drafting sequence's last row as its logits row
+        next_ids, meta, last_rows = prepare(ModelInput(inp.next_ids, inp.query_lens, inp.seq_lens, inp.block_tables,
+                                                       active))
+        out, carry = self._step(next_ids, hidden, meta)
+        drafts: list[list[int]] = [[] for _ in inp.seq_lens]
+        if not active:
+            return drafts
+        carry = carry[last_rows]
+        tokens = self._tokens(out[last_rows])
+        for j in range(max(inp.num_drafts)):
+            for s, t in zip(active, tokens.tolist()):
+                drafts[s].append(t)
+            keep = [i for i, s in enumerate(active) if inp.num_drafts[s] > j + 1]
+            if not keep:
+                break
+            active = [active[i] for i in keep]
+            idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+            lens = [inp.seq_lens[s] + j + 1 for s in active]
+            _, meta, _ = prepare(ModelInput([0] * len(active), [1] * len(active), lens,
+                                            [inp.block_tables[s] for s in active], []))
+            out, carry = self._step(tokens[idx], carry[idx], meta)
+            tokens = self._tokens(out)
+        return drafts
