@@ -1,8 +1,8 @@
 """Speculative decoding on the GPU (marked `gpu`): the Triton kernels, CUDA graphs for the steps without a verify
 query, pinned host copies and device-side acceptance, on m3-tiny in fp32.
 
-Greedy output with speculation must equal greedy output without it, for the ngram and the MTP drafter, and every
-block must come back. A verify query runs through the prefill kernels and a one-token decode through the decode
+Greedy output with speculation must equal greedy output without it, for the ngram, MTP and EAGLE-3 drafters, and
+every block must come back. A verify query runs through the prefill kernels and a one-token decode through the decode
 kernels (or a replayed graph); in fp32 the two agree closely enough that m3-tiny's greedy tokens are the same.
 """
 
@@ -11,7 +11,8 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.test_spec_decode import assert_all_blocks_free, mtp_tensors, repetitive_prompts, tokens_of
+from tests.test_spec_decode import (assert_all_blocks_free, mtp_tensors, repetitive_prompts, tokens_of,
+                                    write_eagle3_dir)
 
 pytestmark = pytest.mark.gpu
 
@@ -40,10 +41,14 @@ def generate(model: str, **kwargs) -> tuple[list[list[int]], dict]:
                                  "accepted": stats.spec_decode_num_accepted_tokens}
 
 
-def test_ngram_and_mtp_keep_greedy_output_on_the_gpu(gpu_mtp_dir):
+def test_every_drafter_keeps_greedy_output_on_the_gpu(gpu_mtp_dir, tmp_path):
     want, _ = generate(gpu_mtp_dir)
     got, stats = generate(gpu_mtp_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                            "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     assert got == want and stats["accepted"] > 0, stats
     got, stats = generate(gpu_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    assert got == want and stats["drafts"] > 0, stats
+    write_eagle3_dir(tmp_path / "eagle3")
+    got, stats = generate(gpu_mtp_dir, speculative_config={"method": "eagle3", "model": str(tmp_path / "eagle3"),
+                                                           "num_speculative_tokens": 3})
     assert got == want and stats["drafts"] > 0, stats
