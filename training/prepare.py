@@ -2,12 +2,12 @@
 
     python -m training.prepare --corpus data/corpus --tokenizer data/tokenizer/tokenizer.json --out data/prepared
 
-Writes (all token arrays uint16; `trains` marks the tokens whose prediction is trained):
-- `text.npy` / `text_trains.npy` / `text_docs.npy`: the corpus documents, each ended by EOS, their starts in
-  `text_docs`; every source loses 2 % of its documents to `heldout_<source>.txt` (perplexity per corpus);
-- `chats.npy` / `chats_trains.npy` / `chats_docs.npy`: generated M3-format chats (training/chats.py), the loss on
-  the assistant turns only;
-- `long.npy` / `long_trains.npy` / `long_docs.npy`: key-retrieval chats of 1-8k tokens, for MSA's sparse phase;
+Writes compressed arrays (`ids` uint16, `trains` marking the tokens whose prediction is trained, document
+`starts`), small enough to carry to a GPU machine:
+- `text.npz`: the corpus documents, each ended by EOS; every source loses 2 % of its documents to
+  `heldout_<source>.txt` (perplexity per corpus);
+- `chats.npz`: generated M3-format chats (training/chats.py), the loss on the assistant turns only;
+- `long.npz`: key-retrieval chats of 1-8k tokens, for MSA's sparse phase;
 - `heldout.jsonl.gz`: evaluation prompts from other seeds (arithmetic, tool calls on tools never seen in
   training, thinking format, retrieval at 1k/4k/8k tokens), with what a grader expects.
 Chats use seeds 1.. for training and 10**6 + i for held-out, so the two never share a draw.
@@ -52,10 +52,12 @@ class Encoder:
 
 
 def save_docs(out: str, name: str, docs: list[tuple[list[int], list[int]]]) -> int:
+    """`<name>.npz`: ids (uint16), trains (uint8), starts (int64), compressed (the chat format repeats a lot)."""
     starts = np.cumsum([0] + [len(d[0]) for d in docs])[:-1]
-    np.save(os.path.join(out, f"{name}.npy"), np.concatenate([np.asarray(d[0], np.uint16) for d in docs]))
-    np.save(os.path.join(out, f"{name}_trains.npy"), np.concatenate([np.asarray(d[1], np.uint8) for d in docs]))
-    np.save(os.path.join(out, f"{name}_docs.npy"), starts.astype(np.int64))
+    np.savez_compressed(os.path.join(out, f"{name}.npz"),
+                        ids=np.concatenate([np.asarray(d[0], np.uint16) for d in docs]),
+                        trains=np.concatenate([np.asarray(d[1], np.uint8) for d in docs]),
+                        starts=starts.astype(np.int64))
     return int(sum(len(d[0]) for d in docs))
 
 

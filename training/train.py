@@ -36,9 +36,8 @@ class Docs:
     """A token array with per-token `trains` flags and document starts (prepare.py's files)."""
 
     def __init__(self, data: str, name: str):
-        self.ids = np.load(os.path.join(data, f"{name}.npy"))
-        self.trains = np.load(os.path.join(data, f"{name}_trains.npy"))
-        self.starts = np.load(os.path.join(data, f"{name}_docs.npy"))
+        with np.load(os.path.join(data, f"{name}.npz")) as z:
+            self.ids, self.trains, self.starts = z["ids"], z["trains"], z["starts"]
         self.ends = np.append(self.starts[1:], len(self.ids))
 
     def __len__(self) -> int:
