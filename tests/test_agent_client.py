@@ -168,3 +168,39 @@ def test_a_call_cut_by_max_tokens_ends_cleanly(client, end_token, stream):
     no_marker(reasoning, content)
     assert not content and finish == "length"
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})]
+
+
+# -- a format in the default thinking mode ---------------------------------------------------------------------
+FORECAST = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
+                                             "days": {"type": "integer", "minimum": 1, "maximum": 9},
+                                             "raining": {"type": "boolean"},
+                                             "note": {"type": "string", "pattern": "^[a-z ]{0,12}$"}},
+            "required": ["city", "days", "raining"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("opens", [False, True])
+def test_json_schema_in_the_default_thinking_mode_ends_in_json(client, tiny_dir, stream, opens):
+    """response_format json_schema with no thinking_mode (a LangChain with_structured_output call): whatever the
+    model thinks is reasoning, and content is JSON that validates, within max_tokens - also when the model opens a
+    thinking block it would never close (a logit_bias on <mm:think>: the thinking is bounded)."""
+    from transformers import AutoTokenizer
+
+    start = AutoTokenizer.from_pretrained(tiny_dir).convert_tokens_to_ids(S)
+    fmt = {"type": "json_schema", "json_schema": {"name": "forecast", "schema": FORECAST}}
+    for seed in range(2):
+        # compact JSON: a random model would otherwise write whitespace for as long as the grammar lets it
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Will it rain in Oslo?"}], response_format=fmt,
+                  max_tokens=200, seed=seed, logit_bias={str(start): 100} if opens else None,
+                  extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+        if stream:
+            reasoning, content, _, finish = streamed(client, **kw)
+        else:
+            choice = client.chat.completions.create(**kw).choices[0]
+            reasoning, content, finish = choice.message.reasoning_content, choice.message.content, \
+                choice.finish_reason
+        no_marker(reasoning, content)
+        assert finish == "stop", (seed, reasoning, content)
+        jsonschema.validate(json.loads(content), FORECAST)
+        if opens:
+            assert reasoning, (seed, content)

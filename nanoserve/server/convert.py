@@ -101,7 +101,13 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
                                  min(room, params.max_tokens), budget)
     elif budget is not None and setup.reasoning_state != "closed":
         apply_thinking_budget(server, req, params, setup, budget)
-    elif setup.reasoning_state != "closed":  # the model may think first (open: it is thinking; none: it decides)
+    elif setup.reasoning_parser and setup.reasoning_state == "none" and params.structured_outputs is not None \
+            and setup.reasoning_parser.end in server.token_markers:
+        # the model decides whether to think: the format spells out the thinking the parser reads as reasoning (a
+        # block, a bare closer or none), bounded so that the answer in the format has room
+        room = server.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
+        apply_thinking_budget(server, req, params, setup, room - min(room // 2, FORMAT_ROOM))
+    elif setup.reasoning_state != "closed":  # the model is thinking (open): the format holds after it
         hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
     last = messages[-1]
@@ -155,6 +161,11 @@ def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
     return ChatSetup(tool_choice=choice, tools=tools or {}, parallel_tool_calls=req.parallel_tool_calls,
                      tool_parser=server.tool_parser, reasoning_parser=server.reasoning_parser,
                      include_reasoning=req.include_reasoning)
+
+
+FORMAT_ROOM = 1024
+"""Tokens of an output format's max_tokens kept for the answer (at most half of them) when the model decides
+whether to think first: the thinking may take the rest, then the grammar closes it."""
 
 
 def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
@@ -214,7 +225,7 @@ def apply_thinking_budget(server: OpenAIServer, req: P.ChatCompletionRequest, pa
     tag = {"type": "structural_tag", "format": answer}
     params.structured_outputs = StructuredOutputsParams(structural_tag=setup.reasoning_parser.wrap_structural_tag(
         tag, setup.reasoning_state, budget, server.token_markers))
-    setup.structured_field = "thinking_token_budget"
+    setup.structured_field = "thinking_token_budget" if req.thinking_token_budget is not None else None
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
