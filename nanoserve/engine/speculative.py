@@ -30,7 +30,6 @@ host); verify steps run eagerly (a CUDA graph captures one-token decodes only).
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -51,9 +50,6 @@ if TYPE_CHECKING:
 StepRows = tuple[Sequence, int, int, int]
 """A sequence's part of the last step: its first position, its first row in the step's flat batch, and how many
 of its positions are final (computed, and their next token known: a verify step's accepted ones)."""
-
-logger = logging.getLogger(__name__)
-
 
 @dataclass
 class DeviceVerify:
