@@ -13,6 +13,8 @@
                                                                 # bf16 and MXFP8 weights side by side
     python -m nanoserve.bench --micro attention,route,ceilings   # kernel micro-benchmarks alone (GPU)
     python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
+    python -m nanoserve.bench --quality [--ablate]              # m3-mini's held-out accuracy and perplexity (CPU),
+                                                                # and what each approximation costs in quality
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -104,6 +106,12 @@ def parser() -> argparse.ArgumentParser:
                          "core)")
     ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model "
                     "(weights and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
+    ap.add_argument("--quality", action="store_true", help="held-out task accuracy and perplexity of a trained model "
+                    "(default m3-mini) on the CPU; with --ablate, the change each approximation makes")
+    ap.add_argument("--quality-limit", type=int, default=None, metavar="N", help="--quality: at most N prompts per "
+                    "task (default: all)")
+    ap.add_argument("--quality-text-tokens", type=int, default=8192, metavar="N",
+                    help="--quality: held-out tokens per corpus for perplexity (0: none)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -116,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
 
         print(markdown_table(M3Config()))
         return 0
+    if args.quality:
+        from nanoserve.bench.quality import run as run_quality
+        from nanoserve.presets.catalog import DEFAULT_MODEL
+
+        return run_quality(args.model or DEFAULT_MODEL, args.quality_limit, args.quality_text_tokens, args.ablate,
+                           args.out)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch

@@ -204,3 +204,69 @@ def format_report(report: QualityReport, title: str) -> str:
         for name, ppl in report.perplexity.items():
             lines.append(f"| {name} | {ppl:.2f} |")
     return "\n".join(lines)
+
+
+# -- the command ----------------------------------------------------------------------------------------------------
+
+
+def build_llm(model: str, **engine_args):
+    from nanoserve.entrypoints.llm import LLM
+
+    return LLM(model=model, device="cpu", dtype="float32", max_model_len=12_288, kv_cache_tokens=65_536,
+               seed=0, **engine_args)
+
+
+def variants() -> list[tuple[str, dict]]:
+    """What is not exact, each as the engine arguments that turn it on: every approximation switch, and MXFP8
+    weights (the format M3 ships in: the bf16 weights quantised at load)."""
+    from nanoserve.config import Optimizations
+
+    out = [(name, {"optimizations": Optimizations().replace(**{name: True})}) for name in Optimizations.approximations()]
+    out.append(("--quantization mxfp8", {"quantization": "mxfp8"}))
+    return out
+
+
+def format_deltas(base: QualityReport, rows: list[tuple[str, QualityReport]]) -> str:
+    tasks = [t for t in base.accuracy if "selection" not in t]
+    head = "| turned on | " + " | ".join(tasks) + " | " + " | ".join(f"ppl {c}" for c in base.perplexity) + " |"
+    lines = [head, "|" + "---|" * (1 + len(tasks) + len(base.perplexity))]
+    lines.append("| nothing (reference) | " + " | ".join(f"{base.accuracy[t][0] * 100:.1f} %" for t in tasks) + " | "
+                 + " | ".join(f"{v:.2f}" for v in base.perplexity.values()) + " |")
+    for name, rep in rows:
+        cells = [f"{(rep.accuracy[t][0] - base.accuracy[t][0]) * 100:+.1f} pt" for t in tasks]
+        cells += [f"{rep.perplexity[c] - base.perplexity[c]:+.3f}" for c in base.perplexity]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def run(model: str, limit: int | None, text_tokens: int, ablate: bool, out_dir: str | None) -> int:
+    from nanoserve.presets.resolve import resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    llm = build_llm(model)
+    try:
+        base = evaluate(llm, model_dir, limit, text_tokens)
+    finally:
+        llm.shutdown()
+    text = format_report(base, f"Quality of {model} (held-out, greedy, CPU fp32)")
+    print(text, flush=True)
+    result = {"model": model, "limit": limit, "report": base.as_dict()}
+    if ablate:
+        rows = []
+        for name, kwargs in variants():
+            llm = build_llm(model, **kwargs)
+            try:
+                rows.append((name, evaluate(llm, model_dir, limit, text_tokens, selections=False)))
+            finally:
+                llm.shutdown()
+        table = format_deltas(base, rows)
+        print("\n## What each approximation costs (change against the reference)\n\n" + table, flush=True)
+        text += "\n\n" + table
+        result["ablation"] = {name: rep.as_dict() for name, rep in rows}
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+        with open(os.path.join(out_dir, "quality.json"), "w") as f:
+            json.dump(result, f, indent=2)
+        with open(os.path.join(out_dir, "quality.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
