@@ -114,7 +114,7 @@ def test_chat_and_tokenize_bodies_in_a_worker(servers):
     inline, pool = servers
     chat = (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 2, '
             b'"temperature": 0, "metadata": {}}')
-    bad_chat = b'{"model": "tiny", "messages": [{"role": "robot", "content": "hi"}]}'
+    bad_chat = b'{"model": "tiny", "messages": [{"role": 5, "content": "hi"}]}'
     tok = b'{"model": "tiny", "prompt": "hello world", "frobnicate": 1}'
     for path, body in (("/v1/chat/completions", chat), ("/v1/chat/completions", bad_chat), ("/tokenize", tok),
                        ("/detokenize", b'{"model": "tiny", "tokens": [1, 2, "x"]}'), ("/invocations", chat)):

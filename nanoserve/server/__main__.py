@@ -72,6 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials (cookies, auth)")
     s.add_argument("--enable-server-load-tracking", action="store_true",
                    help="GET /load counts the generation requests in flight (otherwise it answers 0)")
+    s.add_argument("--enable-tokenizer-info-endpoint", action="store_true",
+                   help="serve GET /tokenizer_info: the tokenizer's configuration and the chat template")
+    s.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:N' instead of their text, unless a request sets "
+                        "return_tokens_as_token_ids itself")
     s.add_argument("--shutdown-timeout", type=float, default=DEFAULT_SHUTDOWN_TIMEOUT,
                    help="seconds in-flight requests may take to finish after SIGINT/SIGTERM before being aborted")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -304,7 +309,9 @@ def main(argv: list[str] | None = None) -> None:
                         offload_min_bytes=args.offload_min_bytes, parse_processes=args.parse_processes,
                         parse_process_min_bytes=args.parse_process_min_bytes,
                         responses_store_size=args.responses_store_size,
-                        log_requests=args.max_log_len if args.enable_log_requests else None)
+                        log_requests=args.max_log_len if args.enable_log_requests else None,
+                        enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")

@@ -46,6 +46,7 @@ from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
 from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
 from nanoserve.server.response_store import DEFAULT_STORE_SIZE
 from nanoserve.server.routes import ROUTERS
+from nanoserve.server.routes.tokenize import tokenizer_info_router
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
 
@@ -80,7 +81,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
               limits: ServerLimits | None = None, offload_min_bytes: int = OFFLOAD_MIN_BYTES,
               parse_processes: int = DEFAULT_PARSE_PROCESSES,
               parse_process_min_bytes: int = PARSE_PROCESS_MIN_BYTES,
-              responses_store_size: int = DEFAULT_STORE_SIZE, log_requests: int | None = None) -> FastAPI:
+              responses_store_size: int = DEFAULT_STORE_SIZE, log_requests: int | None = None,
+              enable_tokenizer_info_endpoint: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine
     (GracefulServer in shutdown.py drains before uvicorn cancels anything; this is the fallback for other
     servers). `served_model_name`: the name clients send, or several (the first is the default and the metrics'
@@ -92,13 +94,15 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process).
     `responses_store_size`: how many finished responses POST /v1/responses keeps (response_store.py).
     `log_requests`: None, or log each generation request as it is queued with that many characters of its
-    prompt (--enable-log-requests, --max-log-len)."""
+    prompt (--enable-log-requests, --max-log-len). `enable_tokenizer_info_endpoint`: serve GET /tokenizer_info
+    (vLLM's flag of that name: off by default, since it shows the chat template and the tokenizer's setup).
+    `return_tokens_as_token_ids`: logprobs name tokens 'token_id:N' unless a request says otherwise."""
     offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
     parser = BodyParser(offloader, processes=parse_processes, process_min_bytes=parse_process_min_bytes)
     server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
                           enable_server_load_tracking=enable_server_load_tracking, limits=limits,
                           offloader=offloader, parser=parser, responses_store_size=responses_store_size,
-                          log_requests=log_requests)
+                          log_requests=log_requests, return_tokens_as_token_ids=return_tokens_as_token_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -118,6 +122,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     app.state.lifecycle = server.lifecycle = Lifecycle(engine, shutdown_timeout)  # /health reads it too
     for router in ROUTERS:
         app.include_router(router)
+    if enable_tokenizer_info_endpoint:
+        app.include_router(tokenizer_info_router)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     if enable_server_load_tracking:

@@ -79,8 +79,10 @@ class ServerMetrics:
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (KV freed, recomputed later).")
         self.success = Counter("vllm:request_success", "Requests finished, by finish reason (of the first "
                                "completion).", labels + ["finished_reason"], registry=r)
-        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step: the prompt "
-                                          "tokens it prefills plus the tokens it samples.", ITERATION_TOKEN_BUCKETS)
+        self.iteration_tokens = histogram("vllm:iteration_tokens_total", "Tokens per engine step, as vLLM "
+                                          "counts them: the whole prompt of each request whose first token the "
+                                          "step samples (prefix-cache hits included) plus the tokens it "
+                                          "samples.", ITERATION_TOKEN_BUCKETS)
         self.request_prompt_tokens = histogram("vllm:request_prompt_tokens", "Prompt length per request.",
                                                token_buckets)
         self.request_generation_tokens = histogram("vllm:request_generation_tokens",
@@ -134,10 +136,13 @@ class ServerMetrics:
     # -- the engine thread: observer events -----------------------------------------------------------------
     def on_engine_event(self, event: str, **payload: Any) -> None:
         if event == "step":
-            scheduled = payload["scheduled"]
-            prefilled = sum(s.num_new_tokens for s in scheduled if not s.is_decode)
-            sampled = sum(1 for s in scheduled if s.samples)
-            self.iteration_tokens.labels(*self.values).observe(prefilled + sampled)
+            tokens = 0
+            for s in payload["scheduled"]:
+                if s.samples:
+                    tokens += 1
+                    if not s.seq.output_token_ids and not s.seq.num_pending:  # the prompt's last chunk
+                        tokens += s.seq.num_prompt_tokens
+            self.iteration_tokens.labels(*self.values).observe(tokens)
         elif event == "inter_token_latencies":
             itl = self.itl.labels(*self.values)
             for gap in payload["values"]:

@@ -27,7 +27,7 @@ def completion_response(server: OpenAIServer, request_id: str, req: P.Completion
 
 def completion_choice(server: OpenAIServer, req: P.CompletionRequest, prepared: Prepared, i: int,
                       out: RequestOutput, c: CompletionOutput) -> P.CompletionChoice:
-    as_ids = bool(req.return_tokens_as_token_ids)
+    as_ids = server.tokens_as_ids(req)
     end = 0 if req.echo_only else len(c.token_ids)
     text = c.text if end else ""
     logprobs = completion_logprobs(server, c, 0, end, 0, as_ids) if req.logprobs is not None else None
@@ -46,7 +46,7 @@ def completion_choice(server: OpenAIServer, req: P.CompletionRequest, prepared: 
 
 def chat_response(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
                   out: RequestOutput) -> P.ChatCompletionResponse:
-    as_ids = bool(req.return_tokens_as_token_ids)
+    as_ids = server.tokens_as_ids(req)
     choices = []
     for c in out.outputs:
         message = chat_message(prepared.chat, c.text)

@@ -49,7 +49,7 @@ class OpenAIServer:
                  chat: ChatOptions | None = None, enable_server_load_tracking: bool = False,
                  limits: ServerLimits | None = None, offloader: Offloader | None = None,
                  parser: BodyParser | None = None, responses_store_size: int = DEFAULT_STORE_SIZE,
-                 log_requests: int | None = None):
+                 log_requests: int | None = None, return_tokens_as_token_ids: bool = False):
         self.engine = engine
         self.model_names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -68,6 +68,7 @@ class OpenAIServer:
         self.server_load = 0  # generation requests in flight, counted when track_load (GET /load)
         self.responses = ResponseStore(responses_store_size)  # POST /v1/responses with store: true
         self.log_requests = log_requests  # None, or how many prompt characters a request's log line shows
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
 
         self.chat = chat = chat or ChatOptions()
@@ -123,6 +124,12 @@ class OpenAIServer:
     def _token_text(self, token_id: int) -> str:
         """One token's text, special tokens included (what logprobs show); cached in `token_text`."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def tokens_as_ids(self, req) -> bool:
+        """Whether a request's logprobs name tokens 'token_id:N': its return_tokens_as_token_ids when it sets it,
+        else the server's --return-tokens-as-token-ids (vLLM's rule)."""
+        own = getattr(req, "return_tokens_as_token_ids", None)
+        return self.return_tokens_as_token_ids if own is None else bool(own)
 
     def token_name(self, token_id: int, as_id: bool) -> str:
         """A token as logprobs name it: its text, or 'token_id:N' (return_tokens_as_token_ids)."""

@@ -107,7 +107,7 @@ async def completion_events(server: OpenAIServer, request_id: str, req: P.Comple
     sent = [[StreamedChoice() for _ in range(req.n)] for _ in streams]
     finals: dict[int, RequestOutput] = {}
     holdback = stop_holdback(prepared.params)
-    as_ids = bool(req.return_tokens_as_token_ids)
+    as_ids = server.tokens_as_ids(req)
 
     def chunk(choice: P.CompletionChoice, total: P.UsageInfo | None = None) -> str:
         return sse(P.CompletionChunk(id=request_id, model=prepared.model, choices=[choice], usage=total))
@@ -159,7 +159,7 @@ async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompleti
     tool-call deltas as the output parsers release them."""
     [(_, prompt_ids)] = prepared.prompts
     setup = prepared.chat
-    as_ids = bool(req.return_tokens_as_token_ids)
+    as_ids = server.tokens_as_ids(req)
 
     def running(completion_tokens: int) -> P.UsageInfo | None:
         if not req.continuous_usage:

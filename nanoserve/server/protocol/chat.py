@@ -31,7 +31,9 @@ class ToolCallParam(RequestModel):
 
 
 class ChatMessage(RequestModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    role: str = Field(min_length=1)
+    """system, developer, user, assistant, tool - or any other role, passed to the chat template as it is (vLLM's
+    rule: the template decides what a custom role renders as)."""
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
@@ -175,6 +177,9 @@ class ChatCompletionResponse(ResponseModel):
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
     prompt_token_ids: list[int] | None = None
     """With return_token_ids: the rendered prompt's token ids."""
+    service_tier: str | None = None
+    system_fingerprint: str | None = None
+    """OpenAI's fields, always null here (as vLLM sends them)."""
 
 
 def _without_nulls(handler, model) -> dict[str, Any]:

@@ -1,10 +1,11 @@
 """POST /tokenize and POST /detokenize (vLLM's extensions): text or messages -> token ids exactly as the
 generation endpoints would tokenize them, and token ids -> text. A large body is handled in the server's thread
-pool, off the event loop (offload.py)."""
+pool, off the event loop (offload.py). GET /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's
+configuration and the chat template, as vLLM answers it."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -16,6 +17,7 @@ from nanoserve.server.routes.common import Server, json_body, request_body
 from nanoserve.server.state import OpenAIServer
 
 router = APIRouter()
+tokenizer_info_router = APIRouter()  # included only with --enable-tokenizer-info-endpoint
 
 
 @router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
@@ -49,3 +51,38 @@ def detokenize_request(server: OpenAIServer, req: DetokenizeRequest) -> JSONResp
         raise APIError(400, f"tokens: ids outside the vocabulary: {outside} (the vocabulary has "
                             f"{server.vocab_size} tokens)", param="tokens")
     return JSONResponse(DetokenizeResponse(prompt=server.tokenizer.decode(req.tokens)).model_dump())
+
+
+@tokenizer_info_router.get("/tokenizer_info")
+async def tokenizer_info_route(server: Server) -> JSONResponse:
+    return JSONResponse(tokenizer_info(server.tokenizer, server.chat_template))
+
+
+def tokenizer_info(tokenizer, chat_template: str | None) -> dict[str, Any]:
+    """vLLM's answer: the tokenizer's init kwargs (its tokenizer_config.json: special tokens, model_max_length,
+    ...), its class, the added tokens by id and the chat template in use (the server's --chat-template, else the
+    tokenizer's), made JSON."""
+    config = {k: v for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+              if k not in ("tokenizer_object", "tokenizer_file", "name_or_path", "vocab_file", "merges_file")}
+    config["tokenizer_class"] = type(tokenizer).__name__
+    config["added_tokens_decoder"] = {
+        str(i): {"content": t.content, "special": bool(t.special), "single_word": bool(t.single_word),
+                 "lstrip": bool(t.lstrip), "rstrip": bool(t.rstrip), "normalized": bool(t.normalized)}
+        for i, t in sorted((getattr(tokenizer, "added_tokens_decoder", None) or {}).items())}
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template.strip():
+        config["chat_template"] = template
+    return json_safe(config)
+
+
+def json_safe(value: Any) -> Any:
+    """A tokenizer config value as JSON: added tokens as their text, containers element by element, anything else
+    that JSON has no type for as its string."""
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [json_safe(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    content = getattr(value, "content", None)  # an AddedToken
+    return content if isinstance(content, str) else str(value)
