@@ -104,8 +104,9 @@ def grade(row: dict, text: str, finish: str) -> dict[str, bool]:
 def run_tasks(llm, rows: list[dict]) -> dict[str, list[bool]]:
     from nanoserve.sampling import SamplingParams
 
-    params = [SamplingParams(temperature=0.0, max_tokens=TASK_TOKENS.get(r["task"], RETRIEVAL_TOKENS))
-              for r in rows]
+    # markers stay in the text: the parsers read them, as the server's do
+    params = [SamplingParams(temperature=0.0, max_tokens=TASK_TOKENS.get(r["task"], RETRIEVAL_TOKENS),
+                             skip_special_tokens=False) for r in rows]
     outs = llm.generate([r["prompt"] for r in rows], params, use_tqdm=False)
     results: dict[str, list[bool]] = {}
     for r, o in zip(rows, outs):
@@ -127,7 +128,7 @@ def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512) -> dict[
     with gzip.open(path, "rt", encoding="utf-8") as f:
         corpora = [json.loads(line) for line in f]
     for c in corpora:
-        ids = tok.encode(c["text"])[:max_tokens]
+        ids = tok.encode(c["text"][: max_tokens * 8])[:max_tokens]  # a token is well under 8 characters
         windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
         outs = llm.generate([{"prompt_token_ids": w} for w in windows],
                             SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
