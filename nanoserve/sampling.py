@@ -128,6 +128,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Return, for every prompt token after the first, its log-probability and this many top alternatives
     (-1 = the whole vocabulary). The first prompt token has none (None in the output)."""
+    prompt_logprobs_temperature: float | None = None
+    """The prompt logprobs are of the logits divided by this (vLLM's field; None: 1, the raw distribution). Below 1
+    the distribution is sharper (the most likely token's logprob nearer 0), above 1 flatter."""
     logit_bias: dict[int, float] | None = None
     """Token id -> value added to its logit before sampling, in [-100, 100] (-100 bans, +100 forces)."""
     allowed_token_ids: list[int] | None = None
@@ -191,6 +194,10 @@ class SamplingParams:
             raise bad("presence_penalty", "a number in [-2, 2]")
         if not is_num(self.frequency_penalty) or not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "a number in [-2, 2]")
+        if self.prompt_logprobs_temperature is not None and (
+                not is_num(self.prompt_logprobs_temperature)
+                or not 0.0 < self.prompt_logprobs_temperature < math.inf):
+            raise bad("prompt_logprobs_temperature", "a finite number > 0")
         if self.seed is not None and (not is_int(self.seed) or not MIN_SEED <= self.seed <= MAX_SEED):
             raise bad("seed", f"an integer in [{MIN_SEED}, {MAX_SEED}]")
         if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):

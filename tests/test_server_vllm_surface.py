@@ -1,8 +1,11 @@
 """vLLM's server surface that its own tests read, against `python -m nanoserve.server` as a process of its own:
 GET /tokenizer_info behind --enable-tokenizer-info-endpoint, the --return-tokens-as-token-ids flag, custom message
-roles passed to the chat template, service_tier and system_fingerprint (null) in chat responses."""
+roles passed to the chat template, service_tier and system_fingerprint (null) in chat responses,
+prompt_logprobs_temperature."""
 
 from __future__ import annotations
+
+import math
 
 import httpx
 import openai
@@ -15,7 +18,7 @@ from tests.server_utils import ServerProcess
 def flagged(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("surface") / "server.log"
     with ServerProcess(tiny_dir, log, "--enable-tokenizer-info-endpoint", "--return-tokens-as-token-ids",
-                       name="tiny") as srv:
+                       "--max-logprobs", "512", name="tiny") as srv:
         yield srv
 
 
@@ -77,3 +80,32 @@ def test_chat_response_has_service_tier_and_system_fingerprint(plain):
         "model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}).json()
     assert "service_tier" in body and body["service_tier"] is None
     assert "system_fingerprint" in body and body["system_fingerprint"] is None
+
+
+def test_prompt_logprobs_temperature(flagged):
+    """The prompt logprobs of logits / T: each equals log_softmax(l / T) of the whole-vocabulary logprobs l at
+    T = 1 (a shift of the logits changes nothing); a lower T puts the most likely token nearer 0 (what vLLM's
+    test reads); T <= 0 is a 400 naming the field."""
+    def prompt_logprobs(**extra) -> list[dict]:
+        body = {"model": "tiny", "prompt": "A serving engine turns a model", "max_tokens": 1, "temperature": 0,
+                "prompt_logprobs": -1, **extra}
+        r = httpx.post(f"{flagged.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["prompt_logprobs"][1:]
+
+    raw = prompt_logprobs()
+    for temperature in (0.5, 2.0):
+        held = prompt_logprobs(prompt_logprobs_temperature=temperature)
+        for pos, (base, scaled) in enumerate(zip(raw, held)):
+            scaled_all = {t: v["logprob"] / temperature for t, v in base.items()}
+            norm = math.log(sum(math.exp(x) for x in scaled_all.values()))
+            for t, v in scaled.items():
+                assert v["logprob"] == pytest.approx(scaled_all[t] - norm, abs=1e-3), (temperature, pos, t)
+    top = [max(v["logprob"] for v in d.values()) for d in raw]
+    sharp = [max(v["logprob"] for v in d.values()) for d in prompt_logprobs(prompt_logprobs_temperature=0.25)]
+    assert all(s >= t for s, t in zip(sharp, top)) and sum(sharp) > sum(top)
+    for bad in (0, -1):
+        r = httpx.post(f"{flagged.url}/v1/completions", json={"model": "tiny", "prompt": "Hi", "max_tokens": 1,
+                                                               "prompt_logprobs": 1,
+                                                               "prompt_logprobs_temperature": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs_temperature", r.text

@@ -536,7 +536,8 @@ def model_input(sched: SchedulerOutput, vocab_size: int
                 prompt_token_rows.extend(range(len(ids) + first - start, len(ids) + last - start))
                 num = seq.params.prompt_logprobs
                 prompt_rows.append(prompt_lp.PromptLogprobRows(seq.seq_id, first + 1, last - first,
-                                                               vocab_size if num == -1 else num))
+                                                               vocab_size if num == -1 else num,
+                                                               seq.params.prompt_logprobs_temperature))
                 targets.extend(seq.prompt_token_ids[first + 1: last + 1])
         # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
         known = min(end - s.num_draft, seq.num_known_tokens)

@@ -29,6 +29,7 @@ class PromptLogprobRows:
     first_token: int
     count: int
     num_top: int  # top alternatives wanted (prompt_logprobs; -1 resolved to the vocabulary size)
+    temperature: float | None = None  # prompt_logprobs_temperature: the logits are divided by it (None: 1)
 
 
 @dataclass
@@ -56,9 +57,15 @@ def compute(logits: torch.Tensor, rows: list[PromptLogprobRows], targets: list[i
     if logits.device.type == "cuda":
         idx = idx.pin_memory().to(logits.device, non_blocking=True)
     k = min(max((r.num_top for r in rows), default=0), logits.shape[-1])
+    temps = None
+    if any(r.temperature not in (None, 1.0) for r in rows):  # each row's prompt_logprobs_temperature
+        temps = torch.tensor([r.temperature or 1.0 for r in rows for _ in range(r.count)], dtype=torch.float32)
+        temps = temps.to(logits.device)
     parts: list[tuple] = []
     for lo in range(0, logits.shape[0], ROW_SLICE):
         values = logits[lo:lo + ROW_SLICE].float()
+        if temps is not None:
+            values = values / temps[lo:lo + ROW_SLICE, None]
         if not as_logits:
             values = torch.log_softmax(values, dim=-1)
         target = values.gather(1, idx[lo:lo + ROW_SLICE, None])[:, 0]

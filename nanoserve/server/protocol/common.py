@@ -200,6 +200,8 @@ class SamplingRequest(RequestBody):
     """Words never to generate (their last token is banned after the tokens before it)."""
     prompt_logprobs: Int | None = None
     """Logprobs of every prompt token (None for the first) and this many alternatives; not with stream."""
+    prompt_logprobs_temperature: float | None = None
+    """The prompt logprobs are of the logits divided by this (vLLM's; > 0, default 1)."""
     return_token_ids: bool | None = None
     """Put the prompt's and each choice's token ids in the response (streamed: the prompt's in the first chunk,
     then each chunk's new ids)."""
@@ -308,6 +310,7 @@ class SamplingRequest(RequestBody):
             stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
             include_stop_str_in_output=self.include_stop_str_in_output, logprobs=logprobs,
             prompt_logprobs=self.prompt_logprobs if prompt_logprobs is None else prompt_logprobs,
+            prompt_logprobs_temperature=self.prompt_logprobs_temperature,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words or None,
             skip_special_tokens=self.skip_special_tokens, structured_outputs=self.structured_outputs_params()[0])
