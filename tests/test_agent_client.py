@@ -116,11 +116,20 @@ def forced(parts: list[str]) -> dict:
         {"type": "token", "token": p} if p in MARKERS else {"type": "const_string", "value": p} for p in parts]}}
 
 
-def answer(client, tok_end: int, thinking: str, parts: list[str], stream: bool, max_tokens: int = 200):
+MULTI_TURN = [{"role": "user", "content": "Weather in Rome?"},
+              {"role": "assistant", "content": "", "reasoning_content": "Rome, then.", "tool_calls": [
+                  {"id": "c1", "type": "function", "function": {"name": "get_weather",
+                                                                "arguments": '{"city": "Rome"}'}}]},
+              {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+              {"role": "assistant", "content": "Sunny in Rome."}]
+
+
+def answer(client, tok_end: int, thinking: str, parts: list[str], stream: bool, max_tokens: int = 200,
+           history: list[dict] = ()):
     """The chat answer when the model writes `parts` after the thinking the mode allows (a logit_bias makes it
     close that thinking at once: the format holds only what follows the first </mm:think>, as with any format
-    under --reasoning-parser): (reasoning, content, calls, finish_reason)."""
-    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
+    under --reasoning-parser), after the turns of `history`: (reasoning, content, calls, finish_reason)."""
+    kw = dict(model="tiny", messages=[*history, {"role": "user", "content": "Weather in Oslo?"}], tools=TOOLS,
               max_tokens=max_tokens, seed=0, logit_bias={str(tok_end): 100},
               extra_body={"chat_template_kwargs": {"thinking_mode": thinking},
                           "structured_outputs": {"structural_tag": forced(parts)}})
@@ -141,19 +150,21 @@ def end_token(tiny_dir):
 
 @pytest.mark.parametrize("thinking", ["enabled", "disabled", "adaptive"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_markers_never_leak(client, end_token, thinking, stream):
+@pytest.mark.parametrize("history", [[], MULTI_TURN], ids=["one-turn", "multi-turn"])
+def test_markers_never_leak(client, end_token, thinking, stream, history):
     """Stray, leading and repeated thinking markers are never content; a call opened before the thinking closed
-    is a call; whatever the thinking mode, streamed or not."""
+    is a call; whatever the thinking mode, streamed or not, in a first turn and after earlier turns (calls, tool
+    results, reasoning shown)."""
     first = [] if thinking == "disabled" else [E]  # the biased closer the other modes start with
     # a stray closer in the content, closers repeated at the start (as seen at the start of multi-turn replies)
     reasoning, content, calls, finish = answer(client, end_token, thinking, first + [E, E, "Hello", E, " there"],
-                                               stream)
+                                               stream, history=history)
     no_marker(reasoning, content)
     assert content == "Hello there" and calls == [] and finish == "stop"
     assert not reasoning
     # a block opened twice, then a tool call opened inside it before it closes
     reasoning, content, calls, finish = answer(client, end_token, thinking, first + [S, S, "plan ", *CALL, E],
-                                               stream)
+                                               stream, history=history)
     no_marker(reasoning, content, *(a for _, a in calls))
     assert reasoning == "plan " and not content, (reasoning, content)
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})] and finish == "tool_calls"
