@@ -10,9 +10,25 @@ One table per kernel, keyed by backend:
   slower). Prefill tiles are the usual flash-attention shapes for head_dim 128. Sparse prefill: 8 query tokens per
   program (128 rows, 8 warps) ran 1.6-1.8x faster than 1-4 tokens, with random and with smoothly varying index
   queries.
-- "hip": the same kernels on AMD Instinct (wave-64). `num_warps` counts 64-lane wavefronts there, so the warp
-  counts are halved where the CUDA choice would give 512 threads; every tl.dot keeps M, N, K >= 16 (the MFMA
-  16x16 minimum), and num_stages stays <= 2 (the AMD stream pipeliner's useful range).
+- "hip": the same kernels on AMD Instinct (MI300X = gfx942, MI355X = gfx950). No entry has run on an AMD card:
+  each follows one rule, and the compile gate (tests/compile_gate.py, docs/rocm.md) compiles every launch of the
+  engine for gfx942 and gfx950 and fails on a compile error, LDS over budget or a register spill. The rule (for
+  the tables here and in fp8_configs.py):
+  1. wave-64: `num_warps` counts 64-lane wavefronts (4 waves = 256 lanes: as many threads as 8 CUDA warps);
+  2. every tl.dot has M, N, K >= 16 (the MFMA 16x16 minimum), MXFP8 tiles a BLOCK_K multiple of 32; a product of
+     a single row (decode GEMV, one token through the MoE) takes the MXFP8 "gemv" variant on the vector ALUs
+     instead (a one-row MFMA is 15/16 padding);
+  3. at most 32 KiB of LDS per workgroup on gfx942, so two fit in its 64 KiB (Triton's async copies on gfx950 use
+     about twice that for the same tile; its 160 KiB still holds two);
+  4. occupancy >= 2 waves per SIMD where the tile allows (<= 256 vector + accumulation registers per lane);
+  5. at most 2 pipeline stages (the AMD stream pipeliner's useful range);
+  6. no TMA descriptors (they lower to plain loads on AMD, where the CUDA TMA tiles spill vector registers) and no
+     "scaled" MXFP8 variant (with bf16 activations tl.dot_scaled is decomposed on both chips, and its CUDA tiles
+     need 97-196 KiB of LDS); "acc" only on 16-row tiles (at 32 rows its per-block scaling of the accumulator
+     takes over 256 registers);
+  7. decode (memory-bound): many programs - narrow BLOCK_N, long BLOCK_K within the LDS budget; prefill
+     (compute-bound): 64- to 128-row tiles within the budget.
+  The dense prefill tile is 128 x 32 (it was 128 x 64: 308 registers, one wave per SIMD on gfx942).
 - "interpret": the CPU interpreter used by the tests. No autotuning anywhere: the interpreter runs a program per
   grid cell in Python, so a few large-ish tiles are what keep it quick; warps and stages are ignored there.
 
@@ -51,7 +67,7 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # Dense decode, one program per (sequence, KV head, split); block_m is derived (the GQA group, >= 16).
     "paged_decode": {"cuda": Tiles(0, 64, 4, 3), "hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 32, 1, 1)},
     # Dense prefill, one program per (sequence, query tile, query head).
-    "paged_prefill": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 64, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
+    "paged_prefill": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 32, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
     # Merge of flash-decoding splits, one program per (token, query head); block_n = splits read per step.
     "split_combine": {"cuda": Tiles(0, 16, 4, 2), "hip": Tiles(0, 16, 4, 2), "interpret": Tiles(0, 64, 1, 1)},
     # MSA indexer scores; block_n is derived (one whole KV block per step). block_m = (token, index head) rows.
@@ -89,7 +105,7 @@ TABLES: dict[str, dict[str, Tiles]] = {
     #   index queries, with the one-head-per-program merge) vs 8 tokens 9.63 / 9.32, 16 tokens 9.47 / 8.98,
     #   8 tokens with 128-key tiles 9.87 / 9.48; with the 4-head merge (slot_combine) the whole call is
     #   5.16 / 4.98 ms (2 heads 6.97 / 6.73, 8 heads 5.55 / 5.35).
-    "paged_prefill_long": {"cuda": Tiles(128, 128, 8, 3, True), "hip": Tiles(128, 64, 4, 2),
+    "paged_prefill_long": {"cuda": Tiles(128, 128, 8, 3, True), "hip": Tiles(128, 32, 4, 2),
                            "interpret": Tiles(32, 32, 1, 1)},
     "msa_score_prefill_long": {"cuda": Tiles(128, 0, 4, 3), "hip": Tiles(64, 0, 4, 2),
                                "interpret": Tiles(64, 0, 1, 1)},
@@ -134,6 +150,22 @@ MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
         },
     },
 }
+M3_EXPERT_SHAPES = ((6144, 3072, 128), (6144, 1536, 128), (6144, 768, 128), (6144, 384, 128), (6144, 3072, 32),
+                    (6144, 3072, 16))
+"""M3's (hidden, intermediate, routed experts) on one rank: tensor parallel 1, 2, 4, 8, then expert parallel 4, 8."""
+HIP_MOE_BUCKETS: dict[int, tuple] = {
+    # By the rule in this module's docstring (compile gate on gfx942: <= 24 KiB of LDS, >= 2 waves per SIMD). A
+    # token sends ~1/32 of a row to each of M3's 128 routed experts (top-4), and one to the shared expert's slot.
+    # Up to 256 tokens (<= 8 rows per routed expert): 16-row tiles, the narrowest MFMA N (16 gate + 16 up columns)
+    # for GEMM 1 and 32 for GEMM 2, so one token's five experts make ~1,000 programs per GEMM for 304 CUs, and
+    # 256-deep K steps. 1024 tokens (~32 rows): 32-row tiles. 4096 and more: 64-row tiles, 64 x 64 (GEMM 1) and
+    # 128 x 64 (GEMM 2) - 128-row tiles would need 64 KiB of LDS.
+    1: (16, 8, (16, 256, 4, 2), (32, 256, 4, 2)),
+    256: (16, 8, (16, 256, 4, 2), (32, 256, 4, 2)),
+    1024: (32, 8, (32, 128, 4, 2), (64, 128, 4, 2)),
+    4096: (64, 8, (64, 64, 4, 2), (128, 64, 4, 2)),
+}
+MOE_TILES["hip"] = {shape: HIP_MOE_BUCKETS for shape in M3_EXPERT_SHAPES}
 
 INTERPRETER_SM_COUNT = 4
 """Stand-in multiprocessor count under the interpreter: small, so tests still exercise several splits."""
@@ -169,7 +201,16 @@ GEMV_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
         (6144, 8192): (8, 512, 4, 1),
         (6144, 12288): (8, 1024, 8, 1),
     },
-    "hip": {},
+    # hip: the cuda entry's shapes and tiles with its threads per program as 64-lane waves (rule 1; the GEMV uses
+    # neither LDS nor MFMA). Never timed against hipBLASLt: `--no-triton-gemv` is the way back to F.linear.
+    "hip": {
+        (128, 6144): (1, 1024, 4, 2),
+        (200064, 6144): (2, 2048, 4, 2),
+        (9216, 6144): (4, 512, 2, 2),
+        (9856, 6144): (16, 256, 4, 2),
+        (6144, 8192): (8, 512, 2, 1),
+        (6144, 12288): (8, 1024, 4, 1),
+    },
     "interpret": {},
 }
 GEMV_MXFP8_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
@@ -184,7 +225,14 @@ GEMV_MXFP8_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = 
         (6144, 12288): (4, 1024, 4, 1),
         (24576, 6144): (4, 2048, 4, 1),
     },
-    "hip": {},
+    # hip: as GEMV_TILES's hip entries, the cuda entries' threads as 64-lane waves.
+    "hip": {
+        (6144, 8192): (4, 2048, 2, 1),
+        (9856, 6144): (8, 2048, 2, 1),
+        (9216, 6144): (8, 2048, 2, 1),
+        (6144, 12288): (4, 1024, 2, 1),
+        (24576, 6144): (4, 2048, 2, 1),
+    },
     "interpret": {},
 }
 GEMV_INTERPRETER_TILES = (16, 64, 1, 1)

@@ -18,18 +18,21 @@ Each entry names a *variant* (how a weight tile is dequantised and multiplied) a
             variants spend their time dequantising tiles for an MMA that is 94 % padding. The fused MoE runs it
             for batches of up to moe.MOE_GEMV_MAX_TOKENS tokens (each tile's first rows only), else "bcast".
 
-Tables are keyed by backend ("cuda" only so far), then by the GEMM's shape and a batch bucket; a batch of M rows
+Tables are keyed by backend ("cuda", "hip"), then by the GEMM's shape and a batch bucket; a batch of M rows
 (tokens for the MoE) uses the smallest bucket >= M (the largest beyond). Shapes missing from a table use the
 heuristics in the kernel files. `scripts/tune_fp8.py` measures every variant at a card's shapes and writes a JSON
 file of the same form; `NANOSERVE_FP8_TUNED_CONFIG=<that file>` makes the kernels use it over these built-in
 entries (for another card, without editing code).
 
-Built-in "cuda" entries: NVIDIA H200 at m3-slice widths (see each table's comment for the run).
+Built-in "cuda" entries: NVIDIA H200 at m3-slice widths (see each table's comment for the run). Built-in "hip"
+entries: M3's shapes at tensor parallel 1-8 and expert parallel 4 and 8, one bucket table per kind chosen by the
+rule stated in configs.py's docstring (never timed on an AMD card; the compile gate, tests/compile_gate.py,
+checks that they compile and fit gfx942 and gfx950).
 """
 
 from __future__ import annotations
 
-from nanoserve.kernels.configs import tuned_file
+from nanoserve.kernels.configs import M3_EXPERT_SHAPES, tuned_file
 
 FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled", "dequant", "gemv")
 TUNED_CONFIG_ENV = "NANOSERVE_FP8_TUNED_CONFIG"
@@ -88,6 +91,29 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     },
 }
 
+M3_LINEAR_SHAPES = (
+    # (N, K) of M3's MXFP8 projections on one rank: MSA qkv + index, dense qkv, o_proj, dense gate_up, dense down
+    (9856, 6144), (9216, 6144), (6144, 8192), (24576, 6144), (6144, 12288),  # tensor parallel 1
+    (4992, 6144), (4608, 6144), (6144, 4096), (12288, 6144), (6144, 6144),  # 2
+    (2560, 6144), (2304, 6144), (6144, 2048), (6144, 3072),  # 4 (gate_up 6144 x 6144 as at 2)
+    (1536, 6144), (1280, 6144), (6144, 1024), (3072, 6144), (6144, 1536),  # 8
+    (6144, 768), (768, 6144), (6144, 384),  # the unfolded shared expert under expert parallel 4 and 8
+)
+HIP_LINEAR_BUCKETS: dict[int, LinearEntry] = {
+    # By the rule in configs.py: one row on the vector ALUs ("gemv", K split over ~4 programs per CU); 8 rows in
+    # one 16-row MFMA tile with the accumulator scaled per block ("acc"); 32-128 rows dequantising the weight tile
+    # in registers ("bcast": "acc" at 32 rows needs over 256 registers, and so does "bcast" with 128-deep K steps
+    # there); prefill batches dequantise W once and call F.linear (hipBLASLt), as on CUDA. All within 32 KiB of
+    # LDS and 2 stages.
+    1: ('gemv', 1, 32, 256, 4, 1, 4),
+    8: ('acc', 16, 64, 128, 4, 2, 8),
+    32: ('bcast', 32, 64, 64, 4, 2),
+    64: ('bcast', 64, 64, 128, 4, 2, 8),
+    128: ('bcast', 64, 128, 64, 4, 2),
+    512: ('dequant', 128, 128, 64, 4, 2),
+}
+FP8_LINEAR_TILES["hip"] = {shape: HIP_LINEAR_BUCKETS for shape in M3_LINEAR_SHAPES}
+
 FP8_MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, MoEEntry]]] = {
     # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}. "cuda": m3-slice's experts
     # (top-4 + the folded shared expert) on an H200, the same two runs; the 1- and 4-token entries from
@@ -107,6 +133,17 @@ FP8_MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, MoEEntry]]] = {
         },
     },
 }
+
+HIP_MOE_BUCKETS: dict[int, MoEEntry] = {
+    # By the rule in configs.py: one token on the vector ALUs ("gemv": 8 weight rows x 512 columns per program, 16
+    # fp8 bytes per lane); up to 256 tokens (<= 8 rows per routed expert) 16-row "acc" tiles; 1024 tokens 32-row
+    # "bcast" tiles; 4096 and more 64-row "bcast" tiles, never "scaled" (its tiles outgrow the LDS).
+    1: ('gemv', 16, 8, (8, 512, 4, 1), (8, 512, 4, 1)),
+    256: ('acc', 16, 8, (32, 128, 4, 2), (64, 128, 4, 2)),
+    1024: ('bcast', 32, 8, (32, 128, 4, 2), (64, 128, 4, 2)),
+    4096: ('bcast', 64, 8, (64, 64, 4, 2), (128, 64, 4, 2)),
+}
+FP8_MOE_TILES["hip"] = {shape: HIP_MOE_BUCKETS for shape in M3_EXPERT_SHAPES}
 
 
 def _key(text: str) -> tuple[int, ...]:

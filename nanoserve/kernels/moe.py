@@ -32,9 +32,10 @@ skipped, contributes 0). Tensor parallel experts just arrive with a smaller inte
 kernels unchanged; the caller's all-reduce sums the ranks.
 
 Tile configurations come from kernels/configs.py's MOE_TILES (H200, bf16), keyed by (hidden, intermediate, routed
-experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on another card); other shapes and AMD
-GPUs get a portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU
-interpreter gets a small fixed tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
+experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on another card), and for AMD GPUs
+MOE_TILES["hip"] (M3's shapes, by the rule stated in configs.py); other shapes get a portable heuristic
+(num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU interpreter gets a small fixed
+tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
 written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is dequantised (`fp8_variant`; the
 variants are those of fp8_linear.py, sharing the jitted K-tile helpers of fp8_tile.py); shapes missing from it fall back to the bf16
 table's tiles with "auto". Its "gemv" entries (batches of up to MOE_GEMV_MAX_TOKENS tokens) multiply only the
@@ -118,15 +119,20 @@ H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
 }
 TOKEN_BUCKETS = tuple(sorted({b for buckets in H200_CONFIGS.values() for b in buckets}))
 """A batch of T tokens uses the entry of the smallest bucket >= T (the largest bucket beyond that)."""
+HIP_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
+    # AMD Instinct: kernels/configs.py's MOE_TILES["hip"] (chosen by the rule stated there, not measured)
+    shape: {bucket: _table_cfg(entry) for bucket, entry in buckets.items()}
+    for shape, buckets in MOE_TILES["hip"].items()
+}
 
 
 INTERPRETER_CONFIG = _cfg(16, 1, (32, 32, 4, 1), (32, 32, 4, 1))
 """CPU interpreter (tests): small tiles so that test shapes still span several tiles in every dimension."""
 
 
-def token_bucket(tokens: int) -> int:
-    """The TOKEN_BUCKETS entry a batch of `tokens` uses."""
-    return next((b for b in TOKEN_BUCKETS if tokens <= b), TOKEN_BUCKETS[-1])
+def token_bucket(tokens: int, buckets: tuple[int, ...] = TOKEN_BUCKETS) -> int:
+    """The bucket a batch of `tokens` uses (of TOKEN_BUCKETS, the H200 table's, unless given)."""
+    return next((b for b in buckets if tokens <= b), buckets[-1])
 
 
 def default_config(tokens: int, top_k: int, experts: int, on_rocm: bool) -> MoEConfig:
@@ -146,9 +152,9 @@ def default_config(tokens: int, top_k: int, experts: int, on_rocm: bool) -> MoEC
 
 def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int, device: torch.device,
                   dtype: torch.dtype = torch.bfloat16, w_fp8: bool = False) -> MoEConfig:
-    """The tile configuration for this call: interpreter, tuned H200 table (16-bit operands: fp32 tiles would need
-    twice its shared memory; MXFP8 experts use fp8_configs.py's table where it has the shape), or the portable
-    heuristic."""
+    """The tile configuration for this call: interpreter, the backend's table (H200_CONFIGS or HIP_CONFIGS; 16-bit
+    operands: fp32 tiles would need twice their shared memory; MXFP8 experts use fp8_configs.py's table where it
+    has the shape), or the portable heuristic."""
     kind = backend(device)
     if kind == "interpret":
         return INTERPRETER_CONFIG
@@ -157,9 +163,9 @@ def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int
         entry = moe_entry(kind, hidden, inter, experts, tokens)
         if entry is not None:
             return _cfg(*entry[1:], fp8_variant=entry[0])
-    tuned = H200_CONFIGS.get((hidden, inter, experts)) if kind == "cuda" and sixteen_bit else None
+    tuned = (H200_CONFIGS if kind == "cuda" else HIP_CONFIGS).get((hidden, inter, experts)) if sixteen_bit else None
     if tuned is not None:
-        return tuned[token_bucket(tokens)]
+        return tuned[token_bucket(tokens, tuple(sorted(tuned)))]
     return default_config(tokens, top_k, experts, on_rocm=kind == "hip")
 
 
