@@ -94,6 +94,20 @@ def losses(model, ids, trains, lengths, mode: str, kl_rows: int):
     return main, mtp, aux["index_kl"]
 
 
+def load_checkpoint(model: M3Train, path: str) -> None:
+    """Fill `model` from a checkpoint directory written by export.py (every tensor by its released name)."""
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(path, "model.safetensors"))
+    names = model.checkpoint_tensors()
+    missing = sorted(set(names) - set(saved))
+    if missing:
+        raise SystemExit(f"--init {path}: {len(missing)} tensors missing, e.g. {missing[:3]}")
+    with torch.no_grad():
+        for name, t in names.items():
+            t.copy_(saved[name].to(t.dtype))  # checkpoint_tensors() returns views of the parameters and buffers
+
+
 def param_groups(model, wd: float):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -122,6 +136,8 @@ def main() -> None:
     ap.add_argument("--bias-rate", type=float, default=1e-3)
     ap.add_argument("--save-every", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--init", default=None, metavar="DIR", help="start from a checkpoint export.py wrote (its "
+                    "weights and router biases; the optimizer starts afresh)")
     args = ap.parse_args()
 
     from training.export import export
@@ -133,7 +149,10 @@ def main() -> None:
     device = torch.device(args.device)
     text, chat, long = (Docs(args.data, n) for n in ("text", "chats", "long"))
     long_ok = np.flatnonzero(long.ends - long.starts <= args.long_seq)
-    model = M3Train(MINI).to(device)
+    model = M3Train(MINI)
+    if args.init:
+        load_checkpoint(model, args.init)
+    model = model.to(device)
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     print(f"m3-mini: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
