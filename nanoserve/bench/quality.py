@@ -1,7 +1,7 @@
 """What a model can do, measured: held-out perplexity per corpus and accuracy on held-out tasks.
 
     python -m nanoserve.bench --quality                      # m3-mini on the CPU, a few minutes
-    python -m nanoserve.bench --quality --quality-limit 20   # fewer prompts per task, faster
+    python -m nanoserve.bench --quality --quality-limit 20 --quality-retrieval-limit 5   # fewer prompts, faster
 
 A trained model's directory carries its held-out set (`heldout.jsonl.gz`: prompts rendered through its chat
 template with what a grader expects; `heldout_text.jsonl.gz`: text of each training corpus kept out of training).
@@ -48,7 +48,9 @@ class QualityReport:
                 "perplexity": self.perplexity}
 
 
-def heldout_rows(model_dir: str, limit: int | None) -> list[dict]:
+def heldout_rows(model_dir: str, limit: int | None, retrieval_limit: int | None = None) -> list[dict]:
+    """The held-out prompts, at most `limit` per task (`retrieval_limit` per retrieval length: a long prompt's
+    prefill is what costs time on a CPU)."""
     path = os.path.join(model_dir, "heldout.jsonl.gz")
     if not os.path.isfile(path):
         raise ValueError(f"--quality: {model_dir} has no held-out set (heldout.jsonl.gz); it is written with a "
@@ -58,7 +60,8 @@ def heldout_rows(model_dir: str, limit: int | None) -> list[dict]:
         for line in f:
             r = json.loads(line)
             n = per_task.get(r["task"], 0)
-            if limit is None or n < limit:
+            cap = retrieval_limit if r["task"].startswith("retrieval") and retrieval_limit is not None else limit
+            if cap is None or n < cap:
                 rows.append(r)
                 per_task[r["task"]] = n + 1
     return rows
@@ -177,8 +180,8 @@ def force_selection(llm, kind: str | None) -> None:
 
 
 def evaluate(llm, model_dir: str, limit: int | None = None, text_tokens: int = 8192,
-             selections: bool = True) -> QualityReport:
-    rows = heldout_rows(model_dir, limit)
+             selections: bool = True, retrieval_limit: int | None = None) -> QualityReport:
+    rows = heldout_rows(model_dir, limit, retrieval_limit)
     report = QualityReport()
     for task, oks in run_tasks(llm, rows).items():
         report.accuracy[task] = (sum(oks) / len(oks), len(oks))
@@ -240,24 +243,26 @@ def format_deltas(base: QualityReport, rows: list[tuple[str, QualityReport]]) ->
     return "\n".join(lines)
 
 
-def run(model: str, limit: int | None, text_tokens: int, ablate: bool, out_dir: str | None) -> int:
+def run(model: str, limit: int | None, text_tokens: int, ablate: bool, out_dir: str | None,
+        retrieval_limit: int | None = None) -> int:
     from nanoserve.presets.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(model)
     llm = build_llm(model)
     try:
-        base = evaluate(llm, model_dir, limit, text_tokens)
+        base = evaluate(llm, model_dir, limit, text_tokens, retrieval_limit=retrieval_limit)
     finally:
         llm.shutdown()
     text = format_report(base, f"Quality of {model} (held-out, greedy, CPU fp32)")
     print(text, flush=True)
-    result = {"model": model, "limit": limit, "report": base.as_dict()}
+    result = {"model": model, "limit": limit, "retrieval_limit": retrieval_limit, "report": base.as_dict()}
     if ablate:
         rows = []
         for name, kwargs in variants():
             llm = build_llm(model, **kwargs)
             try:
-                rows.append((name, evaluate(llm, model_dir, limit, text_tokens, selections=False)))
+                rows.append((name, evaluate(llm, model_dir, limit, text_tokens, selections=False,
+                                            retrieval_limit=retrieval_limit)))
             finally:
                 llm.shutdown()
         table = format_deltas(base, rows)
