@@ -374,7 +374,7 @@ def test_forced_call_is_the_whole_answer_and_fits_the_schema(client, tok, thinki
         return client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "Weather in Oslo for two days?"}],
             tools=FORCED_TOOLS, tool_choice=choice, parallel_tool_calls=False, temperature=2.0, seed=seed,
-            logit_bias={str(end): -100}, max_tokens=300,
+            logit_bias={str(end): -100}, max_tokens=240,
             extra_body={"chat_template_kwargs": {"thinking_mode": thinking}}).choices[0]
     with ThreadPoolExecutor(4) as pool:
         answers = list(pool.map(ask, range(4)))
