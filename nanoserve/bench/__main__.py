@@ -15,6 +15,8 @@
     python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
     python -m nanoserve.bench --quality [--ablate]              # m3-mini's held-out accuracy and perplexity (CPU),
                                                                 # and what each approximation costs in quality
+    python -m nanoserve.bench --speculative [--spec-limit N]    # each drafter's acceptance and speed-up (m3-mini)
+    python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -112,6 +114,14 @@ def parser() -> argparse.ArgumentParser:
                     "task (default: all)")
     ap.add_argument("--quality-text-tokens", type=int, default=8192, metavar="N",
                     help="--quality: held-out tokens per corpus for perplexity (0: none)")
+    ap.add_argument("--speculative", nargs="?", const="acceptance", choices=["acceptance", "cost"], default=None,
+                    help="speculative decoding: each drafter's acceptance and speed-up on a trained model's held-out "
+                    "prompts (default m3-mini), or with `cost` the verify, decode and draft step costs (default "
+                    f"{DEFAULT_GPU_MODEL} on a GPU, {DEFAULT_CPU_MODEL} on the CPU; --prompt-len: the context)")
+    ap.add_argument("--spec-limit", type=int, default=None, metavar="N", help="--speculative: at most N prompts per "
+                    "task (default: all)")
+    ap.add_argument("--spec-eagle3", default=None, metavar="DIR", help="--speculative: an EAGLE-3 draft directory "
+                    "for the model (without one eagle3 is skipped)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
@@ -130,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_quality(args.model or DEFAULT_MODEL, args.quality_limit, args.quality_text_tokens, args.ablate,
                            args.out)
+    if args.speculative:
+        from nanoserve.bench.speculative import run as run_speculative
+
+        return run_speculative(args)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     import torch

@@ -1,0 +1,114 @@
+"""`python -m nanoserve.bench --speculative` on the CPU: on an m3-tiny checkpoint with a random MTP module and a
+small held-out set, the acceptance report has every drafter's fields (mtp at k=1 and k=3, ngram; eagle3 skipped
+with the reason), greedy outputs with speculation equal those without, and the ngram drafter is really accepted
+on prompts that repeat themselves; `--speculative cost` times decode, verify and draft steps and computes the
+speed-up from them."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import subprocess
+import sys
+
+import pytest
+
+from nanoserve.bench.speculative import drafters, first_difference
+
+TASKS = {"no_tool": ["one two three one two three one two three one two", "alpha beta gamma alpha beta gamma alpha"],
+         "retrieval_1k": ["the key is 4417. the key is 4417. the key is", "red green blue red green blue red green"]}
+
+
+@pytest.fixture(scope="module")
+def trained_dir(tiny_dir, tmp_path_factory) -> str:
+    """m3-tiny plus a random MTP module and a held-out set in the layout of a trained model's directory (three
+    prompts per task: --spec-limit 1 must drop two)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tests.test_spec_decode import mtp_tensors
+
+    path = tmp_path_factory.mktemp("m3-tiny-heldout")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    with gzip.open(path / "heldout.jsonl.gz", "wt", encoding="utf-8") as f:
+        for task, prompts in TASKS.items():
+            for p in prompts + ["an extra prompt that the limit leaves out"]:
+                f.write(json.dumps({"task": task, "prompt": p, "expected": {}, "tools": None,
+                                    "thinking_mode": None}) + "\n")
+    return str(path)
+
+
+def bench(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "nanoserve.bench", *args], capture_output=True, text=True,
+                          timeout=540)
+
+
+def test_acceptance_report_per_drafter_with_identical_greedy_output(trained_dir, tmp_path):
+    res = bench("--speculative", "--model", trained_dir, "--spec-limit", "1", "--device", "cpu", "--out",
+                str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((tmp_path / "speculative.json").read_text())
+    table = (tmp_path / "speculative.md").read_text()
+    assert "mean accepted length" in res.stdout and table.strip() in res.stdout
+    assert report["prompts"] == {"no_tool": 1, "retrieval_1k": 1}
+    assert list(report["drafters"]) == ["ngram k=3", "mtp k=1", "mtp k=3"]
+    assert "--spec-eagle3" in report["skipped"]["eagle3 k=3"] and "eagle3 k=3: skipped" in table
+    assert report["identical"] is True
+    for task in TASKS:
+        base = report["baseline"][task]
+        assert base["output_tokens"] > 0 and base["tokens_per_s"] > 0 and base["tpot_ms"] > 0
+    for d in report["drafters"].values():
+        k = d["config"]["num_speculative_tokens"]
+        for task, t in d["tasks"].items():
+            assert t["identical"] and not t["differences"]
+            assert t["output_tokens"] == report["baseline"][task]["output_tokens"]
+            assert t["num_drafts"] > 0 and t["num_accepted_tokens"] <= t["num_draft_tokens"] <= k * t["num_drafts"]
+            assert t["mean_accepted_length"] == pytest.approx(1 + t["num_accepted_tokens"] / t["num_drafts"])
+            per_pos = t["acceptance_per_pos"]
+            assert len(per_pos) <= k and all(0 <= p <= 1 for p in per_pos) and per_pos == sorted(per_pos,
+                                                                                                  reverse=True)
+            assert sum(per_pos) * t["num_drafts"] == pytest.approx(t["num_accepted_tokens"])
+            assert t["speedup_tpot"] == pytest.approx(report["baseline"][task]["tpot_ms"] / t["tpot_ms"])
+    # the prompts repeat themselves, and so does the random model's greedy output: prompt lookup is accepted
+    ngram = report["drafters"]["ngram k=3"]["tasks"]
+    assert sum(t["num_accepted_tokens"] for t in ngram.values()) > 0
+
+
+def test_drafters_the_model_cannot_run_are_skipped_with_the_reason(tiny_dir, trained_dir):
+    plain = {name: skip for name, _, skip in drafters(tiny_dir, None)}
+    assert plain["ngram k=3"] is None
+    assert "no MTP module" in plain["mtp k=1"] and "no MTP module" in plain["mtp k=3"]
+    with_mtp = {name: skip for name, _, skip in drafters(trained_dir, "/some/draft")}
+    assert all(skip is None for skip in with_mtp.values())
+
+
+def test_first_difference_finds_where_outputs_part():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_missing_heldout_set_is_a_clear_error(tiny_dir):
+    res = bench("--speculative", "--model", tiny_dir, "--device", "cpu")
+    assert res.returncode != 0 and "heldout.jsonl.gz" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_step_costs_and_the_speedup_they_imply(tmp_path):
+    res = bench("--speculative", "cost", "--model", "m3-tiny", "--device", "cpu", "--prompt-len", "40", "--out",
+                str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((tmp_path / "speculative_cost.json").read_text())
+    assert report["context"] == 40 and [r["batch"] for r in report["rows"]] == [1, 16]
+    for row in report["rows"]:
+        for key in ("decode_ms", "decode_eager_ms", "verify_k1_ms", "verify_k3_ms"):
+            assert row[key] > 0
+        for method in ("ngram", "mtp", "eagle3"):
+            assert row[f"draft_{method}_k3_ms"] > 0
+    row16 = report["rows"][1]
+    at = {(s["batch"], s["k"], s["drafter"], s["mean_accepted_length"]): s["speedup"] for s in report["speedups"]}
+    assert at[(16, 3, "eagle3", 2.7)] == pytest.approx(
+        2.7 * row16["decode_ms"] / (row16["verify_k3_ms"] + row16["draft_eagle3_k3_ms"]))
+    assert {(b, length) for b, k, _, length in at if k == 3} == {(1, 2.7), (1, 3.5), (16, 2.7), (16, 3.5)}
+    assert "| 16 | 3 | 3.5 |" in res.stdout
