@@ -112,6 +112,8 @@ def parser() -> argparse.ArgumentParser:
                     "(default m3-mini) on the CPU; with --ablate, the change each approximation makes")
     ap.add_argument("--quality-limit", type=int, default=None, metavar="N", help="--quality: at most N prompts per "
                     "task (default: all)")
+    ap.add_argument("--quality-retrieval-limit", type=int, default=None, metavar="N",
+                    help="--quality: at most N prompts per retrieval length (default: as --quality-limit)")
     ap.add_argument("--quality-text-tokens", type=int, default=8192, metavar="N",
                     help="--quality: held-out tokens per corpus for perplexity (0: none)")
     ap.add_argument("--speculative", nargs="?", const="acceptance", choices=["acceptance", "cost"], default=None,
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
         from nanoserve.presets.catalog import DEFAULT_MODEL
 
         return run_quality(args.model or DEFAULT_MODEL, args.quality_limit, args.quality_text_tokens, args.ablate,
-                           args.out)
+                           args.out, args.quality_retrieval_limit)
     if args.speculative:
         from nanoserve.bench.speculative import run as run_speculative
 
