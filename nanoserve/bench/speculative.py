@@ -174,11 +174,13 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
                                   r["task"] for r in rows)}, "drafters": {}, "skipped": {}}
     base = _answer_with(model, device, dtype, None, rows, optimizations)
     report["baseline"] = {t: _timing(run) for t, run in base.items()}
+    _progress("no speculation", base)
     for name, config, skip in drafters(model_dir, eagle3_dir):
         if skip:
             report["skipped"][name] = skip
             continue
         spec = _answer_with(model, device, dtype, config, rows, optimizations)
+        _progress(name, spec)
         tasks = {}
         for task, run in spec.items():
             ref = base[task]
@@ -210,6 +212,14 @@ def _answer_with(model: str, device: str, dtype: str, config: dict | None, rows:
         return answer_alone(llm, rows)
     finally:
         llm.shutdown()
+
+
+def _progress(name: str, runs: dict[str, TaskRun]) -> None:
+    """One line per engine as it finishes (a pass over long prompts takes minutes on the CPU)."""
+    import sys
+
+    done = ", ".join(f"{task} {run.output_tokens} tokens in {run.wall_s:.1f} s" for task, run in runs.items())
+    print(f"{name}: {done}", file=sys.stderr, flush=True)
 
 
 def _timing(run: TaskRun) -> dict[str, Any]:
