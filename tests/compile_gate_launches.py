@@ -127,6 +127,7 @@ _JIT_TWINS: dict[int, JITFunction] = {}  # by the interpreted kernel's id (modul
 def _recorder(backend: str, launches: dict[tuple, Launch], scenario: list):
     target_backend = make_backend(RECORD_TARGET[backend])
     binders: dict[int, object] = {}  # by id: a JITFunction's hash walks its source's dependencies
+    seen: dict[tuple, Launch] = {}
 
     def run(self, *args, grid, warmup, **kwargs):
         jit = as_jit(self)
@@ -134,18 +135,24 @@ def _recorder(backend: str, launches: dict[tuple, Launch], scenario: list):
         if binder is None:
             binder = binders[id(jit)] = create_function_from_signature(jit.signature, jit.params, target_backend)
         bound, specialization, options = binder(*args, **kwargs)
-        _, signature, constexprs, attrs = jit._pack_args(target_backend, kwargs, bound, specialization, options)
-        launch = Launch(f"{jit.fn.__module__}:{jit.fn.__qualname__}", signature, constexprs, attrs,
-                        {k: v for k, v in kwargs.items() if k not in signature}, backend)
-        launches.setdefault(launch.key, launch).scenarios.add(tuple(scenario))
+        seen_key = (id(jit), repr(specialization), repr(sorted(kwargs.items())))  # as Triton's own kernel cache
+        launch = seen.get(seen_key)
+        if launch is None:
+            _, signature, constexprs, attrs = jit._pack_args(target_backend, kwargs, bound, specialization, options)
+            launch = Launch(f"{jit.fn.__module__}:{jit.fn.__qualname__}", signature, constexprs, attrs,
+                            {k: v for k, v in kwargs.items() if k not in signature}, backend)
+            launch = seen[seen_key] = launches.setdefault(launch.key, launch)
+        launch.scenarios.add(tuple(scenario))
         return None
 
     return run
 
 
 @contextlib.contextmanager
-def recording(backend: str, launches: dict[tuple, Launch], scenario: list) -> Iterator[None]:
-    """Within: nanoserve's kernels record their launches into `launches` as `backend` would make them."""
+def recording(backend: str, launches: dict[tuple, Launch], scenario: list, run=None) -> Iterator[None]:
+    """Within: nanoserve's kernels record their launches into `launches` as `backend` would make them, each
+    tagged with the current `scenario`. `run`: a recorder of _recorder's kind to reuse across calls (it remembers
+    the launches it has bound)."""
     originals = {"backend": configs.backend, "triton_usable": kernels_pkg.triton_usable,
                  "sm_count": configs.sm_count}
     replacements = {"backend": lambda device: backend, "triton_usable": lambda device: True,
@@ -157,7 +164,7 @@ def recording(backend: str, launches: dict[tuple, Launch], scenario: list) -> It
             for attr, original in originals.items():
                 if getattr(module, attr, None) is original:  # every module that imported the function by name
                     stack.enter_context(mock.patch.object(module, attr, replacements[attr]))
-        run = _recorder(backend, launches, scenario)
+        run = run or _recorder(backend, launches, scenario)
         stack.enter_context(mock.patch.object(JITFunction, "run", run))
         stack.enter_context(mock.patch.object(InterpretedFunction, "run", run))
         stack.enter_context(mock.patch.object(parallel_state.dist, "all_reduce", lambda *a, **k: None))
@@ -183,6 +190,7 @@ def record_launches(backends: list[str]) -> dict[str, list[Launch]]:
     cfg = get_preset("m3-slice").config
     launches: dict[str, dict[tuple, Launch]] = {backend: {} for backend in backends}
     scenario: list = []
+    recorders = {backend: _recorder(backend, launches[backend], scenario) for backend in backends}
     saved_tp = parallel_state.get_tp()
     try:
         for weights in WEIGHTS:
@@ -200,7 +208,7 @@ def record_launches(backends: list[str]) -> dict[str, list[Launch]]:
                     ids = torch.zeros(sum(query_lens), dtype=torch.long, device="meta")
                     last = (torch.tensor(query_lens).cumsum(0) - 1).to("meta")
                     for backend in backends:
-                        with recording(backend, launches[backend], scenario):
+                        with recording(backend, launches[backend], scenario, recorders[backend]):
                             model.compute_logits(model(ids, meta.positions, meta)[last])
     finally:
         set_tp(saved_tp.rank, saved_tp.size, saved_tp.group, saved_tp.expert_parallel)
