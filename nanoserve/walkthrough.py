@@ -1,12 +1,13 @@
-"""A narrated trace of a few requests through the engine, step by step, on the CPU.
+"""A narrated trace of a few chats through the engine, step by step, on the CPU.
 
-    python -m nanoserve.walkthrough                      # every mechanism in one run (about a second)
+    python -m nanoserve.walkthrough                      # every mechanism in one run, on m3-mini
     python -m nanoserve.walkthrough --scenario prefix    # or: chunk, preempt
     python -m nanoserve.walkthrough --pause -v           # wait for Enter between steps; show everything
+    python -m nanoserve.walkthrough --model m3-tiny      # another model: a preset or a checkpoint directory
 
-It builds a real engine on the m3-tiny preset (random weights, so the generated text is noise), sends a handful
-of requests chosen to make each mechanism happen, and after every engine step prints what happened in plain
-words. Nothing in the narration is scripted: every line is derived from the engine's real state -
+It builds a real engine on the trained m3-mini (docs/m3_mini.md), sends a handful of chats chosen to make each
+mechanism happen, and after every engine step prints what happened in plain words. Nothing in the narration is
+scripted: every line is derived from the engine's real state -
 
 - the engine's observer events (LLMEngine.add_observer): admit, chunk, preempt, finish, allocate, free, evict,
   prefix_hit and step;
@@ -15,123 +16,250 @@ words. Nothing in the narration is scripted: every line is derived from the engi
   layer routed each token to;
 - engine.stats, whose counters the closing summary compares with what was narrated.
 
-The scenarios only choose the inputs: prompt lengths, arrival steps, the token budget and the KV pool size.
-The engine runs with the plain reference kernels (no Triton), which are fast at this size on any CPU.
+The scenarios only choose the inputs: the chats (rendered with the model's chat template), when each arrives,
+the token budget and the KV pool size. Lengths are in KV blocks, so a scenario holds for any model: the long
+document is fit to the model's MSA top-k plus three blocks, so that MSA really drops blocks. The pool of a
+scenario that shows a preemption is sized by a silent rehearsal of the same run, to be exactly full once the last
+request is admitted. The engine runs with the plain reference kernels (no Triton), which are fast at this size on
+any CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import math
 import os
+import random
 import sys
 import textwrap
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 import torch
 
+from nanoserve.chat_template import render_chat
 from nanoserve.config import EngineConfig, Optimizations
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.kernels import reference
-from nanoserve.presets.catalog import get_preset
+from nanoserve.model.loader import read_config
+from nanoserve.model.m3_config import M3Config
+from nanoserve.presets.catalog import DEFAULT_MODEL, MODEL_NAMES, PRESETS, get_preset
+from nanoserve.presets.resolve import resolve_model_dir
 from nanoserve.sampling import SamplingParams
 
-MODEL = "m3-tiny"
 DETAILS = ("low", "normal", "high")
-PREVIEW_CHARS = 48  # how much of a prompt or an answer to quote
+ANSWER_CHARS = 100  # how much of an answer to quote
 RULE_WIDTH = 110
 INDENT = 15  # the column where the text after a [tag] starts
 
 
 # ------------------------------------------------------------------------------------------------------------
-# Scenarios: the inputs only (prompt lengths, arrivals, budget, pool size). Lengths are in KV blocks so the
-# story holds for any MSA block size; m3-tiny's block is 16 tokens.
+# Scenarios: the inputs only (the chats, their arrivals, the budget, the pool). Lengths are in KV blocks (the KV
+# block size is the MSA block size: 64 tokens on m3-mini, 16 on m3-tiny).
 # ------------------------------------------------------------------------------------------------------------
 
-SYSTEM_PROMPT = "You are a helpful assistant. Answer in one short sentence."
-LONG_DOCUMENT = ("Summarise: a paged KV cache splits each sequence's keys and values into fixed-size blocks, so "
-                 "memory is handed out on demand and freed blocks are reused by other sequences.")
+SYSTEM_PROMPT = "You are a friendly assistant. Keep answers short."
+CHAT_KWARGS = {"thinking_mode": "disabled"}  # answers without a <mm:think> block: short, and easy to read
+DOC_INTRO = "Read the text below and answer the question."
+PASS_KEYS = (("Alice Smith", "482913"), ("Kenji Tanaka", "105276"), ("Grace Okafor", "639048"),
+             ("Omar Haddad", "771530"))
+KEY_AT = (0.2, 0.45, 0.65, 0.85)  # where in the filler each pass key is written (fraction of its sentences)
+
+
+def _filler() -> list[str]:
+    """Plain sentences (fixed: seed 0) for the document the pass keys hide in."""
+    rng = random.Random(0)
+    adjectives = ("quiet", "small", "old", "bright", "narrow", "wooden", "green", "cold", "busy", "calm", "golden",
+                  "hidden")
+    nouns = ("river", "bridge", "library", "garden", "market", "tower", "harbor", "orchard", "lantern", "station",
+             "museum", "meadow", "bakery", "mirror", "ladder", "violin")
+    cities = ("Lisbon", "Oslo", "Vienna", "Prague", "Dublin", "Kyoto", "Lima", "Seville", "Bergen", "Porto",
+              "Naples", "Tunis")
+    months = ("March", "April", "May", "June", "July", "August")
+    people = ("Nina", "Oscar", "Paula", "Leo", "Vera", "Theo")
+    shapes = ("The {a} {n} is near the {n2}.", "A {a} {n} stood beside the {n2} in {c}.",
+              "Every {m}, the {n} of {c} becomes {a}.", "{p} found a {a} {n} behind the {n2}.",
+              "People in {c} talk about the {n} and the {n2}.", "Nobody expected the {n} to be so {a}.",
+              "In {m}, {p} went to {c} to see the {n}.")
+    return [rng.choice(shapes).format(a=rng.choice(adjectives), n=rng.choice(nouns), n2=rng.choice(nouns),
+                                      c=rng.choice(cities), m=rng.choice(months), p=rng.choice(people))
+            for _ in range(400)]
+
+
+FILLER = _filler()
+
+
+@dataclass(frozen=True)
+class Document:
+    """`sentences` sentences of filler from sentence `start` on, with every pass key written between two of
+    them (at KEY_AT), then the first `tail` words of the sentences after them (so that a length in tokens can be
+    met exactly)."""
+
+    sentences: int
+    tail: int = 0
+    start: int = 0
+
+    @property
+    def text(self) -> str:
+        body = FILLER[self.start: self.start + self.sentences]
+        parts, prev = [], 0
+        for f, (name, key) in zip(KEY_AT, PASS_KEYS):
+            cut = round(f * len(body))
+            parts += body[prev:cut] + [f"The pass key of {name} is {key}."]
+            prev = cut
+        parts += body[prev:]
+        if self.tail:
+            parts.append(" ".join(" ".join(FILLER[self.start + self.sentences:]).split()[: self.tail]))
+        return " ".join(parts)
+
+    @property
+    def words(self) -> int:
+        return len(self.text.split())
+
+
+def ask_key(name: str) -> str:
+    return f"What is the pass key of {name}?"
 
 
 @dataclass
-class Part:
-    """A piece of a prompt: `text`, cut (or repeated) to exactly `blocks` KV blocks plus `extra` tokens."""
+class Ask:
+    """One request: a chat the scenario sends - a question, after the scenario's document when `doc` is set."""
 
-    text: str
-    blocks: int = 0
-    extra: int = 0
-
-
-@dataclass
-class RequestPlan:
     name: str  # the request id, one letter so block maps stay readable
     role: str  # why the scenario sends it (printed once, before step 1)
-    parts: list[Part]
+    question: str
     max_tokens: int
-    arrives: int  # added to the engine just before this step
+    arrives: int = 1  # added to the engine just before this step ...
+    doc: bool = False
+    after_prefill: str | None = None  # ... but only once this request's prompt is all in the KV cache
+    after_finish: tuple[str, ...] = ()  # ... and only once these requests have finished (a client's next chat)
 
 
 @dataclass
 class Scenario:
     name: str
     title: str
-    requests: list[RequestPlan]
-    kv_blocks: int  # size of the KV pool, in blocks
-    budget_blocks: int  # max_num_batched_tokens, in blocks
+    asks: list[Ask]
+    doc_blocks: int  # the first chat with the document is fit to this many KV blocks, less one token
+    budget_share: float  # max_num_batched_tokens: this share of the longest chat's blocks, rounded up, but
+    # never less than what a chat without a document needs (so that only the document is chunked)
+    kv_blocks: int | None = None  # the KV pool, in blocks; None: sized by a rehearsal (full_after)
+    full_after: str | None = None  # the pool is exactly full once this request is admitted
     max_num_seqs: int = 4
 
 
-def _scenarios() -> dict[str, Scenario]:
-    system = Part(SYSTEM_PROMPT, blocks=2)  # two full blocks: exactly what a second request can find cached
-    return {
-        "all": Scenario(
-            "all", "every mechanism in one run: a prefix-cache hit, a chunked prefill, a preemption, evictions",
-            [RequestPlan("A", "a question after a 2-block system prompt", [system, Part(" Why cache keys?", extra=8)],
-                         max_tokens=12, arrives=1),
-             RequestPlan("B", "the same system prompt, another question: its first 2 blocks are already cached",
-                         [system, Part(" What does a scheduler do?", extra=10)], max_tokens=12, arrives=2),
-             RequestPlan("C", "a long prompt: more than one step's token budget, so it is chunked",
-                         [Part(LONG_DOCUMENT, blocks=6, extra=4)], max_tokens=6, arrives=3)],
-            kv_blocks=11, budget_blocks=4),
-        "prefix": Scenario(
-            "prefix", "prefix caching: shared blocks, and cached blocks revived after their owner finished",
-            [RequestPlan("A", "a question after a 2-block system prompt", [system, Part(" Why cache keys?", extra=8)],
-                         max_tokens=4, arrives=1),
-             RequestPlan("B", "the same system prompt while A still runs: shares A's two blocks",
-                         [system, Part(" What does a scheduler do?", extra=10)], max_tokens=4, arrives=2),
-             RequestPlan("C", "the same system prompt after A and B finished: revives their freed, cached blocks",
-                         [system, Part(" Count to ten.", extra=6)], max_tokens=3, arrives=6)],
-            kv_blocks=16, budget_blocks=8),
-        "chunk": Scenario(
-            "chunk", "chunked prefill: a long prompt split across steps, beside a running decode",
-            [RequestPlan("A", "a short prompt that is decoding while the long one arrives",
-                         [Part("Count to ten.", blocks=1, extra=4)], max_tokens=8, arrives=1),
-             RequestPlan("L", "a prompt about three times the token budget: it is computed in chunks",
-                         [Part(LONG_DOCUMENT, blocks=6, extra=4)], max_tokens=3, arrives=2)],
-            kv_blocks=16, budget_blocks=2),
-        "preempt": Scenario(
-            "preempt", "preemption: a KV pool too small for two growing sequences",
-            [RequestPlan("A", "a prompt just short of 3 full blocks, growing into a 4th",
-                         [Part("Tell me a story about a small cat.", blocks=2, extra=14)], max_tokens=8, arrives=1),
-             RequestPlan("B", "another one, arriving next: the two fill the 6-block pool",
-                         [Part("The quick brown fox jumps over the lazy dog.", blocks=2, extra=14)], max_tokens=4,
-                         arrives=2)],
-            kv_blocks=6, budget_blocks=4),
-    }
+SCENARIOS = {
+    "all": "every mechanism in one run: a prefix-cache hit, a chunked prefill, MSA dropping blocks, a preemption",
+    "prefix": "prefix caching: shared blocks, and cached blocks revived after their owner finished",
+    "chunk": "chunked prefill: a long prompt split across steps, beside a running decode",
+    "preempt": "preemption: a KV pool too small for two growing sequences",
+}
 
 
-SCENARIOS = _scenarios()
+def scenario(name: str, cfg: M3Config) -> Scenario:
+    """The scenario `name` for a model: the long document is the MSA top-k plus three blocks, so that its
+    queries really drop blocks."""
+    if name not in SCENARIOS:
+        raise ValueError(f"unknown scenario {name!r}; choose one of {', '.join(SCENARIOS)}")
+    long = cfg.index_topk_blocks + 3
+    title = SCENARIOS[name]
+    hello = "Hello! Who are you?"
+    if name == "all":
+        return Scenario(name, title, [
+            Ask("A", "a greeting", hello, max_tokens=32),
+            Ask("L", "a question after a long document: more than one step's token budget, so it is chunked, and "
+                     "more blocks than MSA keeps, so MSA drops some", ask_key("Kenji Tanaka"), max_tokens=24,
+                arrives=2, doc=True),
+            Ask("B", "another question about the same document, once L's prompt is cached: a long prefix-cache "
+                     "hit; the pool is then full, so the next block anyone needs preempts B",
+                ask_key("Grace Okafor"), max_tokens=24, arrives=3, doc=True, after_prefill="L")],
+            doc_blocks=long, budget_share=0.4, full_after="B")
+    if name == "prefix":
+        return Scenario(name, title, [
+            Ask("A", "a question after a short document", ask_key("Alice Smith"), max_tokens=16, doc=True),
+            Ask("B", "the same document while A still runs: shares A's full blocks", ask_key("Omar Haddad"),
+                max_tokens=16, arrives=2, doc=True),
+            Ask("C", "the same document after A and B finished: revives their freed, cached blocks",
+                ask_key("Grace Okafor"), max_tokens=16, arrives=3, doc=True, after_finish=("A", "B"))],
+            doc_blocks=4, budget_share=1.5, kv_blocks=16)
+    if name == "chunk":
+        return Scenario(name, title, [
+            Ask("A", "a short chat that is decoding while the long one arrives", hello, max_tokens=24),
+            Ask("L", "a question after a long document, several times the token budget: computed in chunks",
+                ask_key("Kenji Tanaka"), max_tokens=8, arrives=2, doc=True)],
+            doc_blocks=long, budget_share=0.25, kv_blocks=2 * long + 4)
+    return Scenario(name, title, [
+        Ask("A", "a question after a short document, one token short of a block boundary: its second new token "
+                 "needs a new block", ask_key("Alice Smith"), max_tokens=16, doc=True),
+        Ask("B", "a greeting, arriving next: the pool is full once it is admitted", hello, max_tokens=16,
+            arrives=2)],
+        doc_blocks=2, budget_share=1.5, full_after="B")
 
 
-def _fit(tokenizer: Any, part: Part, block_size: int) -> list[int]:
-    n = part.blocks * block_size + part.extra
-    ids = tokenizer.encode(part.text, add_special_tokens=False)
-    while len(ids) < n:
-        ids += tokenizer.encode(" " + part.text, add_special_tokens=False)
-    return ids[:n]
+@dataclass
+class Prompt:
+    """A request's rendered chat: its token ids, and what the narration says about it."""
+
+    ask: Ask
+    ids: list[int]
+    doc_words: int  # words in its document (0: none)
+    key_block: int | None  # the KV block (entry of its block table) where the asked pass key is written
+
+
+def _chat_ids(tok: Any, question: str, doc: str | None) -> tuple[str, list[int]]:
+    user = f"{DOC_INTRO}\n\n{doc}\n\n{question}" if doc is not None else question
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": user}]
+    text = render_chat(tok, messages, chat_template_kwargs=CHAT_KWARGS)
+    return text, tok.encode(text, add_special_tokens=False)
+
+
+def _fit_document(tok: Any, question: str, blocks: int, block_size: int) -> Document:
+    """The document that makes the chat exactly `blocks` KV blocks less one token (or the longest below that
+    when none lands exactly); at least one block more than the shortest document needs."""
+    def length(doc: Document) -> int:
+        return len(_chat_ids(tok, question, doc.text)[1])
+
+    target = max(blocks, -(-length(Document(0)) // block_size) + 1) * block_size - 1
+    best = Document(0)
+    for start in range(8):  # another stretch of the filler tokenizes to other lengths
+        most = bisect.bisect_left(range(len(FILLER) // 2), target, key=lambda n: length(Document(n, 0, start))) - 1
+        for doc in (Document(n, tail, start) for n in (most, most - 1) if n >= 0 for tail in range(25)):
+            size = length(doc)
+            if size == target:
+                return doc
+            if length(best) < size < target:
+                best = doc
+    return best
+
+
+def _key_block(tok: Any, text: str, name: str, block_size: int) -> int:
+    """The KV block in which the pass key of `name` is written."""
+    at = text.index(f"The pass key of {name} is")
+    offsets = tok(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    token = next(i for i, (start, end) in enumerate(offsets) if end > at)
+    return token // block_size
+
+
+def build_prompts(tok: Any, sc: Scenario, block_size: int) -> dict[str, Prompt]:
+    """Render every chat of the scenario. The document is fit to the first chat that reads it; the others read
+    the same document (so that they share its KV blocks), whatever their question's length."""
+    doc = None
+    prompts = {}
+    for ask in sc.asks:
+        if not ask.doc:
+            prompts[ask.name] = Prompt(ask, _chat_ids(tok, ask.question, None)[1], 0, None)
+            continue
+        if doc is None:
+            doc = _fit_document(tok, ask.question, sc.doc_blocks, block_size)
+        text, ids = _chat_ids(tok, ask.question, doc.text)
+        name = next((n for n, _ in PASS_KEYS if ask.question == ask_key(n)), None)
+        prompts[ask.name] = Prompt(ask, ids, doc.words, _key_block(tok, text, name, block_size) if name else None)
+    return prompts
 
 
 def reference_optimizations() -> Optimizations:
@@ -140,13 +268,23 @@ def reference_optimizations() -> Optimizations:
     return Optimizations.reference_kernels().replace(cuda_graphs=False, overlap_scheduling=False)
 
 
-def build_engine(scenario: Scenario) -> LLMEngine:
-    """A CPU engine on m3-tiny whose KV pool and token budget are the scenario's."""
-    block = get_preset(MODEL).config.index_block_size  # the KV block size is the MSA block size
+def build_engine(model: str, sc: Scenario, prompts: dict[str, Prompt], kv_blocks: int, block_size: int
+                 ) -> LLMEngine:
+    """A CPU engine on `model` whose KV pool and token budget are the scenario's; a sequence may be as long as
+    the longest chat plus its answer."""
+    longest = max(len(p.ids) + p.ask.max_tokens for p in prompts.values())
+    budget = budget_blocks(sc, prompts, block_size) * block_size
     return LLMEngine(EngineConfig(
-        model=MODEL, device="cpu", optimizations=reference_optimizations(),
-        max_model_len=scenario.kv_blocks * block, max_num_batched_tokens=scenario.budget_blocks * block,
-        num_gpu_blocks_override=scenario.kv_blocks, max_num_seqs=scenario.max_num_seqs))
+        model=model, device="cpu", optimizations=reference_optimizations(),
+        max_model_len=min(longest, kv_blocks * block_size), max_num_batched_tokens=budget,
+        num_gpu_blocks_override=kv_blocks, max_num_seqs=sc.max_num_seqs))
+
+
+def budget_blocks(sc: Scenario, prompts: dict[str, Prompt], block_size: int) -> int:
+    """The scenario's token budget, in blocks (Scenario.budget_share)."""
+    blocks = [-(-len(p.ids) // block_size) for p in prompts.values()]
+    short = [b for b, p in zip(blocks, prompts.values()) if not p.doc_words]
+    return max(math.ceil(max(blocks) * sc.budget_share), max(short, default=0) + 1)
 
 
 def _line(tag: str, text: str) -> str:
@@ -194,8 +332,11 @@ _SAMPLED = object()  # where, among a step's lines, the sampled tokens are repor
 class Narrator:
     """Engine observer (LLMEngine.add_observer) and model trace hook (M3ForCausalLM.set_trace) in one."""
 
-    def __init__(self, engine: LLMEngine, detail: str, out: TextIO):
+    def __init__(self, engine: LLMEngine, detail: str, out: TextIO, key_blocks: dict[str, int] | None = None):
+        """`key_blocks`: request -> the block where the pass key it asks for is written (the MSA lines say
+        which KV groups kept it)."""
         self.engine = engine
+        self.key_blocks = key_blocks or {}
         self.bm = engine.block_manager
         self.tok = engine.tokenizer
         self.detail = DETAILS.index(detail)  # 0 low, 1 normal, 2 high
@@ -210,6 +351,7 @@ class Narrator:
         self.msa_layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_sparse_attention(i)), None)
         self.moe_layer = next((i for i in range(cfg.num_hidden_layers) if cfg.is_moe(i)), None)
         self.topk = cfg.index_topk_blocks
+        self.said_dense: set[str] = set()  # sequences whose dense MSA (no more than top-k blocks) was narrated
         self.num_experts = cfg.num_local_experts
 
     # -- words ----------------------------------------------------------------------------------------------
@@ -220,9 +362,9 @@ class Narrator:
     def print(self, text: str = "") -> None:
         print(text, file=self.out)
 
-    def quote(self, ids: list[int]) -> str:
-        text = self.tok.decode(ids)
-        return repr(text if len(text) <= PREVIEW_CHARS else text[:PREVIEW_CHARS] + "...")
+    def quote(self, ids: list[int], chars: int = ANSWER_CHARS) -> str:
+        text = self.tok.decode(ids, skip_special_tokens=True)
+        return repr(text if len(text) <= chars else text[:chars] + "...")
 
     def token(self, token_id: int) -> str:
         """One token as text; a piece of a multi-byte character (or a control character) by its id instead."""
@@ -256,8 +398,9 @@ class Narrator:
         bs = self.bm.block_size
         for b in blocks:
             self.owner[b] = seq.request_id
+        free = self.bm.num_free_blocks
         self.tag("allocate", f"{seq.request_id} gets block{'s' * (len(blocks) > 1)} {self.ids(blocks)} for its "
-                 f"tokens {first * bs}-{(first + len(blocks)) * bs - 1}; {self.bm.num_free_blocks} blocks free "
+                 f"tokens {first * bs}-{(first + len(blocks)) * bs - 1}; {free} block{'s' * (free != 1)} free "
                  f"left", level=1)
 
     def _prefix_hit(self, seq: Sequence, blocks: list[int], tokens: int, **_: Any) -> None:
@@ -362,7 +505,7 @@ class Narrator:
             n = min(head.num_tokens - cached, left)
             revive = sum(1 for b in computed if bm.blocks[b].ref_count == 0)  # cached but free: comes off the list
             need = bm.blocks_needed(cached + n) - len(computed) + revive
-            why = (f"its next {n} tokens need {need} free blocks"
+            why = (f"its next {n} tokens need {need} free block{'s' * (need != 1)}"
                    + (f" ({revive} of them cached blocks of its own, to revive)" if revive else "")
                    + f", but the pool has {bm.num_free_blocks}")
         return [(head.request_id, why)] + [(s.request_id, f"queued behind {head.request_id} (first come, first "
@@ -378,7 +521,7 @@ class Narrator:
 
     def _msa(self, layer: int, index_q: torch.Tensor, index_cache: torch.Tensor, meta: Any,
              selection: torch.Tensor, **_: Any) -> None:
-        """For each sequence's newest query: the blocks each KV group selected, with their block scores
+        """For each sequence's newest query: the blocks each KV group dropped, and the scores of those it kept
         (recomputed for that one query with the reference indexer; the own block is forced in, whatever its
         score)."""
         self.count.msa_selections += 1
@@ -391,27 +534,39 @@ class Narrator:
             seq_len = meta.seq_lens_cpu[s]
             pos = meta.positions[t: t + 1]
             n_blocks = -(-seq_len // bs)
-            head = f"layer {layer}, {row.name}'s newest query (position {int(pos)}) sees {n_blocks} blocks"
             if n_blocks <= self.topk:
                 dense.append(f"{row.name} ({n_blocks} block{'s' * (n_blocks > 1)})")
                 continue
             keys = reference.gather_context(index_cache, meta.block_tables[s], seq_len)
             scores = reference.msa_block_scores(index_q[t: t + 1], keys, pos, bs)[:, 0].tolist()  # [G][block]
             own = int(pos) // bs
+            groups = [[b for b in sel if b >= 0] for sel in selection[t].tolist()]
             table = meta.block_tables[s][:n_blocks].tolist()
-            self.tag("MSA", f"{head}, keeps {self.topk} per KV group (block b = entry b of {row.name}'s block "
-                     f"table {table}):")
-            for g, sel in enumerate(selection[t].tolist()):
-                chosen = [b for b in sel if b >= 0]
-                if g == 0 or self.detail >= 2:  # group 0 in full (every group at high detail)
-                    picked = ", ".join(f"{b} (own block, forced)" if b == own else f"{b} (score {scores[g][b]:.2f})"
-                                       for b in chosen)
-                    dropped = ", ".join(f"{b} ({scores[g][b]:.2f})" for b in range(n_blocks) if b not in chosen)
-                    self.tag("", f"group {g} selects {picked}; drops {dropped}")
-            others = [f"group {g}: {self.ids(sorted(b for b in sel if b >= 0))}"
-                      for g, sel in enumerate(selection[t].tolist()) if g > 0]
-            if others and self.detail < 2:
-                self.tag("", "; ".join(others), level=1)
+            where = f" (block b = entry b of {row.name}'s block table {table})" if self.detail >= 2 else ""
+            self.tag("MSA", f"layer {layer}, {row.name}'s newest query (position {int(pos)}) sees {n_blocks} blocks, "
+                     f"keeps {self.topk} per KV group{where}:")
+            for g, kept in enumerate(groups):
+                if g > 0 and self.detail < 2:  # group 0 in full (every group at high detail)
+                    continue
+                dropped = ", ".join(f"{b} ({scores[g][b]:.2f})" for b in range(n_blocks) if b not in kept)
+                others = sorted((b for b in kept if b != own), key=lambda b: -scores[g][b])
+                text = (f"group {g} drops {dropped}; keeps its own block {own} (forced) and {len(others)} more, "
+                        f"scoring {scores[g][others[-1]]:.2f} to {scores[g][others[0]]:.2f}")
+                if self.detail >= 2:
+                    text += ": " + ", ".join(f"{b} ({scores[g][b]:.2f})" for b in others)
+                self.tag("", text)
+            if len(groups) > 1 and self.detail < 2:
+                self.tag("", "; ".join(f"group {g} drops {self.ids([b for b in range(n_blocks) if b not in kept])}"
+                                       for g, kept in enumerate(groups) if g > 0), level=1)
+            key = self.key_blocks.get(row.name)
+            if key is not None:
+                kept_by = [g for g, kept in enumerate(groups) if key in kept]
+                self.tag("", f"the pass key {row.name} asks for is written in block {key}: "
+                         + ("kept by every group" if len(kept_by) == len(groups) else
+                            f"kept by group{'s' * (len(kept_by) != 1)} {self.ids(kept_by)} of {len(groups)}"
+                            if kept_by else "dropped by every group"))
+        dense = [d for d in dense if d.split()[0] not in self.said_dense]  # said once per sequence
+        self.said_dense.update(d.split()[0] for d in dense)
         if dense:
             self.tag("MSA", f"layer {layer}: the newest query of {', '.join(dense)} sees no more than {self.topk} "
                      f"blocks, so the top-{self.topk} selection keeps them all: MSA equals dense attention there",
@@ -437,13 +592,14 @@ class Narrator:
                 t += 1
 
     # -- after the step -------------------------------------------------------------------------------------
-    def flush(self, number: int, arrivals: list[Sequence]) -> None:
+    def flush(self, number: int, arrivals: list[Prompt]) -> None:
         """Print step `number`: arrivals, the buffered lines, the sampled tokens, block tables and the pool."""
         self.count.steps += 1
         self.print(f"--- step {number} " + "-" * (RULE_WIDTH - 10 - len(str(number))))
-        for seq in arrivals:
-            self.print(_line("arrive", f"{seq.request_id}: a {seq.num_prompt_tokens}-token prompt "
-                             f"{self.quote(seq.prompt_token_ids)}, up to {seq.params.max_tokens} new tokens"))
+        for p in arrivals:
+            doc = f"a {p.doc_words}-word document with {len(PASS_KEYS)} pass keys, then " if p.doc_words else ""
+            self.print(_line("arrive", f"{p.ask.name}: a {len(p.ids)}-token chat: {doc}{p.ask.question!r}; up to "
+                             f"{p.ask.max_tokens} new tokens"))
         if _SAMPLED not in self.lines:
             self.lines.append(_SAMPLED)
         for item in self.lines:
@@ -492,7 +648,7 @@ class Narrator:
 
 
 # ------------------------------------------------------------------------------------------------------------
-# The run: add each request at its arrival step, step the engine, narrate.
+# The run: add each request when it is due, step the engine, narrate.
 # ------------------------------------------------------------------------------------------------------------
 
 
@@ -500,49 +656,108 @@ class Narrator:
 class Result:
     engine: LLMEngine
     narrated: Narrated
+    prompts: dict[str, Prompt] = field(default_factory=dict)
+
+
+def load(model: str) -> tuple[M3Config, Any]:
+    """The model's config and tokenizer, to render the chats before the engine is built."""
+    if model in PRESETS and get_preset(model).draw_on_device:
+        raise ValueError(f"{model} is too large for the CPU walkthrough; choose m3-mini, m3-tiny or a directory")
+    path = resolve_model_dir(model)
+    return read_config(path), load_tokenizer(path)
 
 
 def run(scenario: str = "all", detail: str = "normal", pause: bool = False, delay: float = 0.0,
-        out: TextIO | None = None, wait: Callable[[], Any] = input) -> Result:
-    """Run one scenario and narrate it to `out` (stdout by default). Returns the engine, whose counters can be
-    set against the narrated totals. `pause` waits for `wait()` (Enter) between steps; `delay` sleeps."""
+        out: TextIO | None = None, wait: Callable[[], Any] = input, model: str = DEFAULT_MODEL) -> Result:
+    """Run one scenario on `model` and narrate it to `out` (stdout by default). Returns the engine, whose counters
+    can be set against the narrated totals. `pause` waits for `wait()` (Enter) between steps; `delay` sleeps."""
     if scenario not in SCENARIOS:
         raise ValueError(f"unknown scenario {scenario!r}; choose one of {', '.join(SCENARIOS)}")
     if detail not in DETAILS:
         raise ValueError(f"unknown detail {detail!r}; choose one of {', '.join(DETAILS)}")
     out = out or sys.stdout
-    # m3-tiny's matrices are tiny: with several threads, synchronising them costs more than the math.
+    # The matrices are small: with several threads, synchronising them costs more than the math.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run(SCENARIOS[scenario], detail, pause, delay, out, wait)
+        return _run(scenario, model, detail, pause, delay, out, wait)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(scenario: Scenario, detail: str, pause: bool, delay: float, out: TextIO, wait: Callable[[], Any]
+class Arrivals:
+    """The requests not yet sent, and when each is due: at its step, once the requests it waits for are there."""
+
+    def __init__(self, engine: LLMEngine, sc: Scenario, prompts: dict[str, Prompt]):
+        self.engine, self.prompts = engine, prompts
+        self.pending = sorted(sc.asks, key=lambda a: a.arrives)
+        self.seqs: dict[str, Sequence] = {}
+
+    def _ready(self, ask: Ask, step: int) -> bool:
+        prefilled = ask.after_prefill is None or ask.after_prefill in self.seqs and (
+            self.seqs[ask.after_prefill].num_computed_tokens >= self.seqs[ask.after_prefill].num_prompt_tokens
+            or self.seqs[ask.after_prefill].is_finished)
+        finished = all(n in self.seqs and self.seqs[n].is_finished for n in ask.after_finish)
+        return ask.arrives <= step and prefilled and finished
+
+    def add_due(self, step: int) -> list[Prompt]:
+        """Add the requests due before `step`; returns their prompts."""
+        due = [a for a in self.pending if self._ready(a, step)]
+        for ask in due:
+            self.pending.remove(ask)
+            self.engine.add_request(ask.name, {"prompt_token_ids": self.prompts[ask.name].ids},
+                                    SamplingParams(temperature=0.0, max_tokens=ask.max_tokens))
+            self.seqs[ask.name] = self.engine.requests[ask.name].seqs[0]
+        return [self.prompts[a.name] for a in due]
+
+    def next_step(self, step: int) -> int:
+        """The next step to run: when nothing runs, skip the idle steps up to the next arrival."""
+        if self.engine.has_unfinished_requests() or not self.pending:
+            return step + 1
+        return max(step + 1, min(a.arrives for a in self.pending))
+
+
+def rehearse(model: str, sc: Scenario, prompts: dict[str, Prompt], block_size: int) -> int:
+    """The pool size that is exactly full once `sc.full_after` is admitted: the same requests, silently, on a
+    pool that is never short, until then; the blocks in use at that moment. (Greedy decoding on the same model
+    repeats the same steps.)"""
+    ample = sum(-(-(len(p.ids) + p.ask.max_tokens) // block_size) for p in prompts.values())
+    engine = build_engine(model, sc, prompts, ample, block_size)
+    admitted: list[str] = []
+    engine.add_observer(lambda event, **p: admitted.append(p["seq"].request_id) if event == "admit" else None)
+    arrivals, step = Arrivals(engine, sc, prompts), 0
+    try:
+        while sc.full_after not in admitted:
+            if not arrivals.pending and not engine.has_unfinished_requests():
+                raise RuntimeError(f"scenario {sc.name!r}: {sc.full_after} was never admitted")
+            step = arrivals.next_step(step)
+            arrivals.add_due(step)
+            engine.step()
+        return engine.block_manager.num_blocks - engine.block_manager.num_free_blocks
+    finally:
+        engine.shutdown()
+
+
+def _run(name: str, model: str, detail: str, pause: bool, delay: float, out: TextIO, wait: Callable[[], Any]
          ) -> Result:
-    engine = build_engine(scenario)
-    narrator = Narrator(engine, detail, out)
+    cfg, tok = load(model)
+    block_size = cfg.index_block_size  # the KV block size is the MSA block size
+    sc = scenario(name, cfg)
+    prompts = build_prompts(tok, sc, block_size)
+    kv_blocks = sc.kv_blocks or rehearse(model, sc, prompts, block_size)
+    engine = build_engine(model, sc, prompts, kv_blocks, block_size)
+    narrator = Narrator(engine, detail, out, {p.ask.name: p.key_block for p in prompts.values()
+                                              if p.key_block is not None})
     engine.add_observer(narrator.on_event)
     engine.executor.runner.model.set_trace(narrator.on_trace)
     try:
-        _intro(engine, scenario, out)
-        pending = sorted(scenario.requests, key=lambda r: r.arrives)
-        step = 0
-        while pending or engine.has_unfinished_requests():
-            step += 1
-            if pending and pending[0].arrives > step and not engine.has_unfinished_requests():
-                step = pending[0].arrives  # nothing to run until the next arrival: skip the idle steps
-            arrivals = []
-            for plan in [r for r in pending if r.arrives <= step]:
-                pending.remove(plan)
-                ids = [t for part in plan.parts for t in _fit(engine.tokenizer, part, engine.block_size)]
-                engine.add_request(plan.name, {"prompt_token_ids": ids},
-                                   SamplingParams(temperature=0.0, max_tokens=plan.max_tokens, ignore_eos=True))
-                arrivals.append(engine.requests[plan.name].seqs[0])
+        _intro(engine, model, sc, prompts, out)
+        arrivals, step = Arrivals(engine, sc, prompts), 0
+        while arrivals.pending or engine.has_unfinished_requests():
+            step = arrivals.next_step(step)
+            arrived = arrivals.add_due(step)
             engine.step()
-            narrator.flush(step, arrivals)
+            narrator.flush(step, arrived)
             engine.block_manager.check_integrity()
             if pause:
                 try:
@@ -554,28 +769,36 @@ def _run(scenario: Scenario, detail: str, pause: bool, delay: float, out: TextIO
         _summary(engine, narrator.count, out)
     finally:
         engine.executor.runner.model.set_trace(None)
-    return Result(engine, narrator.count)
+    return Result(engine, narrator.count, prompts)
 
 
-def _intro(engine: LLMEngine, scenario: Scenario, out: TextIO) -> None:
+def _intro(engine: LLMEngine, model: str, sc: Scenario, prompts: dict[str, Prompt], out: TextIO) -> None:
     cfg, bs = engine.model_config, engine.block_size
 
     def say(text: str = "") -> None:
         out.write(textwrap.fill(text, RULE_WIDTH, subsequent_indent="    ", break_on_hyphens=False) + "\n")
 
     layers = range(cfg.num_hidden_layers)
-    say(f"nanoserve walkthrough - scenario '{scenario.name}': {scenario.title}")
-    say(f"model {MODEL} (random weights: the text it writes is noise), {cfg.num_hidden_layers} layers: "
+    weights = " (random weights: the text it writes is noise)" if model in PRESETS else ""
+    say(f"nanoserve walkthrough - scenario '{sc.name}': {sc.title}")
+    say(f"model {model}{weights}, {cfg.num_hidden_layers} layers: "
         f"{'/'.join('MSA' if cfg.is_sparse_attention(i) else 'dense' for i in layers)} attention, "
         f"{'/'.join('MoE' if cfg.is_moe(i) else 'MLP' for i in layers)} FFN")
-    say(f"KV pool {engine.block_manager.num_blocks} blocks of {bs} tokens (a block = an MSA block); token budget "
-        f"{engine.max_num_batched_tokens} per step; at most {engine.scheduler.config.max_num_seqs} sequences; "
-        f"MSA keeps the top {cfg.index_topk_blocks} blocks per query; MoE routes each token to "
-        f"{cfg.num_experts_per_tok} of {cfg.num_local_experts} experts")
-    say("requests (greedy, ignore EOS, so every run is the same):")
-    for r in scenario.requests:
-        n = sum(p.blocks * bs + p.extra for p in r.parts)
-        say(f"  {r.name}  arrives before step {r.arrives}, {n} prompt tokens: {r.role}")
+    pool = f"KV pool {engine.block_manager.num_blocks} blocks of {bs} tokens (a block = an MSA block"
+    pool += f"; sized to be full once {sc.full_after} is admitted)" if sc.full_after else ")"
+    say(f"{pool}; token budget {engine.max_num_batched_tokens} per step; at most "
+        f"{engine.scheduler.config.max_num_seqs} sequences; MSA keeps the top {cfg.index_topk_blocks} blocks per "
+        f"query; MoE routes each token to {cfg.num_experts_per_tok} of {cfg.num_local_experts} experts")
+    say(f"chats (system prompt {SYSTEM_PROMPT!r}, thinking off; greedy, so every run is the same):")
+    for p in prompts.values():
+        a = p.ask
+        when = f"arrives before step {a.arrives}"
+        if a.after_prefill:
+            when += f", once {a.after_prefill}'s prompt is in the KV cache"
+        if a.after_finish:
+            when += f", once {' and '.join(a.after_finish)} have finished"
+        key = f" (the pass key it asks for is in block {p.key_block})" if p.key_block is not None else ""
+        say(f"  {a.name}  {when}, {len(p.ids)} prompt tokens{key}: {a.role}")
     say()
 
 
@@ -602,6 +825,8 @@ def main(argv: list[str] | None = None) -> int:
                                  description="Narrate a few requests through the nanoserve engine, step by step.")
     ap.add_argument("--scenario", choices=list(SCENARIOS), default="all",
                     help="which mechanism to show (default: all of them in one run)")
+    ap.add_argument("--model", default=DEFAULT_MODEL,
+                    help=f"a shipped model, a preset or a checkpoint directory (default: {DEFAULT_MODEL})")
     ap.add_argument("--pause", action="store_true", help="wait for Enter between steps")
     ap.add_argument("--delay", type=float, default=0.0, metavar="SECONDS", help="sleep between steps")
     ap.add_argument("--detail", choices=DETAILS, default=None, help="how much to show (default: normal)")
@@ -613,9 +838,12 @@ def main(argv: list[str] | None = None) -> int:
     detail = args.detail or ("high" if args.verbose else "low" if args.quiet else "normal")
     if args.delay < 0:
         ap.error("--delay must be >= 0")
+    if args.model not in MODEL_NAMES and not os.path.isdir(args.model):
+        ap.error(f"--model {args.model!r} is neither a model nanoserve knows ({', '.join(MODEL_NAMES)}) nor a "
+                 f"checkpoint directory")
     wait = lambda: input("  (Enter for the next step) ")  # noqa: E731
     try:
-        run(args.scenario, detail, args.pause, args.delay, wait=wait)
+        run(args.scenario, detail, args.pause, args.delay, wait=wait, model=args.model)
     except BrokenPipeError:  # piped into `head` and the reader has seen enough: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # Python's recipe, so exit stays quiet
     return 0
