@@ -264,8 +264,12 @@ def refresh_quote(body: str, output: str) -> str:
         return "\n".join(next(e for h, e in steps.items() if h.startswith("summary ("))[0]) + "\n"
     entries = [line for line in quoted[1:] if line.startswith(("  [", "  (")) or line == "  ..."]
 
+    def who(line: str) -> str:  # the request a line is about: its first word after the tag
+        return line[walkthrough.INDENT:].split(":")[0].split(" ")[0]
+
     def best(candidates: list[list[str]], line: str) -> tuple[float, list[str] | None]:
-        scored = [(difflib.SequenceMatcher(None, line, c[0]).ratio(), c) for c in candidates if _tag(c[0]) == _tag(line)]
+        scored = [(difflib.SequenceMatcher(None, line, c[0]).ratio(), c) for c in candidates
+                  if _tag(c[0]) == _tag(line) and who(c[0]) == who(line)]
         return max(scored, key=lambda x: x[0], default=(0.0, None))
 
     def likeness(header: str) -> float:  # a quoted entry missing from the step counts against it
