@@ -1,7 +1,7 @@
 """nanoserve: a compact inference engine for MiniMax M3, in PyTorch and Triton.
 
     from nanoserve import LLM, SamplingParams
-    llm = LLM(model="m3-tiny")
+    llm = LLM(model="m3-mini")
     print(llm.generate("Hello", SamplingParams(temperature=0.0, max_tokens=16))[0].outputs[0].text)
 
 The names below are imported on first use (PEP 562), so that importing a light submodule - the server's request

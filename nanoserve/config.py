@@ -261,8 +261,9 @@ LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed
 class EngineConfig:
     """What an engine is built from. Field names follow vLLM's engine arguments."""
 
-    model: str = "m3-tiny"
-    """A checkpoint directory or a preset name (m3-tiny, m3-slice) with random weights."""
+    model: str = "m3-mini"
+    """A checkpoint directory, the trained m3-mini that ships in the package, or a preset with random weights
+    (m3-tiny, m3-slice)."""
     tokenizer: str | None = None
     dtype: str = "auto"
     quantization: str | None = None

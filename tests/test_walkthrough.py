@@ -118,8 +118,8 @@ def test_chats_are_rendered_and_the_document_is_fit_to_blocks(everything):
 def test_answers_are_words(everything):
     """m3-mini is trained: its answers are text a reader can read (the noise of random weights is not)."""
     text, _ = everything
-    answers = re.findall(r"\[finish\] +\w: \d+ tokens generated \(finish reason '\w+'\): '(.*?)(?:\.\.\.)?'$",
-                         unwrap(text), re.M)
+    answers = [a for _, a in re.findall(r"\[finish\] +\w: \d+ tokens generated \(finish reason '\w+'\): "
+                                        r"(['\"])(.*?)(?:\.\.\.)?\1$", unwrap(text), re.M)]  # repr's quotes
     assert len(answers) == 3
     for answer in answers:
         words = answer.split()

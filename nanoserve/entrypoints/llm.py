@@ -1,7 +1,7 @@
 """The offline API, in vLLM's shape:
 
     from nanoserve import LLM, SamplingParams
-    llm = LLM(model="m3-tiny")                      # a checkpoint directory or a preset
+    llm = LLM(model="m3-mini")                      # a checkpoint directory, m3-mini or a preset
     outs = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=32))
     print(outs[0].outputs[0].text)
     llm.shutdown()                                  # or: with LLM(...) as llm: ...
@@ -39,7 +39,7 @@ from nanoserve.sampling import SamplingParams
 class LLM:
     """Build an engine from vLLM-style keyword arguments and run batches of prompts to completion."""
 
-    def __init__(self, model: str = "m3-tiny", cpu_threads: int | None = None, reasoning_parser: str | None = None,
+    def __init__(self, model: str = "m3-mini", cpu_threads: int | None = None, reasoning_parser: str | None = None,
                  **engine_args: Any):
         """`cpu_threads`: torch's intra-op threads when the model runs on the CPU (default:
         $NANOSERVE_CPU_THREADS, else every physical core; nanoserve/cpu_threads.py). `reasoning_parser`: the

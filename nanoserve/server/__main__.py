@@ -1,9 +1,9 @@
 """python -m nanoserve.server: serve a model over an OpenAI-compatible HTTP API.
 
-    python -m nanoserve.server                            # the embedded m3-tiny (random weights, made on first use)
+    python -m nanoserve.server                            # m3-mini, the small trained M3 in the package
     python -m nanoserve.server --model DIR --tensor-parallel-size 8 --max-model-len 32768 --port 8000
     curl localhost:8000/v1/completions -H 'Content-Type: application/json' \\
-        -d '{"model": "m3-tiny", "prompt": "Hello", "max_tokens": 16}'
+        -d '{"model": "m3-mini", "prompt": "Hello", "max_tokens": 16}'
 
 Routes (docs/server_api.md has every field and what is refused): POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, GET|DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel
@@ -123,8 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "else every physical core)")
 
     e = p.add_argument_group("engine (vLLM's names)")
-    e.add_argument("--model", default="m3-tiny",
-                   help="a checkpoint directory, or a preset: m3-tiny (default, generated on first use), m3-slice")
+    e.add_argument("--model", default="m3-mini",
+                   help="a checkpoint directory, m3-mini (default: a small trained M3 that ships in the package), "
+                        "or a preset with random weights: m3-tiny (generated on first use), m3-slice")
     e.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     e.add_argument("--trust-remote-code", action="store_true",
                    help="accepted as vLLM takes it: nanoserve implements M3 itself and runs no code from the "
