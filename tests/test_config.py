@@ -280,7 +280,7 @@ def test_engine_config_rejects_unknown_and_mistyped_arguments():
 
 def test_engine_config_defaults_are_valid():
     cfg = EngineConfig()
-    assert cfg.model == "m3-tiny" and cfg.optimizations == Optimizations()
+    assert cfg.model == "m3-mini" and cfg.optimizations == Optimizations()
     cfg = EngineConfig.from_kwargs(model="m3-slice", dtype="bfloat16", tensor_parallel_size=2,
                                    enable_expert_parallel=True, max_model_len=4096, block_size=128)
     assert (cfg.tensor_parallel_size, cfg.enable_expert_parallel, cfg.block_size) == (2, True, 128)

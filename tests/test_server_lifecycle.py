@@ -203,7 +203,7 @@ def test_cli_has_a_flag_pair_per_switch_and_vllm_aliases():
     assert not cfg.optimizations.prefix_caching and not cfg.optimizations.cuda_graphs
     assert (cfg.max_model_len, cfg.tensor_parallel_size, cfg.enable_expert_parallel, cfg.seed,
             cfg.max_waiting_requests, cfg.block_size) == (256, 2, True, 3, 7, 16)
-    assert cfg.model == "m3-tiny" and cfg.optimizations.chunked_prefill
+    assert cfg.model == "m3-mini" and cfg.optimizations.chunked_prefill
     with pytest.raises(SystemExit):
         cli_config(parser.parse_args(["--enable-prefix-caching", "--no-prefix-caching"]), parser)
     with pytest.raises(SystemExit):
