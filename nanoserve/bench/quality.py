@@ -48,13 +48,15 @@ class QualityReport:
                 "perplexity": self.perplexity}
 
 
-def heldout_rows(model_dir: str, limit: int | None, retrieval_limit: int | None = None) -> list[dict]:
-    """The held-out prompts, at most `limit` per task (`retrieval_limit` per retrieval length: a long prompt's
-    prefill is what costs time on a CPU)."""
+def heldout_rows(model_dir: str, limit: int | None, retrieval_limit: int | None = None,
+                 flag: str = "--quality") -> list[dict]:
+    """The held-out prompts in file order, at most `limit` per task (`retrieval_limit` per retrieval length: a
+    long prompt's prefill is what costs time on a CPU). `flag` names the command in the error for a model
+    without a held-out set."""
     path = os.path.join(model_dir, "heldout.jsonl.gz")
     if not os.path.isfile(path):
-        raise ValueError(f"--quality: {model_dir} has no held-out set (heldout.jsonl.gz); it is written with a "
-                         f"trained model (training/prepare.py)")
+        raise ValueError(f"{flag}: {model_dir} has no held-out set (heldout.jsonl.gz); a trained model's "
+                         f"directory carries one")
     rows, per_task = [], {}
     with gzip.open(path, "rt", encoding="utf-8") as f:
         for line in f:

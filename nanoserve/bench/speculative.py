@@ -25,7 +25,6 @@ at a mean accepted length L is L x decode / (verify + draft); it is printed at E
 
 from __future__ import annotations
 
-import gzip
 import json
 import os
 import time
@@ -34,7 +33,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS
+from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS, heldout_rows
 
 NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MTP = {"method": "mtp"}
@@ -55,22 +54,6 @@ def drafters(model_dir: str, eagle3_dir: str | None) -> list[tuple[str, dict | N
 
 
 # -- acceptance on a trained model -------------------------------------------------------------------------------
-
-
-def heldout_prompts(model_dir: str, limit: int | None) -> list[dict]:
-    """The held-out rows, at most `limit` per task, in file order."""
-    path = os.path.join(model_dir, "heldout.jsonl.gz")
-    if not os.path.isfile(path):
-        raise ValueError(f"--speculative: {model_dir} has no held-out set (heldout.jsonl.gz); a trained model's "
-                         f"directory carries one")
-    rows, per_task = [], {}
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            r = json.loads(line)
-            if limit is None or per_task.get(r["task"], 0) < limit:
-                rows.append(r)
-                per_task[r["task"]] = per_task.get(r["task"], 0) + 1
-    return rows
 
 
 @dataclass
@@ -168,7 +151,7 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
     from nanoserve.presets.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(model)
-    rows = heldout_prompts(model_dir, limit)
+    rows = heldout_rows(model_dir, limit, flag="--speculative")
     report: dict[str, Any] = {"model": model, "device": device, "dtype": dtype, "limit": limit,
                               "prompts": {t: sum(r["task"] == t for r in rows) for t in dict.fromkeys(
                                   r["task"] for r in rows)}, "drafters": {}, "skipped": {}}
