@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from nanoserve.presets.make_checkpoint import TINY_VISION_CONFIG
-from nanoserve.presets.tokenizer import BOS, CHAT_TEMPLATE, EOS
+from nanoserve.presets.tokenizer import write_tokenizer_files
 
 # The defaults the server applies to requests that leave them unset: the model is small, so a low temperature
 # keeps its answers on the formats it learned.
@@ -39,18 +39,10 @@ def export(model, out: str, tokenizer_json: str) -> None:
     config["text_config"]["num_mtp_modules"] = 1 if model.mtp is not None else 0
     with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    shutil.copy(tokenizer_json, os.path.join(out, "tokenizer.json"))
-    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS, "eos_token": EOS,
-                  "pad_token": "]!p~[", "add_bos_token": False, "add_eos_token": False,
-                  "model_max_length": model.cfg.max_position_embeddings, "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out, "tokenizer_config.json"), "w") as f:
-        json.dump(tok_config, f, indent=2)
-    with open(os.path.join(out, "special_tokens_map.json"), "w") as f:
-        json.dump({"bos_token": BOS, "eos_token": EOS, "pad_token": "]!p~["}, f, indent=2)
-    with open(os.path.join(out, "chat_template.jinja"), "w") as f:
-        f.write(CHAT_TEMPLATE)
-    with open(os.path.join(out, "generation_config.json"), "w") as f:
-        json.dump(GENERATION_CONFIG, f, indent=2)
+    from tokenizers import Tokenizer
+
+    write_tokenizer_files(out, Tokenizer.from_file(tokenizer_json), GENERATION_CONFIG,
+                          model.cfg.max_position_embeddings)
 
 
 def ship(checkpoint: str, data: str, out: str, text_chars: int = 60_000) -> None:

@@ -84,14 +84,19 @@ def build_tokenizer():
 def write_tokenizer(out_dir: str) -> None:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
     generation_config.json."""
-    tok = build_tokenizer()
+    write_tokenizer_files(out_dir, build_tokenizer(), GENERATION_CONFIG, 1 << 20)
+
+
+def write_tokenizer_files(out_dir: str, tok, generation_config: dict, model_max_length: int) -> None:
+    """A checkpoint's tokenizer files for `tok` (a `tokenizers.Tokenizer` with M3's special tokens), with M3's
+    chat template and `generation_config`."""
     os.makedirs(out_dir, exist_ok=True)
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS, "eos_token": EOS, "pad_token": "]!p~[",
         "add_bos_token": False, "add_eos_token": False,
-        "model_max_length": 1 << 20, "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length, "clean_up_tokenization_spaces": False,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
@@ -100,4 +105,4 @@ def write_tokenizer(out_dir: str) -> None:
     with open(os.path.join(out_dir, "chat_template.jinja"), "w") as f:
         f.write(CHAT_TEMPLATE)
     with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-        json.dump(GENERATION_CONFIG, f, indent=2)
+        json.dump(generation_config, f, indent=2)
