@@ -6,8 +6,10 @@ Writes compressed arrays (`ids` uint16, `trains` marking the tokens whose predic
 `starts`), small enough to carry to a GPU machine:
 - `text.npz`: the corpus documents, each ended by EOS; every source loses 2 % of its documents to
   `heldout_<source>.txt` (perplexity per corpus);
-- `chats.npz`: generated M3-format chats (training/chats.py), the loss on the assistant turns only;
-- `long.npz`: key-retrieval chats of 1-8k tokens, for MSA's sparse phase;
+- `chats.npz`: generated M3-format chats of every kind but retrieval (training/chats.py's mixture without it),
+  the loss on the assistant turns only;
+- `long.npz`: key-retrieval chats of 0.5-8.5k tokens, trained in their own steps (and through MSA's real
+  selection in the sparse phase);
 - `heldout.jsonl.gz`: evaluation prompts from other seeds (arithmetic, tool calls on tools never seen in
   training, thinking format, retrieval at 1k/4k/8k tokens), with what a grader expects.
 Chats use seeds 1.. for training and 10**6 + i for held-out, so the two never share a draw.
@@ -75,8 +77,8 @@ def main() -> None:
     ap.add_argument("--corpus", default="data/corpus")
     ap.add_argument("--tokenizer", default="data/tokenizer/tokenizer.json")
     ap.add_argument("--out", default="data/prepared")
-    ap.add_argument("--chats", type=int, default=60_000, help="short chats for training")
-    ap.add_argument("--long", type=int, default=1_500, help="long retrieval chats for training")
+    ap.add_argument("--chats", type=int, default=100_000, help="short chats for training (no retrieval)")
+    ap.add_argument("--long", type=int, default=2_000, help="retrieval chats for training")
     ap.add_argument("--heldout", type=int, default=100, help="held-out prompts per task")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -98,18 +100,21 @@ def main() -> None:
     rng.shuffle(docs)
     print(f"text: {save_docs(args.out, 'text', docs) / 1e6:.2f} M tokens")
 
-    # short chats of the training mixture
+    # short chats of the training mixture; retrieval chats (most of the mixture's tokens) go to the long set
     short = []
+    kinds = {k: w for k, w in chats.MIXTURE.items() if k != "retrieval"}
     for i in range(args.chats):
-        c = chats.mixture(random.Random(i + 1), **know)
+        r = random.Random(i + 1)
+        c = chats.sample(r, r.choices(list(kinds), weights=list(kinds.values()))[0], **know)
         short.append(enc.segments(chats.render(c, CHAT_TEMPLATE)))
     print(f"chats: {save_docs(args.out, 'chats', short) / 1e6:.2f} M tokens")
 
-    # long retrieval chats for the sparse phase
+    # retrieval chats, 0.5-8.5k tokens (the held-out set asks at 1k, 4k and 8k)
+    assert args.chats < HELDOUT_SEED // 2 and args.long < HELDOUT_SEED // 2, "training seeds would meet held-out ones"
     long = []
     for i in range(args.long):
         r = random.Random(HELDOUT_SEED // 2 + i)
-        n_chars = int(r.uniform(1_200, 8_000) * BYTES_PER_TOKEN)
+        n_chars = int(r.uniform(500, 8_500) * BYTES_PER_TOKEN)
         c = chats.sample(r, "retrieval", n_chars=n_chars, **know)
         long.append(enc.segments(chats.render(c, CHAT_TEMPLATE)))
     print(f"long: {save_docs(args.out, 'long', long) / 1e6:.2f} M tokens")

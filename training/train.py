@@ -5,9 +5,10 @@
 One loop, three losses: next-token cross-entropy (on the corpus everywhere, on chats only on the assistant turns),
 the MTP module's next-next-token cross-entropy (weight 0.3), and each MSA layer's indexer KL toward the dense
 attention (weight 0.5; model.py). A step is either --batch windows of --seq corpus tokens (share --text-frac) or
-whole chats of similar length, one per row from position 0, padded to the longest. Every `--long-every`-th step trains one long
-retrieval chat instead; in the last `--sparse-frac` of training those run through MSA's real block selection
-(`attention="sparse"`), so the model learns to answer from the blocks its indexer picks. The MoE stays balanced by
+whole chats of similar length, one per row from position 0, padded to the longest. Every `--long-every`-th step
+trains retrieval chats instead (as many of similar length as fit --long-tokens, at least one); in the last
+`--sparse-frac` of training those run through MSA's real block selection (`attention="sparse"`), so the model
+learns to answer from the blocks its indexer picks. The MoE stays balanced by
 the auxiliary-loss-free bias update after every step.
 
 The learning-rate schedule (warm-up, then cosine to 10 %) follows progress = max(step / --steps, elapsed /
@@ -51,6 +52,8 @@ class Docs:
 def chat_rows(docs: Docs, rng: np.random.Generator, budget: int, t: int):
     """Whole chats of similar length, as many as fit `budget` tokens once padded to the longest (at most t)."""
     cand = [i for i in rng.integers(len(docs), size=64) if docs.ends[i] - docs.starts[i] <= t]
+    if not cand:
+        raise SystemExit(f"no document of at most {t} tokens among 64 drawn; raise --seq or --long-seq")
     cand.sort(key=lambda i: docs.ends[i] - docs.starts[i])
     start = int(rng.integers(len(cand)))
     picked = [cand[start]]
@@ -127,6 +130,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--long-seq", type=int, default=8192, help="longest retrieval chat trained (tokens)")
+    ap.add_argument("--long-tokens", type=int, default=8192, help="padded tokens per retrieval step")
     ap.add_argument("--long-every", type=int, default=8)
     ap.add_argument("--sparse-frac", type=float, default=0.2)
     ap.add_argument("--text-frac", type=float, default=0.35, help="share of short rows from the corpus")
@@ -148,7 +152,6 @@ def main() -> None:
     rng = np.random.default_rng(args.seed)
     device = torch.device(args.device)
     text, chat, long = (Docs(args.data, n) for n in ("text", "chats", "long"))
-    long_ok = np.flatnonzero(long.ends - long.starts <= args.long_seq)
     model = M3Train(MINI)
     if args.init:
         load_checkpoint(model, args.init)
@@ -156,7 +159,7 @@ def main() -> None:
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     print(f"m3-mini: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
-          f"text {len(text.ids) / 1e6:.1f} M tokens, chats {len(chat.ids) / 1e6:.1f} M, long {len(long_ok)} chats")
+          f"text {len(text.ids) / 1e6:.1f} M tokens, chats {len(chat.ids) / 1e6:.1f} M, long {len(long)} chats")
     os.makedirs(args.out, exist_ok=True)
     log = open(os.path.join(args.out, "train_log.jsonl"), "a")
     t0 = last_save = time.time()
@@ -171,7 +174,7 @@ def main() -> None:
             g["lr"] = lr
         is_long = args.long_every and step % args.long_every == args.long_every - 1
         if is_long:
-            rows = [long.doc(int(long_ok[rng.integers(len(long_ok))]))]
+            rows = chat_rows(long, rng, args.long_tokens, args.long_seq)
             mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
         elif rng.random() < args.text_frac:
             rows, mode = text_rows(text, rng, args.batch, args.seq), "dense"
