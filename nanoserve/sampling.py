@@ -280,3 +280,50 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search settings (vLLM's `BeamSearchParams`; `LLM.beam_search`, the server's `use_beam_search`).
+    Invalid values raise ValueError naming the parameter."""
+
+    beam_width: int
+    """Beams kept at each step, and beams returned per prompt."""
+    max_tokens: int
+    """Tokens generated per beam at most."""
+    ignore_eos: bool = False
+    """EOS is a continuation like any other token instead of ending its beam."""
+    temperature: float = 0.0
+    """Each step draws one token at this temperature beside the top 2 x beam_width candidates (0: greedy, so the
+    draw adds nothing). The candidates' logprobs are the engine's (logprobs_mode), as vLLM's."""
+    length_penalty: float = 1.0
+    """Beams are ranked by cumulative logprob / length ** length_penalty: above 1 favours longer beams, 0 ranks
+    by the logprob alone."""
+    include_stop_str_in_output: bool = False
+    """Keep the EOS that ended a beam in the returned token ids (the server's) and text (LLM.beam_search's)."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, max_logprobs: int | None = None) -> None:
+        """Check every value; with an engine's `max_logprobs`, also that its 2 x beam_width candidates fit."""
+        def is_num(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        # vLLM's wording for beam_width (its _verify_num_sequences)
+        if not isinstance(self.beam_width, int) or isinstance(self.beam_width, bool):
+            raise ValueError(f"beam_width must be an int, but is of type {type(self.beam_width)}")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be at least 1, got {self.beam_width}.")
+        if max_logprobs is not None and 2 * self.beam_width > max_logprobs:
+            raise ValueError(f"beam_width must be at most {max_logprobs // 2} (each step asks for 2 x beam_width "
+                             f"logprobs, and this engine's max_logprobs is {max_logprobs}), got {self.beam_width}")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not is_num(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not is_num(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -30,10 +30,11 @@ from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
+from nanoserve.entrypoints.beam_search import BeamSearchInstance, BeamSearchOutput
 from nanoserve.chat_template import load_chat_template, render_chat, template_messages
 from nanoserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from nanoserve.parsers.tools import check_tools
-from nanoserve.sampling import SamplingParams
+from nanoserve.sampling import BeamSearchParams, SamplingParams
 
 
 class LLM:
@@ -137,6 +138,59 @@ class LLM:
         except BaseException:
             self.engine.abort_request(ids)
             raise
+
+    def beam_search(self, prompts: Prompt | Seq[Prompt], params: BeamSearchParams, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (vLLM's LLM.beam_search; the algorithm: entrypoints/beam_search.py).
+        `prompts`: strings, {"prompt": ...} or {"prompt_token_ids": [...], "cache_salt": ...} dicts, or one of
+        those. Returns one BeamSearchOutput per prompt, in order: its best params.beam_width beams, best first,
+        each with `tokens` (the prompt's and the beam's, an ending EOS included), `text` (those tokens decoded;
+        the ending EOS's text only with include_stop_str_in_output), `cum_logprob`, `logprobs` and
+        `finish_reason`. `concurrency_limit`: search this many prompts at a time (None: all). `use_tqdm`: a bar
+        over the token steps. Bad input raises ValueError naming the parameter."""
+        self._check_alive()
+        engine = self.engine
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        params.validate(self.engine.config.max_logprobs)
+        if concurrency_limit is not None and (not isinstance(concurrency_limit, int) or concurrency_limit < 1):
+            raise ValueError(f"concurrency_limit must be an integer >= 1, got {concurrency_limit!r}")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        instances = []
+        for prompt in prompts:
+            _, token_ids = engine.tokenize_prompt(prompt)
+            engine.validate_prompt(token_ids)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            if salt is not None and (not isinstance(salt, str) or not salt):
+                raise ValueError("cache_salt: must be a non-empty string")
+            instances.append(BeamSearchInstance(token_ids, params, engine.eos_token_id, engine.max_model_len, salt))
+        limit = concurrency_limit or max(len(instances), 1)
+        for start in range(0, len(instances), limit):
+            batch = instances[start:start + limit]
+            steps = tqdm(range(params.max_tokens), desc="Beam search", unit="token", dynamic_ncols=True,
+                         disable=not use_tqdm)
+            for _ in steps:
+                live = [inst for inst in batch if not inst.done]
+                if not live:
+                    break
+                step_prompts = [inst.step_prompts() for inst in live]
+                flat = [p for ps in step_prompts for p in ps]
+                outs = self._generate(flat, [inst.step_params() for inst, ps in zip(live, step_prompts) for _ in ps],
+                                      use_tqdm=False)
+                at = 0
+                for inst, ps in zip(live, step_prompts):
+                    inst.advance([o.outputs[0] for o in outs[at:at + len(ps)]])
+                    at += len(ps)
+            steps.close()
+        results = []
+        for inst in instances:
+            best = inst.best()
+            for beam in best:
+                ends_in_eos = beam.finish_reason == "stop" and not params.include_stop_str_in_output
+                beam.text = engine.tokenizer.decode(beam.tokens[:-1] if ends_in_eos else beam.tokens)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
