@@ -9,6 +9,7 @@ different lengths."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 import re
@@ -16,10 +17,11 @@ import re
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.entrypoints.beam_search import BeamSearchSequence
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
+from nanoserve.entrypoints.beam_search import BeamSearchSequence, BeamSearchStream
 from nanoserve.presets.tokenizer import EOS_ID
 from nanoserve.sampling import BeamSearchParams
-from tests.server_utils import FAST_CPU
+from tests.server_utils import FAST_CPU, engine_config
 from tests.test_engine import assert_all_blocks_free
 from tests.test_sampling import LOGPROB_ATOL, direct_logprobs
 
@@ -239,3 +241,55 @@ def test_bad_requests_are_value_errors_and_leak_nothing(llm):
     with pytest.raises(ValueError, match="params must be a BeamSearchParams"):
         llm.beam_search(["hello"], SamplingParams())
     assert_all_blocks_free(llm)
+
+
+def test_on_the_async_engine_the_same_beams_as_one_request_output(llm, tiny_dir):
+    """BeamSearchStream (what the server's use_beam_search runs): the beams LLM.beam_search finds, as one finished
+    RequestOutput whose choices are the best beams - generated token ids (the EOS only with
+    include_stop_str_in_output), text without the EOS, cumulative logprob, finish reason; closing it early aborts
+    the step in flight. Every block is free afterwards."""
+    ids = prompt_ids(3, 4)
+    params = BeamSearchParams(beam_width=4, max_tokens=10, length_penalty=0.0)
+    want = search(llm, ids, beam_width=4, max_tokens=10, length_penalty=0.0)
+    engine = AsyncLLMEngine.from_config(engine_config(tiny_dir, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2048))
+    tok = llm.get_tokenizer()
+
+    async def run(request_id, keep_eos=False):
+        p = BeamSearchParams(**{**params.__dict__, "include_stop_str_in_output": keep_eos})
+        stream = await BeamSearchStream.start(engine, request_id, {"prompt_token_ids": ids, "prompt": None}, p,
+                                              tok.decode)
+        return [out async for out in stream]
+
+    async def main():
+        await engine.start()
+        try:
+            (out,) = await run("a")
+            (kept,) = await run("b", keep_eos=True)
+            stream = await BeamSearchStream.start(engine, "c", {"prompt_token_ids": ids}, params, tok.decode)
+            await asyncio.sleep(0)
+            await stream.aclose()  # the first step is in flight: aborted
+            with pytest.raises(ValueError, match="prompt is too long"):
+                await BeamSearchStream.start(engine, "d", {"prompt_token_ids": prompt_ids(1, MAX_MODEL_LEN)}, params,
+                                             tok.decode)
+            while engine.engine.requests:
+                await asyncio.sleep(0.01)
+            await engine.run_on_engine_thread(engine.engine.block_manager.check_integrity)
+        finally:
+            await engine.shutdown()
+        return out, kept
+
+    out, kept = asyncio.run(main())
+    bm = engine.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    assert out.finished and out.prompt_token_ids == ids and len(out.outputs) == 4
+    for i, (c, k, beam) in enumerate(zip(out.outputs, kept.outputs, want)):
+        generated = beam.tokens[len(ids):]
+        assert c.index == i and c.finish_reason == beam.finish_reason
+        assert c.cumulative_logprob == pytest.approx(beam.cum_logprob, abs=LOGPROB_ATOL * 10)
+        assert k.token_ids == generated
+        if beam.finish_reason == "stop":
+            assert c.token_ids == generated[:-1] and c.stop_reason == EOS_ID
+        else:
+            assert c.token_ids == generated
+        assert c.text == k.text == tok.decode(c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids) and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))

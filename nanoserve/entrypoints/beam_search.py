@@ -20,8 +20,9 @@ only the tokens after the last full block. A beam that diverges inside a block g
 tokens, recomputed, instead of a copy of its K/V: at most block_size tokens per beam per step. When the search
 ends every block is back in the free list (vLLM's V1 engine runs beam search the same way).
 
-The driver owns the loop: `LLM.beam_search` runs the steps on its engine (entrypoints/llm.py), the server runs
-them as requests on its async engine. Both only call `step_prompts`, `step_params` and `advance` here.
+A driver owns the loop: `LLM.beam_search` runs the steps on its engine (entrypoints/llm.py); `BeamSearchStream`
+runs them as requests on an AsyncLLMEngine (what the server's `use_beam_search` uses) and hands the result out as
+a RequestStream does. Both only call `step_prompts`, `step_params` and `advance` of a BeamSearchInstance.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine, RequestStream
 from nanoserve.sampling import BeamSearchParams, SamplingParams
 
 
@@ -108,14 +110,14 @@ class BeamSearchInstance:
             prompts.append(prompt)
         return prompts
 
-    def advance(self, outputs: list[CompletionOutput]) -> None:
+    def advance(self, outputs: list[CompletionOutput | None]) -> None:
         """Extend each live beam by each of its candidates; EOS candidates end (unless ignore_eos), the best
-        beam_width others live on. A beam whose request returned no logprobs (aborted) has no continuation."""
+        beam_width others live on. A beam whose request returned nothing (aborted) has no continuation."""
         if len(outputs) != len(self.beams):
             raise ValueError(f"advance: {len(outputs)} outputs for {len(self.beams)} beams")
         candidates: list[BeamSearchSequence] = []
         for beam, out in zip(self.beams, outputs):
-            if not out.logprobs:
+            if out is None or not out.logprobs:
                 continue
             step_logprobs = out.logprobs[0]
             for token_id, logprob in step_logprobs.items():
@@ -169,3 +171,85 @@ def to_request_output(request_id: str, prompt: str | None, instance: BeamSearchI
             cumulative_logprob=beam.cum_logprob, logprobs=beam.logprobs[:len(token_ids)],
             finish_reason=beam.finish_reason, stop_reason=beam.stop_reason))
     return RequestOutput(request_id, prompt, list(instance.prompt_token_ids), outputs, finished=True)
+
+
+class BeamSearchStream:
+    """A beam search run as requests on an AsyncLLMEngine, behind a RequestStream's interface: iterating it
+    yields one finished RequestOutput (to_request_output: the best beams as its choices, best first), and
+    `aclose()` before that aborts the step in flight, freeing its KV blocks. Build it with `start`, which queues
+    the first step, so a bad prompt or a full queue raises there, before any response is sent."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, prompt: str | None, instance: BeamSearchInstance,
+                 decode: Callable[[list[int]], str], priority: int):
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt = prompt
+        self.instance = instance
+        self.decode = decode
+        self.priority = priority
+        self._step: list[RequestStream] = []  # the step in flight: one stream per live beam
+        self.finished = False  # the finished output was handed out
+        self.closed = False
+
+    @classmethod
+    async def start(cls, engine: AsyncLLMEngine, request_id: str, prompt: dict[str, Any], params: BeamSearchParams,
+                    decode: Callable[[list[int]], str], priority: int = 0) -> "BeamSearchStream":
+        """`prompt`: {"prompt_token_ids": [...], "prompt": text or None, "cache_salt": ...}. `decode` turns the
+        returned beams' token ids into their text. Raises ValueError for bad parameters or a bad prompt, and
+        whatever AsyncLLMEngine.add_request raises."""
+        params.validate(engine.config.max_logprobs)
+        ids = list(prompt["prompt_token_ids"])
+        instance = BeamSearchInstance(ids, params, engine.engine.eos_token_id, engine.max_model_len,
+                                      prompt.get("cache_salt"))
+        stream = cls(engine, request_id, prompt.get("prompt"), instance, decode, priority)
+        await stream._launch_step()
+        return stream
+
+    async def _launch_step(self) -> None:
+        params, step = self.instance.step_params(), self.instance.num_steps
+        try:
+            for i, prompt in enumerate(self.instance.step_prompts()):
+                self._step.append(await self.engine.add_request(f"{self.request_id}-beam{step}-{i}", prompt,
+                                                                params, self.priority))
+        except BaseException:
+            await self._close_step()
+            raise
+
+    async def _close_step(self) -> None:
+        streams, self._step = self._step, []
+        for s in streams:
+            await s.aclose()
+
+    async def _search(self) -> RequestOutput:
+        while True:
+            finals = []
+            for s in self._step:
+                last = None
+                async for out in s:
+                    last = out
+                finals.append(last.outputs[0] if last is not None else None)
+            self._step = []
+            self.instance.advance(finals)
+            if self.instance.done:
+                return to_request_output(self.request_id, self.prompt, self.instance, self.decode)
+            await self._launch_step()
+
+    def __aiter__(self) -> "BeamSearchStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.closed:
+            raise StopAsyncIteration
+        try:
+            output = await self._search()
+        except BaseException:
+            await self.aclose()
+            raise
+        self.finished = self.closed = True
+        return output
+
+    async def aclose(self) -> None:
+        """Stop; a step still in flight is aborted (its blocks freed)."""
+        if not self.closed:
+            self.closed = True
+            await self._close_step()
