@@ -254,16 +254,18 @@ def test_on_the_async_engine_the_same_beams_as_one_request_output(llm, tiny_dir)
     engine = AsyncLLMEngine.from_config(engine_config(tiny_dir, max_model_len=MAX_MODEL_LEN, kv_cache_tokens=2048))
     tok = llm.get_tokenizer()
 
-    async def run(request_id, keep_eos=False):
+    async def run(request_id, keep_eos=False, num_logprobs=None):
         p = BeamSearchParams(**{**params.__dict__, "include_stop_str_in_output": keep_eos})
         stream = await BeamSearchStream.start(engine, request_id, {"prompt_token_ids": ids, "prompt": None}, p,
-                                              tok.decode)
+                                              tok.decode, num_logprobs=num_logprobs)
         return [out async for out in stream]
 
     async def main():
         await engine.start()
         try:
-            (out,) = await run("a")
+            (out,) = await run("a", num_logprobs=2)
+            with pytest.raises(ValueError, match=r"logprobs must be in \[0, 8\] with beam search"):
+                await run("e", num_logprobs=9)
             (kept,) = await run("b", keep_eos=True)
             stream = await BeamSearchStream.start(engine, "c", {"prompt_token_ids": ids}, params, tok.decode)
             await asyncio.sleep(0)
@@ -292,4 +294,9 @@ def test_on_the_async_engine_the_same_beams_as_one_request_output(llm, tiny_dir)
         else:
             assert c.token_ids == generated
         assert c.text == k.text == tok.decode(c.token_ids)
-        assert len(c.logprobs) == len(c.token_ids) and all(t in lp for t, lp in zip(c.token_ids, c.logprobs))
+        # logprobs as asked: each returned token's, then the 2 most likely of its step's candidates
+        assert k.logprobs is None and len(c.logprobs) == len(c.token_ids)
+        for t, entry, step in zip(c.token_ids, c.logprobs, beam.logprobs):
+            best = sorted(step, key=step.get, reverse=True)[:2]
+            assert next(iter(entry)) == t and set(entry) == {t, *best}
+            assert all(entry[x] == pytest.approx(step[x], abs=LOGPROB_ATOL) for x in entry)

@@ -156,11 +156,12 @@ def generated_tokens(beam: BeamSearchSequence, prompt_len: int, keep_eos: bool) 
 
 
 def to_request_output(request_id: str, prompt: str | None, instance: BeamSearchInstance,
-                      decode: Callable[[list[int]], str]) -> RequestOutput:
+                      decode: Callable[[list[int]], str], num_logprobs: int | None = None) -> RequestOutput:
     """A finished search as one RequestOutput whose choices are the best beams, best first (the server's shape,
     vLLM's): `token_ids` the generated tokens (the EOS only with include_stop_str_in_output), `text` their text
-    without the EOS, `cumulative_logprob`, `logprobs` one candidates dict per returned token, `finish_reason`
-    "stop" or "length"."""
+    without the EOS, `cumulative_logprob`, `finish_reason` "stop" or "length", and with `num_logprobs` (the
+    request's logprobs count; None: no logprobs) per returned token its logprob and the `num_logprobs` most likely
+    of that step's candidates."""
     prompt_len = len(instance.prompt_token_ids)
     keep_eos = instance.params.include_stop_str_in_output
     outputs = []
@@ -168,9 +169,17 @@ def to_request_output(request_id: str, prompt: str | None, instance: BeamSearchI
         token_ids = generated_tokens(beam, prompt_len, keep_eos)
         outputs.append(CompletionOutput(
             index=i, text=decode(generated_tokens(beam, prompt_len, keep_eos=False)), token_ids=token_ids,
-            cumulative_logprob=beam.cum_logprob, logprobs=beam.logprobs[:len(token_ids)],
+            cumulative_logprob=beam.cum_logprob,
+            logprobs=None if num_logprobs is None else [top_logprobs(t, step, num_logprobs)
+                                                        for t, step in zip(token_ids, beam.logprobs)],
             finish_reason=beam.finish_reason, stop_reason=beam.stop_reason))
     return RequestOutput(request_id, prompt, list(instance.prompt_token_ids), outputs, finished=True)
+
+
+def top_logprobs(token_id: int, candidates: dict[int, float], num: int) -> dict[int, float]:
+    """A step's entry as the engine writes it for `logprobs=num`: the chosen token, then the num most likely."""
+    top = sorted(candidates.items(), key=lambda kv: -kv[1])[:num]
+    return {token_id: candidates[token_id], **dict(top)}
 
 
 class BeamSearchStream:
@@ -180,28 +189,34 @@ class BeamSearchStream:
     the first step, so a bad prompt or a full queue raises there, before any response is sent."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, prompt: str | None, instance: BeamSearchInstance,
-                 decode: Callable[[list[int]], str], priority: int):
+                 decode: Callable[[list[int]], str], priority: int, num_logprobs: int | None):
         self.engine = engine
         self.request_id = request_id
         self.prompt = prompt
         self.instance = instance
         self.decode = decode
         self.priority = priority
+        self.num_logprobs = num_logprobs
         self._step: list[RequestStream] = []  # the step in flight: one stream per live beam
         self.finished = False  # the finished output was handed out
         self.closed = False
 
     @classmethod
     async def start(cls, engine: AsyncLLMEngine, request_id: str, prompt: dict[str, Any], params: BeamSearchParams,
-                    decode: Callable[[list[int]], str], priority: int = 0) -> "BeamSearchStream":
+                    decode: Callable[[list[int]], str], priority: int = 0,
+                    num_logprobs: int | None = None) -> "BeamSearchStream":
         """`prompt`: {"prompt_token_ids": [...], "prompt": text or None, "cache_salt": ...}. `decode` turns the
-        returned beams' token ids into their text. Raises ValueError for bad parameters or a bad prompt, and
-        whatever AsyncLLMEngine.add_request raises."""
+        returned beams' token ids into their text; `num_logprobs` (at most 2 x beam_width, a step's candidates):
+        the alternatives returned per token (None: no logprobs). Raises ValueError for bad parameters or a bad
+        prompt, and whatever AsyncLLMEngine.add_request raises."""
         params.validate(engine.config.max_logprobs)
+        if num_logprobs is not None and not 0 <= num_logprobs <= 2 * params.beam_width:
+            raise ValueError(f"logprobs must be in [0, {2 * params.beam_width}] with beam search (each step's "
+                             f"candidates: 2 x the beam width), got {num_logprobs}")
         ids = list(prompt["prompt_token_ids"])
         instance = BeamSearchInstance(ids, params, engine.engine.eos_token_id, engine.max_model_len,
                                       prompt.get("cache_salt"))
-        stream = cls(engine, request_id, prompt.get("prompt"), instance, decode, priority)
+        stream = cls(engine, request_id, prompt.get("prompt"), instance, decode, priority, num_logprobs)
         await stream._launch_step()
         return stream
 
@@ -231,7 +246,8 @@ class BeamSearchStream:
             self._step = []
             self.instance.advance(finals)
             if self.instance.done:
-                return to_request_output(self.request_id, self.prompt, self.instance, self.decode)
+                return to_request_output(self.request_id, self.prompt, self.instance, self.decode,
+                                         self.num_logprobs)
             await self._launch_step()
 
     def __aiter__(self) -> "BeamSearchStream":
