@@ -181,7 +181,7 @@ def test_openapi_lists_every_post_body(server):
     """/openapi.json describes the request body of every POST route: its fields, which are required, and the
     nested models written out (no reference left dangling)."""
     from nanoserve.server import protocol as P
-    from nanoserve.server.protocol.anthropic_api import CountTokensRequest, MessagesRequest
+    from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
     from nanoserve.server.protocol.responses_api import ResponsesRequest
     from nanoserve.server.routes import ROUTERS
 

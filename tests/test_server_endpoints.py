@@ -168,7 +168,7 @@ def test_cors_flags_parse_as_vllm_does():
 def test_a_vllm_command_line_parses(capsys):
     """The flags a `vllm serve` command for M3 carries: accepted (--trust-remote-code, --disable-log-requests,
     --disable-log-stats, --kv-cache-dtype auto, --uvicorn-log-level) or refused with a clear message when this
-    server cannot do what they ask (an fp8 KV cache; contradictory request logging)."""
+    server cannot do what they ask (an e5m2 fp8 KV cache; contradictory request logging)."""
     from nanoserve.server.__main__ import main
 
     args = build_parser().parse_args(["--model", "/ckpt", "--trust-remote-code", "--tensor-parallel-size", "8",
@@ -176,7 +176,7 @@ def test_a_vllm_command_line_parses(capsys):
                                       "--uvicorn-log-level", "warning", "--enable-expert-parallel"])
     assert args.trust_remote_code and args.tensor_parallel_size == 8 and args.uvicorn_log_level == "warning"
     assert not args.enable_log_requests
-    for argv, words in ((["--kv-cache-dtype", "fp8"], "invalid choice: 'fp8'"),
+    for argv, words in ((["--kv-cache-dtype", "fp8_e5m2"], "invalid choice: 'fp8_e5m2'"),
                         (["--enable-log-requests", "--disable-log-requests"], "contradicts"),
                         (["--max-log-len", "-1"], "--max-log-len must be >= 0")):
         with pytest.raises(SystemExit) as exit_:
@@ -249,7 +249,7 @@ def test_help_and_docs_list_every_endpoint_and_field():
     from pathlib import Path
 
     from nanoserve.server import protocol as P
-    from nanoserve.server.protocol.anthropic_api import MessagesRequest
+    from nanoserve.server.anthropic.schema import MessagesRequest
     from nanoserve.server.protocol.responses_api import ResponsesRequest
     from nanoserve.server.routes import ROUTERS
 

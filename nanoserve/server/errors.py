@@ -22,7 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, QueueFullError
 from nanoserve.sampling import SamplingParams
 from nanoserve.server import protocol as P
-from nanoserve.server.protocol import anthropic_api as A
+from nanoserve.server.anthropic import schema as A
 
 logger = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@
     responses_api.py POST /v1/responses: input items, tools, text format, the response, its items and events
                      (imported as a module of its own: its names - Response, InputMessage - would be ambiguous here)
 
+Anthropic's Messages API has its bodies in anthropic/schema.py.
+
 A new endpoint's bodies get a module of their own here, re-exported below.
 
 Requests are parsed strictly - "10" is not an integer, 1.5 is not an integer, true is not a number - so a wrong

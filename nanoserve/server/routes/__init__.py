@@ -4,15 +4,16 @@
     completions.py   POST /v1/completions
     chat.py          POST /v1/chat/completions
     responses_api.py POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel
-    anthropic_api.py POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API)
     system.py        GET /health, GET /metrics, GET /v1/models
 
-A new route family is a new module here with a `router`, added to ROUTERS. Route functions stay thin: parse
+Each API's own routes live in its package (anthropic/routes.py). A new route family is a new module here with a `router`, added to ROUTERS. Route functions stay thin: parse
 (json_body) -> convert (convert.py) -> the engine (submit.py) -> respond (responses.py / streaming.py).
 """
 
-from nanoserve.server.routes import anthropic_api, chat, completions, responses_api, sagemaker, system, tokenize
+from nanoserve.server.anthropic import routes as anthropic
+from nanoserve.server.routes import chat, completions, responses_api, sagemaker, system, tokenize
 
-ROUTERS = [completions.router, chat.router, responses_api.router, anthropic_api.router, tokenize.router, sagemaker.router, system.router]
+ROUTERS = [completions.router, chat.router, responses_api.router, anthropic.router, tokenize.router, sagemaker.router,
+           system.router]
 
 __all__ = ["ROUTERS"]

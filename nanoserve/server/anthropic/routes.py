@@ -1,5 +1,5 @@
-"""POST /v1/messages (Anthropic's Messages API, served as a chat: server/anthropic_api.py) and
-POST /v1/messages/count_tokens. Errors on these routes take Anthropic's shape (errors.py)."""
+"""The routes of Anthropic's Messages API: POST /v1/messages (served as a chat: convert.py) and
+POST /v1/messages/count_tokens. Errors on these routes take Anthropic's shape (server/errors.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server.anthropic_api import (anthropic_fields, count_tokens, message_events, message_response,
-                                            new_message_id, prepare_message)
-from nanoserve.server.protocol.anthropic_api import CountTokensRequest, MessagesRequest
+from nanoserve.server.anthropic.convert import (anthropic_fields, count_tokens, message_events, message_response,
+                                                new_message_id, prepare_message)
+from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
 from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs

@@ -1,7 +1,8 @@
-"""POST /v1/messages (Anthropic's Messages API) and POST /v1/messages/count_tokens: the request with its content
-blocks, tools and thinking setting, the message it answers with, and the stream's events.
+"""The bodies of Anthropic's Messages API, as pydantic models: POST /v1/messages and POST /v1/messages/count_tokens
+- the request with its content blocks, tools and thinking setting, the message it answers with, the stream's
+events, and this API's error body.
 
-Served as a chat, as vLLM serves it (server/anthropic_api.py). What this API has and nanoserve cannot honour is
+Served as a chat, as vLLM serves it (convert.py). What this API has and nanoserve cannot honour is
 refused by name: server tools (web search, code execution, ...), image and document blocks (text only here).
 """
 

@@ -1,6 +1,7 @@
-"""POST /v1/messages (Anthropic's Messages API), served as a chat as vLLM serves it: the request's system
-prompt and content blocks become chat messages, convert.prepare_chat prepares them as any chat, and the answer's
-blocks (answer_blocks.py: thinking, text, calls) become content blocks and, streamed, this API's events.
+"""Anthropic's Messages API (POST /v1/messages) served as a chat, as vLLM serves it: the request's system
+prompt and content blocks become chat messages, server/convert.py's prepare_chat prepares them as any chat, and
+the answer's blocks (server/answer_blocks.py: thinking, text, calls) become content blocks and, streamed, this
+API's events.
 
     chat_request     MessagesRequest / CountTokensRequest -> ChatCompletionRequest
     prepare_message  ... -> Prepared, with errors naming this API's fields (ANTHROPIC_FIELDS)
@@ -22,7 +23,7 @@ from nanoserve.server import protocol as P
 from nanoserve.server.answer_blocks import AnswerBlocks, Block, Change
 from nanoserve.server.convert import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
 from nanoserve.server.errors import APIError, fields_renamed
-from nanoserve.server.protocol import anthropic_api as A
+from nanoserve.server.anthropic import schema as A
 from nanoserve.server.responses import cache_write_tokens
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback

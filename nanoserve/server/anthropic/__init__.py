@@ -1,0 +1,7 @@
+"""Anthropic's Messages API (POST /v1/messages, POST /v1/messages/count_tokens), served as a chat as vLLM serves
+it (docs/anthropic_api.md).
+
+    schema.py    the request, the message, the stream's events and the error body, as pydantic models
+    convert.py   a request -> a chat request prepared for the engine; the answer -> a message or its events
+    routes.py    the two routes
+"""
