@@ -180,6 +180,34 @@ def test_prompts_searched_together_or_apart_agree(llm):
     assert_all_blocks_free(llm)
 
 
+def test_without_prefix_caching_the_same_beams(llm):
+    """The shared blocks are an optimization: with prefix caching off every beam computes its whole sequence each
+    step, and the beams are the same."""
+    ids = prompt_ids(11, 40)
+    with LLM("m3-tiny", optimizations=FAST_CPU.replace(prefix_caching=False), kv_cache_tokens=2048,
+             max_model_len=MAX_MODEL_LEN) as plain:
+        want = search(plain, ids, beam_width=3, max_tokens=6)
+        assert_all_blocks_free(plain)
+    got = search(llm, ids, beam_width=3, max_tokens=6)
+    assert [b.tokens for b in got] == [b.tokens for b in want]
+
+
+def test_a_temperature_adds_a_drawn_candidate(llm):
+    """temperature > 0 (vLLM's): each step also draws a token, which joins the 2 x beam_width most likely as a
+    candidate; the ranking is the same score."""
+    ids = prompt_ids(4, 20)
+    beams = search(llm, ids, beam_width=2, max_tokens=8, temperature=1.0, length_penalty=0.5)
+    scores = [score(b, 0.5) for b in beams]
+    assert scores == sorted(scores, reverse=True)
+    for beam in beams:
+        ref = direct_logprobs(llm, beam.tokens[:-1])
+        for j, step in enumerate(beam.logprobs):
+            top = set(ref[len(ids) - 1 + j].topk(4).indices.tolist())
+            assert top <= set(step) and len(step) <= 5
+        total = sum(ref[len(ids) - 1 + j][t].item() for j, t in enumerate(beam.tokens[len(ids):]))
+        assert beam.cum_logprob == pytest.approx(total, abs=LOGPROB_ATOL * 8)
+
+
 def test_the_beams_share_their_prefix_blocks_and_free_them_all(llm):
     ids = prompt_ids(11, 70)  # four full blocks, then six tokens
     bm = llm.engine.block_manager
