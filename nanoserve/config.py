@@ -252,6 +252,10 @@ QUANTIZATIONS = (None, "mxfp8", "bf16")
 `quantization_config`), "mxfp8" = MXFP8 weights (a bf16 checkpoint is quantized at load), "bf16" = 16-bit weights in
 the model dtype (an MXFP8 checkpoint is dequantized at load). docs/mxfp8.md."""
 DEVICES = ("auto", "cpu", "cuda")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+"""`kv_cache_dtype=` values (vLLM's `--kv-cache-dtype`): "auto" = the model dtype; "fp8" and "fp8_e4m3" (the same)
+store the K/V and index-key pools in fp8 e4m3 with per-tensor scales (runner/kv_cache.py). vLLM's "fp8_e5m2" is
+refused by name."""
 DEFAULT_CPU_KV_TOKENS = 32768
 SCHEDULING_POLICIES = ("fcfs", "priority")
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
@@ -281,6 +285,11 @@ class EngineConfig:
     """Fix the KV pool size (blocks), on CPU or GPU."""
     kv_cache_tokens: int | None = None
     """CPU KV budget in tokens (GPU: sized from gpu_memory_utilization)."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type (vLLM's `--kv-cache-dtype`): "auto" = the model dtype; "fp8" / "fp8_e4m3" = fp8
+    e4m3, one byte per element (twice the tokens in the same memory), written as x / scale saturated to +-448 and
+    read back times the scale (per layer, per tensor: the checkpoint's k_scale / v_scale, else 1.0). Changes
+    outputs within fp8 rounding; docs/optimizations.md."""
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
     seed: int = 0
@@ -351,6 +360,9 @@ class EngineConfig:
         need(self.dtype in DTYPES, "dtype", f"one of {', '.join(DTYPES)}")
         need(self.quantization in QUANTIZATIONS, "quantization", "None (the checkpoint's), 'mxfp8' or 'bf16'")
         need(self.device in DEVICES, "device", f"one of {', '.join(DEVICES)}")
+        need(self.kv_cache_dtype != "fp8_e5m2", "kv_cache_dtype",
+             "fp8_e5m2 is not supported: the fp8 KV cache is e4m3 ('fp8' or 'fp8_e4m3')")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", f"one of {', '.join(KV_CACHE_DTYPES)}")
         int_in("max_model_len", 1, optional=True)
         int_in("block_size", 1, optional=True)
         int_in("max_num_seqs", 1)

@@ -16,6 +16,10 @@ patched for the recording only:
   options instead of launching.
 
 The collectives of the sharded layers (TP=4, TP=8, and TP=8 with EP=8) are no-ops here: only the shapes matter.
+The KV pools are bf16, and once more fp8 (`--kv-cache-dtype fp8`) with bf16 weights on one GPU (the sharded
+shapes change head counts, not the fp8 code): the attention, MSA and cache-insert kernels then read or write fp8;
+a launch that run makes that a bf16-pool run made too (everything else) is kept once, under the bf16 runs, so
+the CI subset grows by the fp8-KV launches only (six per backend).
 A launch is deduplicated by (kernel, signature, constexprs, attributes, options) per backend; each keeps the
 scenarios (weights, sharding, step) that made it.
 """
@@ -55,6 +59,13 @@ BLOCK_SIZE = 128
 WEIGHTS = ("bf16", "mxfp8")
 SHARDINGS = {"tp1": (1, False), "tp4": (4, False), "tp8": (8, False), "tp8-ep8": (8, True)}
 """Name -> (tensor_parallel_size, enable_expert_parallel); each records rank 0's shard."""
+FP8_KV = "bf16+fp8-kv"
+"""The weight-format label of the runs with fp8 KV pools (bf16 weights: the attention side does not depend on
+the weights' format), recorded at FP8_KV_SHARDINGS."""
+FP8_KV_SHARDINGS = ("tp1",)
+RUNS = [(weights, sharding, torch.bfloat16) for weights in WEIGHTS for sharding in SHARDINGS] + \
+    [(FP8_KV, sharding, torch.float8_e4m3fn) for sharding in FP8_KV_SHARDINGS]
+"""(weight-format label, sharding, KV pool dtype) of every recorded run."""
 
 
 def _steps() -> list[tuple[str, list[int], list[int]]]:
@@ -184,32 +195,38 @@ def _import_kernels() -> None:
 
 
 def record_launches(backends: list[str]) -> dict[str, list[Launch]]:
-    """Every distinct launch of the m3-slice model's forward and LM head over STEPS, for each weight format and
-    sharding, with each backend's tiles: {backend: launches}."""
+    """Every distinct launch of the m3-slice model's forward and LM head over STEPS, for each run of RUNS (weight
+    format, sharding, KV pool dtype), with each backend's tiles: {backend: launches}."""
     _import_kernels()
     cfg = get_preset("m3-slice").config
     launches: dict[str, dict[tuple, Launch]] = {backend: {} for backend in backends}
+    fp8_kv: dict[str, dict[tuple, Launch]] = {backend: {} for backend in backends}  # the fp8-KV runs' launches
     scenario: list = []
     recorders = {backend: _recorder(backend, launches[backend], scenario) for backend in backends}
+    fp8_recorders = {backend: _recorder(backend, fp8_kv[backend], scenario) for backend in backends}
     saved_tp = parallel_state.get_tp()
     try:
-        for weights in WEIGHTS:
-            for sharding, (tp, ep) in SHARDINGS.items():
-                set_tp(0, tp, None, ep)
-                model = M3ForCausalLM(cfg, Optimizations(), torch.bfloat16, "meta",
-                                      "mxfp8" if weights == "mxfp8" else None)
-                longest = max(max(seq_lens) for _, _, seq_lens in STEPS)
-                kv, index = allocate_kv_caches(cfg, -(-longest // BLOCK_SIZE), BLOCK_SIZE, torch.bfloat16, "meta")
-                model.bind_kv_caches(kv, index)
-                for step, query_lens, seq_lens in STEPS:
-                    scenario[:] = [weights, sharding, step]
-                    tables = [list(range(-(-n // BLOCK_SIZE))) for n in seq_lens]
-                    meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, device="meta")
-                    ids = torch.zeros(sum(query_lens), dtype=torch.long, device="meta")
-                    last = (torch.tensor(query_lens).cumsum(0) - 1).to("meta")
-                    for backend in backends:
-                        with recording(backend, launches[backend], scenario, recorders[backend]):
-                            model.compute_logits(model(ids, meta.positions, meta)[last])
+        for weights, sharding, kv_dtype in RUNS:
+            tp, ep = SHARDINGS[sharding]
+            set_tp(0, tp, None, ep)
+            model = M3ForCausalLM(cfg, Optimizations(), torch.bfloat16, "meta",
+                                  "mxfp8" if weights == "mxfp8" else None)
+            longest = max(max(seq_lens) for _, _, seq_lens in STEPS)
+            kv, index = allocate_kv_caches(cfg, -(-longest // BLOCK_SIZE), BLOCK_SIZE, kv_dtype, "meta")
+            model.bind_kv_caches(kv, index)
+            for step, query_lens, seq_lens in STEPS:
+                scenario[:] = [weights, sharding, step]
+                tables = [list(range(-(-n // BLOCK_SIZE))) for n in seq_lens]
+                meta = AttentionMetadata.build(query_lens, seq_lens, tables, BLOCK_SIZE, device="meta")
+                ids = torch.zeros(sum(query_lens), dtype=torch.long, device="meta")
+                last = (torch.tensor(query_lens).cumsum(0) - 1).to("meta")
+                for backend in backends:
+                    record = recorders[backend] if weights != FP8_KV else fp8_recorders[backend]
+                    with recording(backend, launches[backend], scenario, record):
+                        model.compute_logits(model(ids, meta.positions, meta)[last])
+        for backend in backends:
+            for key, launch in fp8_kv[backend].items():
+                launches[backend].setdefault(key, launch)  # a launch a bf16-pool run made too stays under it
     finally:
         set_tp(saved_tp.rank, saved_tp.size, saved_tp.group, saved_tp.expert_parallel)
     return {backend: list(found.values()) for backend, found in launches.items()}

@@ -22,7 +22,7 @@ from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.parallel_state import get_tp, set_tp
 from nanoserve.presets.catalog import get_preset
 from tests.compile_gate import KNOWN_SPILLS, TARGETS, compile_all, representative, run_gate
-from tests.compile_gate_launches import SHARDINGS, recording
+from tests.compile_gate_launches import FP8_KV, SHARDINGS, recording
 
 OCCUPANCY_2 = ("_paged_prefill_kernel", "_up_swiglu_kernel", "_down_weighted_kernel", "_fp8_linear_kernel",
                "_gemv_kernel", "_gemv_mxfp8_kernel")
@@ -183,3 +183,19 @@ def test_known_spills_are_nvidia_launches_with_a_reason():
     """The AMD builds spill nothing to memory; each listed NVIDIA spill says why it stays."""
     for (target, kernel, picks), (limit, why) in KNOWN_SPILLS.items():
         assert TARGETS[target].backend == "cuda" and kernel.startswith("_") and picks and limit > 0 and why
+
+
+@pytest.mark.slow
+def test_fp8_kv_kernels_are_in_the_subset(gate):
+    """`--kv-cache-dtype fp8`: the decode, prefill, MSA and cache-insert kernels are recorded reading or writing an
+    fp8 pool (Triton's fp8e4nv: OCP e4m3, on AMD too) and compiled on every target."""
+    results, _, recorded = gate
+    want = {"_paged_decode_kernel", "_paged_prefill_kernel", "_index_score_kernel", "_sparse_attention_kernel",
+            "_sparse_by_block_kernel", "_qk_norm_rope_insert_kernel"}
+    for backend, launches in recorded.items():
+        fp8 = [launch for launch in launches if any(w == FP8_KV for w, _, _ in launch.scenarios)]
+        assert {launch.short_name for launch in fp8} == want, backend
+        assert all("*fp8e4nv" in launch.signature.values() for launch in fp8)
+    compiled = {(launch.short_name, r.target) for launch, r in results
+                if any(w == FP8_KV for w, _, _ in launch.scenarios)}
+    assert compiled == {(k, t) for k in want for t in TARGETS}

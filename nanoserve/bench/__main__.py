@@ -11,6 +11,7 @@
     python -m nanoserve.bench --scale small                     # CPU-sized workloads (m3-tiny)
     python -m nanoserve.bench --quantization bf16,mxfp8 --workloads W1,W2,W4,W5 --micro moe,linear
                                                                 # bf16 and MXFP8 weights side by side
+    python -m nanoserve.bench --kv-cache-dtype fp8 --workloads W2,W4   # the KV cache in fp8 e4m3
     python -m nanoserve.bench --micro attention,route,ceilings   # kernel micro-benchmarks alone (GPU)
     python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
     python -m nanoserve.bench --quality [--ablate]              # m3-mini's held-out accuracy and perplexity (CPU),
@@ -30,6 +31,7 @@ import sys
 from nanoserve.bench import workloads as W
 from nanoserve.bench.floor import Ceilings, H200
 from nanoserve.bench.session import BenchSession, SessionConfig, parse_switch_changes
+from nanoserve.config import KV_CACHE_DTYPES
 
 DEFAULT_GPU_MODEL, DEFAULT_CPU_MODEL = "m3-slice", "m3-tiny"
 
@@ -95,6 +97,9 @@ def parser() -> argparse.ArgumentParser:
                     "checkpoint's): mxfp8 quantizes bf16 weights at load (m3-slice: the same random draw), bf16 "
                     "dequantizes an MXFP8 checkpoint; a comma list (bf16,mxfp8) runs every workload in each format "
                     "and prints them side by side")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="KV cache element type (vLLM's flag): auto = the model dtype; fp8 (= fp8_e4m3) = e4m3 with "
+                    "per-tensor scales, twice the tokens in the same memory")
     ap.add_argument("--micro", default=None, help="kernel micro-benchmarks (GPU, comma list): moe, linear (bf16 "
                     "and MXFP8 weights side by side); attention (dense and MSA, decode and prefill); route (the "
                     "decode routing); ceilings (the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s)")
@@ -167,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     formats = _formats(args.quantization)
     base = dict(model=model, device=args.device, dtype=args.dtype, seed=args.seed,
                 cpu_reference_kernels=args.cpu_reference_kernels, switch_changes=changes,
-                max_num_batched_tokens=args.max_num_batched_tokens, hw=hw)
+                max_num_batched_tokens=args.max_num_batched_tokens, hw=hw, kv_cache_dtype=args.kv_cache_dtype)
     if len(formats) > 1:
         return _side_by_side(args, formats, base)
     session = BenchSession(SessionConfig(out_dir=args.out, time_budget_s=args.time_budget,

@@ -26,7 +26,7 @@ from nanoserve.config import KERNEL, EngineConfig, Optimizations
 from nanoserve.engine.builder import DEFAULT_MAX_NUM_BATCHED_TOKENS, make_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.runner.kv_cache import kv_cache_bytes_per_block
+from nanoserve.runner.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
 from nanoserve.runner.model_runner import resolve_device
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
@@ -133,13 +133,14 @@ class NanoBench:
     def __init__(self, model: str, device: str = "auto", dtype: str = "auto", opts: Optimizations | None = None,
                  max_model_len: int = 4096, max_num_seqs: int = 256, kv_tokens: int | None = None,
                  max_num_batched_tokens: int | None = None, seed: int = 0, hw: Ceilings = H200,
-                 quantization: str | None = None):
+                 quantization: str | None = None, kv_cache_dtype: str = "auto"):
         self.device = resolve_device(device)
         self.opts = opts or Optimizations()
         self.hw = hw
         self.config = EngineConfig(model=model, device=self.device.type, dtype=dtype, max_model_len=max_model_len,
                                    max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                   seed=seed, optimizations=self.opts, quantization=quantization)
+                                   seed=seed, optimizations=self.opts, quantization=quantization,
+                                   kv_cache_dtype=kv_cache_dtype)
         self._kv_tokens = kv_tokens
         self._build()
 
@@ -158,11 +159,13 @@ class NanoBench:
         self.runner = getattr(self.executor, "runner", None)
         self.weight_memory = self._weight_memory(before if self.device.type == "cuda" else 0)
         dtype_t = self.runner.dtype if self.runner is not None else torch.bfloat16
+        kv_dtype = self.runner.kv_dtype if self.runner is not None else \
+            kv_cache_torch_dtype(self.config.kv_cache_dtype, dtype_t)
         self.cost = ModelCost(self.model_config, weight_bytes=torch.empty((), dtype=dtype_t).element_size(),
-                              kv_bytes=torch.empty((), dtype=dtype_t).element_size(),
+                              kv_bytes=torch.empty((), dtype=kv_dtype).element_size(),
                               quantization=self.weight_memory.get("weight_format"))
         if self._kv_tokens is not None:
-            self.config.num_gpu_blocks_override = self._kv_blocks(self._kv_tokens, max_model_len, dtype_t)
+            self.config.num_gpu_blocks_override = self._kv_blocks(self._kv_tokens, max_model_len, kv_dtype)
         budget = self.config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
         t0 = time.perf_counter()
         self.num_blocks = self.executor.initialize_cache(max_model_len, budget, max_num_seqs)

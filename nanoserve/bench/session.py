@@ -96,6 +96,8 @@ class SessionConfig:
     hw: Ceilings = H200
     quantization: str | None = None
     """Weight format asked of the engine (vLLM's --quantization): None = the checkpoint's, "mxfp8"."""
+    kv_cache_dtype: str = "auto"
+    """The KV cache's element type (vLLM's --kv-cache-dtype): "auto" = the model dtype, "fp8" = e4m3."""
 
 
 class BenchSession:
@@ -108,7 +110,7 @@ class BenchSession:
         self.opts, self.switch_notes = resolve_switches(self.device, ref, cfg.switch_changes)
         self.model_cfg = model_config(cfg.model)
         meta = environment(self.device)
-        meta.update(model=cfg.model, quantization=cfg.quantization,
+        meta.update(model=cfg.model, quantization=cfg.quantization, kv_cache_dtype=cfg.kv_cache_dtype,
                     dtype=str(self.dtype).replace("torch.", ""), switches=self.opts.as_dict(),
                     switch_notes=self.switch_notes, ceilings=cfg.hw.name)
         self.meta = meta
@@ -180,7 +182,8 @@ class BenchSession:
         self.nano = NanoBench(self.cfg.model, self.device.type, self.cfg.dtype, self.opts, max_model_len=max_len,
                               max_num_seqs=max(seqs, 1), kv_tokens=kv,
                               max_num_batched_tokens=self.cfg.max_num_batched_tokens, seed=self.cfg.seed,
-                              hw=self.cfg.hw, quantization=self.cfg.quantization)
+                              hw=self.cfg.hw, quantization=self.cfg.quantization,
+                              kv_cache_dtype=self.cfg.kv_cache_dtype)
         self.meta["nanoserve_build_s"] = self.nano.build_s
         self.meta["nanoserve_kv_blocks"] = self.nano.num_blocks
         self.meta["nanoserve_weight_memory"] = self.nano.weight_memory

@@ -19,7 +19,13 @@ position, with the causal mask. Grid cells past a sequence's query length do not
 
 Every tl.dot passes input_precision="ieee": fp32 operands then multiply exactly (no TF32), so fp32 runs match
 the reference to ~1e-6, while 16-bit operands still go to the tensor cores (wgmma) / matrix cores (MFMA).
-Operands keep the cache's dtype; accumulation is fp32.
+Operands are in the query's dtype (the model dtype); accumulation is fp32.
+
+An fp8 pool (`kv_cache_dtype="fp8"`, e4m3): K and V tiles are widened to the query's dtype as they are loaded
+(exact: every e4m3 value is a bf16 / fp16 / fp32 value), the K scale is folded into the score scale and the V
+scale into the epilogue (softmax weights sum to 1, so scaling the output is scaling V). With the scales at 1.0
+(a 16/32-bit pool) both multiplications are exact, and the widening is a no-op. An fp8 prefill takes its own
+tiles (`paged_prefill_fp8`, at every context length: no TMA; kernels/configs.py says why).
 
 Scores are kept in log2 units (scale * log2(e) folded into one multiply, exp2 instead of exp). Masked scores are
 a large finite negative number rather than -inf, so a tile whose keys are all masked for some row never computes
@@ -37,6 +43,7 @@ import triton.language as tl
 
 from nanoserve.batch import AttentionMetadata
 from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
+from nanoserve.kernels.reference import FP8_KV_DTYPE
 
 LOG2E = 1.4426950408889634
 MASKED_SCORE = tl.constexpr(-1.0e30)
@@ -70,12 +77,12 @@ def _softmax_step(s, v, m_i, l_i, acc):
 
 
 @triton.jit
-def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, row_mask,
+def _store_partial(acc, m_i, l_i, out_ptrs, mask, part_out_ptrs, part_lse_ptrs, row_mask, v_scale,
                    SPLIT_OUTPUT: tl.constexpr):
-    """Epilogue of a split-K program. Without splits: write acc / l to the output. With splits: write acc / l
-    and the log2-sum-exp (m + log2 l, or -inf for an empty split) for `combine_splits`."""
+    """Epilogue of a split-K program. Without splits: write acc / l (times the V scale) to the output. With
+    splits: write that and the log2-sum-exp (m + log2 l, or -inf for an empty split) for `combine_splits`."""
     has_keys = l_i > 0.0
-    o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    o = acc / tl.where(has_keys, l_i, 1.0)[:, None] * v_scale
     if SPLIT_OUTPUT:
         tl.store(part_out_ptrs, o.to(part_out_ptrs.dtype.element_ty), mask=mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
@@ -160,7 +167,7 @@ def _paged_decode_kernel(
         q_ptr, kv_ptr, block_tables_ptr, seq_lens_ptr, positions_ptr, out_ptr, part_out_ptr, part_lse_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
-        num_heads, split_len, num_splits, qk_scale,
+        num_heads, split_len, num_splits, qk_scale, v_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, SPLIT_OUTPUT: tl.constexpr):
     seq = tl.program_id(0)  # decode sequence s owns flat token s
@@ -173,7 +180,6 @@ def _paged_decode_kernel(
     d_ok = d < HEAD_DIM
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-    q = q.to(kv_ptr.dtype.element_ty)
 
     seq_len = tl.load(seq_lens_ptr + seq)
     n_keys = tl.minimum(seq_len, tl.load(positions_ptr + seq).to(tl.int32) + 1)
@@ -191,21 +197,21 @@ def _paged_decode_kernel(
         page = tl.load(bt_row + toks // PAGE, mask=key_ok, other=0).to(tl.int64)
         offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         s = tl.where(key_ok[None, :], s, MASKED_SCORE)
-        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
 
     part_row = (seq * num_heads + heads).to(tl.int64) * num_splits + split
     _store_partial(acc, m_i, l_i,
                    out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
                    part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
-                   SPLIT_OUTPUT)
+                   v_scale, SPLIT_OUTPUT)
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-            out: torch.Tensor) -> None:
+            out: torch.Tensor, k_scale: float, v_scale: float) -> None:
     n = meta.num_decode_seqs
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[3]
@@ -220,7 +226,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, sc
         q, kv_cache, meta.block_tables, meta.seq_lens, meta.positions, out, part_out, part_lse,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
-        num_heads, split_len, num_splits, scale * LOG2E,
+        num_heads, split_len, num_splits, scale * LOG2E * k_scale, v_scale,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_H=gqa_rows(group),
         BLOCK_N=cfg.block_n, PAGE=page, SPLIT_OUTPUT=num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -241,27 +247,28 @@ def _attend_key_tile(q, kv_head, k_desc, v_desc, desc_col, bt_row, n0, rows_pos,
     for the rows whose position is < j (and keys past the sequence); otherwise every key is visible to every row.
     TMA: K and V come through tensor descriptors over the cache viewed as [blocks * 2 * PAGE, kv heads * D]
     (BLOCK_N divides PAGE, so a key tile lies in one KV block); keys past the sequence are then read too, and
-    zeroed in V (a never-written cache slot may hold NaN). The scale is folded into the exponent's FMA."""
+    zeroed in V (a never-written cache slot may hold NaN). The scale is folded into the exponent's FMA. K and V
+    are widened to the query's dtype (an fp8 pool's tiles)."""
     toks = n0 + tl.arange(0, BLOCK_N)
     key_ok = toks < seq_len
     if TMA:
         page = tl.load(bt_row + n0 // PAGE).to(tl.int32)
         row = page * (2 * PAGE) + n0 % PAGE
-        k = k_desc.load([row, desc_col])
+        k = k_desc.load([row, desc_col]).to(q.dtype)
     else:
         page = tl.load(bt_row + toks // PAGE, mask=key_ok, other=0).to(tl.int64)
         offs = page * stride_kv_block + (toks % PAGE) * stride_kv_tok
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision="ieee")
     if CAUSAL:
         s = tl.where((toks[None, :] <= rows_pos[:, None]) & key_ok[None, :], s, MASKED_SCORE)
     if TMA:
-        v = v_desc.load([row + PAGE, desc_col])
+        v = v_desc.load([row + PAGE, desc_col]).to(q.dtype)
         if CAUSAL:
             v = tl.where(key_ok[:, None], v, 0.0)
     else:
-        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s * qk_scale - m_new[:, None])
@@ -275,7 +282,7 @@ def _paged_prefill_kernel(
         q_ptr, kv_ptr, k_desc, v_desc, block_tables_ptr, seq_lens_ptr, positions_ptr, query_start_ptr, out_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
-        first_seq, qk_scale,
+        first_seq, qk_scale, v_scale,
         GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr, PAGE: tl.constexpr, TMA: tl.constexpr):
     seq = first_seq + tl.program_id(0)
@@ -291,7 +298,6 @@ def _paged_prefill_kernel(
         qd_mask = row_ok[:, None] & d_ok[None, :]
         tok = (q_start + rows).to(tl.int64)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + head * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-        q = q.to(kv_ptr.dtype.element_ty)
         pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
         seq_len = tl.load(seq_lens_ptr + seq)
         # keys [0, shared_end) are visible to every row of the tile; [shared_end, end) need the causal mask
@@ -312,7 +318,7 @@ def _paged_prefill_kernel(
             m_i, l_i, acc = _attend_key_tile(q, kv_head, k_desc, v_desc, desc_col, bt_row, n0, pos, seq_len, m_i,
                                              l_i, acc, d, d_ok, qk_scale, stride_kv_block, stride_kv_kind,
                                              stride_kv_tok, BLOCK_N, PAGE, True, TMA)
-        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None] * v_scale
         tl.store(out_ptr + tok[:, None] * stride_ot + head * stride_oh + d[None, :],
                  o.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
@@ -331,12 +337,14 @@ def _kv_descriptors(kv_cache: torch.Tensor, block_n: int, block_d: int):
 
 
 def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-             out: torch.Tensor) -> None:
+             out: torch.Tensor, k_scale: float, v_scale: float) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv = kv_cache.shape[3]
     first = meta.num_decode_seqs
     max_q = max(meta.query_lens_cpu[first:])
-    cfg = tiles(prefill_kernel("paged_prefill", max(meta.seq_lens_cpu[first:])), q.device)
+    name = "paged_prefill_fp8" if kv_cache.dtype == FP8_KV_DTYPE else \
+        prefill_kernel("paged_prefill", max(meta.seq_lens_cpu[first:]))
+    cfg = tiles(name, q.device)
     block_d = triton.next_power_of_2(head_dim)
     desc = _kv_descriptors(kv_cache, cfg.block_n, block_d) if cfg.tma else None
     grid = (meta.num_seqs - first, triton.cdiv(max_q, cfg.block_m), num_heads)
@@ -345,7 +353,7 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
         meta.query_start_loc, out,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
-        first, scale * LOG2E,
+        first, scale * LOG2E * k_scale, v_scale,
         GROUP=num_heads // num_kv, HEAD_DIM=head_dim, BLOCK_D=block_d,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGE=kv_cache.shape[2], TMA=desc is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -356,13 +364,15 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
 # --------------------------------------------------------------------------------------------------------------
 
 
-def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
+                    k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over each sequence's paged context; same contract as
-    `reference.paged_attention`. Decodes use split-K (graph-capturable), prefills use query tiles."""
+    `reference.paged_attention` (an fp8 pool read as fp8 x k_scale / v_scale). Decodes use split-K
+    (graph-capturable), prefills use query tiles."""
     out = torch.empty_like(q)
     if meta.num_decode_seqs:
-        _decode(q, kv_cache, meta, scale, out)
+        _decode(q, kv_cache, meta, scale, out, k_scale, v_scale)
     if meta.num_seqs > meta.num_decode_seqs:
-        _prefill(q, kv_cache, meta, scale, out)
+        _prefill(q, kv_cache, meta, scale, out, k_scale, v_scale)
     return out
 

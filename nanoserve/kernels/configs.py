@@ -68,6 +68,10 @@ TABLES: dict[str, dict[str, Tiles]] = {
     "paged_decode": {"cuda": Tiles(0, 64, 4, 3), "hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 32, 1, 1)},
     # Dense prefill, one program per (sequence, query tile, query head).
     "paged_prefill": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 32, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
+    # The same over an fp8 KV pool (kv_cache_dtype fp8) at every context length: K is widened in registers, so
+    # the long-context TMA tile needs 255 registers and spills on sm_90 (Triton 3.9), and AMD's 4-wave tile drops
+    # to one wave per SIMD (302 registers on gfx942); 8 waves keep two (178 registers; gfx950 three). Compile gate.
+    "paged_prefill_fp8": {"cuda": Tiles(128, 64, 8, 3), "hip": Tiles(128, 32, 8, 2), "interpret": Tiles(32, 32, 1, 1)},
     # Merge of flash-decoding splits, one program per (token, query head); block_n = splits read per step.
     "split_combine": {"cuda": Tiles(0, 16, 4, 2), "hip": Tiles(0, 16, 4, 2), "interpret": Tiles(0, 64, 1, 1)},
     # MSA indexer scores; block_n is derived (one whole KV block per step). block_m = (token, index head) rows.
@@ -80,6 +84,9 @@ TABLES: dict[str, dict[str, Tiles]] = {
     # Block-sparse attention, one program per (block_m query tokens x the GQA group, KV group, split);
     # block_n = keys per tile of a KV block. Decode: one token, split-K over its selected blocks.
     "sparse_decode": {"cuda": Tiles(1, 64, 4, 3), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
+    # The same over an fp8 KV pool: with K and V widened in registers the split-K tile spills 16 bytes per thread
+    # on sm_90 at 3 stages (Triton 3.9) and none at 1 (compile gate).
+    "sparse_decode_fp8": {"cuda": Tiles(1, 64, 4, 1), "hip": Tiles(1, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
     "sparse_prefill": {"cuda": Tiles(8, 64, 8, 3), "hip": Tiles(4, 64, 4, 2), "interpret": Tiles(16, 64, 1, 1)},
     # Block-sparse prefill grouped by KV block (switch msa_sparse_by_block), one program per tile of (token, KV
     # group, slot) pairs that selected one block: block_m = pairs (tokens) per tile, times the GQA group as rows;

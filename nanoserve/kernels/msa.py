@@ -36,6 +36,11 @@ slot); `_combine_slots_kernel` merges a token's slots, unselected slots (lse -in
 context a token's 16 blocks are mostly its own, so the per-token kernel reads ~1 MiB per token and group; grouped
 by block, each block is read about once per tile.
 
+An fp8 pool (`kv_cache_dtype="fp8"`): index keys, K and V tiles are widened to the query's dtype as they are
+loaded; the K scale is folded into the score scale and the V scale into the epilogue, as in kernels/attention.py
+(index keys are stored at scale 1: their scores only rank blocks). The sparse decode then takes its own tiles
+(`sparse_decode_fp8`; kernels/configs.py says why).
+
 Decode is CUDA-graph capturable: grids and workspaces depend only on the number of sequences, head counts and
 meta.max_seq_len. Prefill may use the host-side query lengths (it chunks its queries so the score workspace stays
 under MAX_SCORE_WORKSPACE_BYTES).
@@ -51,6 +56,7 @@ from nanoserve.batch import AttentionMetadata
 from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, MIN_DOT_ROWS, _softmax_step, _store_partial,
                                          combine_splits, num_decode_splits, split_buffers)
 from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
+from nanoserve.kernels.reference import FP8_KV_DTYPE
 
 MAX_SCORE_WORKSPACE_BYTES = 512 * 2**20
 """Prefill block scores are computed for at most this many bytes of [rows, G, n_blocks] fp32 at a time."""
@@ -97,7 +103,6 @@ def _index_score_kernel(
         d_ok = d < INDEX_DIM
         q = tl.load(iq_ptr + tok[:, None] * stride_iq_t + head[:, None] * stride_iq_g + d[None, :],
                     mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-        q = q.to(icache_ptr.dtype.element_ty)
         out_row = score_ptr + ((tok - tok_lo) * G + head) * n_blocks_ws
         b_lo = split * blocks_per_split
         b_hi = tl.minimum(tl.minimum(b_lo + blocks_per_split, n_blocks_ws),
@@ -107,7 +112,7 @@ def _index_score_kernel(
         for b in range(b_lo, b_hi):
             page = tl.load(block_tables_ptr + seq * stride_bt + b).to(tl.int64)
             k = tl.load(icache_ptr + page * stride_ic_block + n[:, None] * stride_ic_tok + d[None, :],
-                        mask=in_block[:, None] & d_ok[None, :], other=0.0)
+                        mask=in_block[:, None] & d_ok[None, :], other=0.0).to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
             keys = b * PAGE + n
             visible = (keys[None, :] <= pos[:, None]) & (in_block & (keys < seq_len))[None, :]
@@ -250,17 +255,17 @@ def _attend_block(q, kv_head, page, b, row_selected, pos, m_i, l_i, acc, d, d_ok
                   stride_kv_block, stride_kv_kind, stride_kv_tok,
                   BLOCK_N: tl.constexpr, PAGE: tl.constexpr):
     """Fold logical block b (physical `page`) into the running softmax of the rows that selected it, keys after
-    each row's position masked."""
+    each row's position masked. K and V are widened to the query's dtype (an fp8 pool's tiles)."""
     for n0 in range(0, PAGE, BLOCK_N):
         n = n0 + tl.arange(0, BLOCK_N)
         key_ok = n < PAGE
         offs = page * stride_kv_block + n * stride_kv_tok
         kv_mask = key_ok[:, None] & d_ok[None, :]
-        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        k = tl.load(kv_head + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
         visible = row_selected[:, None] & key_ok[None, :] & (b * PAGE + n[None, :] <= pos[:, None])
         s = tl.where(visible, s, MASKED_SCORE)
-        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_head + stride_kv_kind + offs[:, None] + d[None, :], mask=kv_mask, other=0.0).to(q.dtype)
         m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
     return m_i, l_i, acc
 
@@ -270,14 +275,13 @@ def _query_rows(q_ptr, kv_ptr, positions_ptr, tok, kvh, rows, in_tile, stride_qt
                 GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
     """The query side of a sparse-attention tile whose row r is (token tok[r], query head r % GROUP_PAD of KV group
     kvh): the rows' heads, which rows are real (in_tile and not GQA padding), the head dims d / d_ok, the [rows, d]
-    mask, the queries in the cache dtype (for the dot with K) and each row's position."""
+    mask, the queries (in their own dtype: the K and V tiles are widened to it) and each row's position."""
     heads = kvh * GROUP + rows % GROUP_PAD
     row_ok = in_tile & (rows % GROUP_PAD < GROUP)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     qd_mask = row_ok[:, None] & d_ok[None, :]
     q = tl.load(q_ptr + tok[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=qd_mask, other=0.0)
-    q = q.to(kv_ptr.dtype.element_ty)
     pos = tl.load(positions_ptr + tok, mask=row_ok, other=0).to(tl.int32)
     return heads, row_ok, d, d_ok, qd_mask, q, pos
 
@@ -295,7 +299,7 @@ def _sparse_attention_kernel(
         part_lse_ptr,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt, stride_sel_t, stride_sel_g,
-        first_seq, tiles_per_seq, num_heads, slots_per_split, num_splits, qk_scale,
+        first_seq, tiles_per_seq, num_heads, slots_per_split, num_splits, qk_scale, v_scale,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
         TOPK: tl.constexpr, TOPK_PAD: tl.constexpr, SPLIT_OUTPUT: tl.constexpr):
@@ -349,12 +353,12 @@ def _sparse_attention_kernel(
         _store_partial(acc, m_i, l_i,
                        out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :], qd_mask,
                        part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :], part_lse_ptr + part_row, row_ok,
-                       SPLIT_OUTPUT)
+                       v_scale, SPLIT_OUTPUT)
 
 
 def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
                    scale: float, out: torch.Tensor, first_seq: int, num_seqs: int, max_q_len: int, block_t: int,
-                   num_splits: int, kernel_tiles: str) -> None:
+                   num_splits: int, kernel_tiles: str, k_scale: float, v_scale: float) -> None:
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = kv_cache.shape[3], kv_cache.shape[2]
     topk = selected.shape[2]
@@ -369,7 +373,8 @@ def _launch_sparse(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetad
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), meta.block_tables.stride(0),
         selected.stride(0), selected.stride(1),
-        first_seq, tiles_per_seq, num_heads, triton.cdiv(topk, num_splits), num_splits, scale * LOG2E,
+        first_seq, tiles_per_seq, num_heads, triton.cdiv(topk, num_splits), num_splits, scale * LOG2E * k_scale,
+        v_scale,
         GROUP=group, GROUP_PAD=group_pad, BLOCK_T=block_t, ROWS=max(MIN_DOT_ROWS, block_t * group_pad),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
@@ -389,7 +394,7 @@ def _sparse_by_block_kernel(
         q_ptr, kv_ptr, block_tables_ptr, positions_ptr, sorted_key_ptr, order_ptr, tile_start_ptr, n_tiles_ptr,
         part_out_ptr, part_lse_ptr,
         stride_qt, stride_qh, stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_bt,
-        tok_lo, n_pairs, n_keyed_seqs, n_blocks_key, first_seq, num_heads, qk_scale,
+        tok_lo, n_pairs, n_keyed_seqs, n_blocks_key, first_seq, num_heads, qk_scale, v_scale,
         NUM_KV: tl.constexpr, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, TOK_TILE: tl.constexpr,
         ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
         PAGE: tl.constexpr, TOPK: tl.constexpr):
@@ -423,7 +428,7 @@ def _sparse_by_block_kernel(
                                       d_ok, qk_scale, stride_kv_block, stride_kv_kind, stride_kv_tok, BLOCK_N, PAGE)
         part_row = (t_local * num_heads + heads) * TOPK + slot
         _store_partial(acc, m_i, l_i, part_out_ptr, qd_mask, part_out_ptr + part_row[:, None] * HEAD_DIM + d[None, :],
-                       part_lse_ptr + part_row, row_ok, True)
+                       part_lse_ptr + part_row, row_ok, v_scale, True)
 
 
 def by_block_tiles(selected: torch.Tensor, seq_local: torch.Tensor, n_seqs: int, n_blocks: int,
@@ -456,7 +461,8 @@ MAX_PARTIAL_BYTES = 2**30
 
 
 def _sparse_prefill_by_block(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                             selected: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+                             selected: torch.Tensor, scale: float, out: torch.Tensor, k_scale: float,
+                             v_scale: float) -> None:
     nd = meta.num_decode_seqs
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv, page = kv_cache.shape[3], kv_cache.shape[2]
@@ -485,7 +491,7 @@ def _sparse_prefill_by_block(q: torch.Tensor, kv_cache: torch.Tensor, meta: Atte
             part_lse,
             q.stride(0), q.stride(1), kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
             meta.block_tables.stride(0),
-            lo, sorted_key.numel(), n_seqs, n_blocks, nd, num_heads, scale * LOG2E,
+            lo, sorted_key.numel(), n_seqs, n_blocks, nd, num_heads, scale * LOG2E * k_scale, v_scale,
             NUM_KV=num_kv, GROUP=group, GROUP_PAD=group_pad, TOK_TILE=tok_tile,
             ROWS=max(MIN_DOT_ROWS, tok_tile * group_pad), HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
             BLOCK_N=min(cfg.block_n, max(16, triton.next_power_of_2(page))), PAGE=page, TOPK=topk,
@@ -532,21 +538,23 @@ def _combine_slots(part_out: torch.Tensor, part_lse: torch.Tensor, out: torch.Te
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
-                     scale: float, by_block: bool = False) -> torch.Tensor:
+                     scale: float, by_block: bool = False, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Exact attention of q [T, Hq, D] over the blocks its KV group selected (selected [T, Hkv, topk], logical
     block indices, -1 = none, no block twice in one list), keys after the query's position masked. Same contract
-    as `reference.sparse_attention`. by_block (switch `msa_sparse_by_block`): prefill tokens are grouped by the
-    blocks they selected, so each selected block is read once per tile of tokens that chose it."""
+    as `reference.sparse_attention` (an fp8 pool read as fp8 x k_scale / v_scale). by_block (switch
+    `msa_sparse_by_block`): prefill tokens are grouped by the blocks they selected, so each selected block is read
+    once per tile of tokens that chose it."""
     out = torch.empty_like(q)
     nd = meta.num_decode_seqs
     topk = selected.shape[2]
     if nd:
         n_splits = num_decode_splits(nd * kv_cache.shape[3], topk, q.device)
-        _launch_sparse(q, kv_cache, meta, selected, scale, out, 0, nd, 1, 1, n_splits, "sparse_decode")
+        name = "sparse_decode_fp8" if kv_cache.dtype == FP8_KV_DTYPE else "sparse_decode"
+        _launch_sparse(q, kv_cache, meta, selected, scale, out, 0, nd, 1, 1, n_splits, name, k_scale, v_scale)
     if meta.num_seqs > nd and by_block:
-        _sparse_prefill_by_block(q, kv_cache, meta, selected, scale, out)
+        _sparse_prefill_by_block(q, kv_cache, meta, selected, scale, out, k_scale, v_scale)
     elif meta.num_seqs > nd:
         name = prefill_kernel("sparse_prefill", max(meta.seq_lens_cpu[nd:]))
         _launch_sparse(q, kv_cache, meta, selected, scale, out, nd, meta.num_seqs - nd,
-                       max(meta.query_lens_cpu[nd:]), tiles(name, q.device).block_m, 1, name)
+                       max(meta.query_lens_cpu[nd:]), tiles(name, q.device).block_m, 1, name, k_scale, v_scale)
     return out

@@ -13,7 +13,9 @@ running one after another.
     v:                       copied as is.
 
 q and index_q go to fresh [T, H, D] outputs; k and v to the paged KV cache, index_k to the index-key cache, at
-the token's slot (slot -1 = padding: nothing is written). RoPE reads the caller's fp32 (cos, sin) tables
+the token's slot (slot -1 = padding: nothing is written). An fp8 pool (`kv_cache_dtype="fp8"`) takes each value
+rounded to the activation dtype (what a 16-bit pool would hold), times the reciprocal of its scale (k_scale,
+v_scale; 1 for index keys), saturated to +-448: `reference.to_cache`. RoPE reads the caller's fp32 (cos, sin) tables
 [T, rotary_dim / 2], the reference's own tables (on a GPU, rsqrt and fused multiply-adds may still move the last
 bit, so a 16-bit result can differ by one ulp now and then). The rotation needs each element's partner,
 which lives in another lane; rather than shuffle registers, the program reloads each head vector at the partner
@@ -32,6 +34,9 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import tiles
+from nanoserve.kernels.reference import FP8_KV_DTYPE, FP8_KV_MAX
+
+FP8_MAX = tl.constexpr(FP8_KV_MAX)
 
 
 @triton.jit
@@ -44,10 +49,11 @@ def _head_rows(t0, r0, n_heads, n_tokens, BLOCK_T: tl.constexpr, BLOCK_R: tl.con
 
 
 @triton.jit
-def _norm_rope_store(src, dst, ok, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     HALF: tl.constexpr, NORM_ROPE: tl.constexpr):
+def _norm_rope_store(src, dst, ok, w_ptr, cos, sin, eps, inv_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                     HALF: tl.constexpr, NORM_ROPE: tl.constexpr, FP8: tl.constexpr):
     """For rows whose head vectors start at src [R] (pointers): Gemma norm + partial RoPE (NORM_ROPE) or a plain
-    copy, stored at dst [R]. cos / sin [R] point at each row's token's table row."""
+    copy, stored at dst [R]. cos / sin [R] point at each row's token's table row. FP8: dst is an fp8 pool, which
+    takes the value rounded to the activation dtype, times inv_scale, saturated."""
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     mask = ok[:, None] & d_ok[None, :]
@@ -70,6 +76,9 @@ def _norm_rope_store(src, dst, ok, w_ptr, cos, sin, eps, HEAD_DIM: tl.constexpr,
         y = tl.where(rotated[None, :], y * c + tl.where((d < HALF)[None, :], -yp, yp) * sn, y)
     else:
         y = x
+    if FP8:
+        y = y.to(src.dtype.element_ty).to(tl.float32) * inv_scale
+        y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     tl.store(dst[:, None] + d[None, :], y.to(dst.dtype.element_ty), mask=mask)
 
 
@@ -79,10 +88,10 @@ def _qk_norm_rope_insert_kernel(
         q_w_ptr, k_w_ptr, iq_w_ptr, ik_w_ptr,
         stride_qkv, stride_q_out, stride_iq_out, stride_cos, stride_sin,
         stride_kv_block, stride_kv_kind, stride_kv_tok, stride_kv_head, stride_ic_block, stride_ic_tok,
-        n_tokens, num_heads, num_kv_heads, num_index_heads, eps,
+        n_tokens, num_heads, num_kv_heads, num_index_heads, eps, k_inv_scale, v_inv_scale,
         HEAD_DIM: tl.constexpr, INDEX_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DI: tl.constexpr,
         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr, PAGE: tl.constexpr,
-        SPARSE: tl.constexpr):
+        SPARSE: tl.constexpr, KV_FP8: tl.constexpr, INDEX_FP8: tl.constexpr):
     t0 = tl.program_id(0) * BLOCK_T
     section = tl.program_id(1)  # 0: q, 1: k and v, 2: index_q, 3: index_k (the last two only when SPARSE)
     k_off = num_heads * HEAD_DIM  # offsets of the sections in a qkv row
@@ -93,8 +102,8 @@ def _qk_norm_rope_insert_kernel(
         for r0 in range(0, BLOCK_T * num_heads, BLOCK_R):
             t, h, ok = _head_rows(t0, r0, num_heads, n_tokens, BLOCK_T, BLOCK_R)
             _norm_rope_store(qkv_ptr + t * stride_qkv + h * HEAD_DIM, q_out_ptr + t * stride_q_out + h * HEAD_DIM,
-                             ok, q_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                             HEAD_DIM, BLOCK_D, HALF, True)
+                             ok, q_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps, 1.0,
+                             HEAD_DIM, BLOCK_D, HALF, True, False)
     elif section == 1:
         for r0 in range(0, BLOCK_T * num_kv_heads, BLOCK_R):
             t, h, ok = _head_rows(t0, r0, num_kv_heads, n_tokens, BLOCK_T, BLOCK_R)
@@ -103,17 +112,17 @@ def _qk_norm_rope_insert_kernel(
             k_dst = kv_ptr + (slot // PAGE) * stride_kv_block + (slot % PAGE) * stride_kv_tok + h * stride_kv_head
             src = qkv_ptr + t * stride_qkv + h * HEAD_DIM
             _norm_rope_store(src + k_off, k_dst, ok, k_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin,
-                             eps, HEAD_DIM, BLOCK_D, HALF, True)
-            _norm_rope_store(src + v_off, k_dst + stride_kv_kind, ok, k_w_ptr, cos_ptr, sin_ptr, eps,
-                             HEAD_DIM, BLOCK_D, HALF, False)
+                             eps, k_inv_scale, HEAD_DIM, BLOCK_D, HALF, True, KV_FP8)
+            _norm_rope_store(src + v_off, k_dst + stride_kv_kind, ok, k_w_ptr, cos_ptr, sin_ptr, eps, v_inv_scale,
+                             HEAD_DIM, BLOCK_D, HALF, False, KV_FP8)
     elif section == 2:
         if SPARSE:
             for r0 in range(0, BLOCK_T * num_index_heads, BLOCK_R):
                 t, h, ok = _head_rows(t0, r0, num_index_heads, n_tokens, BLOCK_T, BLOCK_R)
                 _norm_rope_store(qkv_ptr + t * stride_qkv + iq_off + h * INDEX_DIM,
                                  iq_out_ptr + t * stride_iq_out + h * INDEX_DIM, ok,
-                                 iq_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                                 INDEX_DIM, BLOCK_DI, HALF, True)
+                                 iq_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps, 1.0,
+                                 INDEX_DIM, BLOCK_DI, HALF, True, False)
     else:
         if SPARSE:
             for r0 in range(0, BLOCK_T, BLOCK_R):
@@ -122,19 +131,20 @@ def _qk_norm_rope_insert_kernel(
                 ok = ok & (slot >= 0)
                 _norm_rope_store(qkv_ptr + t * stride_qkv + ik_off,
                                  icache_ptr + (slot // PAGE) * stride_ic_block + (slot % PAGE) * stride_ic_tok, ok,
-                                 ik_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps,
-                                 INDEX_DIM, BLOCK_DI, HALF, True)
+                                 ik_w_ptr, cos_ptr + t * stride_cos, sin_ptr + t * stride_sin, eps, 1.0,
+                                 INDEX_DIM, BLOCK_DI, HALF, True, INDEX_FP8)
 
 
 def qk_norm_rope_insert(qkv: torch.Tensor, split_sizes: list[int], head_dim: int, q_norm_w: torch.Tensor,
                         k_norm_w: torch.Tensor, index_q_norm_w: torch.Tensor | None,
                         index_k_norm_w: torch.Tensor | None, positions: torch.Tensor,
                         rope: tuple[torch.Tensor, torch.Tensor], eps: float, slot_mapping: torch.Tensor,
-                        kv_cache: torch.Tensor, index_cache: torch.Tensor | None
-                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        kv_cache: torch.Tensor, index_cache: torch.Tensor | None, k_scale: float = 1.0,
+                        v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor | None]:
     """qkv [T, q | k | v (| index_q | index_k)] -> (q [T, Hq, D], index_q [T, G, Di] or None), writing K/V (and
-    the index key) into the caches. Matches the reference branch of M3Attention._norm_rope_insert. `positions` is
-    accepted for the call's symmetry; the rotation uses the (cos, sin) tables in `rope`."""
+    the index key) into the caches (an fp8 pool's K / k_scale and V / v_scale). Matches the reference branch of
+    M3Attention._norm_rope_insert. `positions` is accepted for the call's symmetry; the rotation uses the
+    (cos, sin) tables in `rope`."""
     del positions
     t = qkv.shape[0]
     qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
@@ -157,10 +167,11 @@ def qk_norm_rope_insert(qkv: torch.Tensor, split_sizes: list[int], head_dim: int
         qkv.stride(0), q.stride(0), iq_out.stride(0), cos.stride(0), sin.stride(0),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         icache.stride(0), icache.stride(1),
-        t, num_heads, num_kv, num_index, eps,
+        t, num_heads, num_kv, num_index, eps, 1.0 / k_scale, 1.0 / v_scale,
         HEAD_DIM=head_dim, INDEX_DIM=index_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_DI=triton.next_power_of_2(index_dim), HALF=cos.shape[-1], BLOCK_T=cfg.block_m, BLOCK_R=cfg.block_n,
-        PAGE=kv_cache.shape[2], SPARSE=sparse, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        PAGE=kv_cache.shape[2], SPARSE=sparse, KV_FP8=kv_cache.dtype == FP8_KV_DTYPE,
+        INDEX_FP8=icache.dtype == FP8_KV_DTYPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return q, index_q
 
 

@@ -7,6 +7,10 @@ D = head_dim, G = MSA index heads (= Hkv), E = experts on this rank.
 KV cache layout (per layer):
     kv          [num_blocks, 2, block_size, Hkv, D]    (K at [:, 0], V at [:, 1]; K stored after norm + RoPE)
     index_keys  [num_blocks, block_size, D_index]      (MSA layers only; after index-k norm + RoPE)
+
+The pools are in the model dtype, or in fp8 e4m3 (`kv_cache_dtype="fp8"`): an fp8 pool stores x / scale saturated
+to +-448 (`to_cache`) and is read back as fp8 x scale in fp32 (`from_cache`), with one scale per layer for K and one
+for V (k_scale, v_scale; 1.0 unless the checkpoint has them) and 1.0 for the index keys.
 """
 
 from __future__ import annotations
@@ -78,22 +82,45 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, q_w: torch.Tensor, k_w: torch
 # --------------------------------------------------------------------------------------------------------------
 
 
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store k, v [T, Hkv, D] at their slots; slot -1 (padding) writes nothing."""
+FP8_KV_DTYPE = torch.float8_e4m3fn
+"""The fp8 KV cache's element type: OCP e4m3 (vLLM's "fp8" / "fp8_e4m3"), on every GPU (docs/rocm.md)."""
+FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max
+"""448: the largest finite e4m3 value; writes saturate to it (e4m3fn has no infinity, an overflow would be NaN)."""
+
+
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x as a pool of `dtype` stores it: a 16/32-bit pool takes x cast; an fp8 pool takes x / scale (computed in
+    fp32 as x times the fp32 reciprocal, as the fused insert kernel does), saturated to +-FP8_KV_MAX and rounded to
+    nearest even."""
+    if dtype != FP8_KV_DTYPE:
+        return x.to(dtype)
+    return (x.float() * (1.0 / scale)).clamp_(-FP8_KV_MAX, FP8_KV_MAX).to(dtype)
+
+
+def from_cache(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Cached values in fp32: as stored, times the scale for an fp8 pool."""
+    return x.float() * scale if x.dtype == FP8_KV_DTYPE else x.float()
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+             k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Store k, v [T, Hkv, D] at their slots; slot -1 (padding) writes nothing. An fp8 pool stores k / k_scale
+    and v / v_scale (`to_cache`)."""
     block_size = kv_cache.shape[2]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
     blocks, offsets = slots // block_size, slots % block_size
-    kv_cache[blocks, 0, offsets] = k[keep].to(kv_cache.dtype)
-    kv_cache[blocks, 1, offsets] = v[keep].to(kv_cache.dtype)
+    kv_cache[blocks, 0, offsets] = to_cache(k[keep], kv_cache.dtype, k_scale)
+    kv_cache[blocks, 1, offsets] = to_cache(v[keep], kv_cache.dtype, v_scale)
 
 
 def write_index_keys(index_cache: torch.Tensor, index_k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store index keys [T, D_index] at their slots; slot -1 writes nothing."""
+    """Store index keys [T, D_index] at their slots; slot -1 writes nothing. An fp8 pool stores them at scale 1
+    (they only rank blocks; a scale would not change the ranking)."""
     block_size = index_cache.shape[1]
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    index_cache[slots // block_size, slots % block_size] = index_k[keep].to(index_cache.dtype)
+    index_cache[slots // block_size, slots % block_size] = to_cache(index_k[keep], index_cache.dtype)
 
 
 def gather_context(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -142,21 +169,22 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     return out.view(hq, tq, d).transpose(0, 1).to(q.dtype)
 
 
-def _context_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence's cached K and V as fp32 [Hkv, seq_len, D]."""
-    k = gather_context(kv_cache[:, 0], block_table, seq_len).transpose(0, 1).float()
-    v = gather_context(kv_cache[:, 1], block_table, seq_len).transpose(0, 1).float()
+def _context_kv(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's cached K and V as fp32 [Hkv, seq_len, D] (an fp8 pool's times k_scale / v_scale)."""
+    k = from_cache(gather_context(kv_cache[:, 0], block_table, seq_len).transpose(0, 1), k_scale)
+    v = from_cache(gather_context(kv_cache[:, 1], block_table, seq_len).transpose(0, 1), v_scale)
     return k, v
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, scale: float,
-                    query_chunk: int | None = None) -> torch.Tensor:
+                    query_chunk: int | None = None, k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """Causal GQA attention of q [T, Hq, D] over each sequence's cached context (this step's K/V already written).
     A query at position p sees keys 0..p. Returns [T, Hq, D]. Queries go through in chunks (SCORE_BYTES; or
-    query_chunk at a time)."""
+    query_chunk at a time). An fp8 pool is read as fp8 x k_scale / v_scale."""
     out = torch.empty_like(q)
     for s, tokens, seq_len in _sequences(meta):
-        k, v = _context_kv(kv_cache, meta.block_tables[s], seq_len)
+        k, v = _context_kv(kv_cache, meta.block_tables[s], seq_len, k_scale, v_scale)
         pos = meta.positions[tokens]
         keys = torch.arange(seq_len, device=q.device)
         for a, b in _query_chunks(pos.shape[0], q.shape[1] * seq_len * 4, query_chunk):
@@ -178,7 +206,7 @@ def msa_block_scores(index_q: torch.Tensor, index_keys: torch.Tensor, positions:
     blocks after the query's own block."""
     seq_len = index_keys.shape[0]
     n_blocks = -(-seq_len // block_size)
-    scores = torch.einsum("tgd,ld->gtl", index_q.float(), index_keys.float())
+    scores = torch.einsum("tgd,ld->gtl", index_q.float(), from_cache(index_keys))
     future = torch.arange(seq_len, device=scores.device)[None, :] > positions[:, None]
     scores = scores.masked_fill(future[None], float("-inf"))
     scores = F.pad(scores, (0, n_blocks * block_size - seq_len), value=float("-inf"))
@@ -224,16 +252,17 @@ def msa_select(index_q: torch.Tensor, index_cache: torch.Tensor, meta: Attention
 
 
 def sparse_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, selected: torch.Tensor,
-                     scale: float, query_chunk: int | None = None) -> torch.Tensor:
+                     scale: float, query_chunk: int | None = None, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """Exact attention of q [T, Hq, D] over the union of the blocks its KV group selected (selected [T, Hkv, k],
     logical block indices, -1 = none), with token-level causality re-applied (keys <= the query's position).
     One softmax over that union. Returns [T, Hq, D]. Queries go through in chunks (SCORE_BYTES; or query_chunk at
-    a time)."""
+    a time). An fp8 pool is read as fp8 x k_scale / v_scale."""
     out = torch.empty_like(q)
     block_size = kv_cache.shape[2]
     n_kv = kv_cache.shape[3]
     for s, tokens, seq_len in _sequences(meta):
-        k, v = _context_kv(kv_cache, meta.block_tables[s], seq_len)
+        k, v = _context_kv(kv_cache, meta.block_tables[s], seq_len, k_scale, v_scale)
         pos = meta.positions[tokens]
         n_blocks = -(-seq_len // block_size)
         keys = torch.arange(seq_len, device=q.device)

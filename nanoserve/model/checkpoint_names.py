@@ -85,6 +85,12 @@ WEIGHT_NAMES: tuple[NameRule, ...] = (
 )
 
 
+KV_SCALE_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
+"""An fp8 KV cache's per-tensor scales, vLLM's names (`...self_attn.k_scale`, `...self_attn.v_scale`: one scalar
+each, stored = x / scale). Optional, so outside the table: the loader puts them on the layer's attention
+(`M3Attention.k_scale` / `v_scale`), which uses them with an fp8 pool only."""
+
+
 @dataclass(frozen=True)
 class Target:
     """One thing a checkpoint tensor fills: a parameter's shard (of one expert, for the expert stacks)."""

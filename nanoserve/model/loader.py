@@ -6,6 +6,7 @@ Each rank reads only its slice of each tensor through safetensors' lazy slices. 
 E8M0 `weight_scale_inv`) reach a parameter's weight_loader paired with their scales, which shards both alike; it
 keeps them as stored when the `mxfp8_weights` switch is on, else they are dequantised on load (as they are for a
 model built with `quantization="bf16"`: a layer without MXFP8 parameters slices the pair, which dequantises).
+An fp8 KV cache's scales (`...self_attn.k_scale` / `v_scale`, optional scalars) go to the layers' attention.
 MTP and vision tensors are skipped with one log line each. Preset names are resolved to a directory (or to
 weights drawn on the device) above this module, in nanoserve/presets/resolve.py.
 """
@@ -22,7 +23,7 @@ import torch
 from safetensors import safe_open
 
 from nanoserve.config import Optimizations
-from nanoserve.model.checkpoint_names import canonical_names, loader_for, name_map
+from nanoserve.model.checkpoint_names import KV_SCALE_NAME, canonical_names, loader_for, name_map
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.mxfp8 import (MXFP8_BLOCK, QUANT_METHODS, QuantizeOnLoad, block_columns, dequantize_mxfp8,
@@ -175,10 +176,14 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
                                       f"{os.path.basename(path)}, which does not contain it")
             return SafeSlice(handle, key)
 
+        kv_scales: dict[str, tuple[int, str]] = {}  # name -> (layer, "k" or "v")
         for key in files:
             reason = next((r for r, prefixes in SKIPPED_PREFIXES.items() if key.startswith(prefixes)), None)
+            scale_name = KV_SCALE_NAME.fullmatch(key)
             if reason:
                 skipped[reason] += 1
+            elif scale_name and int(scale_name[1]) < model.cfg.num_hidden_layers:
+                kv_scales[key] = (int(scale_name[1]), scale_name[2])
             elif key.endswith(SCALE_SUFFIX) and key not in names and key[: -len(SCALE_SUFFIX)] in files:
                 continue  # read together with its weight
             elif key not in names:
@@ -223,9 +228,24 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
                 loader_for(model, key, names[key])(src)
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
+        for key, (layer, kind) in kv_scales.items():
+            setattr(model.layers[layer].self_attn, f"{kind}_scale", _kv_scale(source(key)[...], key))
+        if kv_scales:
+            logger.info("fp8 KV cache scales: %d k_scale / v_scale tensors (used with kv_cache_dtype fp8)",
+                        len(kv_scales))
     for reason, n in skipped.items():
         if n:
             logger.info("skipped %d %s tensors (not part of the text model)", n, reason)
+
+
+def _kv_scale(t: torch.Tensor, name: str) -> float:
+    """One KV scale as a float: a single finite value > 0."""
+    if t.numel() != 1:
+        raise CheckpointError(f"{name} has shape {list(t.shape)}: a KV cache scale is one value per tensor")
+    value = float(t.float().reshape(()))
+    if not (value > 0 and value < float("inf")):
+        raise CheckpointError(f"{name} is {value}: a KV cache scale must be finite and > 0")
+    return value
 
 
 def load_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,

@@ -5,15 +5,31 @@
 
 All layers share one block table per sequence: logical block b of a sequence is the same physical block id in
 every pool. For M3 the KV block size equals the MSA block size, so "MSA block b" is "block-table entry b".
+
+The pools' element type is the model dtype, or with `kv_cache_dtype="fp8"` (or "fp8_e4m3") fp8 e4m3 for all of
+them, K/V and index keys alike: one byte per element, so the same memory holds twice the tokens of a bf16 pool.
+How values go in and out of an fp8 pool: kernels/reference.py `to_cache` / `from_cache`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from nanoserve.config import KV_CACHE_DTYPES
+from nanoserve.kernels.reference import FP8_KV_DTYPE
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import kv_bytes_per_token
 from nanoserve.parallel_state import get_tp, kv_head_range
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pools' element type for `kv_cache_dtype` (EngineConfig): "auto" = the model dtype, "fp8" / "fp8_e4m3" =
+    float8_e4m3fn (OCP e4m3 on every GPU, MI300X included: docs/rocm.md)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype in KV_CACHE_DTYPES:
+        return FP8_KV_DTYPE
+    raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} is invalid: one of {', '.join(KV_CACHE_DTYPES)}")
 
 
 def kv_cache_bytes_per_block(cfg: M3Config, block_size: int, dtype: torch.dtype) -> int:

@@ -20,7 +20,7 @@ from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
-from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
 from nanoserve.runner.drafter import DraftRunner
 from nanoserve.spec_decode.draft_input import DraftInput
 
@@ -48,6 +48,8 @@ class ModelRunner:
         self.config = config
         self.device = device or resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.kv_dtype = kv_cache_torch_dtype(config.kv_cache_dtype, self.dtype)
+        """The target model's KV and index-key pools' element type (a drafter's pool stays in the model dtype)."""
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda" means the current device; set_device needs an index
                 self.device = torch.device("cuda", torch.cuda.current_device())
@@ -101,7 +103,7 @@ class ModelRunner:
         budget = engine_kv_pool_bytes(DeviceMemory(
             total=total, free=free, baseline=self._memory_baseline, held=torch.cuda.memory_allocated(self.device),
             peak=peak, reserved=torch.cuda.memory_reserved(self.device)), cfg.gpu_memory_utilization)
-        per_block = kv_cache_bytes_per_block(self.cfg, self.block_size, self.dtype) + \
+        per_block = kv_cache_bytes_per_block(self.cfg, self.block_size, self.kv_dtype) + \
             (self.drafter.bytes_per_block() if self.drafter else 0)
         blocks = int(budget // per_block)
         logger.info("KV cache: %.2f GiB for %d blocks of %d tokens (peak step memory %.2f GiB)",
@@ -133,7 +135,7 @@ class ModelRunner:
             self.drafter.allocate(0)
         if num_blocks:
             self.kv_caches, self.index_caches = allocate_kv_caches(self.cfg, num_blocks, self.block_size,
-                                                                   self.dtype, self.device)
+                                                                   self.kv_dtype, self.device)
             self.model.bind_kv_caches(self.kv_caches, self.index_caches)
             if self.drafter is not None:
                 self.drafter.allocate(num_blocks)

@@ -29,8 +29,8 @@ import os
 import signal
 import sys
 
-from nanoserve.config import (DEVICES, DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SCHEDULING_POLICIES, SWITCH_ALIASES,
-                              EngineConfig, Optimizations)
+from nanoserve.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
+                              SWITCH_ALIASES, EngineConfig, Optimizations)
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from nanoserve.server.http_protocol import HTTP_PARSERS, resolve_http
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -130,8 +130,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--trust-remote-code", action="store_true",
                    help="accepted as vLLM takes it: nanoserve implements M3 itself and runs no code from the "
                         "checkpoint, so there is nothing to trust")
-    e.add_argument("--kv-cache-dtype", default="auto", choices=["auto"],
-                   help="the KV cache is kept in the model's dtype (auto); an fp8 KV cache is not implemented")
+    e.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="auto: the KV cache in the model's dtype; fp8 (= fp8_e4m3): e4m3 with per-tensor scales "
+                        "(the checkpoint's k_scale / v_scale, else 1), twice the tokens in the same memory; "
+                        "fp8_e5m2 is not supported")
     e.add_argument("--dtype", default="auto", choices=DTYPES)
     e.add_argument("--quantization", "-q", default=None, choices=[q for q in QUANTIZATIONS if q],
                    help="weight format (default: the checkpoint's, from config.json's quantization_config): mxfp8 "
@@ -211,6 +213,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             max_model_len=args.max_model_len, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, gpu_memory_utilization=args.gpu_memory_utilization,
             num_gpu_blocks_override=args.num_gpu_blocks_override, kv_cache_tokens=args.kv_cache_tokens,
+            kv_cache_dtype=args.kv_cache_dtype,
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
             scheduling_policy=args.scheduling_policy,
             logprobs_mode=args.logprobs_mode, speculative_config=args.speculative_config,

@@ -71,6 +71,9 @@ class M3Attention(nn.Module):
             self.index_k_norm = replicated_parameter((cfg.index_head_dim,), torch.float32, device)
         self.kv_cache: torch.Tensor | None = None  # [num_blocks, 2, block_size, kv_heads, head_dim]
         self.index_cache: torch.Tensor | None = None  # [num_blocks, block_size, index_head_dim]
+        # an fp8 pool's per-tensor scales (stored = x / scale): the checkpoint's k_scale / v_scale, else 1.0
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                 meta: AttentionMetadata, prev_selection: torch.Tensor | None = None
@@ -94,6 +97,13 @@ class M3Attention(nn.Module):
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), selection
 
     # -- stages -------------------------------------------------------------------------------------------
+    def _kv_scales(self) -> tuple[float, float]:
+        """(k_scale, v_scale) the pool is written and read with: the layer's for an fp8 pool; a 16/32-bit pool
+        holds the values themselves (as vLLM, which uses the scales with an fp8 cache only)."""
+        if self.kv_cache.dtype == reference.FP8_KV_DTYPE:
+            return self.k_scale, self.v_scale
+        return 1.0, 1.0
+
     def _norm_rope_insert(self, qkv: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
                           meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Per-head QK-norm, partial RoPE, and the K/V + index-key cache writes. Returns (q, index_q)."""
@@ -104,13 +114,13 @@ class M3Attention(nn.Module):
             return qk_norm_rope_insert(
                 qkv, self.split_sizes, self.head_dim, self.q_norm, self.k_norm,
                 self.index_q_norm if self.sparse else None, self.index_k_norm if self.sparse else None,
-                positions, rope, eps, meta.slot_mapping, self.kv_cache, self.index_cache)
+                positions, rope, eps, meta.slot_mapping, self.kv_cache, self.index_cache, *self._kv_scales())
         t, d = qkv.shape[0], self.head_dim
         pieces = torch.split(qkv, self.split_sizes, dim=-1)
         cos, sin = rope
         q, k = reference.qk_norm_rope(pieces[0].reshape(t, -1, d), pieces[1].reshape(t, -1, d),
                                       self.q_norm, self.k_norm, cos, sin, eps)
-        reference.write_kv(self.kv_cache, k, pieces[2].reshape(t, -1, d), meta.slot_mapping)
+        reference.write_kv(self.kv_cache, k, pieces[2].reshape(t, -1, d), meta.slot_mapping, *self._kv_scales())
         if not self.sparse:
             return q, None
         di = self.index_head_dim
@@ -120,11 +130,12 @@ class M3Attention(nn.Module):
         return q, index_q
 
     def _dense_attention(self, q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        k_scale, v_scale = self._kv_scales()
         if self.opts.triton_attention and triton_usable(q):
             from nanoserve.kernels.attention import paged_attention
 
-            return paged_attention(q, self.kv_cache, meta, self.scale)
-        return reference.paged_attention(q, self.kv_cache, meta, self.scale)
+            return paged_attention(q, self.kv_cache, meta, self.scale, k_scale=k_scale, v_scale=v_scale)
+        return reference.paged_attention(q, self.kv_cache, meta, self.scale, k_scale=k_scale, v_scale=v_scale)
 
     def _select(self, index_q: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         topk, local = self.cfg.index_topk_blocks, self.cfg.index_local_blocks
@@ -135,9 +146,11 @@ class M3Attention(nn.Module):
         return reference.msa_select(index_q, self.index_cache, meta, topk, local)
 
     def _sparse_attention(self, q: torch.Tensor, meta: AttentionMetadata, selection: torch.Tensor) -> torch.Tensor:
+        k_scale, v_scale = self._kv_scales()
         if self.opts.triton_msa and triton_usable(q):
             from nanoserve.kernels.msa import sparse_attention
 
             return sparse_attention(q, self.kv_cache, meta, selection, self.scale,
-                                    by_block=self.opts.msa_sparse_by_block)
-        return reference.sparse_attention(q, self.kv_cache, meta, selection, self.scale)
+                                    by_block=self.opts.msa_sparse_by_block, k_scale=k_scale, v_scale=v_scale)
+        return reference.sparse_attention(q, self.kv_cache, meta, selection, self.scale, k_scale=k_scale,
+                                          v_scale=v_scale)
