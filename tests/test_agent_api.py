@@ -29,15 +29,15 @@ import openai
 import pytest
 
 from nanoserve.chat_template import render_chat, template_messages
-from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser
 from nanoserve.server import build_app
-from nanoserve.server import protocol as P
 from nanoserve.server.convert import prepare_chat
-from nanoserve.server.responses import chat_response
+from nanoserve.server.openai import schema as P
+from nanoserve.server.openai.bodies import chat_response
+from nanoserve.server.openai.events import chat_events
 from nanoserve.server.state import ChatOptions
-from nanoserve.server.streaming import chat_events
 from tests.server_utils import SWITCH_FLAGS, ServerThread, engine_config, free_port, wait_until
 
 MODEL = "m3-tiny-agent"

@@ -180,10 +180,10 @@ def test_models_and_health(server):
 def test_openapi_lists_every_post_body(server):
     """/openapi.json describes the request body of every POST route: its fields, which are required, and the
     nested models written out (no reference left dangling)."""
-    from nanoserve.server import protocol as P
+    from nanoserve.server.openai import schema as P
     from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
     from nanoserve.server.protocol.responses_api import ResponsesRequest
-    from nanoserve.server.routes import ROUTERS
+    from nanoserve.server.app import ROUTERS
 
     doc = httpx.get(f"{server.url}/openapi.json").json()
     posts = {r.path for router in ROUTERS for r in router.routes if "POST" in r.methods}

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 import nanoserve
-from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.chat_template import render_chat, template_messages
+from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
 from nanoserve.server.__main__ import build_parser
 from tests.server_utils import MAX_MODEL_LEN, ServerThread, engine_config, wait_until
@@ -248,10 +248,10 @@ def test_help_and_docs_list_every_endpoint_and_field():
     """--help and docs/server_api.md name every route the app serves, and the docs every request field."""
     from pathlib import Path
 
-    from nanoserve.server import protocol as P
+    from nanoserve.server.openai import schema as P
     from nanoserve.server.anthropic.schema import MessagesRequest
     from nanoserve.server.protocol.responses_api import ResponsesRequest
-    from nanoserve.server.routes import ROUTERS
+    from nanoserve.server.app import ROUTERS
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "server_api.md").read_text()
     helptext = build_parser().format_help()

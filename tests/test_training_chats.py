@@ -15,7 +15,7 @@ import pytest
 from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.parsers import get_reasoning_parser, get_tool_call_parser
 from nanoserve.presets.tokenizer import CHAT_TEMPLATE, write_tokenizer
-from nanoserve.server.protocol.chat import ChatMessage, ChatTool
+from nanoserve.server.openai.schema.chat import ChatMessage, ChatTool
 from training import chats
 from training.chats import EOT, Chat, mixture, prompt, render, sample, scratchpad
 

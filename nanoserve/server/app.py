@@ -10,19 +10,20 @@ Follow one POST /v1/chat/completions from the socket to the engine and back:
     limits.py                 BodyLimitMiddleware: 413 for a body over --max-request-body-bytes, 408 for one
                               that stalls (--request-body-timeout)
     routes/common.py          check_api_key: 401 unless the Bearer token matches --api-key (when one is set);
-                              json_body: bytes -> JSON -> ChatCompletionRequest (protocol/chat.py), a bad body
+                              json_body: bytes -> JSON -> ChatCompletionRequest (openai/schema/chat.py), a bad body
                               is a 400 naming the field (errors.py: describe_validation_error); a body of 1 MiB
                               or more is parsed in a worker process (parsing.py), one of 64 KiB or more is
                               rendered and tokenized in a thread pool, off the event loop (offload.py)
-    routes/chat.py            the route: the steps below, in order
+    openai/routes.py          the route: the steps below, in order
     convert.py                prepare_chat: the model name (404 if unknown), SamplingParams (400 if out of
                               range), the chat template renders the messages, the tokenizer turns the text into
                               ids, the length checks (400; the prompt count and characters before tokenizing:
                               limits.py)
     submit.py                 add_requests: AsyncLLMEngine.add_request, queued on the engine (503 if the queue is
                               full) -> streams; wait_for_outputs: the finished outputs
-    responses.py              non-streaming: the finished output as one JSON body (choices, usage, logprobs)
-    streaming.py              streaming: a Server-Sent Events body, one chunk per engine step with the new text
+    openai/bodies.py          non-streaming: the finished output as one JSON body (choices, usage, logprobs)
+    openai/events.py          streaming: a Server-Sent Events body, one chunk per engine step with the new text
+                              (streaming.py: EventStreamResponse closes the streams however it ends)
 
 If the client hangs up, the response is cancelled, which closes the request's stream, which aborts it in the
 engine and frees its KV blocks. Every error leaves as OpenAI's {"error": {"message", "type", "param", "code"}}
@@ -40,17 +41,23 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
+from nanoserve.server.anthropic import routes as anthropic
 from nanoserve.server.errors import EXCEPTION_HANDLERS
 from nanoserve.server.limits import BodyLimitMiddleware, ServerLimits
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
+from nanoserve.server.openai import routes as openai
 from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
 from nanoserve.server.response_store import DEFAULT_STORE_SIZE
-from nanoserve.server.routes import ROUTERS
-from nanoserve.server.routes.tokenize import tokenizer_info_router
+from nanoserve.server.routes import responses_api, sagemaker, system
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
+
+ROUTERS = [openai.router, responses_api.router, anthropic.router, openai.tokenize_router, sagemaker.router,
+           system.router]
+"""Every API's routes, included in this order; GET /tokenizer_info (openai.tokenizer_info_router) only with
+--enable-tokenizer-info-endpoint."""
 
 LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/invocations")
 
@@ -123,7 +130,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     for router in ROUTERS:
         app.include_router(router)
     if enable_tokenizer_info_endpoint:
-        app.include_router(tokenizer_info_router)
+        app.include_router(openai.tokenizer_info_router)
     app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
                        allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
     if enable_server_load_tracking:

@@ -17,9 +17,9 @@ from nanoserve.parsers.reasoning import ReasoningParser
 from nanoserve.parsers.tool_calls import ToolCallParser, format_tokens
 from nanoserve.parsers.tools import ToolChoice, ToolError, check_tools, resolve_tool_choice
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
-from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError, describe_validation_error, engine_errors
 from nanoserve.server.limits import check_prompt_chars, check_prompt_count
+from nanoserve.server.openai import schema as P
 from nanoserve.server.state import OpenAIServer
 
 

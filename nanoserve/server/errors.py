@@ -21,8 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, QueueFullError
 from nanoserve.sampling import SamplingParams
-from nanoserve.server import protocol as P
 from nanoserve.server.anthropic import schema as A
+from nanoserve.server.openai import schema as P
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
 from nanoserve.server.offload import Offloader
-from nanoserve.server.protocol import RequestBody
+from nanoserve.server.protocol.common import RequestBody
 
 logger = logging.getLogger(__name__)
 

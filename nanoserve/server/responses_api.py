@@ -23,13 +23,13 @@ from typing import Any, AsyncIterator
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
-from nanoserve.server import protocol as P
 from nanoserve.server.answer_blocks import AnswerBlocks, Block
 from nanoserve.server.convert import Prepared, as_chat_request, prepare_chat
 from nanoserve.server.errors import APIError, fields_renamed
+from nanoserve.server.openai import schema as P
+from nanoserve.server.openai.bodies import cache_write_tokens, chat_logprobs
 from nanoserve.server.protocol import responses_api as R
 from nanoserve.server.response_store import ResponseStore, StoredResponse
-from nanoserve.server.responses import cache_write_tokens, chat_logprobs
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
 

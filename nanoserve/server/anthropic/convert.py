@@ -19,12 +19,12 @@ from typing import Any, AsyncIterator
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
-from nanoserve.server import protocol as P
 from nanoserve.server.answer_blocks import AnswerBlocks, Block, Change
+from nanoserve.server.anthropic import schema as A
 from nanoserve.server.convert import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
 from nanoserve.server.errors import APIError, fields_renamed
-from nanoserve.server.anthropic import schema as A
-from nanoserve.server.responses import cache_write_tokens
+from nanoserve.server.openai import schema as P
+from nanoserve.server.openai.bodies import cache_write_tokens
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
 

@@ -18,8 +18,8 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
-from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError, describe_validation_error
+from nanoserve.server.openai import schema as P
 from nanoserve.server.state import OpenAIServer
 
 logger = logging.getLogger(__name__)

@@ -8,10 +8,9 @@ from fastapi.responses import Response
 from pydantic import ValidationError
 
 from nanoserve.server.errors import APIError
-from nanoserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from nanoserve.server.routes.chat import chat
+from nanoserve.server.openai.routes import chat, complete
+from nanoserve.server.openai.schema import ChatCompletionRequest, CompletionRequest
 from nanoserve.server.routes.common import Server, check_json_content_type, request_body
-from nanoserve.server.routes.completions import complete
 from nanoserve.server.routes.system import health
 
 router = APIRouter()

@@ -8,8 +8,8 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
-from nanoserve.server import protocol as P
 from nanoserve.server.errors import APIError
+from nanoserve.server.openai import schema as P
 from nanoserve.server.routes.common import Server, check_api_key
 
 router = APIRouter()

@@ -1,6 +1,7 @@
-"""Engine output -> response bodies: the choices of a finished request, token usage, logprobs in the two OpenAI
-formats (completions: parallel lists; chat: one entry per token) and vLLM's prompt_logprobs. The streaming chunks
-(streaming.py) build their choices from the same functions.
+"""Engine output -> the OpenAI API's response bodies: the choices of a finished request, token usage, logprobs in
+the two OpenAI formats (completions: parallel lists; chat: one entry per token) and vLLM's prompt_logprobs. The
+streamed chunks (events.py) build their choices from the same functions, and the Responses and Messages APIs take
+their usage and logprobs from here.
 
 A token in logprobs is named by its text, or 'token_id:N' with return_tokens_as_token_ids. With echo, a
 completion's text starts with the prompt and its logprobs with the prompt's (the first prompt token's are null:
@@ -11,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.server import protocol as P
 from nanoserve.server.convert import ChatSetup, Prepared
+from nanoserve.server.openai import schema as P
 from nanoserve.server.state import OpenAIServer
 
 

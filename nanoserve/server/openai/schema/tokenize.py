@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, model_validator
 
-from nanoserve.server.protocol.chat import ChatMessage, ChatTool
+from nanoserve.server.openai.schema.chat import ChatMessage, ChatTool
 from nanoserve.server.protocol.common import ElidedText, RequestBody, ResponseModel
 
 
