@@ -1,5 +1,5 @@
 """Overlap scheduling (switch `overlap_scheduling`) and async scheduling on top of it (switch `async_scheduling`,
-engine/llm_engine.py) against the synchronous step they replace: every output a user sees - token ids, text, finish
+engine/overlap.py) against the synchronous step they replace: every output a user sees - token ids, text, finish
 and stop reasons, logprobs - must be the same in all three modes, only returned one step() later; aborts must free
 blocks at once and stop the outputs. CPU, m3-tiny, reference kernels (tests/test_engine.py's setup).
 
@@ -372,7 +372,8 @@ def test_abort_with_a_step_in_flight(llms, mode):
     engine.add_request("kept", kept, sp)
     assert engine.step() == []  # the first step's tokens are still on their way
     engine.step()
-    assert engine._in_flight is not None and any(s.request_id == "decoding" for s in engine._in_flight.seqs)
+    in_flight = engine.overlapped.in_flight
+    assert in_flight is not None and any(s.request_id == "decoding" for s in in_flight.seqs)
     doomed = [s for rid in ("decoding", "prefilling") for s in engine.requests[rid].seqs]
     engine.abort_request(["decoding", "prefilling"])
     bm.check_integrity()  # blocks back at once, though a step using some of them is in flight
@@ -397,7 +398,7 @@ def test_abort_with_a_step_in_flight(llms, mode):
     engine.step()
     engine.step()
     engine.abort_request("gone")
-    assert not engine.has_unfinished_requests() and engine._in_flight is not None
+    assert not engine.has_unfinished_requests() and engine.overlapped.in_flight is not None
     assert_all_blocks_free(llms[mode])
     again = llms[mode].generate({"prompt_token_ids": kept}, sp, use_tqdm=False)[0].outputs[0].token_ids
     assert again == ref

@@ -376,7 +376,7 @@ def test_abort_while_a_verify_step_is_in_flight_frees_every_block(spec_llm, ref_
     verifying = False
     for _ in range(30):
         engine.step()
-        inflight = engine._in_flight
+        inflight = engine.overlapped.in_flight
         if inflight is not None and inflight.verify is not None:
             verifying = True
             break

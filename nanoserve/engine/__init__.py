@@ -1,6 +1,8 @@
 """The engine core, on rank 0: requests in, one `step()` at a time, outputs out.
 
-    llm_engine       LLMEngine: the step loop
+    llm_engine       LLMEngine: the step loop (the plain, synchronous step)
+    overlap          the overlapped step (overlap and async scheduling): the host works while the device runs
+    launched_step    a step on its way: what was queued on the device, what came back
     builder          the executor and the limits an engine is built with
     scheduler        who runs this step and how many tokens
     block_manager    the KV block pool and the prefix cache

@@ -7,26 +7,13 @@
 The offline `LLM` class (entrypoints/llm.py) and the async server bridge (entrypoints/async_engine.py) both drive
 this loop.
 
-Overlap scheduling (switch `overlap_scheduling`; reference: the synchronous step). The host work on a step's
-tokens is split in two. (a) What the next schedule depends on: wait for the tokens, append them, end the
-sequences that EOS, a stop token id or a length limit ends. (b) The rest: incremental detokenisation, stop
-strings, logprobs, the RequestOutputs. Off, a step runs schedule -> launch -> (a) -> (b). On, step N+1 runs (a)
-for step N's tokens, schedules and launches step N+1 (forward and device-side sampling, no host sync), and does
-(b) for step N's tokens while the device computes step N+1 - so `step()` returns the previous step's outputs, and
-a last call with nothing left to schedule returns the final ones. A sequence that a stop string ends in (b) is
-already in step N+1: it is finished there (its blocks freed: later steps are queued behind N+1 on the device) and
-its N+1 token is dropped when it arrives, as an aborted sequence's is.
-
-Async scheduling (switch `async_scheduling`, on top of overlap scheduling; reference: overlap alone). Overlap
-still waits for step N's tokens before it schedules step N+1, so the device idles through the host's receive,
-schedule and input staging. With async scheduling, step N+1 is scheduled and launched first: each token sampled
-in step N counts as pending in its sequence (`Sequence.num_pending`: its KV position is held, its value is not
-known), a decode's input id at that position comes from step N's sampled tokens on the device (`TokenFeed`), and
-only then (a) receives step N's tokens, while the device runs N+1. A sequence that step N's token ends (EOS, a
-stop id) is already in N+1 and is handled as one a stop string ends; one whose last allowed token is pending is
-not scheduled again. A step waits for the tokens first, as overlap alone does, when a running sequence's sampling
-reads its own output on the host (structured outputs, bad_words, penalties: `reads_own_output`), when the step in
-flight computes prompt logprobs, or when the executor cannot feed tokens (tensor parallelism).
+The plain step is `step()` below: schedule -> run the model -> sample (`_launch`), then the host work on the
+step's tokens, in two parts: (a) `_receive`, what the next schedule depends on (wait for the tokens, append them,
+end the sequences that EOS, a stop token id or a length limit ends), and (b) `_process`, the rest (incremental
+detokenisation, stop strings, logprobs, the RequestOutputs). With switch `overlap_scheduling` on (and
+`async_scheduling` on top of it) the engine runs engine/overlap.py's `OverlappedStep` instead, chosen when the
+engine is built: the same three parts in another order, so the host work of one step runs while the device
+computes the next.
 
 Speculative decoding (switch `speculative_decoding`, with a `speculative_config`; engine/speculative.py): before
 each schedule the decoding sequences draft tokens, a step verifies them with their newest token, and `_receive`
@@ -47,9 +34,11 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import prompt_logprobs as prompt_lp
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
+from nanoserve.engine.launched_step import LaunchedStep, Received
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
+from nanoserve.engine.overlap import OverlappedStep
+from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
 from nanoserve.engine.speculative import DeviceVerify, Speculator, StepRows
@@ -63,63 +52,6 @@ from nanoserve.spec_decode.config import SpeculativeConfig
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
-
-
-@dataclass
-class EngineStats:
-    """Monotonic counters since start (read by /metrics, the benchmark and the walkthrough)."""
-
-    num_requests: int = 0
-    num_prompt_tokens: int = 0  # tokens of every prompt added
-    num_computed_prefill_tokens: int = 0  # prompt (and recompute) tokens actually run through the model
-    num_generation_tokens: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
-    prefix_cache_hits: int = 0  # of those, tokens found
-    num_preemptions: int = 0
-    num_steps: int = 0
-    num_aborted: int = 0
-    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
-    # speculative decoding, in vLLM's terms (its vllm:spec_decode_* metrics): verify steps of a sequence, draft
-    # tokens verified, draft tokens accepted, and accepted per draft position (a tuple: replaced, never mutated,
-    # so a copy of the stats keeps its own)
-    spec_decode_num_drafts: int = 0
-    spec_decode_num_draft_tokens: int = 0
-    spec_decode_num_accepted_tokens: int = 0
-    spec_decode_accepted_per_pos: tuple[int, ...] = ()
-
-    @property
-    def spec_decode_mean_accepted_length(self) -> float:
-        """Tokens a verify step yields per sequence on average: 1 + its accepted drafts (vLLM's definition)."""
-        n = self.spec_decode_num_drafts
-        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else 0.0
-
-    def record_acceptance(self, num_draft: int, num_accepted: int) -> None:
-        self.spec_decode_num_drafts += 1
-        self.spec_decode_num_draft_tokens += num_draft
-        self.spec_decode_num_accepted_tokens += num_accepted
-        per_pos = list(self.spec_decode_accepted_per_pos) + [0] * (num_draft - len(self.spec_decode_accepted_per_pos))
-        for j in range(num_accepted):
-            per_pos[j] += 1
-        self.spec_decode_accepted_per_pos = tuple(per_pos)
-
-
-@dataclass
-class LaunchedStep:
-    """A step whose forward and device-side sampling are queued: the sampled sequences (in row order) and their
-    draw, not yet on the host (None when the step only ran prefill chunks), and the prompt logprobs it computes
-    (None when no scheduled sequence asked) with the sequences they belong to."""
-
-    seqs: list[Sequence]
-    sample: DeviceSample | None
-    prompt_logprobs: prompt_lp.DevicePromptLogprobs | None = None
-    prompt_seqs: dict[int, Sequence] = field(default_factory=dict)
-    verify: DeviceVerify | None = None  # speculative decoding: the sequences that verified drafts, their outcome
-    rows: list[StepRows] = field(default_factory=list)  # (speculative decoding) each sequence's rows in the batch
-
-
-Received = tuple[Sequence, SampleResult | None, int, bool]  # a sequence, its step's draw on the host (None: it
-# ended without a token of this step), its row in it, and whether its stop strings were checked already (a
-# verified token)
 
 
 class LLMEngine:
@@ -161,16 +93,16 @@ class LLMEngine:
                                                          self.model_config.vocab_size, [self.eos_token_id],
                                                          max_batch=config.max_num_seqs)
         self.requests: dict[str, RequestState] = {}
-        # read once: a step in flight must be finished by the path that launched it
-        self.overlap = opts.overlap_scheduling
-        self.async_scheduling = self.overlap and opts.async_scheduling and self.executor.supports_token_feed
         self.overlap_grammar = opts.overlap_grammar
         self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
-        self._in_flight: LaunchedStep | None = None
         self.speculator = self._speculator(config)
         self._last_rows: list[StepRows] = []  # the last received step's final positions (a draft model's input)
-        if self.speculator is not None:
-            self.async_scheduling = False  # a draft is made from the previous step's tokens, on the host
+        # the step loop, chosen once: a step in flight must be finished by the loop that launched it. Async
+        # scheduling needs an executor that takes tokens on the device, and no drafts (a draft is made from the
+        # previous step's tokens, on the host)
+        launch_ahead = opts.async_scheduling and self.executor.supports_token_feed and self.speculator is None
+        self.overlapped = OverlappedStep(self._launch, self._receive, self._process, launch_ahead) \
+            if opts.overlap_scheduling else None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
         logger.info("engine ready: model=%s device=%s blocks=%d x %d tokens, max_model_len=%d, "
@@ -190,121 +122,18 @@ class LLMEngine:
         logger.info("speculative decoding: %s (async scheduling off; verify steps run eagerly)", spec)
         return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate)
 
-    # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
-    def add_observer(self, fn: Callable[..., None]) -> None:
-        """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict,
-        prefix_hit, step and inter_token_latencies events (on the thread that runs the engine)."""
-        self.observers.append(fn)
-
-    def _emit(self, event: str, **payload: Any) -> None:
-        for fn in self.observers:
-            fn(event, **payload)
-
-    # -- requests -----------------------------------------------------------------------------------------
-    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
-        if isinstance(prompt, (list, tuple)):
-            return None, list(prompt)
-        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
-
-    def validate_prompt(self, token_ids: list[int]) -> None:
-        if not token_ids:
-            raise ValueError("prompt is empty: it must contain at least one token")
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
-            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
-        if len(token_ids) >= self.max_model_len:
-            raise ValueError(f"prompt is too long: {len(token_ids)} tokens, but max_model_len is "
-                             f"{self.max_model_len} (and at least one token must be generated)")
-
-    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
-        """Queue a request (n sequences). `priority`: with the priority scheduling policy, lower runs sooner (any
-        other value than 0 is a ValueError under first come, first served, as in vLLM). Raises ValueError for a
-        bad prompt or parameters."""
-        if request_id in self.requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.config.scheduling_policy != "priority":
-            raise ValueError("priority: requests are scheduled first come, first served; start the engine with "
-                             "--scheduling-policy priority to use it")
-        params = params or SamplingParams()
-        params.validate(self.config.max_logprobs, self.model_config.vocab_size)
-        if params.bad_words:
-            params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
-        text, token_ids = self.tokenize_prompt(prompt)
-        self.validate_prompt(token_ids)
-        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-        if salt is not None and (not isinstance(salt, str) or not salt):
-            raise ValueError("cache_salt: must be a non-empty string")
-        # structured outputs: compiled here, in the caller's thread (a cache hit when the server compiled it)
-        compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival,
-                         cache_salt=salt, priority=priority) for i in range(params.n)]
-        if compiled is not None:
-            for seq in seqs:
-                seq.grammar = self.structured_output.new_grammar(
-                    compiled, params.structured_outputs.reasoning_end_token_id)
-        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, arrival)
-        for seq in seqs:
-            self.scheduler.add(seq)
-        self.stats.num_requests += 1
-        self.stats.num_prompt_tokens += len(token_ids)
-
-    def abort_request(self, request_id: str | list[str]) -> None:
-        """Stop requests wherever they are (waiting, prefilling, decoding) and free their blocks. Freeing them
-        while a step that uses them is in flight is safe: any later use is queued behind it on the device."""
-        for rid in [request_id] if isinstance(request_id, str) else request_id:
-            state = self.requests.pop(rid, None)
-            if state is None:
-                continue
-            for seq in state.seqs:
-                if not seq.is_finished:
-                    self.scheduler.finish(seq, FinishReason.ABORT)
-                self.sampler.forget(seq.seq_id)
-            self.stats.num_aborted += 1
-
-    def has_unfinished_requests(self) -> bool:
-        return bool(self.requests)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.scheduler.running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
-
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration. Returns an output for every request that produced tokens or finished - with
-        overlap_scheduling, those of the previous call's step (see the module docstring)."""
-        if not self.overlap:
-            launched = self._launch()
-            return self._process(self._receive(launched)) if launched is not None else []
-        previous, self._in_flight = self._in_flight, None
-        ahead = previous is not None and self._can_launch_ahead(previous)
-        received = self._receive(previous) if previous is not None and not ahead else []
-        self._in_flight = self._launch(previous if ahead else None)
-        if ahead:  # step N's tokens, while the device computes step N+1
-            received = self._receive(previous)
-        return self._process(received)
-
-    def _can_launch_ahead(self, previous: LaunchedStep) -> bool:
-        """May the next step be launched before `previous`'s tokens are received (async scheduling)?"""
-        if not self.async_scheduling or previous.prompt_logprobs is not None:
-            return False  # prompt logprobs: the next schedule reads how many a sequence has
-        return not any(reads_own_output(seq) for seq in previous.seqs if not seq.is_finished)
+        """One engine iteration: schedule -> run the model -> sample -> process the outputs. Returns an output for
+        every request that produced tokens or finished. With overlap_scheduling on, engine/overlap.py's
+        iteration runs instead, and returns the previous call's step's outputs."""
+        if self.overlapped is not None:
+            return self.overlapped.step()
+        launched = self._launch()  # schedule, run the model, queue the sampling
+        if launched is None:  # nothing to run
+            return []
+        received = self._receive(launched)  # (a) the tokens on the host: append, EOS / stop ids / length
+        return self._process(received)  # (b) detokenise, stop strings, logprobs: the outputs
 
     def _launch(self, previous: LaunchedStep | None = None) -> LaunchedStep | None:
         """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works.
@@ -485,18 +314,143 @@ class LLMEngine:
             self.stats.prefix_cache_hits += seq.num_cached_tokens
         self.stats.num_computed_prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
 
+    # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
+    def add_observer(self, fn: Callable[..., None]) -> None:
+        """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict,
+        prefix_hit, step and inter_token_latencies events (on the thread that runs the engine)."""
+        self.observers.append(fn)
+
+    def _emit(self, event: str, **payload: Any) -> None:
+        for fn in self.observers:
+            fn(event, **payload)
+
+    # -- requests -----------------------------------------------------------------------------------------
+    def tokenize_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)):
+            return None, list(prompt)
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def validate_prompt(self, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError("prompt is empty: it must contain at least one token")
+        vocab = self.model_config.vocab_size
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt_token_ids must be integers in [0, {vocab})")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt is too long: {len(token_ids)} tokens, but max_model_len is "
+                             f"{self.max_model_len} (and at least one token must be generated)")
+
+    def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        """Queue a request (n sequences). `priority`: with the priority scheduling policy, lower runs sooner (any
+        other value than 0 is a ValueError under first come, first served, as in vLLM). Raises ValueError for a
+        bad prompt or parameters."""
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.config.scheduling_policy != "priority":
+            raise ValueError("priority: requests are scheduled first come, first served; start the engine with "
+                             "--scheduling-policy priority to use it")
+        params = params or SamplingParams()
+        params.validate(self.config.max_logprobs, self.model_config.vocab_size)
+        if params.bad_words:
+            params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
+        text, token_ids = self.tokenize_prompt(prompt)
+        self.validate_prompt(token_ids)
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError("cache_salt: must be a non-empty string")
+        # structured outputs: compiled here, in the caller's thread (a cache hit when the server compiled it)
+        compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival,
+                         cache_salt=salt, priority=priority) for i in range(params.n)]
+        if compiled is not None:
+            for seq in seqs:
+                seq.grammar = self.structured_output.new_grammar(
+                    compiled, params.structured_outputs.reasoning_end_token_id)
+        self.requests[request_id] = RequestState(request_id, text, token_ids, params, seqs, arrival)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        self.stats.num_requests += 1
+        self.stats.num_prompt_tokens += len(token_ids)
+
+    def abort_request(self, request_id: str | list[str]) -> None:
+        """Stop requests wherever they are (waiting, prefilling, decoding) and free their blocks. Freeing them
+        while a step that uses them is in flight is safe: any later use is queued behind it on the device."""
+        for rid in [request_id] if isinstance(request_id, str) else request_id:
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            for seq in state.seqs:
+                if not seq.is_finished:
+                    self.scheduler.finish(seq, FinishReason.ABORT)
+                self.sampler.forget(seq.seq_id)
+            self.stats.num_aborted += 1
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
     def shutdown(self) -> None:
-        self._in_flight = None
+        if self.overlapped is not None:  # drop the step in flight: its tensors live on the device
+            self.overlapped.in_flight = None
         self.executor.shutdown()
 
 
-def reads_own_output(seq: Sequence) -> bool:
-    """Does sampling seq's next token read its output tokens on the host? (a structured-output grammar, bad_words,
-    repetition / presence / frequency penalties). Such a sequence's tokens must be received before its next step
-    is built, so async scheduling waits for them."""
-    p = seq.params
-    return (seq.grammar is not None or bool(p.bad_words_token_ids) or p.repetition_penalty != 1.0
-            or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0)
+@dataclass
+class EngineStats:
+    """Monotonic counters since start (read by /metrics, the benchmark and the walkthrough)."""
+
+    num_requests: int = 0
+    num_prompt_tokens: int = 0  # tokens of every prompt added
+    num_computed_prefill_tokens: int = 0  # prompt (and recompute) tokens actually run through the model
+    num_generation_tokens: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache at admission
+    prefix_cache_hits: int = 0  # of those, tokens found
+    num_preemptions: int = 0
+    num_steps: int = 0
+    num_aborted: int = 0
+    finished: dict[str, int] = field(default_factory=dict)  # finish reason -> count
+    # speculative decoding, in vLLM's terms (its vllm:spec_decode_* metrics): verify steps of a sequence, draft
+    # tokens verified, draft tokens accepted, and accepted per draft position (a tuple: replaced, never mutated,
+    # so a copy of the stats keeps its own)
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_accepted_per_pos: tuple[int, ...] = ()
+
+    @property
+    def spec_decode_mean_accepted_length(self) -> float:
+        """Tokens a verify step yields per sequence on average: 1 + its accepted drafts (vLLM's definition)."""
+        n = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / n if n else 0.0
+
+    def record_acceptance(self, num_draft: int, num_accepted: int) -> None:
+        self.spec_decode_num_drafts += 1
+        self.spec_decode_num_draft_tokens += num_draft
+        self.spec_decode_num_accepted_tokens += num_accepted
+        per_pos = list(self.spec_decode_accepted_per_pos) + [0] * (num_draft - len(self.spec_decode_accepted_per_pos))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+        self.spec_decode_accepted_per_pos = tuple(per_pos)
 
 
 def token_feed(fed: list[tuple[int, Sequence]], previous: LaunchedStep | None) -> TokenFeed | None:
