@@ -22,7 +22,7 @@ from nanoserve.kernels import reference
 from nanoserve.kernels.norm_rope import fused_rmsnorm
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.presets.catalog import get_preset
-from tests.test_engine import random_tokens
+from tests.engine_utils import random_tokens
 from tests.test_overlap import drive, make_llm
 
 RMSNORM_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-2, 1e-2)}  # (rtol, atol) beside the dtype

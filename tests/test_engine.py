@@ -13,24 +13,15 @@ from collections import Counter
 
 import pytest
 
-from nanoserve import LLM, Optimizations, SamplingParams
+from nanoserve import LLM, SamplingParams
 from nanoserve.presets.tokenizer import BOS_ID
+from tests.engine_utils import assert_all_blocks_free, engine_opts, random_tokens
 
 LAYER_SWITCHES = ("paged_kv", "prefix_caching", "continuous_batching", "chunked_prefill")
 MAX_MODEL_LEN = 192
 SMALL_POOL_BLOCKS = 24  # 384 tokens for a batch of ~630 prompt tokens: forces preemption
 SMALL_BUDGET = 64  # tokens per step: forces chunked prefill of every prompt over 64 tokens
 OFF_POOL_BLOCKS = 48  # with paged KV off each sequence reserves max_model_len (12 blocks): 4 run at once
-
-
-def engine_opts(**layer_switches: bool) -> Optimizations:
-    """The switches of this layer as given; every kernel switch off (on the CPU they would run Triton's slow
-    interpreter, and they are tested in the kernel tests)."""
-    return Optimizations.reference_kernels().replace(cuda_graphs=False, **layer_switches)
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(9, 512) for _ in range(n)]  # ids 0-8 are special tokens
 
 
 def mixed_prompts() -> list[list[int]]:
@@ -43,14 +34,6 @@ def mixed_prompts() -> list[list[int]]:
 
 
 MIXED_PARAMS = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (20, 6, 12, 16, 10, 20, 4, 14)]
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    bm.check_integrity()
-    assert bm.num_free_blocks == bm.num_blocks and not bm.tables
-    assert not llm.engine.has_unfinished_requests()
-    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 from nanoserve import LLM, SamplingParams
 from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser
 from nanoserve.sampling import StructuredOutputsParams
-from tests.test_engine import assert_all_blocks_free, engine_opts
+from tests.engine_utils import assert_all_blocks_free, engine_opts
 
 ANSWER = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Oslo", "Rome"]},
                                            "ok": {"type": "boolean"}},

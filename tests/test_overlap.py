@@ -25,8 +25,8 @@ from nanoserve.engine.sampler import Sampler, exponential_race
 from nanoserve.engine.sequence import Sequence
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.presets.tokenizer import EOS_ID
-from tests.test_engine import (MAX_MODEL_LEN, MIXED_PARAMS, SMALL_BUDGET, SMALL_POOL_BLOCKS, assert_all_blocks_free,
-                               engine_opts, mixed_prompts, random_tokens)
+from tests.engine_utils import assert_all_blocks_free, engine_opts, random_tokens
+from tests.test_engine import MAX_MODEL_LEN, MIXED_PARAMS, SMALL_BUDGET, SMALL_POOL_BLOCKS, mixed_prompts
 
 LOGPROB_ATOL = 1e-5  # fp32: the same sequence's logits computed in differently composed batches
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from tests.engine_utils import LOGPROB_ATOL, direct_logprobs
 from tests.server_utils import FAST_CPU
-from tests.test_sampling import LOGPROB_ATOL, direct_logprobs
 
 CHUNK = 32  # max_num_batched_tokens: longer prompts are prefilled in chunks
 

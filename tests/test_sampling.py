@@ -12,26 +12,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve import LLM, Optimizations, SamplingParams
-from nanoserve.batch import AttentionMetadata
+from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import detokenize_step
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.stop_checker import find_stop_string
 from nanoserve.presets.tokenizer import EOS_ID
+from tests.engine_utils import LOGPROB_ATOL, direct_logprobs, engine_opts, random_tokens
 
 DRAWS = 4000  # rows per distribution check; a frequency's std is <= 0.008, checked to FREQ_TOL
 FREQ_TOL = 0.03
-LOGPROB_ATOL = 1e-4  # fp32: engine (batched, paged, chunked) vs one direct forward
-
-
-def engine_opts(**layer_switches: bool) -> Optimizations:
-    """Every kernel switch off (Triton's interpreter is slow; the kernels have their own tests)."""
-    return Optimizations.reference_kernels().replace(cuda_graphs=False, **layer_switches)
-
-
-def random_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(9, 512) for _ in range(n)]
 
 
 @pytest.fixture(scope="module")
@@ -335,22 +325,6 @@ def test_find_stop_string_looks_only_at_what_the_delta_completed():
     assert find_stop_string("hello world", 2, ["hello"]) is None  # completed earlier, not by this delta
     assert find_stop_string("abXYcd", 2, ["XYc"]) == (2, "XYc")  # spans the previous text and the delta
     assert find_stop_string("aXbX", 2, ["bX", "X"]) == (2, "bX")  # the earliest start wins
-
-
-def direct_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    """log_softmax of the model's logits at every position of `tokens`, from one forward pass outside the
-    scheduler (through the first blocks of the engine's KV pool, whose cached prefixes are dropped after)."""
-    engine = llm.engine
-    bm = engine.block_manager
-    assert bm.num_free_blocks == bm.num_blocks
-    runner = engine.executor.runner
-    n = len(tokens)
-    meta = AttentionMetadata.build([n], [n], [list(range(bm.blocks_needed(n)))], bm.block_size, runner.device)
-    ids = torch.tensor(tokens, device=runner.device)
-    with torch.inference_mode():
-        logits = runner.model.compute_logits(runner.model(ids, meta.positions, meta))
-    bm.reset_prefix_cache()
-    return torch.log_softmax(logits.float(), dim=-1)
 
 
 @pytest.mark.parametrize("params", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 3}])

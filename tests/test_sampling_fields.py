@@ -13,8 +13,8 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.presets.tokenizer import EOS_ID
+from tests.engine_utils import LOGPROB_ATOL, direct_logprobs
 from tests.server_utils import FAST_CPU
-from tests.test_sampling import LOGPROB_ATOL, direct_logprobs
 
 _seq_ids = iter(range(10**9))
 

@@ -14,12 +14,13 @@ import random
 import pytest
 import torch
 
-from nanoserve import LLM, Optimizations, SamplingParams
+from nanoserve import LLM, SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.spec_decode.rejection import rejection_sample
+from tests.engine_utils import assert_all_blocks_free, engine_opts
 
-FAST = Optimizations.reference_kernels().replace(cuda_graphs=False)
+FAST = engine_opts()
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 MAX_MODEL_LEN = 256
 
@@ -137,13 +138,6 @@ def run(llm: LLM, prompts, params) -> list:
 
 def tokens_of(outs) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
-
-
-def assert_all_blocks_free(llm: LLM) -> None:
-    bm = llm.engine.block_manager
-    bm.check_integrity()
-    assert bm.num_free_blocks == bm.num_blocks and not bm.tables
-    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.fixture(scope="module")

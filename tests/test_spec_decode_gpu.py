@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.test_spec_decode import (assert_all_blocks_free, mtp_tensors, repetitive_prompts, tokens_of,
-                                    write_eagle3_dir)
+from tests.engine_utils import assert_all_blocks_free
+from tests.test_spec_decode import mtp_tensors, repetitive_prompts, tokens_of, write_eagle3_dir
 
 pytestmark = pytest.mark.gpu
 

@@ -17,7 +17,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.sampling import StructuredOutputsParams
-from tests.test_engine import assert_all_blocks_free, engine_opts
+from tests.engine_utils import assert_all_blocks_free, engine_opts
 
 PERSON = {
     "type": "object",

@@ -1,0 +1,49 @@
+"""Helpers for the tests that run the engine on m3-tiny on the CPU: the switches they run with, random prompts, the
+check that a run left nothing behind, and the logprobs of one direct forward pass to compare the engine's with."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from nanoserve import LLM, Optimizations
+from nanoserve.batch import AttentionMetadata
+
+LOGPROB_ATOL = 1e-4  # fp32: engine (batched, paged, chunked) vs one direct forward
+
+
+def engine_opts(**switches: bool) -> Optimizations:
+    """The given switches; every kernel switch off (on the CPU they would run Triton's slow interpreter, and they
+    are tested in the kernel tests) and no CUDA graphs; the rest at their defaults."""
+    return Optimizations.reference_kernels().replace(cuda_graphs=False, **switches)
+
+
+def random_tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(9, 512) for _ in range(n)]  # ids 0-8 are special tokens
+
+
+def assert_all_blocks_free(llm: LLM) -> None:
+    """Every KV block back in the pool (its bookkeeping consistent), no request unfinished, none queued or
+    running."""
+    bm = llm.engine.block_manager
+    bm.check_integrity()
+    assert bm.num_free_blocks == bm.num_blocks and not bm.tables
+    assert not llm.engine.has_unfinished_requests()
+    assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def direct_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """log_softmax of the model's logits at every position of `tokens`, from one forward pass outside the
+    scheduler (through the first blocks of the engine's KV pool, whose cached prefixes are dropped after)."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+    runner = engine.executor.runner
+    n = len(tokens)
+    meta = AttentionMetadata.build([n], [n], [list(range(bm.blocks_needed(n)))], bm.block_size, runner.device)
+    ids = torch.tensor(tokens, device=runner.device)
+    with torch.inference_mode():
+        logits = runner.model.compute_logits(runner.model(ids, meta.positions, meta))
+    bm.reset_prefix_cache()
+    return torch.log_softmax(logits.float(), dim=-1)
