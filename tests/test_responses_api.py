@@ -27,10 +27,10 @@ from openai.types.responses import ResponseStreamEvent
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
 from nanoserve.server.errors import APIError
-from nanoserve.server.protocol import responses_api as R
-from nanoserve.server.response_store import ResponseStore, StoredResponse
-from nanoserve.server.responses_api import (OutputBuilder, prepare_response, reasoning_tokens, response_events,
-                                            whole_response)
+from nanoserve.server.responses import schema as R
+from nanoserve.server.responses.convert import (OutputBuilder, prepare_response, reasoning_tokens, response_events,
+                                                whole_response)
+from nanoserve.server.responses.store import ResponseStore, StoredResponse
 from nanoserve.server.state import ChatOptions
 from tests.server_utils import ServerThread, engine_config
 from tests.test_agent_api import CALL_TEXT, EXPECTED_CALLS, NS, ReplayStream, engine_outputs

@@ -182,7 +182,7 @@ def test_openapi_lists_every_post_body(server):
     nested models written out (no reference left dangling)."""
     from nanoserve.server.openai import schema as P
     from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
-    from nanoserve.server.protocol.responses_api import ResponsesRequest
+    from nanoserve.server.responses.schema import ResponsesRequest
     from nanoserve.server.app import ROUTERS
 
     doc = httpx.get(f"{server.url}/openapi.json").json()

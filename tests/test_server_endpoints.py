@@ -250,7 +250,7 @@ def test_help_and_docs_list_every_endpoint_and_field():
 
     from nanoserve.server.openai import schema as P
     from nanoserve.server.anthropic.schema import MessagesRequest
-    from nanoserve.server.protocol.responses_api import ResponsesRequest
+    from nanoserve.server.responses.schema import ResponsesRequest
     from nanoserve.server.app import ROUTERS
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "server_api.md").read_text()

@@ -37,7 +37,7 @@ from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MA
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
 from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES
-from nanoserve.server.response_store import DEFAULT_STORE_SIZE
+from nanoserve.server.responses.store import DEFAULT_STORE_SIZE
 
 logger = logging.getLogger("nanoserve.server")
 

@@ -1,6 +1,6 @@
 """One choice's generated text -> the blocks of an answer, in order: thinking, text, function calls.
 
-The Responses API (responses_api.py: output items) and the Anthropic Messages API (anthropic/convert.py: content
+The Responses API (responses/convert.py: output items) and the Anthropic Messages API (anthropic/convert.py: content
 blocks) both answer in such blocks and stream each one as open / delta / close. This is the one place that
 decides where a block starts and ends, from the output parsers' pieces (parsers/chat_output.py): a change of kind
 closes the open block and opens the next; text that is only whitespace is not a block of its own (a model often

@@ -47,14 +47,15 @@ from nanoserve.server.limits import BodyLimitMiddleware, ServerLimits
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
 from nanoserve.server.openai import routes as openai
 from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
-from nanoserve.server.response_store import DEFAULT_STORE_SIZE
-from nanoserve.server.routes import responses_api, sagemaker, system
+from nanoserve.server.responses import routes as responses
+from nanoserve.server.responses.store import DEFAULT_STORE_SIZE
+from nanoserve.server.routes import sagemaker, system
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = [openai.router, responses_api.router, anthropic.router, openai.tokenize_router, sagemaker.router,
+ROUTERS = [openai.router, responses.router, anthropic.router, openai.tokenize_router, sagemaker.router,
            system.router]
 """Every API's routes, included in this order; GET /tokenizer_info (openai.tokenizer_info_router) only with
 --enable-tokenizer-info-endpoint."""
@@ -99,7 +100,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     in flight. `limits`: the per-request limits (limits.py); `offload_min_bytes`: from which body size a request
     is prepared off the event loop (offload.py); `parse_processes` / `parse_process_min_bytes`: how many worker
     processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process).
-    `responses_store_size`: how many finished responses POST /v1/responses keeps (response_store.py).
+    `responses_store_size`: how many finished responses POST /v1/responses keeps (responses/store.py).
     `log_requests`: None, or log each generation request as it is queued with that many characters of its
     prompt (--enable-log-requests, --max-log-len). `enable_tokenizer_info_endpoint`: serve GET /tokenizer_info
     (vLLM's flag of that name: off by default, since it shows the chat template and the tokenizer's setup).

@@ -19,7 +19,7 @@ from nanoserve.server.limits import ServerLimits
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.offload import Offloader
 from nanoserve.server.parsing import BodyParser
-from nanoserve.server.response_store import DEFAULT_STORE_SIZE, ResponseStore
+from nanoserve.server.responses.store import DEFAULT_STORE_SIZE, ResponseStore
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class OpenAIServer:
                                        if len(self.tokenizer.encode(m, add_special_tokens=False)) == 1)
         self.reasoning_end_id = self._reasoning_end_id()
         # the start marker's token (None if it is not one): where a generated thinking block begins (reasoning
-        # token counts, responses_api.py)
+        # token counts, responses/convert.py)
         start = self.reasoning_parser.start if self.reasoning_parser else None
         self.reasoning_start_id = self.tokenizer.convert_tokens_to_ids(start) if start in self.token_markers \
             else None

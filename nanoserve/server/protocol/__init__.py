@@ -1,4 +1,5 @@
-"""What the bodies of every API build on (common.py: the strict request base, the sampling fields of a
-generation request, usage, the model list, OpenAI's error body), and the Responses API's bodies
-(responses_api.py). The OpenAI API's own bodies are in openai/schema/, Anthropic's in anthropic/schema.py.
+"""What the bodies of every API build on - common.py: the strict request base, the sampling fields of a
+generation request, usage, the model list, OpenAI's error body. The OpenAI API's own bodies are in
+openai/schema/ (which re-exports these), the Responses API's in responses/schema.py, Anthropic's in
+anthropic/schema.py.
 """

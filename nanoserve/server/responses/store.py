@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nanoserve.server.errors import APIError
-from nanoserve.server.protocol import responses_api as R
+from nanoserve.server.responses import schema as R
 
 DEFAULT_STORE_SIZE = 256
 """Responses kept for GET /v1/responses/{id} and previous_response_id (--responses-store-size): the oldest goes

@@ -1,5 +1,5 @@
-"""POST /v1/responses (OpenAI's Responses API, served as a chat: server/responses_api.py), and the stored
-responses: GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel."""
+"""The routes of OpenAI's Responses API: POST /v1/responses (served as a chat: convert.py), and the stored
+responses (store.py): GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel."""
 
 from __future__ import annotations
 
@@ -9,11 +9,10 @@ from typing import Annotated
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server.protocol.common import now
-from nanoserve.server.protocol.responses_api import DeletedResponse, ResponsesRequest
 from nanoserve.server.errors import APIError, fields_renamed
-from nanoserve.server.responses_api import (RESPONSES_FIELDS, prepare_response, response_events,
-                                            whole_response)
+from nanoserve.server.protocol.common import now
+from nanoserve.server.responses.convert import (RESPONSES_FIELDS, prepare_response, response_events, whole_response)
+from nanoserve.server.responses.schema import DeletedResponse, ResponsesRequest
 from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs

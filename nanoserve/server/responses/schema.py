@@ -1,8 +1,8 @@
-"""POST /v1/responses (OpenAI's Responses API): the request with its input items, tools and text format, the
+"""The bodies of OpenAI's Responses API (POST /v1/responses), as pydantic models: the request with its input items, tools and text format, the
 response object with its output items (reasoning, message, function_call), and the stream's events.
 
-The request is served as a chat: `instructions` and the input items become chat messages (server/responses_api.py
-turns them into a ChatCompletionRequest), so the chat template, the tool-call and reasoning parsers and
+The request is served as a chat: `instructions` and the input items become chat messages (convert.py turns
+them into a ChatCompletionRequest), so the chat template, the tool-call and reasoning parsers and
 structured outputs are the chat endpoint's. What this API has and nanoserve cannot honour is refused by name:
 built-in tools (web search, file search, ...), `background`, `truncation: "auto"`, prompt templates (`prompt`),
 `conversation`, non-text input parts.

@@ -1,18 +1,19 @@
-"""POST /v1/responses, served as a chat. A Responses request becomes a ChatCompletionRequest (its instructions, an
-earlier stored turn and its input items become chat messages), which convert.prepare_chat prepares as any chat;
-the generated text goes through the same reasoning and tool-call parsers, whose pieces become output items
-(reasoning, message, function_call) and, streamed, this API's events.
+"""OpenAI's Responses API (POST /v1/responses) served as a chat. A Responses request becomes a
+ChatCompletionRequest (its instructions, an earlier stored turn and its input items become chat messages), which
+server/convert.py's prepare_chat prepares as any chat; the generated text goes through the same reasoning and
+tool-call parsers, whose pieces become output items (reasoning, message, function_call) and, streamed, this API's
+events.
 
     chat_request      ResponsesRequest -> (ChatCompletionRequest, the turn's conversation)
     prepare_response  ... -> Prepared, with errors naming this API's fields (RESPONSES_FIELDS: input,
                       max_output_tokens, text.format)
-    OutputBuilder     the answer's blocks (answer_blocks.py) -> output items and the stream events that build
+    OutputBuilder     the answer's blocks (server/answer_blocks.py) -> output items and the stream events that build
                       them (one path for both answers: a streamed response ends with its events' items, ids and
                       all)
     response_object   the Response: items, status, usage (reasoning tokens counted on the token ids), echoes
     response_events   the streamed body: response.created ... response.completed
 
-The store of finished responses (GET /v1/responses/{id}, previous_response_id) is response_store.py.
+The store of finished responses (GET /v1/responses/{id}, previous_response_id) is store.py.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from nanoserve.server.convert import Prepared, as_chat_request, prepare_chat
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai import schema as P
 from nanoserve.server.openai.bodies import cache_write_tokens, chat_logprobs
-from nanoserve.server.protocol import responses_api as R
-from nanoserve.server.response_store import ResponseStore, StoredResponse
+from nanoserve.server.responses import schema as R
+from nanoserve.server.responses.store import ResponseStore, StoredResponse
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
 

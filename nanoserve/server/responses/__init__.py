@@ -1,0 +1,8 @@
+"""OpenAI's Responses API (POST /v1/responses, GET|DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel),
+served as a chat (docs/responses_api.md).
+
+    schema.py    the request with its input items, the response with its output items, the stream's events
+    convert.py   a request -> a chat request prepared for the engine; the answer -> output items or their events
+    store.py     the most recent finished responses (GET /v1/responses/{id}, previous_response_id)
+    routes.py    the routes
+"""
