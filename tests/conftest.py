@@ -1,6 +1,8 @@
-"""Shared test setup: Triton's CPU interpreter, deterministic torch, a session-wide m3-tiny checkpoint, and the
-`gpu` marker: a test marked `gpu` is skipped where torch sees no CUDA/HIP device (`pytest -m gpu` runs them all
-on a GPU machine)."""
+"""Shared test setup: Triton's CPU interpreter, deterministic torch, a session-wide m3-tiny checkpoint, the `gpu`
+marker (a test marked `gpu` is skipped where torch sees no CUDA/HIP device; `pytest -m gpu` runs them all on a GPU
+machine), and a served m3-tiny for the server tests: `engine` -> `app` -> `server` -> `client`, one of each per
+test module. A module that needs another setup overrides the fixture it changes (e.g. its own `engine` with other
+limits); the ones after it follow."""
 
 from __future__ import annotations
 
@@ -64,3 +66,40 @@ def tiny_hf(tiny_dir):
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Presets generated on first use go to a per-session directory, not the user's ~/.cache."""
     monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path_factory.getbasetemp() / "nanoserve-cache"))
+
+
+# -- a served m3-tiny (one per test module) -----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    """An AsyncLLMEngine on the m3-tiny checkpoint with the server tests' fast CPU setup
+    (tests/server_utils.engine_config)."""
+    from nanoserve.entrypoints.async_engine import AsyncLLMEngine
+    from tests.server_utils import engine_config
+
+    return AsyncLLMEngine.from_config(engine_config(tiny_dir))
+
+
+@pytest.fixture(scope="module")
+def app(engine):
+    """The server's app around `engine`, serving it as tests/server_utils.SERVED_MODEL."""
+    from nanoserve.server import build_app
+    from tests.server_utils import SERVED_MODEL
+
+    return build_app(engine, SERVED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def server(app):
+    """`app` on a real uvicorn server on a loopback port (tests/server_utils.ServerThread)."""
+    from tests.server_utils import ServerThread
+
+    with ServerThread(app) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The openai client of `server`."""
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)

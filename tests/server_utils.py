@@ -13,6 +13,7 @@ from nanoserve.config import KERNEL, EngineConfig, Optimizations
 FAST_CPU = Optimizations.reference_kernels().replace(cuda_graphs=False)
 MAX_MODEL_LEN = 512
 KV_CACHE_TOKENS = 4096
+SERVED_MODEL = "m3-tiny-test"  # the model name the shared `app` fixture (tests/conftest.py) serves
 SWITCH_FLAGS = [f"--no-{name.replace('_', '-')}" for name in Optimizations.names(KERNEL)] + ["--no-cuda-graphs"]
 """FAST_CPU as server flags: every KERNEL switch off (kernels in Triton's interpreter are slow), no CUDA graphs."""
 
@@ -66,6 +67,31 @@ def wait_until(cond, timeout: float = 10.0, what: str = "condition") -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.01)
+
+
+def post(server, path: str, body: dict):
+    """POST `body` (with the served model's name) to `path` on a test server; the httpx.Response."""
+    import httpx
+
+    return httpx.post(f"{server.url}{path}", json={"model": SERVED_MODEL, **body}, timeout=120)
+
+
+def stream_events(server, path: str, body: dict) -> list:
+    """The parsed `data:` events of a streaming request to a test server, [DONE] last (as the string)."""
+    import json
+
+    import httpx
+
+    events = []
+    with httpx.stream("POST", f"{server.url}{path}", json={"model": SERVED_MODEL, "stream": True, **body},
+                      timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]"
+    return events
 
 
 def metric(text: str, name: str, **labels: str) -> float:

@@ -8,11 +8,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from nanoserve.entrypoints.async_engine import AsyncLLMEngine
-from nanoserve.server import build_app
-from tests.server_utils import MAX_MODEL_LEN, ServerThread, engine_config
+from tests.server_utils import MAX_MODEL_LEN, SERVED_MODEL, ServerThread
 
-MODEL = "m3-tiny-test"
+MODEL = SERVED_MODEL  # conftest's engine and app
 LABELS = {"model_name": MODEL, "engine": "0"}
 PROMPT_IDS = [(13 * i + 5) % 400 + 9 for i in range(20)]
 FAMILIES = {  # family -> prometheus type
@@ -32,13 +30,8 @@ FAMILIES = {  # family -> prometheus type
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
-    return AsyncLLMEngine.from_config(engine_config(tiny_dir))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine, MODEL)) as srv:
+def server(app):
+    with ServerThread(app) as srv:
         srv.startup_page = httpx.get(f"{srv.url}/metrics").text  # before any request
         yield srv
 

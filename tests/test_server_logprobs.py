@@ -6,19 +6,15 @@ httpx."""
 
 from __future__ import annotations
 
-import json
 import math
 
-import httpx
-import openai
 import pytest
 import torch
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
-from nanoserve.server import build_app
-from tests.server_utils import ServerThread, engine_config
+from tests.server_utils import SERVED_MODEL, engine_config, post, stream_events
 
-MODEL = "m3-tiny-test"
+MODEL = SERVED_MODEL
 LOGPROB_ATOL = 1e-4  # fp32: the engine (paged, chunked, batched) against one transformers forward
 CHUNK = 32  # max_num_batched_tokens: prompts longer than this are prefilled in chunks
 PROMPT_IDS = [(37 * i + 11) % 400 + 9 for i in range(45)]  # 45 tokens: two chunks, then the rest
@@ -26,19 +22,8 @@ CHAT = [{"role": "user", "content": "Which tokens did the model expect here?"}]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
+def engine(tiny_dir):  # (conftest's app, server and client around it)
     return AsyncLLMEngine.from_config(engine_config(tiny_dir, max_num_batched_tokens=CHUNK))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine, MODEL)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -48,24 +33,6 @@ def reference(tiny_hf):
         with torch.inference_mode():
             return torch.log_softmax(tiny_hf(torch.tensor([ids])).logits[0].float(), dim=-1)
     return forward
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=120)
-
-
-def stream_events(server, path: str, body: dict) -> list[dict]:
-    """The parsed `data:` events of a streaming request, [DONE] last (as the string)."""
-    events = []
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": MODEL, "stream": True, **body},
-                      timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    assert events[-1] == "[DONE]"
-    return events
 
 
 def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, num: int) -> None:

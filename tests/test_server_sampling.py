@@ -5,58 +5,20 @@ per chunk). A real uvicorn server driven by the openai client and httpx."""
 
 from __future__ import annotations
 
-import json
-
 import httpx
-import openai
 import pytest
 
-from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.presets.tokenizer import EOS_ID
-from nanoserve.server import build_app
-from tests.server_utils import ServerThread, engine_config
+from tests.server_utils import SERVED_MODEL, post, stream_events
 
-MODEL = "m3-tiny-test"
+MODEL = SERVED_MODEL  # conftest's engine, app, server and client
 PROMPT = "The scheduler admits"
 CHAT = [{"role": "user", "content": "Name a cache."}]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
-    return AsyncLLMEngine.from_config(engine_config(tiny_dir))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine, MODEL)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-@pytest.fixture(scope="module")
 def vocab(engine) -> int:
     return engine.engine.model_config.vocab_size
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=120)
-
-
-def stream_events(server, path: str, body: dict) -> list:
-    events = []
-    with httpx.stream("POST", f"{server.url}{path}", json={"model": MODEL, "stream": True, **body},
-                      timeout=120) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: "):
-                data = line[len("data: "):]
-                events.append(data if data == "[DONE]" else json.loads(data))
-    assert events[-1] == "[DONE]"
-    return events
 
 
 def error_of(resp: httpx.Response, status: int = 400) -> dict:

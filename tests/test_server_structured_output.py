@@ -8,16 +8,13 @@ from __future__ import annotations
 import json
 import re
 
-import httpx
 import jsonschema
-import openai
 import pytest
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
-from nanoserve.server import build_app
-from tests.server_utils import ServerThread, engine_config, wait_until
+from tests.server_utils import SERVED_MODEL, post, wait_until
 
-MODEL = "m3-tiny-structured"
+MODEL = SERVED_MODEL  # conftest's engine, app, server and client
 CHAT = [{"role": "user", "content": "Describe a person as JSON."}]
 PERSON = {
     "type": "object",
@@ -27,26 +24,6 @@ PERSON = {
     "required": ["name", "age", "ok"],
     "additionalProperties": False,
 }
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir):
-    return AsyncLLMEngine.from_config(engine_config(tiny_dir))
-
-
-@pytest.fixture(scope="module")
-def server(engine):
-    with ServerThread(build_app(engine, MODEL)) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
-
-
-def post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/{path}", json={"model": MODEL, **body}, timeout=120)
 
 
 def assert_pool_free(engine: AsyncLLMEngine) -> None:
@@ -84,13 +61,13 @@ def test_json_object_and_structured_outputs_regex_choice_grammar(server, client,
     assert content.startswith("{")
     if obj.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)
-    r = post(server, "completions", {"prompt": "Code:", "max_tokens": 20, "temperature": 0.0,
+    r = post(server, "/v1/completions", {"prompt": "Code:", "max_tokens": 20, "temperature": 0.0,
                                      "structured_outputs": {"regex": "[A-Z]{2}-[0-9]{3}"}}).json()
     assert re.fullmatch("[A-Z]{2}-[0-9]{3}", r["choices"][0]["text"]) and r["choices"][0]["finish_reason"] == "stop"
-    r = post(server, "chat/completions", {"messages": CHAT, "max_tokens": 10, "temperature": 0.0, "n": 2,
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 10, "temperature": 0.0, "n": 2,
                                           "seed": 5, "structured_outputs": {"choice": ["left", "right"]}}).json()
     assert [c["message"]["content"] in ("left", "right") for c in r["choices"]] == [True, True]
-    r = post(server, "completions", {"prompt": "Bits:", "max_tokens": 12, "temperature": 0.0,
+    r = post(server, "/v1/completions", {"prompt": "Bits:", "max_tokens": 12, "temperature": 0.0,
                                      "structured_outputs": {"grammar": 'root ::= ("0" | "1"){4} "!"'}}).json()
     assert re.fullmatch("[01]{4}!", r["choices"][0]["text"])
     assert_pool_free(engine)
@@ -99,7 +76,7 @@ def test_json_object_and_structured_outputs_regex_choice_grammar(server, client,
 def test_logprobs_of_masked_alternatives_are_finite(server):
     """Only two tokens are allowed at the first step, so most of the top 5 alternatives are masked (-inf): they are
     sent as -9999.0, as vLLM does, since JSON has no infinity."""
-    r = post(server, "chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0.0, "logprobs": True,
+    r = post(server, "/v1/chat/completions", {"messages": CHAT, "max_tokens": 4, "temperature": 0.0, "logprobs": True,
                                           "top_logprobs": 5, "structured_outputs": {"choice": ["a", "b"]}})
     assert r.status_code == 200, r.text
     first = r.json()["choices"][0]["logprobs"]["content"][0]
@@ -129,7 +106,7 @@ def test_logprobs_of_masked_alternatives_are_finite(server):
     ("chat/completions", {"messages": CHAT, "guided_choice": ["a"]}, "guided_choice", "structured_outputs"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, engine, path, body, param, message):
-    r = post(server, path, body)
+    r = post(server, f"/v1/{path}", body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and re.search(message, err["message"]), err
@@ -138,7 +115,7 @@ def test_bad_constraints_are_400s_naming_the_field(server, engine, path, body, p
 
 def test_server_keeps_serving_after_bad_schemas(server, client):
     for _ in range(2):
-        assert post(server, "completions", {"prompt": "x", "structured_outputs": {"json": {"type": 7}}}
+        assert post(server, "/v1/completions", {"prompt": "x", "structured_outputs": {"json": {"type": 7}}}
                     ).status_code == 400
     ok = client.completions.create(model=MODEL, prompt="Hi", max_tokens=4, temperature=0.0)
     assert len(ok.choices[0].text) > 0
