@@ -62,6 +62,19 @@ def tiny_hf(tiny_dir):
     return load_hf_oracle(tiny_dir)
 
 
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tiny_dir):
+    """m3-tiny's tokenizer (transformers) with this repository's chat template, one per test module."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    tok.chat_template = (Path(__file__).resolve().parent.parent / "nanoserve" / "presets" / "chat_template.jinja"
+                         ).read_text()
+    return tok
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     """Presets generated on first use go to a per-session directory, not the user's ~/.cache."""

@@ -4,7 +4,6 @@ results, thinking_mode, continue_final_message; --chat-template; generation_conf
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -29,22 +28,12 @@ AGENT = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    with open(os.path.join(os.path.dirname(__file__), "..", "nanoserve", "presets", "chat_template.jinja")) as f:
-        tok.chat_template = f.read()
-    return tok
-
-
 def render(tok, messages, **kw):
     return render_chat(tok, template_messages(messages), **kw)
 
 
-def test_agent_conversation_renders_in_m3_format(tok):
-    text = render(tok, AGENT, tools=[WEATHER])
+def test_agent_conversation_renders_in_m3_format(tiny_tokenizer):
+    text = render(tiny_tokenizer, AGENT, tools=[WEATHER])
     system, developer, user, ai, tool, prompt = text.split("[e~[\n")
     assert system.startswith("]~!b[]~b]system\n") and "<thinking_instructions>" in system
     assert "Current thinking mode: adaptive." in system  # thinking_mode not given: adaptive
@@ -65,54 +54,55 @@ def test_agent_conversation_renders_in_m3_format(tok):
 
 @pytest.mark.parametrize("mode, tail", [("enabled", "]~b]ai\n<mm:think>"), ("disabled", "]~b]ai\n</mm:think>"),
                                         ("adaptive", "]~b]ai\n")])
-def test_thinking_mode(tok, mode, tail):
-    text = render(tok, AGENT[:2], chat_template_kwargs={"thinking_mode": mode})
+def test_thinking_mode(tiny_tokenizer, mode, tail):
+    text = render(tiny_tokenizer, AGENT[:2], chat_template_kwargs={"thinking_mode": mode})
     assert text.endswith(tail) and f"Current thinking mode: {mode}." in text
 
 
-def test_earlier_turns_drop_their_reasoning(tok):
+def test_earlier_turns_drop_their_reasoning(tiny_tokenizer):
     messages = [{"role": "user", "content": "hi"},
                 {"role": "assistant", "content": "Hello.", "reasoning": "greet back"},
                 {"role": "user", "content": "bye"}]
-    text = render(tok, messages)
+    text = render(tiny_tokenizer, messages)
     assert "]~b]ai\n</mm:think>Hello.[e~[\n" in text and "greet back" not in text
     # the newest assistant turn keeps it (either field name)
-    assert "<mm:think>greet back</mm:think>Hello." in render(tok, messages[:2], add_generation_prompt=False)
+    assert "<mm:think>greet back</mm:think>Hello." in render(tiny_tokenizer, messages[:2], add_generation_prompt=False)
 
 
-def test_no_system_message_gets_the_default_developer_turn(tok):
-    assert "]~b]developer\nYou are a helpful assistant.[e~[\n]~b]user\nhi" in render(tok, [{"role": "user",
-                                                                                          "content": "hi"}])
+def test_no_system_message_gets_the_default_developer_turn(tiny_tokenizer):
+    text = render(tiny_tokenizer, [{"role": "user", "content": "hi"}])
+    assert "]~b]developer\nYou are a helpful assistant.[e~[\n]~b]user\nhi" in text
 
 
-def test_continue_final_message(tok):
+def test_continue_final_message(tiny_tokenizer):
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
-    text = render(tok, messages, add_generation_prompt=False, continue_final_message=True)
+    text = render(tiny_tokenizer, messages, add_generation_prompt=False, continue_final_message=True)
     assert text.endswith("]~b]ai\n</mm:think>1, 2,")
     with pytest.raises(ValueError, match="^continue_final_message: cannot be combined"):
-        render(tok, messages, add_generation_prompt=True, continue_final_message=True)
+        render(tiny_tokenizer, messages, add_generation_prompt=True, continue_final_message=True)
     # any final message can be continued (vLLM passes it to the template): here the user's
-    assert render(tok, messages[:1], add_generation_prompt=False, continue_final_message=True).endswith(
+    assert render(tiny_tokenizer, messages[:1], add_generation_prompt=False, continue_final_message=True).endswith(
         "]~b]user\nCount")
 
 
-def test_request_errors_name_the_field(tok):
+def test_request_errors_name_the_field(tiny_tokenizer):
     bad_args = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [
         {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}]
     with pytest.raises(ValueError, match=r"^messages\[1\]\.tool_calls\[0\]\.function\.arguments: not valid JSON"):
         template_messages(bad_args)
     with pytest.raises(ValueError, match="^messages: could not render the chat template: thinking_mode must be"):
-        render(tok, AGENT[:2], chat_template_kwargs={"thinking_mode": "sometimes"})
+        render(tiny_tokenizer, AGENT[:2], chat_template_kwargs={"thinking_mode": "sometimes"})
     with pytest.raises(ValueError, match="^chat_template_kwargs.tools: set by the request itself"):
-        render(tok, AGENT[:2], chat_template_kwargs={"tools": []})
+        render(tiny_tokenizer, AGENT[:2], chat_template_kwargs={"tools": []})
 
 
-def test_chat_template_override(tok, tmp_path):
+def test_chat_template_override(tiny_tokenizer, tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     for value in (str(path), path.read_text()):
         template = load_chat_template(value)
-        assert render(tok, AGENT[:2], chat_template=template) == "<system>You are terse.<user>Weather in Paris?"
+        assert render(tiny_tokenizer, AGENT[:2], chat_template=template) == \
+            "<system>You are terse.<user>Weather in Paris?"
     with pytest.raises(ValueError, match="neither a file nor a jinja template"):
         load_chat_template("/no/such/template.jinja")
 

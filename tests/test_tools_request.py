@@ -4,7 +4,6 @@ the structure a forced call must follow (checked with xgrammar against calls ren
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -139,16 +138,6 @@ def test_forced_call_structure_accepts_what_the_template_writes(tiny_tokenizer):
         assert not accepts(grammar, "Sure. " + weather), choice
         assert not accepts(grammar, weather + " Done."), choice
         assert not accepts(grammar, weather + weather), choice  # one block
-
-
-@pytest.fixture(scope="module")
-def tiny_tokenizer(tiny_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    with open(os.path.join(os.path.dirname(__file__), "..", "nanoserve", "presets", "chat_template.jinja")) as f:
-        tok.chat_template = f.read()
-    return tok
 
 
 @pytest.mark.parametrize("state, good, bad", [
