@@ -14,6 +14,8 @@ FAST_CPU = Optimizations.reference_kernels().replace(cuda_graphs=False)
 MAX_MODEL_LEN = 512
 KV_CACHE_TOKENS = 4096
 SERVED_MODEL = "m3-tiny-test"  # the model name the shared `app` fixture (tests/conftest.py) serves
+AGENT_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3")
+"""The server flags of an agent deployment: tool calls and reasoning parsed from M3's output."""
 SWITCH_FLAGS = [f"--no-{name.replace('_', '-')}" for name in Optimizations.names(KERNEL)] + ["--no-cuda-graphs"]
 """FAST_CPU as server flags: every KERNEL switch off (kernels in Triton's interpreter are slow), no CUDA graphs."""
 

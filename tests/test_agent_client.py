@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import AGENT_FLAGS, ServerProcess
 
 MARKERS = ("]<]minimax[>[", "<tool_call>", "</tool_call>", "<mm:think>", "</mm:think>")
 WEATHER = {"type": "object", "properties": {
@@ -39,8 +39,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("agent-client") / "server.log"
-    with ServerProcess(tiny_dir, log, "--max-model-len", "2048", "--enable-auto-tool-choice", "--tool-call-parser",
-                       "minimax_m3", "--reasoning-parser", "minimax_m3", name="tiny") as srv:
+    with ServerProcess(tiny_dir, log, "--max-model-len", "2048", *AGENT_FLAGS, name="tiny") as srv:
         yield srv
 
 

@@ -22,7 +22,7 @@ from nanoserve.model.loader import load_model
 from nanoserve.presets.catalog import SHIPPED
 from nanoserve.presets.tokenizer import SPECIAL_TOKENS
 from tests.hf_oracle import load_hf_oracle
-from tests.server_utils import ServerProcess
+from tests.server_utils import AGENT_FLAGS, ServerProcess
 from tests.test_hf_parity import full_forward
 
 MINI_DIR = SHIPPED["m3-mini"]
@@ -33,8 +33,7 @@ WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "Get the current weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
                    "required": ["city"]}}}
-AGENT_FLAGS = ("--enable-auto-tool-choice", "--tool-call-parser", "minimax_m3", "--reasoning-parser", "minimax_m3",
-               "--max-model-len", "8192", "--kv-cache-tokens", "16384", "--seed", "0")
+MINI_FLAGS = (*AGENT_FLAGS, "--max-model-len", "8192", "--kv-cache-tokens", "16384", "--seed", "0")
 
 
 def test_the_checkpoint_is_small_and_complete():
@@ -71,7 +70,7 @@ def test_loader_matches_transformers(both_models, length):
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with ServerProcess(MINI_DIR, tmp_path_factory.mktemp("mini") / "server.log", *AGENT_FLAGS,
+    with ServerProcess(MINI_DIR, tmp_path_factory.mktemp("mini") / "server.log", *MINI_FLAGS,
                        name="m3-mini") as srv:
         yield srv
 

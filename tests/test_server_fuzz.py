@@ -12,7 +12,7 @@ import schemathesis
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import AGENT_FLAGS, ServerProcess
 
 EXAMPLES = 30  # per operation and generation mode
 CAPS = {"n": 2, "best_of": 2, "max_tokens": 8, "max_completion_tokens": 8, "max_output_tokens": 8,
@@ -24,8 +24,7 @@ cheap; a value the server must refuse is still sent as generated."""
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    with ServerProcess(tiny_dir, log, "--max-model-len", "256", "--enable-auto-tool-choice", "--tool-call-parser",
-                       "minimax_m3", "--reasoning-parser", "minimax_m3", name="tiny") as srv:
+    with ServerProcess(tiny_dir, log, "--max-model-len", "256", *AGENT_FLAGS, name="tiny") as srv:
         yield srv
 
 

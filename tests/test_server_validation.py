@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.server_utils import ServerProcess
+from tests.server_utils import AGENT_FLAGS, ServerProcess
 
 I64 = 2**63
 CHAT = "/v1/chat/completions"
@@ -46,8 +46,7 @@ RANGES = [
 @pytest.fixture(scope="module")
 def server(tiny_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("validation") / "server.log"
-    with ServerProcess(tiny_dir, log, "--enable-auto-tool-choice", "--tool-call-parser", "minimax_m3",
-                       "--reasoning-parser", "minimax_m3", name="tiny") as srv:
+    with ServerProcess(tiny_dir, log, *AGENT_FLAGS, name="tiny") as srv:
         yield srv
 
 
