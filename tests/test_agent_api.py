@@ -33,10 +33,10 @@ from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser
 from nanoserve.server import build_app
-from nanoserve.server.convert import prepare_chat
 from nanoserve.server.openai import schema as P
 from nanoserve.server.openai.bodies import chat_response
 from nanoserve.server.openai.events import chat_events
+from nanoserve.server.prepare import prepare_chat
 from nanoserve.server.state import ChatOptions
 from tests.server_utils import SWITCH_FLAGS, ServerThread, engine_config, free_port, wait_until
 

@@ -1,4 +1,4 @@
-"""Large request bodies are parsed in worker processes (nanoserve/server/parsing.py), and that changes nothing a
+"""Large request bodies are parsed in worker processes (nanoserve/server/body_parser.py), and that changes nothing a
 client sees: against real `python -m nanoserve.server` processes, the same bodies get the same answers and 400s
 whether parsed in the server process (`--parse-processes 0`, the reference path) or in a worker
 (`--parse-process-min-bytes 0`: every body); the ignored fields are logged either way; a worker that dies does

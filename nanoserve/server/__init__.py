@@ -1,19 +1,43 @@
-"""The OpenAI-compatible HTTP server: `python -m nanoserve.server` (see __main__.py).
+"""The HTTP server: OpenAI's API (and vLLM's extensions of it), OpenAI's Responses API and Anthropic's Messages
+API over one AsyncLLMEngine - `python -m nanoserve.server` (see __main__.py). One package per API; the plumbing
+they share at this level.
 
-    app.py          build_app: assembles the app (lifespan, exception handlers, routers, shared state);
-                    its docstring follows one request through the files below
-    routes/         one router per route family: completions, chat, system (/health, /metrics, /v1/models)
-    protocol/       request / response bodies (pydantic), one module per endpoint
-    state.py        OpenAIServer: what the routes share (engine, tokenizer, model name, metrics, API key)
-    convert.py      request -> prompts + SamplingParams: chat template, tokenize, length checks
-    submit.py       prepared requests -> engine streams, and waiting for them (aborts on disconnect)
-    responses.py    engine output -> response bodies: choices, usage, logprobs in the two OpenAI formats
-    streaming.py    Server-Sent Events: the streaming bodies and the response that closes their streams
-    errors.py       APIError, the mapping of pydantic / engine exceptions to HTTP errors, the exception handlers
-    metrics.py      Prometheus metrics in vLLM's names
+Each API (its bodies, its conversion to and from the engine, its routes):
+
+    openai/             POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize
+      schema/             the request and response bodies (pydantic): chat.py, completions.py, tokenize.py
+      bodies.py           engine output -> response bodies: choices, usage, logprobs in the two OpenAI formats
+      events.py           engine output -> the completion and chat event streams
+      routes.py           the routes
+    responses/          POST /v1/responses and the stored responses, served as a chat
+      schema.py, convert.py, store.py (the finished responses), routes.py
+    anthropic/          POST /v1/messages, POST /v1/messages/count_tokens, served as a chat
+      schema.py, convert.py, routes.py
+    protocol/common.py  the strict request base every API's bodies build on, the sampling fields, usage, errors
+
+What every API shares, in the order a request meets it (app.py's docstring follows one request through them):
+
+    __main__.py         the CLI: vLLM's flags -> an engine and an app, served by uvicorn
+    app.py              build_app: assembles the app (lifespan, middleware, exception handlers, ROUTERS)
+    http_connection.py  uvicorn's HTTP parser (--http) with a deadline on each request's headers
+    shutdown.py         the graceful drain on SIGTERM and the prompt exit when the engine dies
+    limits.py           what a request may cost before the engine sees it: body size and time, prompt count, chars
+    routing.py          what every route uses: the shared state as a dependency, the API key, json_body
+    body_parser.py      request bytes -> request models; large bodies in worker processes
+    offload.py          a thread pool that keeps large requests' work off the event loop
+    state.py            OpenAIServer: what the routes share (engine, tokenizers, model names, limits, metrics)
+    prepare.py          request -> engine input: SamplingParams, chat template, tokenize, length checks
+    submit.py           prepared requests -> engine streams, and waiting for them (aborts on disconnect)
+    answer_blocks.py    a generated answer -> thinking, text and call blocks (the Responses and Messages APIs)
+    streaming.py        Server-Sent Events: the pieces every event stream is built from, and the response
+    errors.py           APIError, the mapping of pydantic / engine exceptions to HTTP errors, the handlers
+    metrics.py          Prometheus metrics in vLLM's names
+    system_routes.py    GET /health, /metrics, /version, /load, /v1/models
+    sagemaker_routes.py GET|POST /ping, POST /invocations (SageMaker's routes)
 
 Only this package imports FastAPI, uvicorn and prometheus-client; the engine runs without them. `build_app` is
-imported on first use, so that the body-parsing worker processes (parsing.py) load the request models alone.
+imported on first use, and the API packages' __init__ files import nothing, so that the body-parsing worker
+processes (body_parser.py) load the request models alone.
 """
 
 from __future__ import annotations

@@ -32,11 +32,11 @@ import sys
 from nanoserve.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
                               SWITCH_ALIASES, EngineConfig, Optimizations)
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
-from nanoserve.server.http_protocol import HTTP_PARSERS, resolve_http
+from nanoserve.server.body_parser import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES
+from nanoserve.server.http_connection import HTTP_PARSERS, resolve_http
 from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
                                      DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
-from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES
 from nanoserve.server.responses.store import DEFAULT_STORE_SIZE
 
 logger = logging.getLogger("nanoserve.server")
@@ -291,7 +291,7 @@ def main(argv: list[str] | None = None) -> None:
     from nanoserve.cpu_threads import configure_cpu_threads
     from nanoserve.entrypoints.async_engine import AsyncLLMEngine
     from nanoserve.server.app import build_app
-    from nanoserve.server.http_protocol import http_protocol
+    from nanoserve.server.http_connection import http_protocol
     from nanoserve.server.shutdown import GracefulServer
 
     if config.device == "cpu" or (config.device == "auto" and not torch.cuda.is_available()):

@@ -15,7 +15,7 @@ from typing import Literal
 
 from nanoserve.parsers.chat_output import Piece
 from nanoserve.parsers.tool_calls import CallStart, new_call_id
-from nanoserve.server.convert import ChatSetup
+from nanoserve.server.prepare import ChatSetup
 
 
 @dataclass

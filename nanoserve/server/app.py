@@ -1,21 +1,22 @@
-"""build_app: the FastAPI app that serves an OpenAI-compatible API over an AsyncLLMEngine. This file only
-assembles it (lifespan, exception handlers, routers, shared state); each concern has its own module.
+"""build_app: the FastAPI app that serves OpenAI's API, OpenAI's Responses API and Anthropic's Messages API over an
+AsyncLLMEngine. This file only assembles it (lifespan, middleware, exception handlers, every API's routes, shared
+state); each concern has its own module.
 
 Follow one POST /v1/chat/completions from the socket to the engine and back:
 
     uvicorn                   reads the HTTP request off the socket and calls the FastAPI app (ASGI); a client
-                              whose headers stall gets 408 (limits.py: --request-header-timeout)
+                              whose headers stall gets 408 (http_connection.py: --request-header-timeout)
     shutdown.py               LifecycleMiddleware: counts the request in flight; 503 while the server drains,
                               500 once the engine has died
     limits.py                 BodyLimitMiddleware: 413 for a body over --max-request-body-bytes, 408 for one
                               that stalls (--request-body-timeout)
-    routes/common.py          check_api_key: 401 unless the Bearer token matches --api-key (when one is set);
+    routing.py                check_api_key: 401 unless the Bearer token matches --api-key (when one is set);
                               json_body: bytes -> JSON -> ChatCompletionRequest (openai/schema/chat.py), a bad body
                               is a 400 naming the field (errors.py: describe_validation_error); a body of 1 MiB
-                              or more is parsed in a worker process (parsing.py), one of 64 KiB or more is
+                              or more is parsed in a worker process (body_parser.py), one of 64 KiB or more is
                               rendered and tokenized in a thread pool, off the event loop (offload.py)
     openai/routes.py          the route: the steps below, in order
-    convert.py                prepare_chat: the model name (404 if unknown), SamplingParams (400 if out of
+    prepare.py                prepare_chat: the model name (404 if unknown), SamplingParams (400 if out of
                               range), the chat template renders the messages, the tokenizer turns the text into
                               ids, the length checks (400; the prompt count and characters before tokenizing:
                               limits.py)
@@ -24,6 +25,9 @@ Follow one POST /v1/chat/completions from the socket to the engine and back:
     openai/bodies.py          non-streaming: the finished output as one JSON body (choices, usage, logprobs)
     openai/events.py          streaming: a Server-Sent Events body, one chunk per engine step with the new text
                               (streaming.py: EventStreamResponse closes the streams however it ends)
+
+POST /v1/responses and POST /v1/messages take the same path: their convert.py (responses/, anthropic/) turns the
+request into a chat request for prepare.py, and the answer into that API's body or events.
 
 If the client hangs up, the response is cancelled, which closes the request's stream, which aborts it in the
 engine and frees its KV blocks. Every error leaves as OpenAI's {"error": {"message", "type", "param", "code"}}
@@ -41,22 +45,22 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
+from nanoserve.server import sagemaker_routes, system_routes
 from nanoserve.server.anthropic import routes as anthropic
+from nanoserve.server.body_parser import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
 from nanoserve.server.errors import EXCEPTION_HANDLERS
 from nanoserve.server.limits import BodyLimitMiddleware, ServerLimits
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES, Offloader
 from nanoserve.server.openai import routes as openai
-from nanoserve.server.parsing import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
 from nanoserve.server.responses import routes as responses
 from nanoserve.server.responses.store import DEFAULT_STORE_SIZE
-from nanoserve.server.routes import sagemaker, system
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
 from nanoserve.server.state import ChatOptions, OpenAIServer
 
 logger = logging.getLogger(__name__)
 
-ROUTERS = [openai.router, responses.router, anthropic.router, openai.tokenize_router, sagemaker.router,
-           system.router]
+ROUTERS = [openai.router, responses.router, anthropic.router, openai.tokenize_router, sagemaker_routes.router,
+           system_routes.router]
 """Every API's routes, included in this order; GET /tokenizer_info (openai.tokenizer_info_router) only with
 --enable-tokenizer-info-endpoint."""
 
@@ -99,7 +103,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     --allowed-headers / --allow-credentials; `enable_server_load_tracking` makes GET /load count the requests
     in flight. `limits`: the per-request limits (limits.py); `offload_min_bytes`: from which body size a request
     is prepared off the event loop (offload.py); `parse_processes` / `parse_process_min_bytes`: how many worker
-    processes parse bodies of at least that size (parsing.py; 0 processes: every body in this process).
+    processes parse bodies of at least that size (body_parser.py; 0 processes: every body in this process).
     `responses_store_size`: how many finished responses POST /v1/responses keeps (responses/store.py).
     `log_requests`: None, or log each generation request as it is queued with that many characters of its
     prompt (--enable-log-requests, --max-log-len). `enable_tokenizer_info_endpoint`: serve GET /tokenizer_info

@@ -6,10 +6,10 @@ tokenized.
                        --max-prompts-per-request, --max-prompt-chars; docs/operating.md)
     BodyLimitMiddleware  an ASGI middleware: 413 for a body over the limit (from Content-Length at once, or while
                        a chunked body arrives), 408 and a closed connection for a body that stalls
-    check_prompt_count / check_prompt_chars   400s naming the field, called by convert.py before any tokenizing
+    check_prompt_count / check_prompt_chars   400s naming the field, called by prepare.py before any tokenizing
 
-The token-count check against max_model_len (400) stays in convert.py, after tokenizing; the deadline on the
-request headers (--request-header-timeout) lives in the connection itself (http_protocol.py).
+The token-count check against max_model_len (400) stays in prepare.py, after tokenizing; the deadline on the
+request headers (--request-header-timeout) lives in the connection itself (http_connection.py).
 """
 
 from __future__ import annotations

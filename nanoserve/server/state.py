@@ -1,8 +1,8 @@
 """OpenAIServer: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
-offload.py), the body parser (parsing.py), the served model names, the per-request limits, the metrics, the API
-key, the count of requests in flight (/load), the Responses API's store and the chat options (ChatOptions: tool calling, reasoning, the chat template, the generation
-defaults). build_app makes one and keeps it in `app.state.server`; routes get it through the `Server` dependency
-(routes/common.py)."""
+offload.py), the body parser (body_parser.py), the served model names, the per-request limits, the metrics, the
+API key, the count of requests in flight (/load), the Responses API's store and the chat options (ChatOptions:
+tool calling, reasoning, the chat template, the generation defaults). build_app makes one and keeps it in
+`app.state.server`; routes get it through the `Server` dependency (routing.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from nanoserve.chat_template import load_chat_template
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.generation_config import load_generation_defaults
 from nanoserve.parsers import get_reasoning_parser, get_tool_call_parser
+from nanoserve.server.body_parser import BodyParser
 from nanoserve.server.limits import ServerLimits
 from nanoserve.server.metrics import ServerMetrics
 from nanoserve.server.offload import Offloader
-from nanoserve.server.parsing import BodyParser
 from nanoserve.server.responses.store import DEFAULT_STORE_SIZE, ResponseStore
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class OpenAIServer:
         self.limits = limits or ServerLimits()
         self.offload = offloader or Offloader(engine.get_tokenizer)
         self.offload.tokenizer()  # the event loop thread's, loaded now rather than by the first request
-        self.parser = parser or BodyParser(self.offload)  # request bodies -> request models (parsing.py)
+        self.parser = parser or BodyParser(self.offload)  # request bodies -> request models (body_parser.py)
         self.lifecycle: Any = None  # shutdown.Lifecycle, set by build_app: is the server draining?
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.engine.model_config.vocab_size

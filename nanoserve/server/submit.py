@@ -14,9 +14,9 @@ from fastapi import Request
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import RequestStream
 from nanoserve.sampling import SamplingParams
-from nanoserve.server.convert import Prepared, compile_structured_outputs
 from nanoserve.server.errors import APIError, engine_errors
 from nanoserve.server.openai import schema as P
+from nanoserve.server.prepare import Prepared, compile_structured_outputs
 from nanoserve.server.state import OpenAIServer
 
 logger = logging.getLogger(__name__)

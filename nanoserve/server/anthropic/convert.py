@@ -1,5 +1,5 @@
 """Anthropic's Messages API (POST /v1/messages) served as a chat, as vLLM serves it: the request's system
-prompt and content blocks become chat messages, server/convert.py's prepare_chat prepares them as any chat, and
+prompt and content blocks become chat messages, server/prepare.py's prepare_chat prepares them as any chat, and
 the answer's blocks (server/answer_blocks.py: thinking, text, calls) become content blocks and, streamed, this
 API's events.
 
@@ -21,10 +21,10 @@ from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.server.answer_blocks import AnswerBlocks, Block, Change
 from nanoserve.server.anthropic import schema as A
-from nanoserve.server.convert import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai import schema as P
 from nanoserve.server.openai.bodies import cache_write_tokens
+from nanoserve.server.prepare import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
 

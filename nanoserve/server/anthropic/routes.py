@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from nanoserve.server.anthropic.convert import (anthropic_fields, count_tokens, message_events, message_response,
                                                 new_message_id, prepare_message)
 from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
-from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
+from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs
 

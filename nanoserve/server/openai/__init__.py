@@ -7,5 +7,5 @@ Messages request becomes a ChatCompletionRequest (responses/, anthropic/).
     events.py    engine output -> the streamed answer's Server-Sent Events
     routes.py    the routes
 
-A request becomes engine input in server/convert.py, shared by every API.
+A request becomes engine input in server/prepare.py, shared by every API.
 """

@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from nanoserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
-from nanoserve.server.convert import ChatSetup, Prepared
 from nanoserve.server.openai import schema as P
+from nanoserve.server.prepare import ChatSetup, Prepared
 from nanoserve.server.state import OpenAIServer
 
 

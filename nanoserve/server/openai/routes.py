@@ -1,6 +1,6 @@
 """The OpenAI API's routes, and vLLM's tokenizer routes beside them.
 
-    router                 POST /v1/completions, POST /v1/chat/completions: parse -> prepare (server/convert.py:
+    router                 POST /v1/completions, POST /v1/chat/completions: parse -> prepare (server/prepare.py:
                            the chat template, tokenize) -> the engine (server/submit.py) -> one JSON body
                            (bodies.py) or an event stream (events.py)
     tokenize_router        POST /tokenize and POST /detokenize (vLLM's extensions): text or messages -> token ids
@@ -19,13 +19,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server.convert import check_model, prepare_chat, prepare_completion, render_messages, tokenize
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.bodies import chat_response, completion_response
 from nanoserve.server.openai.events import chat_events, completion_events
 from nanoserve.server.openai.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                             DetokenizeResponse, TokenizeRequest, TokenizeResponse)
-from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
+from nanoserve.server.prepare import check_model, prepare_chat, prepare_completion, render_messages, tokenize
+from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs

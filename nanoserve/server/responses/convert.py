@@ -1,6 +1,6 @@
 """OpenAI's Responses API (POST /v1/responses) served as a chat. A Responses request becomes a
 ChatCompletionRequest (its instructions, an earlier stored turn and its input items become chat messages), which
-server/convert.py's prepare_chat prepares as any chat; the generated text goes through the same reasoning and
+server/prepare.py's prepare_chat prepares as any chat; the generated text goes through the same reasoning and
 tool-call parsers, whose pieces become output items (reasoning, message, function_call) and, streamed, this API's
 events.
 
@@ -25,10 +25,10 @@ from typing import Any, AsyncIterator
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.server.answer_blocks import AnswerBlocks, Block
-from nanoserve.server.convert import Prepared, as_chat_request, prepare_chat
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai import schema as P
 from nanoserve.server.openai.bodies import cache_write_tokens, chat_logprobs
+from nanoserve.server.prepare import Prepared, as_chat_request, prepare_chat
 from nanoserve.server.responses import schema as R
 from nanoserve.server.responses.store import ResponseStore, StoredResponse
 from nanoserve.server.state import OpenAIServer

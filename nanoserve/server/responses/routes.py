@@ -13,7 +13,7 @@ from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.protocol.common import now
 from nanoserve.server.responses.convert import (RESPONSES_FIELDS, prepare_response, response_events, whole_response)
 from nanoserve.server.responses.schema import DeletedResponse, ResponsesRequest
-from nanoserve.server.routes.common import Server, json_body, request_body, v1_router
+from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs
 

@@ -1,5 +1,6 @@
-"""The bodies of OpenAI's Responses API (POST /v1/responses), as pydantic models: the request with its input items, tools and text format, the
-response object with its output items (reasoning, message, function_call), and the stream's events.
+"""The bodies of OpenAI's Responses API (POST /v1/responses), as pydantic models: the request with its input
+items, tools and text format, the response object with its output items (reasoning, message, function_call), and
+the stream's events.
 
 The request is served as a chat: `instructions` and the input items become chat messages (convert.py turns
 them into a ChatCompletionRequest), so the chat template, the tool-call and reasoning parsers and

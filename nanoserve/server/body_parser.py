@@ -2,7 +2,7 @@
 
 `parse_body(model, body)` is the one way a body is parsed: pydantic's strict JSON parse (model_validate_json),
 which raises ValidationError for a bad body; the parsed model also lists the top-level fields it ignored
-(protocol.RequestBody.ignored_fields), which the routes log.
+(RequestBody.ignored_fields, protocol/common.py), which the routes log.
 
 Parsing holds the GIL from the first byte to the last - pydantic-core does not release it, and neither does any
 other JSON parser - so a thread does not keep the event loop free: a 10 MB body costs the loop (and the engine
@@ -12,8 +12,8 @@ thread) some 10-20 ms whichever thread parses it. `BodyParser` therefore parses 
 request back costs this process about a millisecond a 10 MB body (pickling is a copy); a request that fails to
 parse comes back as its ValidationError, the same one the in-process parse raises, and a prompt too long to
 tokenize comes back as its length alone (parse_body's eliding), so the server never unpickles it. Smaller
-bodies - almost all of them - are parsed here, inline or in the Offloader's threads (offload.py), since a process hop costs more
-than their parse.
+bodies - almost all of them - are parsed here, inline or in the Offloader's threads (offload.py), since a process
+hop costs more than their parse.
 
 The workers are spawned (not forked: the server has threads and an engine), import only the request models,
 ignore SIGINT and SIGTERM (the server decides when they stop: its shutdown stops them after the drain), and exit

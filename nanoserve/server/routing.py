@@ -1,12 +1,12 @@
-"""What every router uses: `Server` (the shared OpenAIServer, as a dependency), `v1_router` (the /v1 prefix
+"""What every API's routes use: `Server` (the shared OpenAIServer, as a dependency), `v1_router` (the /v1 prefix
 behind the API-key check), and `json_body` / `request_body` (parse a body strictly, and describe it in
 /openapi.json).
 
-Bodies are parsed by pydantic straight from the bytes (parsing.py: model_validate_json, a large body in a
+Bodies are parsed by pydantic straight from the bytes (body_parser.py: model_validate_json, a large body in a
 worker process) rather than by FastAPI's body parameter: that keeps JSON-mode strict parsing and lets
-describe_validation_error name the field. A body sent
-with a Content-Type other than application/json gets vLLM's answer (400, "Unsupported Media Type"). `request_body` puts the same model's schema into the OpenAPI
-document, so the API's description still shows every field.
+describe_validation_error name the field. A body sent with a Content-Type other than application/json gets vLLM's
+answer (400, "Unsupported Media Type"). `request_body` puts the same model's schema into the OpenAPI document, so
+the API's description still shows every field.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def json_body(model: type[P.RequestBody]) -> Any:
         check_json_content_type(request)
         body = await request.body()
         server = get_server(request)
-        try:  # a large body is parsed off the event loop, in a worker process (parsing.py)
+        try:  # a large body is parsed off the event loop, in a worker process (body_parser.py)
             req = await server.parser.parse(model, body, server.prompt_chars_limit)
         except ValidationError as exc:
             raise describe_validation_error(exc) from exc

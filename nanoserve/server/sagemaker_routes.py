@@ -10,8 +10,8 @@ from pydantic import ValidationError
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.routes import chat, complete
 from nanoserve.server.openai.schema import ChatCompletionRequest, CompletionRequest
-from nanoserve.server.routes.common import Server, check_json_content_type, request_body
-from nanoserve.server.routes.system import health
+from nanoserve.server.routing import Server, check_json_content_type, request_body
+from nanoserve.server.system_routes import health
 
 router = APIRouter()
 
@@ -37,7 +37,7 @@ async def invocations(request: Request, server: Server) -> Response:
     check_json_content_type(request)
     body = await request.body()
     for model, handler in INVOCATION_TYPES:
-        try:  # a large body in a worker process (parsing.py)
+        try:  # a large body in a worker process (body_parser.py)
             req = await server.parser.parse(model, body, server.prompt_chars_limit)
         except ValidationError:
             continue

@@ -10,7 +10,7 @@ from fastapi.responses import JSONResponse, Response
 import nanoserve
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai import schema as P
-from nanoserve.server.routes.common import Server, check_api_key
+from nanoserve.server.routing import Server, check_api_key
 
 router = APIRouter()
 
