@@ -22,8 +22,7 @@ from nanoserve.entrypoints.beam_search import BeamSearchSequence, BeamSearchStre
 from nanoserve.presets.tokenizer import EOS_ID
 from nanoserve.sampling import BeamSearchParams
 from tests.server_utils import FAST_CPU, engine_config
-from tests.test_engine import assert_all_blocks_free
-from tests.test_sampling import LOGPROB_ATOL, direct_logprobs
+from tests.engine_utils import LOGPROB_ATOL, assert_all_blocks_free, direct_logprobs
 
 MAX_MODEL_LEN = 128
 BLOCK = 16  # m3-tiny's KV block (= MSA block) size
