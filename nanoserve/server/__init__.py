@@ -5,7 +5,9 @@ they share at this level.
 Each API (its bodies, its conversion to and from the engine, its routes):
 
     openai/             POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize
-      schema/             the request and response bodies (pydantic): chat.py, completions.py, tokenize.py
+      schema/             the request and response bodies (pydantic): chat.py, completions.py, tokenize.py, and
+                          common.py - the strict request base every API's bodies build on, the sampling fields,
+                          usage, the model list, the error body
       bodies.py           engine output -> response bodies: choices, usage, logprobs in the two OpenAI formats
       events.py           engine output -> the completion and chat event streams
       routes.py           the routes
@@ -13,7 +15,6 @@ Each API (its bodies, its conversion to and from the engine, its routes):
       schema.py, convert.py, store.py (the finished responses), routes.py
     anthropic/          POST /v1/messages, POST /v1/messages/count_tokens, served as a chat
       schema.py, convert.py, routes.py
-    protocol/common.py  the strict request base every API's bodies build on, the sampling fields, usage, errors
 
 What every API shares, in the order a request meets it (app.py's docstring follows one request through them):
 

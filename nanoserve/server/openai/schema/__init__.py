@@ -4,8 +4,9 @@ re-exported here: the server imports them as `from nanoserve.server.openai impor
     completions.py   POST /v1/completions: request, choices, response, stream chunk
     chat.py          POST /v1/chat/completions: messages, request, choices, response, stream chunk
     tokenize.py      POST /tokenize and POST /detokenize
-    server/protocol/common.py  the strict request base every API's bodies build on, the sampling fields shared
-                     by every generation request, usage, the model list, OpenAI's error body
+    common.py        the strict request base every API's bodies build on (the Responses and Messages APIs' too),
+                     the sampling fields shared by every generation request, usage, the model list, OpenAI's
+                     error body
 
 The other APIs' bodies are in their packages: responses/schema.py (OpenAI's Responses API) and
 anthropic/schema.py (Anthropic's Messages API). A new OpenAI endpoint's bodies get a module of their own here,
@@ -27,13 +28,13 @@ from nanoserve.server.openai.schema.chat import (ChatChoice, ChatCompletionChunk
                                                  DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
                                                  FunctionDefinition, ResponseFunctionCall, ResponseToolCall, TextPart,
                                                  ToolCallParam)
+from nanoserve.server.openai.schema.common import (ElidedText, ErrorInfo, ErrorResponse, Int, ModelCard, ModelList,
+                                                   PromptLogprob, PromptTokensDetails, RequestBody, RequestModel,
+                                                   ResponseModel, SamplingRequest, StreamOptions, UsageInfo)
 from nanoserve.server.openai.schema.completions import (CompletionChoice, CompletionChunk, CompletionLogProbs,
                                                         CompletionRequest, CompletionResponse)
 from nanoserve.server.openai.schema.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
                                                      TokenizeResponse)
-from nanoserve.server.protocol.common import (ElidedText, ErrorInfo, ErrorResponse, Int, ModelCard, ModelList,
-                                              PromptLogprob, PromptTokensDetails, RequestBody, RequestModel,
-                                              ResponseModel, SamplingRequest, StreamOptions, UsageInfo)
 
 __all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatLogProb",
            "ChatLogProbs", "ChatMessage", "ChatResponseMessage", "ChatStreamChoice", "ChatTool", "ChatTopLogProb",
