@@ -482,7 +482,7 @@ def test_thinking_token_budget_closes_the_thinking(client, tok, stream):
      "messages", "messages[1].tool_calls[0].function.arguments: not valid JSON"),
     ({"continue_final_message": True}, "continue_final_message", "cannot be combined with add_generation_prompt"),
     ({"chat_template_kwargs": {"thinking_mode": "maybe"}}, "messages", "thinking_mode must be"),
-    ({"use_beam_search": True}, "use_beam_search", "beam search"),
+    ({"use_beam_search": True, "seed": 3}, "seed", "not supported with use_beam_search"),
     ({"priority": 1}, "priority", "first come, first served"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools"),
     ({"prompt_logprobs": 2, "stream": True}, "prompt_logprobs", "not available when stream is true"),

@@ -13,7 +13,8 @@ from fastapi import Request
 
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import RequestStream
-from nanoserve.sampling import SamplingParams
+from nanoserve.entrypoints.beam_search import BeamSearchStream
+from nanoserve.sampling import BeamSearchParams, SamplingParams
 from nanoserve.server.errors import APIError, engine_errors
 from nanoserve.server.openai import schema as P
 from nanoserve.server.prepare import Prepared, compile_structured_outputs
@@ -34,8 +35,12 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
                 prompt = {"prompt": text, "prompt_token_ids": ids}
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
-                streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params,
-                                                               req.priority))
+                if req.use_beam_search:
+                    streams.append(await start_beam_search(server, f"{request_id}-{i}", prompt, prepared.params,
+                                                           req))
+                else:
+                    streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params,
+                                                                   req.priority))
                 server.metrics.observe_request(prepared.params, len(ids))
                 if server.log_requests is not None:
                     log_request(f"{request_id}-{i}", text, ids, prepared.params, server.log_requests)
@@ -43,6 +48,31 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
         await close_all(streams)
         raise
     return streams
+
+
+async def start_beam_search(server: OpenAIServer, request_id: str, prompt: dict, params: SamplingParams,
+                            req: P.SamplingRequest) -> BeamSearchStream:
+    """use_beam_search, as vLLM's: `n` is the beam width; the request's temperature (or the model's default),
+    max_tokens, ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty hold; logprobs are
+    each token's and the best of its step's 2 x n candidates. The fields beam search cannot honour were refused
+    with the body (openai/schema/common.py); a format that tools or a thinking budget put on the output is refused
+    here."""
+    if params.structured_outputs is not None:
+        raise APIError(400, "use_beam_search: not supported with a format on the output (a forced tool_choice, "
+                            "thinking_token_budget)", param="use_beam_search")
+    max_logprobs = server.engine.config.max_logprobs
+    if 2 * params.n > max_logprobs:
+        raise ValueError(f"n must be at most {max_logprobs // 2} with use_beam_search (the beam width: each step "
+                         f"asks for 2 x n logprobs, and --max-logprobs is {max_logprobs}), got {params.n}")
+    max_tokens = params.max_tokens if params.max_tokens is not None else \
+        server.max_model_len - len(prompt["prompt_token_ids"])
+    beam = BeamSearchParams(beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+                            temperature=params.temperature, length_penalty=req.length_penalty,
+                            include_stop_str_in_output=params.include_stop_str_in_output)
+    tokenizer, skip = server.offload.tokenizer(), params.skip_special_tokens
+    return await BeamSearchStream.start(server.engine, request_id, prompt, beam,
+                                        lambda ids: tokenizer.decode(ids, skip_special_tokens=skip), req.priority,
+                                        params.logprobs)
 
 
 def log_request(request_id: str, text: str | None, ids: list[int], params: SamplingParams, max_chars: int) -> None:

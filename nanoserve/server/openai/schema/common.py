@@ -106,7 +106,6 @@ class StreamOptions(RequestModel):
 # other than its neutral one) gets a 400 naming it, rather than an answer that silently ignored it.
 NEUTRAL = object()
 UNSUPPORTED_FIELDS: dict[str, tuple[object, str]] = {
-    "length_penalty": (1.0, "beam search is not implemented"),
     "logits_processors": (None, "not supported by this server"),
     "truncate_prompt_tokens": (None, "prompts are never truncated: a prompt that does not fit is a 400"),
     "spaces_between_special_tokens": (True, "not supported by this server"),
@@ -117,6 +116,16 @@ UNSUPPORTED_FIELDS: dict[str, tuple[object, str]] = {
     "functions": (None, "the deprecated functions API is not supported: use tools"),
     "function_call": (None, "the deprecated functions API is not supported: use tool_choice"),
     "documents": (None, "not supported by this server"),
+}
+
+
+# Fields beam search cannot honour (it ranks beams by their raw logprobs, and a beam ends at EOS or max_tokens):
+# with use_beam_search, a value other than these neutral ones is a 400 naming the field.
+BEAM_SEARCH_UNSUPPORTED: dict[str, tuple[object, ...]] = {
+    "top_p": (1.0,), "top_k": (0, -1), "min_p": (0.0,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "repetition_penalty": (1.0,), "seed": (), "stop": ([], ""), "stop_token_ids": ([],), "logit_bias": ({},),
+    "min_tokens": (0,), "allowed_token_ids": (), "bad_words": ([],), "prompt_logprobs": (),
+    "response_format": (), "structured_outputs": (),
 }
 
 
@@ -208,7 +217,11 @@ class SamplingRequest(RequestBody):
     return_tokens_as_token_ids: bool | None = None
     """In logprobs, name tokens as 'token_id:N' instead of their text."""
     use_beam_search: bool = False
-    """Refused when true: beam search is not implemented."""
+    """Beam search instead of sampling (vLLM's): `n` is the beam width, the choices are the best n beams, best
+    first (nanoserve/entrypoints/beam_search.py). Fields that change how tokens are drawn or when they stop
+    (BEAM_SEARCH_UNSUPPORTED) are refused with it, by name."""
+    length_penalty: float = 1.0
+    """With use_beam_search: beams are ranked by cumulative logprob / length ** length_penalty (vLLM's)."""
     priority: Int = 0
     """With --scheduling-policy priority: lower is served sooner (vLLM's); under first come, first served any
     other value than 0 is a 400."""
@@ -257,7 +270,14 @@ class SamplingRequest(RequestBody):
         if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
         if self.use_beam_search:
-            raise ValueError("use_beam_search: beam search is not supported by this server")
+            for name, neutral in BEAM_SEARCH_UNSUPPORTED.items():
+                value = getattr(self, name)
+                if value is not None and value not in neutral and not (name == "response_format"
+                                                                       and value.type == "text"):
+                    raise ValueError(f"{name}: not supported with use_beam_search (beams are ranked by their "
+                                     f"logprobs and end at EOS or max_tokens)")
+        elif self.length_penalty != 1.0:
+            raise ValueError("length_penalty: only used with use_beam_search")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when stream is true")
         for name in REMOVED_GUIDED_FIELDS:
