@@ -106,8 +106,10 @@ class Attention(nn.Module):
                 if kl_rows is not None:
                     aux["index_kl"] = self.index_kl(q, k, scores, causal[kl_rows] if mode == "sparse" else causal,
                                                     kl_rows, group)
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
-                                             scale=1.0 / math.sqrt(d), enable_gqa=True)
+        # K/V repeated per query head rather than enable_gqa, which keeps SDPA off its flash kernel on CUDA
+        kq, vq = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(q, kq, vq, attn_mask=mask, is_causal=mask is None,
+                                             scale=1.0 / math.sqrt(d))
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1)), aux
 
     def block_mask(self, scores: torch.Tensor, causal: torch.Tensor) -> torch.Tensor:
@@ -182,17 +184,18 @@ class MoE(nn.Module):
         ids = torch.topk(s.detach() + self.e_score_correction_bias, cfg.num_experts_per_tok, dim=-1).indices
         w = s.gather(1, ids)
         w = w / w.sum(-1, keepdim=True)
-        out = torch.zeros_like(xf, dtype=torch.float32)
+        # every expert on every token, weighted by its routing weight (0 where not chosen): the same sum as
+        # gathering each expert's tokens, with no data-dependent shapes, so the GPU never waits on the host
+        # (at these widths the extra arithmetic is cheaper than the synchronisations it saves)
+        dense_w = torch.zeros(s.shape, dtype=w.dtype, device=s.device).scatter(1, ids, w)  # [N, E]
+        a = swiglu_oai(torch.einsum("nh,eih->eni", xf, self.w1), torch.einsum("nh,eih->eni", xf, self.w3),
+                       cfg.swiglu_alpha, cfg.swiglu_limit)
+        a = a * dense_w.t().unsqueeze(-1).to(a.dtype)
+        out = torch.bmm(a, self.w2.transpose(1, 2).to(a.dtype)).float().sum(0)  # [E, N, h] -> [N, h]
         live = token_mask.reshape(-1)
-        for e in range(cfg.num_local_experts):
-            tok, slot = torch.where(ids == e)
-            if tok.numel() == 0:
-                continue
-            xe = xf[tok]
-            a = swiglu_oai(F.linear(xe, self.w1[e]), F.linear(xe, self.w3[e]), cfg.swiglu_alpha, cfg.swiglu_limit)
-            out = out.index_add(0, tok, F.linear(a, self.w2[e]).float() * w[tok, slot, None])
         with torch.no_grad():
-            self.load += torch.bincount(ids[live].reshape(-1), minlength=cfg.num_local_experts).float()
+            self.load += torch.zeros_like(self.load).index_add_(
+                0, ids.reshape(-1), live[:, None].expand_as(ids).reshape(-1).float())
         y = cfg.routed_scaling_factor * out.to(x.dtype) + self.shared_experts(xf)
         return y.view(shape)
 
