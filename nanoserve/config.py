@@ -21,8 +21,9 @@ ENGINE, MODEL, KERNEL = "engine", "model", "kernel"
 """The layer a switch touches. ENGINE: read by the scheduler, block manager, engine loop or model runner, so it
 takes effect in the next engine built. MODEL: read by the model's layers at forward time, or - a `build_time`
 switch - when the model is built (it decides the parameters), so it takes effect in the next model built. KERNEL:
-selects a Triton kernel (or its kernels/reference.py twin) inside a model layer, also at forward time. MODEL and KERNEL switches are
-baked into captured CUDA graphs, so flipping one drops them; on the CPU the tests turn the KERNEL ones off."""
+selects a Triton kernel (or its kernels/reference.py twin) inside a model layer, also at forward time. MODEL and KERNEL
+switches are baked into captured CUDA graphs, so flipping one drops them; on the CPU the tests turn
+the KERNEL ones off."""
 LAYERS = (ENGINE, MODEL, KERNEL)
 
 

@@ -325,7 +325,7 @@ def sweep_linear(preset: str, rows_list: list[int], dev, timer: Timer, rec: Reco
                 except Exception as e:  # noqa: BLE001
                     rec.add(kind="linear", shape=name, rows=m, entry=entry, ms=None, err=None, ok=False, bf16_ms=bf,
                             n=n, k=k, note=f"{type(e).__name__}: {str(e)[:200]}")
-        del q, s, wb
+        q = s = wb = None  # release the weights before empty_cache (the timed lambdas above close over these names)
         torch.cuda.empty_cache()
 
 

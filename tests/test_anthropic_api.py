@@ -22,8 +22,8 @@ from anthropic.types import RawMessageStreamEvent
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
-from nanoserve.server.anthropic.convert import message_events, message_response, prepare_message
 from nanoserve.server.anthropic import schema as A
+from nanoserve.server.anthropic.convert import message_events, message_response, prepare_message
 from nanoserve.server.state import ChatOptions
 from tests.server_utils import ServerThread, engine_config
 from tests.test_agent_api import CALL_TEXT, EXPECTED_CALLS, NS, ReplayStream, engine_outputs

@@ -21,8 +21,8 @@ from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.entrypoints.beam_search import BeamSearchSequence, BeamSearchStream
 from nanoserve.presets.tokenizer import EOS_ID
 from nanoserve.sampling import BeamSearchParams
-from tests.server_utils import FAST_CPU, engine_config
 from tests.engine_utils import LOGPROB_ATOL, assert_all_blocks_free, direct_logprobs
+from tests.server_utils import FAST_CPU, engine_config
 
 MAX_MODEL_LEN = 128
 BLOCK = 16  # m3-tiny's KV block (= MSA block) size

@@ -219,7 +219,8 @@ def moe_problem(cfg):
 @pytest.mark.parametrize("fold", [True, False], ids=["shared-folded", "routed-only"])
 @pytest.mark.parametrize("tokens", [1, 64, 1024])
 def test_fused_moe_bf16(moe_problem, tokens, fold):
-    from nanoserve.bench.moe_problem import BF16_REL_TOL as MOE_TOL, rel_err
+    from nanoserve.bench.moe_problem import BF16_REL_TOL as MOE_TOL
+    from nanoserve.bench.moe_problem import rel_err
 
     x, weights, ids = moe_problem.inputs(tokens)
     out = moe_problem.fused(x, weights, ids, fold=fold)

@@ -2,8 +2,8 @@
 `reference.fp8_linear`, and the fused MoE with fp8 experts (kernels/moe.py) against `reference.moe_experts` with
 the same fp8 weights and scales (both dequantise, then compute).
 
-Every kernel variant (fp8_configs.FP8_VARIANTS: acc, gather, bcast, swap, scaled, dequant, gemv) is checked. Runs on the CPU
-under TRITON_INTERPRET=1 (tests/conftest.py; the interpreter loads float8_e4m3fn and uint8 tensors and converts
+Every kernel variant (fp8_configs.FP8_VARIANTS: acc, gather, bcast, swap, scaled, dequant, gemv) is checked. Runs on the
+CPU under TRITON_INTERPRET=1 (tests/conftest.py; the interpreter loads float8_e4m3fn and uint8 tensors and converts
 them exactly), or compiled on a GPU when one is present; activations in fp32 and fp16 (the interpreter rounds
 elementwise bf16 wrongly, so bf16 is checked on the GPU by scripts/tune_fp8.py and tests/test_gpu_mxfp8.py), except
 "scaled" (tl.dot_scaled takes bf16 activations only), which the interpreter computes right in bf16. Weights are

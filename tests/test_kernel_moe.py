@@ -1,9 +1,9 @@
 """The Triton fused MoE (kernels/moe.py, kernels/moe_align.py) against the plain-torch per-expert loop.
 
 Runs on the CPU under TRITON_INTERPRET=1 (tests/conftest.py), or compiled on a GPU when one is present, in fp32
-and fp16 (the interpreter computes bf16 wrongly; bf16 is checked on the GPU by tests/test_gpu_kernels.py). Every case draws a
-fresh routing and compares with `reference.moe_experts` times the scaling factor, plus the shared expert computed
-by the reference ops when it is folded. Scratch buffers and outputs the kernels allocate are poisoned (NaN / a
+and fp16 (the interpreter computes bf16 wrongly; bf16 is checked on the GPU by tests/test_gpu_kernels.py). Every case
+draws a fresh routing and compares with `reference.moe_experts` times the scaling factor, plus the shared expert
+computed by the reference ops when it is folded. Scratch buffers and outputs the kernels allocate are poisoned (NaN / a
 wild index), so a value the kernels should have written but did not shows up.
 
 Tolerances, as max |fused - reference| <= RTOL x max |reference|:

@@ -20,8 +20,7 @@ from nanoserve.config import Optimizations
 from nanoserve.kernels import reference
 from nanoserve.kernels.moe import fused_moe, fused_route_moe
 from nanoserve.kernels.moe_align import moe_align
-from nanoserve.kernels.moe_route import (ROUTE_ALIGN_MAX_PAIRS, ROUTE_ALIGN_MAX_TOKENS, route_align_fits,
-                                         route_and_align)
+from nanoserve.kernels.moe_route import ROUTE_ALIGN_MAX_PAIRS, ROUTE_ALIGN_MAX_TOKENS, route_align_fits, route_and_align
 from nanoserve.model.layers.moe import M3MoE
 from nanoserve.presets.catalog import get_preset
 

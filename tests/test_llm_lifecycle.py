@@ -83,22 +83,22 @@ def test_async_engines_one_after_another_and_shutdown_forms(tiny_dir):
     assert len(first) == 4 and second == first
 
     with async_engine(tiny_dir, 1) as engine:  # the event loop ends inside; leaving the block releases it
-        async def use() -> list[int]:
+        async def use(engine: AsyncLLMEngine) -> list[int]:
             await engine.start()
             return await greedy_tokens(engine)  # no shutdown: asyncio.run cancels the engine loop
 
-        assert asyncio.run(use()) == first
+        assert asyncio.run(use(engine)) == first
     with pytest.raises(RuntimeError, match="shut down"):
         asyncio.run(engine.start())
 
     engine = async_engine(tiny_dir, 2)
     pids = engine.engine.executor.worker_pids
 
-    async def use_and_drop() -> list[int]:
+    async def use_and_drop(engine: AsyncLLMEngine) -> list[int]:
         await engine.start()
         return await greedy_tokens(engine)
 
-    assert asyncio.run(use_and_drop()) == first
+    assert asyncio.run(use_and_drop(engine)) == first
     del engine  # the last reference: the finalizer stops the workers
     # the engine thread may still finish a step that asyncio.run's exit abandoned (its job holds the engine)
     deadline = time.monotonic() + 30

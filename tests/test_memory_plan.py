@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from nanoserve.parallel_state import set_tp
-from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import kv_bytes_per_token, memory_plan, weight_bytes_per_gpu
+from nanoserve.parallel_state import set_tp
 from nanoserve.presets.catalog import get_preset
+from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
 
 REAL = M3Config()  # the defaults are the released MiniMax-M3 text config
 
@@ -78,8 +78,7 @@ def test_memory_table_comes_from_the_plan_of_the_real_config():
     the docs quote the table as the code prints it."""
     from pathlib import Path
 
-    from nanoserve.model.memory_plan import (ACTIVATION_RESERVE_BYTES, CONTEXTS, GPUS, kv_pool_bytes,
-                                             markdown_table)
+    from nanoserve.model.memory_plan import ACTIVATION_RESERVE_BYTES, CONTEXTS, GPUS, kv_pool_bytes, markdown_table
 
     table = markdown_table(REAL)
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table.splitlines()[2:]]

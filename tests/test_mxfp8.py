@@ -18,12 +18,12 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import EngineConfig, Optimizations
-from nanoserve.parallel_state import set_tp
+from nanoserve.config import EngineConfig
 from nanoserve.model.loader import CheckpointError, load_model
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.memory_plan import weight_bytes_per_gpu
 from nanoserve.model.mxfp8 import is_quantized_matrix
+from nanoserve.parallel_state import set_tp
 from nanoserve.presets.catalog import get_preset
 from nanoserve.presets.make_checkpoint import write_checkpoint
 from nanoserve.presets.resolve import init_random_weights

@@ -28,8 +28,13 @@ from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
 from nanoserve.server.errors import APIError
 from nanoserve.server.responses import schema as R
-from nanoserve.server.responses.convert import (OutputBuilder, prepare_response, reasoning_tokens, response_events,
-                                                whole_response)
+from nanoserve.server.responses.convert import (
+    OutputBuilder,
+    prepare_response,
+    reasoning_tokens,
+    response_events,
+    whole_response,
+)
 from nanoserve.server.responses.store import ResponseStore, StoredResponse
 from nanoserve.server.state import ChatOptions
 from tests.server_utils import ServerThread, engine_config
@@ -132,7 +137,8 @@ def test_function_call_round_trip_renders_as_chat_tool_calls(client):
         {"role": "user", "content": "Weather in Oslo and Rome?"},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}},
-            {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}}]},
+            {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Rome"}'}},
+        ]},
         {"role": "tool", "tool_call_id": "call_a", "content": "4 C, snow"},
         {"role": "tool", "tool_call_id": "call_b", "content": "19 C"},
     ]

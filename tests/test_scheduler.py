@@ -297,8 +297,9 @@ def sampled_token(seq: Sequence) -> int:
 @given(data=st.data())
 def test_random_workloads_keep_every_promise(data):
     """Random requests (some sharing prefixes, arriving over time, some aborted) under random switches, pool
-    sizes, budgets and scheduling policies (with priority, random priorities). The KV the model would write is simulated: whenever a sequence samples, every one of its
-    positions must hold its own token - so chunking, prefix hits and preemption never skip or misplace work."""
+    sizes, budgets and scheduling policies (with priority, random priorities). The KV the model would write is
+    simulated: whenever a sequence samples, every one of its positions must hold its own token - so chunking, prefix
+    hits and preemption never skip or misplace work."""
     switches = {name: data.draw(st.booleans(), label=name) for name in LAYER_SWITCHES}
     chunked = switches["chunked_prefill"]
     budget = data.draw(st.integers(4, 64) if chunked else st.integers(WORKLOAD_MAX_MODEL_LEN, 96), label="budget")

@@ -16,8 +16,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.chat_template import render_chat, template_messages
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
-from tests.server_utils import FAST_CPU, KV_CACHE_TOKENS, MAX_MODEL_LEN, ServerThread, engine_config, metric, \
-    wait_until
+from tests.server_utils import FAST_CPU, KV_CACHE_TOKENS, MAX_MODEL_LEN, ServerThread, engine_config, metric, wait_until
 
 API_KEY = "sk-test"
 MODEL = "m3-tiny-test"
@@ -180,10 +179,10 @@ def test_models_and_health(server):
 def test_openapi_lists_every_post_body(server):
     """/openapi.json describes the request body of every POST route: its fields, which are required, and the
     nested models written out (no reference left dangling)."""
-    from nanoserve.server.openai import schema as P
     from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
-    from nanoserve.server.responses.schema import ResponsesRequest
     from nanoserve.server.app import ROUTERS
+    from nanoserve.server.openai import schema as P
+    from nanoserve.server.responses.schema import ResponsesRequest
 
     doc = httpx.get(f"{server.url}/openapi.json").json()
     posts = {r.path for router in ROUTERS for r in router.routes if "POST" in r.methods}
@@ -283,13 +282,15 @@ BAD_INPUTS = [
     ("malformed-json", "/v1/completions", b'{"model": "x", "prompt": ', AUTH, 400, ["malformed JSON"], None),
     ("body-not-object", "/v1/completions", b"[1, 2]", AUTH, 400, ["JSON object"], None),
     ("unknown-model", "/v1/completions", _c(model="gpt-4"), AUTH, 404, ["gpt-4", "does not exist"], "model"),
-    ("missing-prompt", "/v1/completions", {"model": MODEL}, AUTH, 400, ["Either prompt or prompt_embeds must be provided and non-empty."], "prompt"),
+    ("missing-prompt", "/v1/completions", {"model": MODEL}, AUTH, 400,
+     ["Either prompt or prompt_embeds must be provided and non-empty."], "prompt"),
     ("empty-prompt", "/v1/completions", _c(prompt=""), AUTH, 400, ["prompt is empty"], "prompt"),
     ("empty-prompt-list", "/v1/completions", _c(prompt=[]), AUTH, 400, ["prompt", "empty"], "prompt"),
     ("prompt-too-long", "/v1/completions", _c(prompt=[7] * 600), AUTH, 400, ["too long", "600", "512"], "prompt"),
     ("max-tokens-does-not-fit", "/v1/completions", _c(prompt=[7] * 500, max_tokens=50), AUTH, 400,
      ["max_tokens", "500", "512", "12"], "max_tokens"),
-    ("token-id-out-of-vocab", "/v1/completions", _c(prompt=[7, 10**6]), AUTH, 400, ["Token id 1000000 is out of vocabulary"], "prompt"),
+    ("token-id-out-of-vocab", "/v1/completions", _c(prompt=[7, 10**6]), AUTH, 400,
+     ["Token id 1000000 is out of vocabulary"], "prompt"),
     ("temperature-negative", "/v1/completions", _c(temperature=-1), AUTH, 400, ["temperature", "-1"],
      "temperature"),
     ("top-p-zero", "/v1/completions", _c(top_p=0), AUTH, 400, ["top_p"], "top_p"),

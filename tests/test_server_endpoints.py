@@ -248,10 +248,10 @@ def test_help_and_docs_list_every_endpoint_and_field():
     """--help and docs/server_api.md name every route the app serves, and the docs every request field."""
     from pathlib import Path
 
-    from nanoserve.server.openai import schema as P
     from nanoserve.server.anthropic.schema import MessagesRequest
-    from nanoserve.server.responses.schema import ResponsesRequest
     from nanoserve.server.app import ROUTERS
+    from nanoserve.server.openai import schema as P
+    from nanoserve.server.responses.schema import ResponsesRequest
 
     docs = (Path(__file__).resolve().parent.parent / "docs" / "server_api.md").read_text()
     helptext = build_parser().format_help()

@@ -190,7 +190,8 @@ def test_sigterm_shuts_down_gracefully(tiny_dir, tmp_path):
 
 # -- the command line ------------------------------------------------------------------------------------------
 def test_cli_has_a_flag_pair_per_switch_and_vllm_aliases():
-    from nanoserve.server.__main__ import build_parser, engine_config as cli_config
+    from nanoserve.server.__main__ import build_parser
+    from nanoserve.server.__main__ import engine_config as cli_config
 
     parser = build_parser()
     for name in Optimizations.names():

@@ -47,7 +47,8 @@ def check_prompt_logprobs(entries: list, ids: list[int], ref: torch.Tensor, num:
         for t, lp in entry.items():
             assert lp["logprob"] == pytest.approx(row[t].item(), abs=LOGPROB_ATOL)
             # rank: 1 + the tokens more likely (tokens within the tolerance of it may fall either side)
-            assert int((row > row[t] + LOGPROB_ATOL).sum()) + 1 <= lp["rank"] <= int((row > row[t] - LOGPROB_ATOL).sum()) + 1
+            assert (int((row > row[t] + LOGPROB_ATOL).sum()) + 1 <= lp["rank"]
+                    <= int((row > row[t] - LOGPROB_ATOL).sum()) + 1)
             assert isinstance(lp["decoded_token"], str)
         for j, t in enumerate(top):
             if t != ids[i]:

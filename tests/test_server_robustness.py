@@ -1,7 +1,7 @@
 """One bad client cannot stall the server, and the server ends well: against real `python -m nanoserve.server`
 processes - the event loop answers /health while huge prompts are refused or tokenized, request limits (413, 400),
-half-sent headers or body are dropped (408, connection closed), SIGTERM drains in order (error events + [DONE], JSON errors,
-503 for new requests, exit 0), a second signal exits at once."""
+half-sent headers or body are dropped (408, connection closed), SIGTERM drains in order (error events + [DONE], JSON
+errors, 503 for new requests, exit 0), a second signal exits at once."""
 
 from __future__ import annotations
 

@@ -402,7 +402,8 @@ def test_server_speculates_with_vllms_flag_and_reports_acceptance(tiny_dir, tmp_
     import httpx
     import openai
 
-    from tests.server_utils import KV_CACHE_TOKENS, MAX_MODEL_LEN as SERVER_LEN, ServerProcess, metric
+    from tests.server_utils import KV_CACHE_TOKENS, ServerProcess, metric
+    from tests.server_utils import MAX_MODEL_LEN as SERVER_LEN
 
     prompts = repetitive_prompts()[:3]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -147,7 +147,8 @@ def think_end_bias(llm, end: int, lo: int = 3, hi: int = 16) -> tuple[float, int
     """A logit_bias on the end-of-thinking token that makes the greedy model close its thinking after lo..hi
     tokens (m3-tiny's random weights would rarely close it at all): (bias, index of the closing token)."""
     for bias in range(0, 60):
-        ids = run(llm, THINKING_PROMPT, sp(hi + 1, ignore_eos=True, logit_bias={end: float(bias)}))[0].outputs[0].token_ids
+        ids = run(llm, THINKING_PROMPT,
+                  sp(hi + 1, ignore_eos=True, logit_bias={end: float(bias)}))[0].outputs[0].token_ids
         if end in ids:
             k = ids.index(end)
             if lo <= k <= hi:

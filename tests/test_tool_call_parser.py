@@ -10,8 +10,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoserve.parsers.tool_calls import (MARKER, CallArguments, CallStart, MiniMaxM3ToolCallParser, Text, collect,
-                                          get_tool_call_parser)
+from nanoserve.parsers.tool_calls import (
+    MARKER,
+    CallArguments,
+    CallStart,
+    MiniMaxM3ToolCallParser,
+    Text,
+    collect,
+    get_tool_call_parser,
+)
 
 NS = "]<]minimax[>["
 START, END = f"{NS}<tool_call>", f"{NS}</tool_call>"

@@ -28,7 +28,7 @@ DOC = ROOT / "docs" / "walkthrough.md"
 if __name__ == "__main__":
     sys.path.insert(0, str(ROOT))  # run as a script from a checkout
 
-from nanoserve import walkthrough
+from nanoserve import walkthrough  # noqa: E402 - after the sys.path line above
 
 RUNS: dict[tuple[str, str, str], tuple[str, walkthrough.Result]] = {}
 

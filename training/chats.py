@@ -236,7 +236,8 @@ FACTS = (
     (("What is a KV cache?", "What is the KV cache for?"),
      ("The KV cache keeps the keys and values of earlier tokens, so each step only computes the new token.",)),
     (("What is paged attention?", "Why are KV blocks paged?"),
-     ("The KV cache is split into fixed-size blocks, like pages of memory, so a sequence takes memory only as it grows.",)),
+     ("The KV cache is split into fixed-size blocks, like pages of memory, so a sequence takes memory only as it "
+      "grows.",)),
     (("What is prefix caching?",),
      ("Prefix caching lets requests that start with the same text share the KV blocks of that prefix.",)),
     (("What is chunked prefill?",),
@@ -244,9 +245,11 @@ FACTS = (
     (("What is a mixture of experts?", "What is MoE?"),
      ("A mixture of experts routes each token to a few expert networks out of many, plus a shared expert.",)),
     (("What is MSA?", "What is sparse attention?"),
-     ("In MiniMax Sparse Attention an indexer scores blocks of earlier tokens and each query attends to the best ones.",)),
+     ("In MiniMax Sparse Attention an indexer scores blocks of earlier tokens and each query attends to the best "
+      "ones.",)),
     (("What is tensor parallelism?",),
-     ("Tensor parallelism splits every layer across several devices and joins the partial results with an all reduce.",)),
+     ("Tensor parallelism splits every layer across several devices and joins the partial results with an all "
+      "reduce.",)),
     (("What is greedy decoding?", "What does temperature zero do?"),
      ("Greedy decoding always picks the most likely next token, so the output is deterministic.",)),
     (("What is a tokenizer?",),
@@ -381,8 +384,9 @@ def _arith_exchange(rng: random.Random, mode: str) -> Exchange:
     op = rng.choice("+-")
     result = a + b if op == "+" else a - b
     word = "plus" if op == "+" else "minus"
-    questions = [f"What is {a} {op} {b}?", f"Compute {a} {op} {b}.", f"{a} {op} {b} = ?", f"How much is {a} {word} {b}?",
-                 f"Calculate {a}{op}{b}.", f"What is {a} {word} {b}?", f"Please work out {a} {op} {b}."]
+    questions = [f"What is {a} {op} {b}?", f"Compute {a} {op} {b}.", f"{a} {op} {b} = ?",
+                 f"How much is {a} {word} {b}?", f"Calculate {a}{op}{b}.", f"What is {a} {word} {b}?",
+                 f"Please work out {a} {op} {b}."]
     questions.append(f"What is the sum of {a} and {b}?" if op == "+" else f"Subtract {b} from {a}.")
     answers = [f"{a} {op} {b} = {result}.", f"The answer is {result}.", f"{a} {word} {b} is {result}.",
                f"{a} {op} {b} equals {result}."]
@@ -409,7 +413,8 @@ def _define_exchange(rng: random.Random, mode: str, src: Sources) -> Exchange:
                     f"What does the word {word} mean?", f"Explain the word {word}.", f"Definition of {word}?"))
     a = rng.choice((f"{_cap(word)} means {gloss}.", f"\"{_cap(word)}\": {gloss}.", f"The word {word} means {gloss}.",
                     f"{_cap(word)}: {gloss}."))
-    reasoning = f"The user asks for the meaning of \"{word}\"; I give its definition." if _think(mode, 0.05, rng) else ""
+    reasoning = (f"The user asks for the meaning of \"{word}\"; I give its definition."
+                 if _think(mode, 0.05, rng) else "")
     return Exchange(q, [_assistant(a, reasoning)], {"value": gloss})
 
 
@@ -470,7 +475,8 @@ BOOL_PARAMS = ("verbose", "urgent", "notify", "include_details", "refundable", "
                "express", "private", "include_archived", "confirm")
 ENUMS = (
     (("unit", "units"), ("celsius", "fahrenheit")), (("system",), ("metric", "imperial")),
-    (("priority", "level"), ("low", "normal", "high", "urgent")), (("format", "output"), ("json", "csv", "xml", "text", "pdf")),
+    (("priority", "level"), ("low", "normal", "high", "urgent")),
+    (("format", "output"), ("json", "csv", "xml", "text", "pdf")),
     (("sort", "order"), ("asc", "desc")), (("channel", "via"), ("email", "sms", "push", "call")),
     (("status", "state"), ("open", "closed", "pending")), (("size",), ("small", "medium", "large")),
     (("mode", "style", "category", "kind", "type"), None),  # values: adjectives drawn per tool

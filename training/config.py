@@ -8,7 +8,6 @@ what it keeps is the indexer's choice. 8 routed experts, 2 per token, plus the s
 
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
 from nanoserve.presets.tokenizer import BOS_ID, EOS_ID
-
 from training.tokenizer import VOCAB_SIZE
 
 LAYERS = 4

@@ -29,7 +29,7 @@ import logging
 import sys
 
 from nanoserve.bench import workloads as W
-from nanoserve.bench.floor import Ceilings, H200
+from nanoserve.bench.floor import H200, Ceilings
 from nanoserve.bench.session import BenchSession, SessionConfig, parse_switch_changes
 from nanoserve.config import KV_CACHE_DTYPES
 

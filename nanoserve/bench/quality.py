@@ -227,7 +227,8 @@ def variants() -> list[tuple[str, dict]]:
     weights (the format M3 ships in: the bf16 weights quantised at load) and the fp8 KV cache."""
     from nanoserve.config import Optimizations
 
-    out = [(name, {"optimizations": Optimizations().replace(**{name: True})}) for name in Optimizations.approximations()]
+    out = [(name, {"optimizations": Optimizations().replace(**{name: True})})
+           for name in Optimizations.approximations()]
     out.append(("--quantization mxfp8", {"quantization": "mxfp8"}))
     out.append(("--kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"}))
     return out

@@ -275,8 +275,8 @@ def run(args) -> int:
         from nanoserve.bench.env import environment
 
         with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-            json.dump({**{k: v for k, v in report.items() if k != "table"}, "environment": environment(torch.device(device))}, f,
-                      indent=2)
+            json.dump({**{k: v for k, v in report.items() if k != "table"},
+                       "environment": environment(torch.device(device))}, f, indent=2)
         with open(os.path.join(args.out, f"{name}.md"), "w") as f:
             f.write(report["table"] + "\n")
     return rc

@@ -36,10 +36,24 @@ from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.commands import Configure, InitCache, Step, Stop
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
-from nanoserve.distributed.watchdog import (WATCH_INTERVAL_S, WorkerPipe, WorkerWatchdog, heartbeat_interval,
-                                            resolve_worker_timeout)
-from nanoserve.distributed.worker import (MULTICAST_OFF_ENV, ControlChannel, RankInfo, build_runner, initialize_cache,
-                                          join_process_groups, leave_process_groups, rank_device, run_worker)
+from nanoserve.distributed.watchdog import (
+    WATCH_INTERVAL_S,
+    WorkerPipe,
+    WorkerWatchdog,
+    heartbeat_interval,
+    resolve_worker_timeout,
+)
+from nanoserve.distributed.worker import (
+    MULTICAST_OFF_ENV,
+    ControlChannel,
+    RankInfo,
+    build_runner,
+    initialize_cache,
+    join_process_groups,
+    leave_process_groups,
+    rank_device,
+    run_worker,
+)
 from nanoserve.executor.base import Executor
 from nanoserve.parallel_state import get_tp, set_tp
 from nanoserve.runner.model_runner import ModelRunner

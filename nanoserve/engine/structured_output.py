@@ -43,7 +43,6 @@ import torch
 from nanoserve.sampling import StructuredOutputsParams
 
 
-
 class ConstrainedSeq(Protocol):
     """What the manager reads of an engine Sequence (a protocol, so that sequence.py, which holds a
     SequenceGrammar, and this module do not import each other)."""

@@ -21,17 +21,18 @@ from __future__ import annotations
 import dataclasses
 import time
 import weakref
-from typing import Any, Sequence as Seq
+from typing import Any
+from typing import Sequence as Seq
 
 import torch
 from tqdm import tqdm
 
+from nanoserve.chat_template import load_chat_template, render_chat, template_messages
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.beam_search import BeamSearchInstance, BeamSearchOutput
-from nanoserve.chat_template import load_chat_template, render_chat, template_messages
 from nanoserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from nanoserve.parsers.tools import check_tools
 from nanoserve.sampling import BeamSearchParams, SamplingParams

@@ -22,9 +22,9 @@ heuristic.
 
 Small batches (decode) are bandwidth-bound and have few output tiles, so K is split across programs (SPLIT_K)
 until the grid covers the GPU a few times over; the fp32 partials are summed by one small kernel that also casts
-(`sum_splits`: deterministic, no atomics). Large batches use square-ish tiles and no split. Activations are not quantised: Hopper has no
-block-scaled MMA, and scaling each 32-column block of an fp8 dot on the fp32 accumulator takes about as many
-CUDA-core operations as the bf16 MMA it would replace does tensor-core time.
+(`sum_splits`: deterministic, no atomics). Large batches use square-ish tiles and no split. Activations are not
+quantised: Hopper has no block-scaled MMA, and scaling each 32-column block of an fp8 dot on the fp32 accumulator takes
+about as many CUDA-core operations as the bf16 MMA it would replace does tensor-core time.
 
 The plain-PyTorch reference is `reference.fp8_linear` (dequantise, then F.linear).
 """
@@ -40,8 +40,14 @@ import triton.language as tl
 
 from nanoserve.kernels.configs import backend, sm_count
 from nanoserve.kernels.fp8_configs import FP8_VARIANTS, linear_entry
-from nanoserve.kernels.fp8_tile import MXFP8_BLOCK, dequant_fp8_tile, dequant_rows, mx_tile_dot, mx_tile_gemv, \
-    scaled_block_dot
+from nanoserve.kernels.fp8_tile import (
+    MXFP8_BLOCK,
+    dequant_fp8_tile,
+    dequant_rows,
+    mx_tile_dot,
+    mx_tile_gemv,
+    scaled_block_dot,
+)
 
 SCALE_ACC_MAX_M = 32
 """Row tiles up to this size scale the accumulator per 32-column block (few rows: the extra multiplies are cheap

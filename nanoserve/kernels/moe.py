@@ -9,8 +9,8 @@ graph):
 
 1. Routing (`reference.route`: fp32 sigmoid, biased top-k, renormalised weights). For decode-sized batches
    `fused_route_moe` runs it together with step 2 in one launch (moe_route.py, switch `fused_routing`).
-2. Alignment (`moe_align.py`, two launches): the T * KP (token, slot) pairs are grouped by expert into runs padded to BLOCK_M
-   rows, so each BLOCK_M-row tile belongs to one expert. KP = top_k, plus one with the folded shared expert.
+2. Alignment (`moe_align.py`, two launches): the T * KP (token, slot) pairs are grouped by expert into runs padded to
+   BLOCK_M rows, so each BLOCK_M-row tile belongs to one expert. KP = top_k, plus one with the folded shared expert.
 3. GEMM 1 over the sorted rows: the program for tile (m, n) loads the tile's token rows of x once and multiplies
    them by BLOCK_N gate rows and the matching BLOCK_N up rows of w13 (two accumulators), then applies SwiGLU-OAI in
    fp32 before storing the activation tile, so gate/up never reach memory.
@@ -37,9 +37,9 @@ MOE_TILES["hip"] (M3's shapes, by the rule stated in configs.py); other shapes g
 (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU interpreter gets a small fixed
 tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
 written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is dequantised (`fp8_variant`; the
-variants are those of fp8_linear.py, sharing the jitted K-tile helpers of fp8_tile.py); shapes missing from it fall back to the bf16
-table's tiles with "auto". Its "gemv" entries (batches of up to MOE_GEMV_MAX_TOKENS tokens) multiply only the
-first next_pow2(tokens) rows of each tile, on CUDA cores: at one token the tensor-core variants dequantise every
+variants are those of fp8_linear.py, sharing the jitted K-tile helpers of fp8_tile.py); shapes missing from it fall back
+to the bf16 table's tiles with "auto". Its "gemv" entries (batches of up to MOE_GEMV_MAX_TOKENS tokens) multiply only
+the first next_pow2(tokens) rows of each tile, on CUDA cores: at one token the tensor-core variants dequantise every
 weight tile for an MMA that is 15/16 padding.
 """
 

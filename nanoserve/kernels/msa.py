@@ -53,8 +53,16 @@ import triton
 import triton.language as tl
 
 from nanoserve.batch import AttentionMetadata
-from nanoserve.kernels.attention import (LOG2E, MASKED_SCORE, MIN_DOT_ROWS, _softmax_step, _store_partial,
-                                         combine_splits, num_decode_splits, split_buffers)
+from nanoserve.kernels.attention import (
+    LOG2E,
+    MASKED_SCORE,
+    MIN_DOT_ROWS,
+    _softmax_step,
+    _store_partial,
+    combine_splits,
+    num_decode_splits,
+    split_buffers,
+)
 from nanoserve.kernels.configs import prefill_kernel, sm_count, tiles
 from nanoserve.kernels.reference import FP8_KV_DTYPE
 

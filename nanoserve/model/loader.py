@@ -26,8 +26,14 @@ from nanoserve.config import Optimizations
 from nanoserve.model.checkpoint_names import KV_SCALE_NAME, canonical_names, loader_for, name_map
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
-from nanoserve.model.mxfp8 import (MXFP8_BLOCK, QUANT_METHODS, QuantizeOnLoad, block_columns, dequantize_mxfp8,
-                                   is_quantized_matrix)
+from nanoserve.model.mxfp8 import (
+    MXFP8_BLOCK,
+    QUANT_METHODS,
+    QuantizeOnLoad,
+    block_columns,
+    dequantize_mxfp8,
+    is_quantized_matrix,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +67,8 @@ class MXFP8Slice:
         self.weight, self.scale, self.shape = weight, scale, weight.shape
         if len(self.shape) != 2 or scale.shape != (self.shape[0], -(-self.shape[1] // MXFP8_BLOCK)):
             raise CheckpointError(f"MXFP8 scale of {name} has shape {list(scale.shape)}, expected "
-                                  f"[{self.shape[0]}, {-(-self.shape[1] // MXFP8_BLOCK)}] for weight {list(self.shape)}")
+                                  f"[{self.shape[0]}, {-(-self.shape[1] // MXFP8_BLOCK)}] "
+                                  f"for weight {list(self.shape)}")
 
     def read_mxfp8(self, rows: slice, cols: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored fp8 rows/columns and their scales (for layers that keep MXFP8 weights)."""

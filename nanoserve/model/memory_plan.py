@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.parallel_state import kv_head_range
 from nanoserve.model.m3_config import M3Config
+from nanoserve.parallel_state import kv_head_range
 
 MXFP8_BLOCK = 32
 QUANTIZATIONS = (None, "mxfp8")

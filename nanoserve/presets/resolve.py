@@ -1,8 +1,9 @@
 """Turn the `model` a user names - a shipped model, a preset or a checkpoint directory - into a loaded model.
 
-A directory, or a model shipped in the package (m3-mini), goes straight to the loader. A preset is either generated once into the cache as a real checkpoint
-directory (make_checkpoint.ensure_preset_checkpoint) and then loaded like any other, or - for presets too large
-to write (`Preset.draw_on_device`) - built with its random weights drawn directly in device memory.
+A directory, or a model shipped in the package (m3-mini), goes straight to the loader. A preset is either generated once
+into the cache as a real checkpoint directory (make_checkpoint.ensure_preset_checkpoint) and then loaded like any other,
+or - for presets too large to write (`Preset.draw_on_device`) - built with its random weights drawn directly in device
+memory.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
+from nanoserve.runner.drafter import DraftRunner
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
-from nanoserve.runner.drafter import DraftRunner
 from nanoserve.spec_decode.draft_input import DraftInput
 
 logger = logging.getLogger(__name__)

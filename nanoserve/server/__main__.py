@@ -29,13 +29,27 @@ import os
 import signal
 import sys
 
-from nanoserve.config import (DEVICES, DTYPES, KV_CACHE_DTYPES, LOGPROBS_MODES, QUANTIZATIONS, SCHEDULING_POLICIES,
-                              SWITCH_ALIASES, EngineConfig, Optimizations)
+from nanoserve.config import (
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    LOGPROBS_MODES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    SWITCH_ALIASES,
+    EngineConfig,
+    Optimizations,
+)
 from nanoserve.parsers import REASONING_PARSERS, TOOL_CALL_PARSERS
 from nanoserve.server.body_parser import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES
 from nanoserve.server.http_connection import HTTP_PARSERS, resolve_http
-from nanoserve.server.limits import (DEFAULT_MAX_PROMPTS_PER_REQUEST, DEFAULT_MAX_REQUEST_BODY_BYTES,
-                                     DEFAULT_REQUEST_BODY_TIMEOUT_S, DEFAULT_REQUEST_HEADER_TIMEOUT_S, ServerLimits)
+from nanoserve.server.limits import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_REQUEST_BODY_BYTES,
+    DEFAULT_REQUEST_BODY_TIMEOUT_S,
+    DEFAULT_REQUEST_HEADER_TIMEOUT_S,
+    ServerLimits,
+)
 from nanoserve.server.offload import OFFLOAD_MIN_BYTES
 from nanoserve.server.responses.store import DEFAULT_STORE_SIZE
 
@@ -217,8 +231,8 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
             scheduling_policy=args.scheduling_policy,
             logprobs_mode=args.logprobs_mode, speculative_config=args.speculative_config,
-            served_model_name=args.served_model_name[0] if args.served_model_name else None, optimizations=Optimizations().replace(**switches),
-            **aliases)
+            served_model_name=args.served_model_name[0] if args.served_model_name else None,
+            optimizations=Optimizations().replace(**switches), **aliases)
     except ValueError as exc:
         parser.error(str(exc))
 

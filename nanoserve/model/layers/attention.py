@@ -16,8 +16,12 @@ import torch.nn as nn
 from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.layers.linear import (MergedColumnParallelLinear, OutputPart, RowParallelLinear,
-                                           replicated_parameter)
+from nanoserve.model.layers.linear import (
+    MergedColumnParallelLinear,
+    OutputPart,
+    RowParallelLinear,
+    replicated_parameter,
+)
 from nanoserve.model.m3_config import M3Config
 from nanoserve.parallel_state import get_tp, kv_head_range, shard_range
 

@@ -2,8 +2,9 @@
 
 Every parameter carries a `weight_loader(param, source, shard_id, name)` that copies this rank's part of a
 checkpoint tensor into it, and `weight_shards`, the shard ids it takes ("" = the whole tensor); the table in
-model/checkpoint_names.py says which checkpoint tensor fills which shard. `source` is anything with `.shape` and slicing (a torch tensor, or a lazy safetensors slice from
-the loader), so a rank reads only its rows or columns and never materialises the full tensor.
+model/checkpoint_names.py says which checkpoint tensor fills which shard. `source` is anything with `.shape` and slicing
+(a torch tensor, or a lazy safetensors slice from the loader), so a rank reads only its rows or columns and never
+materialises the full tensor.
 
 - ColumnParallel / MergedColumnParallel: output rows split across ranks (no communication).
 - RowParallel: input columns split; the partial products are summed with one all-reduce.

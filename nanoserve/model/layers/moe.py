@@ -10,8 +10,16 @@ import torch.nn as nn
 
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.layers.linear import (WeightSource, check_shape, copy_into, linear, one_row_gemv, read_mxfp8,
-                                           replicated_parameter, weight_parameters)
+from nanoserve.model.layers.linear import (
+    WeightSource,
+    check_shape,
+    copy_into,
+    linear,
+    one_row_gemv,
+    read_mxfp8,
+    replicated_parameter,
+    weight_parameters,
+)
 from nanoserve.model.layers.mlp import SwiGLUOAIMLP
 from nanoserve.model.m3_config import M3Config
 from nanoserve.parallel_state import all_reduce, get_tp, shard_range

@@ -13,8 +13,9 @@ from nanoserve.model.layers.linear import replicated_parameter
 class GemmaRMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w). The stored w is the zero-centred offset, as in the checkpoint.
 
-    Called as norm(x) it normalises x (one kernel when `fused_rmsnorm` is on); called as norm(x, residual) it first adds x into the residual stream and
-    returns (norm(x + residual), x + residual) - one fused kernel when `fused_add_rmsnorm` is on."""
+    Called as norm(x) it normalises x (one kernel when `fused_rmsnorm` is on); called as norm(x, residual) it first adds
+    x into the residual stream and returns (norm(x + residual), x + residual) - one fused kernel when
+    `fused_add_rmsnorm` is on."""
 
     def __init__(self, dim: int, eps: float, opts: Optimizations, device: torch.device | str):
         super().__init__()

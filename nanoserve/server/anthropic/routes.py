@@ -8,8 +8,14 @@ from typing import Annotated
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from nanoserve.server.anthropic.convert import (anthropic_fields, count_tokens, message_events, message_response,
-                                                new_message_id, prepare_message)
+from nanoserve.server.anthropic.convert import (
+    anthropic_fields,
+    count_tokens,
+    message_events,
+    message_response,
+    new_message_id,
+    prepare_message,
+)
 from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse

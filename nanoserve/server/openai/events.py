@@ -13,8 +13,7 @@ from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.parsers.tool_calls import CallStart, new_call_id
 from nanoserve.server.openai import schema as P
-from nanoserve.server.openai.bodies import (chat_finish_reason, chat_logprobs, completion_logprobs, echo_logprobs,
-                                            usage)
+from nanoserve.server.openai.bodies import chat_finish_reason, chat_logprobs, completion_logprobs, echo_logprobs, usage
 from nanoserve.server.prepare import ChatSetup, Prepared
 from nanoserve.server.state import OpenAIServer
 from nanoserve.server.streaming import SSE_DONE, StreamedChoice, merge_streams, sse, sse_error, stop_holdback

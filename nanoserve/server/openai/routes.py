@@ -22,8 +22,14 @@ from fastapi.responses import JSONResponse, Response
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai.bodies import chat_response, completion_response
 from nanoserve.server.openai.events import chat_events, completion_events
-from nanoserve.server.openai.schema import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                            DetokenizeResponse, TokenizeRequest, TokenizeResponse)
+from nanoserve.server.openai.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from nanoserve.server.prepare import check_model, prepare_chat, prepare_completion, render_messages, tokenize
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.state import OpenAIServer

@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, Response
 
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai.schema.common import now
-from nanoserve.server.responses.convert import (RESPONSES_FIELDS, prepare_response, response_events, whole_response)
+from nanoserve.server.responses.convert import RESPONSES_FIELDS, prepare_response, response_events, whole_response
 from nanoserve.server.responses.schema import DeletedResponse, ResponsesRequest
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse

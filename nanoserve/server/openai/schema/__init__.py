@@ -22,19 +22,57 @@ ignore_eos, stop_token_ids, include_stop_str_in_output, skip_special_tokens, all
 prompt_logprobs, return_token_ids, return_tokens_as_token_ids, add_special_tokens, chat_template_kwargs.
 """
 
-from nanoserve.server.openai.schema.chat import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                                 ChatCompletionResponse, ChatLogProb, ChatLogProbs, ChatMessage,
-                                                 ChatResponseMessage, ChatStreamChoice, ChatTool, ChatTopLogProb,
-                                                 DeltaFunctionCall, DeltaMessage, DeltaToolCall, FunctionCall,
-                                                 FunctionDefinition, ResponseFunctionCall, ResponseToolCall, TextPart,
-                                                 ToolCallParam)
-from nanoserve.server.openai.schema.common import (ElidedText, ErrorInfo, ErrorResponse, Int, ModelCard, ModelList,
-                                                   PromptLogprob, PromptTokensDetails, RequestBody, RequestModel,
-                                                   ResponseModel, SamplingRequest, StreamOptions, UsageInfo)
-from nanoserve.server.openai.schema.completions import (CompletionChoice, CompletionChunk, CompletionLogProbs,
-                                                        CompletionRequest, CompletionResponse)
-from nanoserve.server.openai.schema.tokenize import (DetokenizeRequest, DetokenizeResponse, TokenizeRequest,
-                                                     TokenizeResponse)
+from nanoserve.server.openai.schema.chat import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    ChatTool,
+    ChatTopLogProb,
+    DeltaFunctionCall,
+    DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    FunctionDefinition,
+    ResponseFunctionCall,
+    ResponseToolCall,
+    TextPart,
+    ToolCallParam,
+)
+from nanoserve.server.openai.schema.common import (
+    ElidedText,
+    ErrorInfo,
+    ErrorResponse,
+    Int,
+    ModelCard,
+    ModelList,
+    PromptLogprob,
+    PromptTokensDetails,
+    RequestBody,
+    RequestModel,
+    ResponseModel,
+    SamplingRequest,
+    StreamOptions,
+    UsageInfo,
+)
+from nanoserve.server.openai.schema.completions import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from nanoserve.server.openai.schema.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 
 __all__ = ["ChatChoice", "ChatCompletionChunk", "ChatCompletionRequest", "ChatCompletionResponse", "ChatLogProb",
            "ChatLogProbs", "ChatMessage", "ChatResponseMessage", "ChatStreamChoice", "ChatTool", "ChatTopLogProb",

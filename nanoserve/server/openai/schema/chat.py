@@ -7,8 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field, model_serializer, model_validator
 
-from nanoserve.server.openai.schema.common import (Int, PromptLogprob, RequestModel, ResponseModel, SamplingRequest,
-                                                   UsageInfo, now)
+from nanoserve.server.openai.schema.common import (
+    Int,
+    PromptLogprob,
+    RequestModel,
+    ResponseModel,
+    SamplingRequest,
+    UsageInfo,
+    now,
+)
 
 
 class TextPart(RequestModel):

@@ -7,8 +7,16 @@ import time
 from functools import cache
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidatorFunctionWrapHandler,
-                      field_validator, model_validator)
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from nanoserve.sampling import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
 

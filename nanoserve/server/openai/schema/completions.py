@@ -7,8 +7,15 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nanoserve.server.openai.schema.common import (ElidedText, Int, PromptLogprob, ResponseModel, SamplingRequest,
-                                                   UsageInfo, now)
+from nanoserve.server.openai.schema.common import (
+    ElidedText,
+    Int,
+    PromptLogprob,
+    ResponseModel,
+    SamplingRequest,
+    UsageInfo,
+    now,
+)
 
 
 class CompletionRequest(SamplingRequest):
