@@ -8,7 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_utils import MAX_MODEL_LEN, SERVED_MODEL, ServerThread
+from tests.server_utils import MAX_MODEL_LEN, SERVED_MODEL, ServerProcess, ServerThread, metric
 
 MODEL = SERVED_MODEL  # conftest's engine and app
 LABELS = {"model_name": MODEL, "engine": "0"}
@@ -80,12 +80,23 @@ def test_cache_config_info(server, engine):
     [(name, labels)] = scrape(server)["vllm:cache_config_info"][1]
     info = dict(labels)
     eng = engine.engine
-    assert info["engine"] == "0" and info["block_size"] == str(eng.block_size)
+    assert info["engine"] == "0" and info["block_size"] == str(eng.block_size) and info["cache_dtype"] == "auto"
     assert info["num_gpu_blocks"] == str(eng.block_manager.num_blocks)
     assert info["kv_cache_size_tokens"] == str(eng.block_manager.num_blocks * eng.block_size)
     assert info["enable_prefix_caching"] == "True"
     assert float(info["kv_cache_max_concurrency"]) == pytest.approx(
         eng.block_manager.num_blocks * eng.block_size / MAX_MODEL_LEN, rel=1e-3)
+
+
+def test_cache_config_info_reports_the_kv_cache_dtype(tiny_dir, tmp_path):
+    """A server started with `--kv-cache-dtype fp8` says so in cache_dtype, as vLLM's does (and serves)."""
+    with ServerProcess(tiny_dir, tmp_path / "server.log", "--kv-cache-dtype", "fp8") as srv:
+        resp = httpx.post(f"{srv.url}/v1/completions", json={"model": "tiny", "prompt": PROMPT_IDS, "max_tokens": 2},
+                          timeout=120)
+        assert resp.status_code == 200, resp.text
+        text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    assert metric(text, "vllm:cache_config_info", cache_dtype="fp8", engine="0") == 1.0
+    assert metric(text, "vllm:cache_config_info", cache_dtype="auto") == 0.0  # one sample, not one per dtype
 
 
 def test_each_metric_moves_by_what_a_request_did(server):

@@ -121,11 +121,12 @@ class ServerMetrics:
         engine.engine.add_observer(self.on_engine_event)
 
     def _cache_config_info(self, engine: AsyncLLMEngine) -> None:
-        """vLLM's vllm:cache_config_info: a gauge at 1 whose labels describe the KV cache."""
+        """vLLM's vllm:cache_config_info: a gauge at 1 whose labels describe the KV cache (cache_dtype is
+        `--kv-cache-dtype` as configured, "auto" meaning the model dtype, as vLLM reports it)."""
         eng, cfg = engine.engine, engine.config
         num_blocks = eng.block_manager.num_blocks
         tokens = num_blocks * eng.block_size
-        info = {"block_size": str(eng.block_size), "cache_dtype": "auto",
+        info = {"block_size": str(eng.block_size), "cache_dtype": cfg.kv_cache_dtype,
                 "enable_prefix_caching": str(cfg.optimizations.prefix_caching),
                 "gpu_memory_utilization": str(cfg.gpu_memory_utilization), "num_gpu_blocks": str(num_blocks),
                 "num_cpu_blocks": "0", "kv_cache_size_tokens": str(tokens),
