@@ -212,6 +212,11 @@ class ModelRunner:
             self._graph_switches = state
         return self.graphs
 
+    @property
+    def num_decode_graphs(self) -> int:
+        """Decode graphs captured over the current pool (engine/warmup.py reports how many it captured)."""
+        return len(self.graphs.graphs) if self.graphs is not None else 0
+
     @torch.inference_mode()
     def capture_decode_graphs(self, max_seq_len: int, max_batch: int) -> int:
         """Capture ahead of time the decode graphs of every batch bucket up to max_batch at the context bucket of

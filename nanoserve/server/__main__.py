@@ -16,7 +16,8 @@ generated from the switch declarations in nanoserve.config.Optimizations, so a n
 itself. SIGINT / SIGTERM shut down gracefully: new requests get 503, in-flight requests finish (up to
 --shutdown-timeout seconds), what is left is aborted (an error event and [DONE] for a stream, a JSON error
 otherwise), the engine and its workers stop, exit 0; a second signal exits at once. If the engine dies the process
-exits 1 (server/shutdown.py, docs/operating.md).
+exits 1 (server/shutdown.py, docs/operating.md). Before the socket opens, the engine builds the kernels and captures
+the decode graphs of the shapes it will meet, within --warmup-budget-s (engine/warmup.py; on the CPU: none).
 """
 
 from __future__ import annotations
@@ -132,6 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--responses-store-size", type=int, default=DEFAULT_STORE_SIZE, metavar="N",
                    help="POST /v1/responses keeps the N most recent responses sent with store true, for GET "
                         "/v1/responses/{id} and previous_response_id (0: none are kept)")
+    s.add_argument("--warmup-budget-s", type=float, default=None, metavar="SECONDS",
+                   help="before the socket opens, build the kernels and capture the decode graphs of the shapes the "
+                        "engine will meet, for at most this long (default: 120 on a GPU, 0 on the CPU; 0 skips; "
+                        "docs/operating.md)")
+    s.add_argument("--no-warmup", action="store_true", help="no warm-up: the same as --warmup-budget-s 0")
     s.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when the model runs on the CPU (default: $NANOSERVE_CPU_THREADS, "
                         "else every physical core)")
@@ -275,6 +281,19 @@ def server_limits(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
 
 
+def warmup_budget(args: argparse.Namespace, parser: argparse.ArgumentParser) -> float | None:
+    """--warmup-budget-s / --no-warmup -> seconds (0: no warm-up), or None for the device's default; checked
+    before the model loads."""
+    budget = args.warmup_budget_s
+    if budget is not None and budget < 0:
+        parser.error(f"--warmup-budget-s must be >= 0, got {budget:g}")
+    if args.no_warmup:
+        if budget:
+            parser.error(f"--no-warmup contradicts --warmup-budget-s {budget:g}")
+        return 0.0
+    return budget
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -297,12 +316,14 @@ def main(argv: list[str] | None = None) -> None:
         http_parser = resolve_http(args.http)
     except ValueError as exc:
         parser.error(str(exc))
+    warmup_s = warmup_budget(args, parser)
     log_configuration(config)
 
     import torch
     import uvicorn
 
     from nanoserve.cpu_threads import configure_cpu_threads
+    from nanoserve.engine.warmup import DEFAULT_GPU_BUDGET_S, warm_up
     from nanoserve.entrypoints.async_engine import AsyncLLMEngine
     from nanoserve.server.app import build_app
     from nanoserve.server.http_connection import http_protocol
@@ -318,6 +339,13 @@ def main(argv: list[str] | None = None) -> None:
         engine = AsyncLLMEngine.from_config(config)  # loads the model (generating a preset the first time)
     except ValueError as exc:
         parser.exit(2, f"error: {exc}\n")
+    if warmup_s is None:  # nothing takes the Triton path on the CPU: start at once there
+        warmup_s = DEFAULT_GPU_BUDGET_S if engine.engine.executor.device.type == "cuda" else 0.0
+    try:  # before the socket opens, as vLLM: /health is unreachable until the engine is warm
+        warm_up(engine.engine, warmup_s)
+    except BaseException:
+        engine.engine.shutdown()
+        raise
     names = args.served_model_name or [args.model]
     try:
         app = build_app(engine, names, api_key=args.api_key, shutdown_timeout=args.shutdown_timeout, chat=chat,

@@ -1,0 +1,204 @@
+"""Warm-up before ready: build the kernels, and capture the decode graphs, of the shapes the engine will meet.
+
+Triton compiles a kernel the first time it meets a new specialisation (its constexpr tiles: the fused MoE's token
+bucket, the padded row counts of small batches, the MSA top-k chunk, the long-context prefill tiles), and a decode
+graph is captured the first time its batch bucket is met. On a fresh machine each of those costs up to seconds,
+inside the TTFT of whichever request meets the shape first. `warm_up` runs those shapes on dummy inputs before the
+server opens its socket (as vLLM compiles and captures before its API server listens), in this order - what
+every request needs first, the rarer shapes last, so a budget that runs out leaves the rare ones:
+
+1. decode: one step of every decode batch bucket (runner/cuda_graphs.py's `batch_buckets` up to max_num_seqs),
+   largest first so the smaller graphs reuse the memory pool, at a context long enough for MSA to select blocks;
+   with CUDA graphs on, each step captures its bucket's graph (at that context bucket; longer context buckets are
+   still captured when first met). Each step's logits go through the sampler: greedy rows and a seeded row with
+   top-k / top-p / min-p and logprobs.
+2. prefill: one prompt of every power-of-two token count up to max_num_batched_tokens (the MoE's token buckets
+   are powers of two, and the small-batch kernels pad their rows to one), and the budget itself.
+3. MSA: a prompt of index_topk_blocks + 2 blocks, so every sparse layer selects among more blocks than it keeps
+   (in chunks of max_num_batched_tokens when it is longer than one step).
+4. long context: one chunk ending at configs.LONG_PREFILL_CONTEXT tokens (the `_long` prefill tiles), where
+   max_model_len reaches it.
+
+The steps go straight to the executor (every rank under tensor parallelism), over scratch KV blocks that a dummy
+sequence takes from the block manager and gives back: nothing is scheduled, no request or statistic is recorded,
+the prefix cache registers nothing, and the sampler's shared generator is not drawn from (the seeded row has its
+own), so later outputs are the same with or without a warm-up. The budget is checked before each shape; what is
+left when it runs out is named in the log line.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable
+
+from nanoserve.batch import ModelInput
+from nanoserve.engine.sequence import Sequence
+from nanoserve.kernels.configs import LONG_PREFILL_CONTEXT
+from nanoserve.runner.cuda_graphs import batch_buckets
+from nanoserve.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoserve.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GPU_BUDGET_S = 120.0
+"""The server's warm-up budget on a GPU when --warmup-budget-s is not given (on the CPU: 0, no warm-up: nothing
+there takes the Triton path, and the server should start at once)."""
+
+WARMUP_SEQ_ID = -1
+"""The dummy sequence's id: real sequences count up from 0, so it never meets one in the block manager."""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One warm-up step (or, for a prompt longer than a step, the chunks of one prompt).
+
+    kind: "decode" (`batch` sequences, one new token each, at context `context`) or "prefill" (one prompt of
+    `context` tokens, run in chunks of at most `chunk` tokens)."""
+
+    kind: str
+    batch: int
+    context: int
+    chunk: int
+    label: str
+
+    @property
+    def steps(self) -> list[tuple[int, int]]:
+        """(query tokens, context after the step) of each step this shape runs."""
+        if self.kind == "decode":
+            return [(1, self.context)]
+        out, done = [], 0
+        while done < self.context:
+            q = min(self.chunk, self.context - done)
+            done += q
+            out.append((q, done))
+        return out
+
+
+def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int, topk_blocks: int,
+         has_msa: bool) -> list[Shape]:
+    """The shapes to warm, in the order they run (see the module docstring)."""
+    longest_prompt = max_model_len - 1  # a prompt leaves room for one generated token
+    msa_len = min((topk_blocks + 2) * block_size, longest_prompt) if has_msa else 0
+    decode_context = min(max(msa_len + 1, 2), max_model_len)
+    shapes = [Shape("decode", b, decode_context, 1, f"decode batch {b}")
+              for b in reversed(batch_buckets(max_num_seqs))]
+    top = min(max_num_batched_tokens, longest_prompt)
+    counts, t = [], 1
+    while t < top:
+        counts.append(t)
+        t *= 2
+    counts.append(top)
+    shapes += [Shape("prefill", 1, n, n, f"prefill {n} tokens") for n in counts]
+    if msa_len and msa_len not in counts:
+        shapes.append(Shape("prefill", 1, msa_len, max_num_batched_tokens, f"MSA prompt {msa_len} tokens"))
+    if longest_prompt >= LONG_PREFILL_CONTEXT:
+        shapes.append(Shape("prefill", 1, LONG_PREFILL_CONTEXT, max_num_batched_tokens,
+                            f"long-context prompt {LONG_PREFILL_CONTEXT} tokens"))
+    return shapes
+
+
+@dataclass
+class WarmupReport:
+    """What a warm-up built, and what its budget left out."""
+
+    budget_s: float
+    built: list[Shape] = field(default_factory=list)
+    skipped: list[Shape] = field(default_factory=list)
+    graphs: int = 0
+    seconds: float = 0.0
+
+    def count(self, kind: str) -> int:
+        return sum(1 for s in self.built if s.kind == kind)
+
+    def summary(self) -> str:
+        """The one log line: counts of what was built, the graphs, the time, and what the budget left out."""
+        if not self.built and not self.skipped:
+            return "warm-up: nothing to build"
+        if self.budget_s <= 0:
+            return ("warm-up skipped (budget 0 s): kernels are built and decode graphs captured when first met "
+                    f"({len(self.skipped)} shapes)")
+        decode = [s.batch for s in self.built if s.kind == "decode"]
+        prefill = [s.context for s in self.built if s.kind == "prefill"]
+        parts = [f"{len(decode)} decode batch sizes" + (f" ({min(decode)}-{max(decode)})" if decode else ""),
+                 f"{len(prefill)} prefill shapes" + (f" ({min(prefill)}-{max(prefill)} tokens)" if prefill else ""),
+                 f"{self.graphs} CUDA graphs captured"]
+        line = f"warm-up: built {', '.join(parts)} in {self.seconds:.1f} s"
+        if self.skipped:
+            line += (f"; not built, the budget of {self.budget_s:g} s was spent: "
+                     f"{', '.join(s.label for s in self.skipped)}")
+        return line
+
+
+def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = time.monotonic) -> WarmupReport:
+    """Run the engine's warm-up shapes until done or `budget_s` seconds have passed (0: none); log one line.
+    Raises if the KV blocks did not all come back (a bug, not a condition to serve with)."""
+    cfg = engine.model_config
+    shapes = plan(engine.config.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len,
+                  engine.block_size, cfg.index_topk_blocks, cfg.num_sparse_attn_layers > 0)
+    report = WarmupReport(budget_s)
+    start = clock()
+    if budget_s <= 0:
+        report.skipped = shapes
+        logger.info(report.summary())
+        return report
+    bm = engine.block_manager
+    free_before = bm.num_free_blocks
+    scratch = Sequence(WARMUP_SEQ_ID, "warmup", 0, [], SamplingParams())
+    longest = max(ctx for s in shapes for _, ctx in s.steps)
+    if not bm.allocate(scratch, longest):
+        raise RuntimeError(f"warm-up: the KV pool has no {bm.blocks_needed(longest)} free blocks for its "
+                           f"scratch sequence")
+    graphs_before = _num_graphs(engine)
+    try:
+        for i, shape in enumerate(shapes):
+            if clock() - start >= budget_s:
+                report.skipped = shapes[i:]
+                break
+            _run(engine, shape, scratch.block_table)
+            report.built.append(shape)
+    finally:
+        bm.free_seq(scratch)
+    if bm.num_free_blocks != free_before:
+        raise RuntimeError(f"warm-up leaked KV blocks: {free_before} free before, {bm.num_free_blocks} after")
+    report.graphs = _num_graphs(engine) - graphs_before
+    report.seconds = clock() - start
+    logger.info(report.summary())
+    return report
+
+
+def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
+    """One shape's steps through the executor, each sampled."""
+    vocab, bs = engine.model_config.vocab_size, engine.block_size
+    for query, context in shape.steps:
+        blocks = table[: -(-context // bs)]
+        n = shape.batch
+        if shape.kind == "decode":
+            inp = ModelInput([(context + i) % vocab for i in range(n)], [1] * n, [context] * n, [blocks] * n,
+                             list(range(n)))
+        else:
+            ids = [(context - query + i) % vocab for i in range(query)]
+            inp = ModelInput(ids, [query], [context], [blocks], [0])
+        logits = engine.executor.execute_model(inp)
+        seqs = _sampled_rows(n)
+        sample = engine.sampler.sample(logits[:n], seqs, None, engine.executor.last_argmax())
+        engine.sampler.to_host(sample)  # waits for the step: the clock reads the time it took
+        for seq in seqs:
+            engine.sampler.forget(seq.seq_id)
+
+
+def _sampled_rows(n: int) -> list[Sequence]:
+    """The sampler's dummy rows: one seeded draw with every filter and logprobs (its own generator, so the engine's
+    shared one is not advanced), the rest greedy."""
+    drawn = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=0, logprobs=2)
+    greedy = SamplingParams(temperature=0.0)
+    return [Sequence(WARMUP_SEQ_ID - i, "warmup", 0, [0], drawn if i == 0 else greedy) for i in range(n)]
+
+
+def _num_graphs(engine: "LLMEngine") -> int:
+    """Decode graphs captured so far: only a runner in this process (tensor_parallel_size 1) has them."""
+    runner = getattr(engine.executor, "runner", None)
+    return runner.num_decode_graphs if runner is not None else 0
