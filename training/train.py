@@ -111,6 +111,32 @@ def load_checkpoint(model: M3Train, path: str) -> None:
             t.copy_(saved[name].to(t.dtype))  # checkpoint_tensors() returns views of the parameters and buffers
 
 
+def start_profiler(device: torch.device):
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    prof = profile(activities=activities)
+    prof.__enter__()
+    prof.started = time.time()
+    return prof
+
+
+def report_profile(prof, device: torch.device, steps: int, tokens: int) -> None:
+    """Where `steps` training steps spent their time: wall time per step, then the operators by self time (on a
+    GPU, device time first; a step far longer than its kernels' sum is waiting on the host)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    wall = time.time() - prof.started
+    t = time.time()
+    prof.__exit__(None, None, None)
+    events = prof.key_averages()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(events.table(sort_by=key, row_limit=30))
+    kernels = sum(getattr(e, key) for e in events) / 1e6
+    print(f"profile: {steps} steps, {tokens} tokens, {wall:.2f} s traced ({wall / steps * 1e3:.0f} ms/step), "
+          f"self {key.split('_')[1]} time {kernels:.2f} s; profiler report {time.time() - t:.1f} s")
+
+
 def param_groups(model, wd: float):
     decay, no_decay = [], []
     for name, p in model.named_parameters():
@@ -140,6 +166,9 @@ def main() -> None:
     ap.add_argument("--bias-rate", type=float, default=1e-3)
     ap.add_argument("--save-every", type=float, default=600.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
+                    help="profile N steps after 10 warm-up steps, print where the time went (torch.profiler) and stop "
+                         "without exporting")
     ap.add_argument("--init", default=None, metavar="DIR", help="start from a checkpoint export.py wrote (its "
                     "weights and router biases; the optimizer starts afresh)")
     args = ap.parse_args()
@@ -165,10 +194,16 @@ def main() -> None:
     t0 = last_save = time.time()
     tokens = 0
     step = 0
+    prof, tokens_at_10 = None, 0
     while True:
         progress = max(step / args.steps, (time.time() - t0) / args.time_budget)
         if progress >= 1.0:
             break
+        if args.profile_steps and step == 10:
+            prof, tokens_at_10 = start_profiler(device), tokens
+        elif prof is not None and step == 10 + args.profile_steps:
+            report_profile(prof, device, args.profile_steps, tokens - tokens_at_10)
+            return
         lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
         for g in opt.param_groups:
             g["lr"] = lr
