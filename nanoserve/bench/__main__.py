@@ -127,6 +127,9 @@ def parser() -> argparse.ArgumentParser:
                     f"{DEFAULT_GPU_MODEL} on a GPU, {DEFAULT_CPU_MODEL} on the CPU; --prompt-len: the context)")
     ap.add_argument("--spec-limit", type=int, default=None, metavar="N", help="--speculative: at most N prompts per "
                     "task (default: all)")
+    ap.add_argument("--spec-retrieval-limit", type=int, default=None, metavar="N", help="--speculative: at most N "
+                    "prompts per retrieval length (default: --spec-limit; a long prompt's prefill is what costs time "
+                    "on a CPU)")
     ap.add_argument("--spec-eagle3", default=None, metavar="DIR", help="--speculative: an EAGLE-3 draft directory "
                     "for the model (without one eagle3 is skipped)")
     ap.add_argument("-v", "--verbose", action="store_true")

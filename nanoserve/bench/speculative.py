@@ -3,6 +3,7 @@ step and a draft step cost on the device.
 
     python -m nanoserve.bench --speculative                      # m3-mini: every drafter on its held-out prompts
     python -m nanoserve.bench --speculative --spec-limit 2       # at most 2 prompts per task
+    python -m nanoserve.bench --speculative --spec-limit 20 --spec-retrieval-limit 2   # fewer long prompts
     python -m nanoserve.bench --speculative cost                 # m3-slice on a GPU (m3-tiny on the CPU)
 
 **Acceptance** (`acceptance`). A trained model's directory carries its held-out prompts (`heldout.jsonl.gz`, rows
@@ -145,14 +146,16 @@ def build_llm(model: str, device: str, dtype: str, speculative_config: dict | No
 
 
 def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | None = None, device: str = "cpu",
-                       dtype: str = "auto", optimizations=None) -> dict[str, Any]:
+                       dtype: str = "auto", optimizations=None, retrieval_limit: int | None = None) -> dict[str, Any]:
     """The report of the acceptance part (see the module docstring): a dict, with a printable `table`.
-    `optimizations`: the engines' switches (None: the defaults)."""
+    `optimizations`: the engines' switches (None: the defaults); `retrieval_limit`: prompts per retrieval length
+    (None: `limit`)."""
     from nanoserve.presets.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(model)
-    rows = heldout_rows(model_dir, limit, flag="--speculative")
+    rows = heldout_rows(model_dir, limit, limit if retrieval_limit is None else retrieval_limit, flag="--speculative")
     report: dict[str, Any] = {"model": model, "device": device, "dtype": dtype, "limit": limit,
+                              "retrieval_limit": limit if retrieval_limit is None else retrieval_limit,
                               "prompts": {t: sum(r["task"] == t for r in rows) for t in dict.fromkeys(
                                   r["task"] for r in rows)}, "drafters": {}, "skipped": {}}
     base = _answer_with(model, device, dtype, None, rows, optimizations)
@@ -265,7 +268,7 @@ def run(args) -> int:
         # differently from a decode step's (a difference is reported, not hidden)
         try:
             report = measure_acceptance(args.model or DEFAULT_MODEL, args.spec_limit, args.spec_eagle3, device,
-                                        args.dtype, opts)
+                                        args.dtype, opts, args.spec_retrieval_limit)
         except ValueError as e:  # no held-out set, a bad draft directory: the reason, not a traceback
             raise SystemExit(f"error: {e}") from None
         name, rc = "speculative", 0 if report["identical"] else 1
