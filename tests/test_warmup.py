@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import logging
 import random
-import subprocess
-import sys
 
 import httpx
 import pytest
@@ -55,7 +53,7 @@ def planned_steps(shapes: list[Shape]) -> list[tuple[int, int, int]]:
 
 def test_plan_covers_the_buckets_of_a_real_deployment():
     """M3-sized limits: every decode batch bucket (largest first), every power of two up to the token budget and
-    the budget, an MSA prompt past the top-k, chunked, and the long-context prefill tiles."""
+    the budget, an MSA prompt past the top-k, and chunks of long prompts (the long-context prefill tiles)."""
     shapes = plan(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=65536, block_size=128,
                   topk_blocks=16, has_msa=True)
     decode = [s for s in shapes if s.kind == "decode"]
@@ -63,14 +61,20 @@ def test_plan_covers_the_buckets_of_a_real_deployment():
     msa_len = 18 * 128  # index_topk_blocks + 2 blocks
     assert {s.context for s in decode} == {msa_len + 1}
     prefill = [s.context for s in shapes if s.kind == "prefill"]
-    assert prefill == [2 ** i for i in range(14)] + [msa_len, LONG_PREFILL_CONTEXT]
-    long = shapes[-1]
-    assert long.steps == [(8192, 8192), (8192, 16384), (8192, 24576), (8192, 32768)]
+    assert prefill == [2 ** i for i in range(14)] + [msa_len]
+    # past the budget, one chunk ending at 2x and 4x the budget (there the long-context tiles start) and at the
+    # longest prompt
+    chunks = [s.steps for s in shapes if s.kind == "chunk"]
+    assert chunks == [[(8192, 16384)], [(8192, LONG_PREFILL_CONTEXT)], [(8192, 65535)]]
+    assert [s.kind for s in shapes[-3:]] == ["chunk"] * 3
     # a short context: nothing past max_model_len - 1, no long-context shape, the budget is the last bucket
     small = plan(max_num_seqs=5, max_num_batched_tokens=300, max_model_len=200, block_size=16, topk_blocks=3,
                  has_msa=False)
     assert [s.batch for s in small if s.kind == "decode"] == [5, 4, 2, 1]
     assert [s.context for s in small if s.kind == "prefill"] == [1, 2, 4, 8, 16, 32, 64, 128, 199]
+    assert not [s for s in small if s.kind == "chunk"]
+    # a prompt up to 3x the budget: one chunk, ending at the longest prompt
+    assert [s.steps for s in plan(1, 100, 301, 16, 3, False) if s.kind == "chunk"] == [[(100, 200)], [(100, 300)]]
 
 
 def test_warm_up_runs_the_planned_steps_and_gives_every_block_back(llm, monkeypatch, caplog):
@@ -84,7 +88,7 @@ def test_warm_up_runs_the_planned_steps_and_gives_every_block_back(llm, monkeypa
     assert seen == planned_steps(shapes)
     assert report.built == shapes and not report.skipped and report.graphs == 0
     line = caplog.messages[-1]
-    assert line.startswith(f"warm-up: built 4 decode batch sizes (1-8), {len(shapes) - 4} prefill shapes (1-256 "
+    assert line.startswith(f"warm-up: built 4 decode batch sizes (1-8), {len(shapes) - 4} prefill shapes (1-511 "
                            f"tokens), 0 CUDA graphs captured in ")
     assert "not built" not in line
     assert_all_blocks_free(llm)
@@ -114,7 +118,7 @@ def test_a_spent_budget_stops_and_names_what_was_left(llm, monkeypatch, caplog):
     assert "built 2 decode batch sizes (4-8), 0 prefill shapes, 0 CUDA graphs captured in 4.0 s" in line
     assert line.endswith("; not built, the budget of 2.5 s was spent: " +
                          ", ".join(s.label for s in report.skipped))
-    assert report.skipped[0].label == "decode batch 2" and report.skipped[-1].label.startswith("MSA prompt")
+    assert report.skipped[0].label == "decode batch 2" and report.skipped[-1].label == "256-token chunk at context 511"
     assert_all_blocks_free(llm)
 
 
@@ -191,7 +195,10 @@ def test_server_on_the_cpu_skips_by_default(tiny_dir, tmp_path):
     (["--warmup-budget-s", "-1"], "--warmup-budget-s must be >= 0, got -1"),
     (["--no-warmup", "--warmup-budget-s", "5"], "--no-warmup contradicts --warmup-budget-s 5"),
 ])
-def test_bad_warmup_flags_stop_the_start(flags, message):
-    proc = subprocess.run([sys.executable, "-m", "nanoserve.server", "--model", "m3-tiny", *flags],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and message in proc.stderr
+def test_bad_warmup_flags_stop_the_start(flags, message, capsys):
+    """Refused with exit code 2 before the model loads."""
+    from nanoserve.server.__main__ import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", "m3-tiny", *flags])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

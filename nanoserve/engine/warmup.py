@@ -16,8 +16,9 @@ every request needs first, the rarer shapes last, so a budget that runs out leav
    are powers of two, and the small-batch kernels pad their rows to one), and the budget itself.
 3. MSA: a prompt of index_topk_blocks + 2 blocks, so every sparse layer selects among more blocks than it keeps
    (in chunks of max_num_batched_tokens when it is longer than one step).
-4. long context: one chunk ending at configs.LONG_PREFILL_CONTEXT tokens (the `_long` prefill tiles), where
-   max_model_len reaches it.
+4. long prompts: one chunk of max_num_batched_tokens tokens ending at 2x, 4x, ... the budget and at the longest
+   prompt (max_model_len - 1): the MSA top-k chunk grows with the blocks a chunk attends to, and from
+   configs.LONG_PREFILL_CONTEXT tokens on the prefill kernels take their `_long` tiles.
 
 The steps go straight to the executor (every rank under tensor parallelism), over scratch KV blocks that a dummy
 sequence takes from the block manager and gives back: nothing is scheduled, no request or statistic is recorded,
@@ -35,7 +36,6 @@ from typing import TYPE_CHECKING, Callable
 
 from nanoserve.batch import ModelInput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.kernels.configs import LONG_PREFILL_CONTEXT
 from nanoserve.runner.cuda_graphs import batch_buckets
 from nanoserve.sampling import SamplingParams
 
@@ -56,8 +56,10 @@ WARMUP_SEQ_ID = -1
 class Shape:
     """One warm-up step (or, for a prompt longer than a step, the chunks of one prompt).
 
-    kind: "decode" (`batch` sequences, one new token each, at context `context`) or "prefill" (one prompt of
-    `context` tokens, run in chunks of at most `chunk` tokens)."""
+    kind: "decode" (`batch` sequences, one new token each, at context `context`), "prefill" (one prompt of
+    `context` tokens, run in chunks of at most `chunk` tokens) or "chunk" (the last chunk of a long prompt alone:
+    `chunk` tokens ending at `context`, attending to whatever the scratch blocks before it hold - the kernels' tiles
+    depend on the lengths, not on the values)."""
 
     kind: str
     batch: int
@@ -70,6 +72,8 @@ class Shape:
         """(query tokens, context after the step) of each step this shape runs."""
         if self.kind == "decode":
             return [(1, self.context)]
+        if self.kind == "chunk":
+            return [(self.chunk, self.context)]
         out, done = [], 0
         while done < self.context:
             q = min(self.chunk, self.context - done)
@@ -95,9 +99,13 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
     shapes += [Shape("prefill", 1, n, n, f"prefill {n} tokens") for n in counts]
     if msa_len and msa_len not in counts:
         shapes.append(Shape("prefill", 1, msa_len, max_num_batched_tokens, f"MSA prompt {msa_len} tokens"))
-    if longest_prompt >= LONG_PREFILL_CONTEXT:
-        shapes.append(Shape("prefill", 1, LONG_PREFILL_CONTEXT, max_num_batched_tokens,
-                            f"long-context prompt {LONG_PREFILL_CONTEXT} tokens"))
+    context = 2 * top
+    while top < longest_prompt:  # chunks of a long prompt: 2x, 4x, ... the budget, and the longest prompt
+        context = min(context, longest_prompt)
+        shapes.append(Shape("chunk", 1, context, top, f"{top}-token chunk at context {context}"))
+        if context == longest_prompt:
+            break
+        context *= 2
     return shapes
 
 
@@ -111,9 +119,6 @@ class WarmupReport:
     graphs: int = 0
     seconds: float = 0.0
 
-    def count(self, kind: str) -> int:
-        return sum(1 for s in self.built if s.kind == kind)
-
     def summary(self) -> str:
         """The one log line: counts of what was built, the graphs, the time, and what the budget left out."""
         if not self.built and not self.skipped:
@@ -122,7 +127,7 @@ class WarmupReport:
             return ("warm-up skipped (budget 0 s): kernels are built and decode graphs captured when first met "
                     f"({len(self.skipped)} shapes)")
         decode = [s.batch for s in self.built if s.kind == "decode"]
-        prefill = [s.context for s in self.built if s.kind == "prefill"]
+        prefill = [s.context for s in self.built if s.kind != "decode"]
         parts = [f"{len(decode)} decode batch sizes" + (f" ({min(decode)}-{max(decode)})" if decode else ""),
                  f"{len(prefill)} prefill shapes" + (f" ({min(prefill)}-{max(prefill)} tokens)" if prefill else ""),
                  f"{self.graphs} CUDA graphs captured"]
@@ -179,7 +184,7 @@ def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
         if shape.kind == "decode":
             inp = ModelInput([(context + i) % vocab for i in range(n)], [1] * n, [context] * n, [blocks] * n,
                              list(range(n)))
-        else:
+        else:  # a prompt's chunk: positions context - query ... context - 1
             ids = [(context - query + i) % vocab for i in range(query)]
             inp = ModelInput(ids, [query], [context], [blocks], [0])
         logits = engine.executor.execute_model(inp)
