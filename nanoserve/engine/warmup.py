@@ -85,7 +85,7 @@ class Shape:
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int, topk_blocks: int,
          has_msa: bool) -> list[Shape]:
     """The shapes to warm, in the order they run (see the module docstring)."""
-    longest_prompt = max_model_len - 1  # a prompt leaves room for one generated token
+    longest_prompt = max(max_model_len - 1, 1)  # a prompt leaves room for one generated token
     msa_len = min((topk_blocks + 2) * block_size, longest_prompt) if has_msa else 0
     decode_context = min(max(msa_len + 1, 2), max_model_len)
     shapes = [Shape("decode", b, decode_context, 1, f"decode batch {b}")
