@@ -14,10 +14,14 @@ Every prompt is answered greedily through the engine, then graded the way a clie
     thinking        every answer above is well-formed: ended by EOS, one closed thinking block at most, no marker
                     in the answer
     retrieval_Nk    a pass key hidden in N thousand tokens of filler is read back (MSA really drops blocks there)
-    ppl <corpus>    perplexity of held-out text (first --quality-text-tokens tokens per corpus)
+    ppl <corpus>    perplexity of held-out text (first --quality-text-tokens tokens per corpus, in windows of 512)
+    ppl <corpus> past N   the same text in windows of 4,096 tokens, counting only positions past MSA's top-k x
+                    block size N: the predictions made from a selection of blocks (the long-context quality an
+                    approximation of MSA can cost)
 
-`selection` runs the retrieval prompts again with MSA's block choice replaced: `local` keeps the query's newest
-blocks, `random` the own block plus random earlier ones; the gap to `learned` is what the indexer is worth.
+`selection` runs the retrieval prompts and the long-window perplexity again with MSA's block choice replaced:
+`local` keeps the query's newest blocks, `random` the own block plus random earlier ones; the gap to `learned` is
+what the indexer is worth.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from typing import Any
 import torch
 
 TASK_TOKENS = {"arith": 200, "tool": 120, "no_tool": 80}
+LONG_WINDOW = 4096
+"""Window of the long-context perplexity: past MSA's top-k x block size, so that blocks are really dropped."""
 RETRIEVAL_TOKENS = 24
 
 
@@ -123,8 +129,10 @@ def run_tasks(llm, rows: list[dict]) -> dict[str, list[bool]]:
     return results
 
 
-def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512) -> dict[str, float]:
-    """exp(mean negative log-likelihood) of each corpus's held-out text, in windows of `window` tokens."""
+def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512, skip: int = 0) -> dict[str, float]:
+    """exp(mean negative log-likelihood) of each corpus's held-out text, in windows of `window` tokens, counting
+    only the tokens at positions >= `skip` of their window (with skip past MSA's top-k x block size, only
+    predictions made from a selection of blocks count)."""
     from nanoserve.sampling import SamplingParams
 
     path = os.path.join(model_dir, "heldout_text.jsonl.gz")
@@ -134,16 +142,28 @@ def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512) -> dict[
         corpora = [json.loads(line) for line in f]
     for c in corpora:
         ids = tok.encode(c["text"][: max_tokens * 8])[:max_tokens]  # a token is well under 8 characters
-        windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > 1]
+        windows = [ids[i:i + window] for i in range(0, len(ids) - 1, window) if len(ids[i:i + window]) > skip + 1]
         outs = llm.generate([{"prompt_token_ids": w} for w in windows],
                             SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0), use_tqdm=False)
         nll, n = 0.0, 0
         for w, o in zip(windows, outs):
-            for tid, entry in zip(w[1:], o.prompt_logprobs[1:]):
-                nll -= entry[tid].logprob
+            for pos in range(max(skip, 1), len(w)):
+                nll -= o.prompt_logprobs[pos][w[pos]].logprob
                 n += 1
-        out[c["source"]] = math.exp(nll / max(n, 1))
+        if n:
+            out[c["source"]] = math.exp(nll / n)
     return out
+
+
+def long_perplexity(llm, model_dir: str, max_tokens: int) -> dict[str, float]:
+    """Perplexity of the held-out text in windows of LONG_WINDOW tokens, counting only the positions past MSA's
+    top-k x block size: the predictions that read a selection of blocks rather than the whole prefix. Keyed
+    `<corpus> past <N>`."""
+    cfg = llm.engine.model_config
+    dense = cfg.index_topk_blocks * cfg.index_block_size
+    if LONG_WINDOW <= dense + 1:
+        return {}
+    return {f"{k} past {dense}": v for k, v in perplexity(llm, model_dir, max_tokens, LONG_WINDOW, dense).items()}
 
 
 # -- replacing MSA's learned block choice -------------------------------------------------------------------------
@@ -187,6 +207,9 @@ def evaluate(llm, model_dir: str, limit: int | None = None, text_tokens: int = 8
     report = QualityReport()
     for task, oks in run_tasks(llm, rows).items():
         report.accuracy[task] = (sum(oks) / len(oks), len(oks))
+    if text_tokens:
+        report.perplexity = perplexity(llm, model_dir, text_tokens)
+        report.perplexity.update(long_perplexity(llm, model_dir, text_tokens))
     if selections:
         retrieval = [r for r in rows if r["task"].startswith("retrieval")]
         for kind in ("local", "random"):
@@ -194,10 +217,11 @@ def evaluate(llm, model_dir: str, limit: int | None = None, text_tokens: int = 8
             try:
                 for task, oks in run_tasks(llm, retrieval).items():
                     report.accuracy[f"{task} ({kind} selection)"] = (sum(oks) / len(oks), len(oks))
+                if text_tokens:
+                    report.perplexity.update({f"{k} ({kind} selection)": v for k, v in
+                                              long_perplexity(llm, model_dir, text_tokens).items()})
             finally:
                 force_selection(llm, None)
-    if text_tokens:
-        report.perplexity = perplexity(llm, model_dir, text_tokens)
     return report
 
 
@@ -236,13 +260,14 @@ def variants() -> list[tuple[str, dict]]:
 
 def format_deltas(base: QualityReport, rows: list[tuple[str, QualityReport]]) -> str:
     tasks = [t for t in base.accuracy if "selection" not in t]
-    head = "| turned on | " + " | ".join(tasks) + " | " + " | ".join(f"ppl {c}" for c in base.perplexity) + " |"
-    lines = [head, "|" + "---|" * (1 + len(tasks) + len(base.perplexity))]
+    ppls = [c for c in base.perplexity if "selection" not in c]
+    head = "| turned on | " + " | ".join(tasks) + " | " + " | ".join(f"ppl {c}" for c in ppls) + " |"
+    lines = [head, "|" + "---|" * (1 + len(tasks) + len(ppls))]
     lines.append("| nothing (reference) | " + " | ".join(f"{base.accuracy[t][0] * 100:.1f} %" for t in tasks) + " | "
-                 + " | ".join(f"{v:.2f}" for v in base.perplexity.values()) + " |")
+                 + " | ".join(f"{base.perplexity[c]:.2f}" for c in ppls) + " |")
     for name, rep in rows:
         cells = [f"{(rep.accuracy[t][0] - base.accuracy[t][0]) * 100:+.1f} pt" for t in tasks]
-        cells += [f"{rep.perplexity[c] - base.perplexity[c]:+.3f}" for c in base.perplexity]
+        cells += [f"{rep.perplexity[c] - base.perplexity[c]:+.3f}" for c in ppls]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
