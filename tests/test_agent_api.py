@@ -70,15 +70,7 @@ def app(engine):
     return build_app(engine, MODEL, chat=AGENT_FLAGS)
 
 
-@pytest.fixture(scope="module")
-def server(app):
-    with ServerThread(app) as srv:
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+# `server` and `client` are the shared fixtures of tests/conftest.py, around this module's `app`
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from nanoserve.server import build_app
 from nanoserve.server.anthropic import schema as A
 from nanoserve.server.anthropic.convert import message_events, message_response, prepare_message
 from nanoserve.server.state import ChatOptions
-from tests.server_utils import ServerThread, engine_config
+from tests.server_utils import engine_config
 from tests.test_agent_api import CALL_TEXT, EXPECTED_CALLS, NS, ReplayStream, engine_outputs
 
 MODEL = "m3-tiny-anthropic"
@@ -50,12 +50,6 @@ GREEDY = {"extra_body": {"temperature": 0.0}}  # this SDK no longer takes sampli
 def app(tiny_dir):
     engine = AsyncLLMEngine.from_config(engine_config(tiny_dir, max_model_len=2048))
     return build_app(engine, MODEL, api_key=KEY, chat=AGENT_FLAGS)
-
-
-@pytest.fixture(scope="module")
-def server(app):
-    with ServerThread(app) as srv:
-        yield srv
 
 
 @pytest.fixture(scope="module")
