@@ -153,9 +153,10 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
     from nanoserve.presets.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(model)
-    rows = heldout_rows(model_dir, limit, limit if retrieval_limit is None else retrieval_limit, flag="--speculative")
+    retrieval_limit = limit if retrieval_limit is None else retrieval_limit
+    rows = heldout_rows(model_dir, limit, retrieval_limit, flag="--speculative")
     report: dict[str, Any] = {"model": model, "device": device, "dtype": dtype, "limit": limit,
-                              "retrieval_limit": limit if retrieval_limit is None else retrieval_limit,
+                              "retrieval_limit": retrieval_limit,
                               "prompts": {t: sum(r["task"] == t for r in rows) for t in dict.fromkeys(
                                   r["task"] for r in rows)}, "drafters": {}, "skipped": {}}
     base = _answer_with(model, device, dtype, None, rows, optimizations)
