@@ -70,6 +70,15 @@ def text_rows(docs: Docs, rng: np.random.Generator, n: int, t: int):
     return [(docs.ids[s:s + t], docs.trains[s:s + t]) for s in starts]
 
 
+def packed_rows(docs: Docs, rng: np.random.Generator, n: int, t: int):
+    """n windows of exactly t tokens, each from a random document's start on through the documents after it (the
+    usual packing: a later chat in a row also sees the ones before it). Every step then has the same shape, which
+    is what lets --compile build its kernels once."""
+    ok = docs.starts[docs.starts <= len(docs.ids) - t]
+    starts = ok[rng.integers(len(ok), size=n)]
+    return [(docs.ids[s:s + t], docs.trains[s:s + t]) for s in starts]
+
+
 def batch(rows, device):
     """Rows of (ids, trains) padded to the longest: ids, trains, lengths."""
     t = max(len(r[0]) for r in rows)
@@ -90,10 +99,12 @@ def losses(model, ids, trains, lengths, mode: str, kl_rows: int):
     w2 = torch.zeros_like(trains[:, :-1], dtype=torch.bool)
     w2[:, :-1] = trains[:, 2:] > 0
     logits, mtp_logits, aux = model(ids, lengths, mode=mode, kl_rows=min(kl_rows, ids.shape[1]), heads=(w1, w2))
-    main = F.cross_entropy(logits.float(), ids[:, 1:][w1[:, :-1]])
+    # summed, then divided by at least 1: a packed window may hold no trained token (a chat longer than the
+    # window), and the mean over nothing would be NaN
+    main = F.cross_entropy(logits.float(), ids[:, 1:][w1[:, :-1]], reduction="sum") / max(logits.shape[0], 1)
     mtp = torch.zeros((), device=ids.device)
     if mtp_logits is not None and mtp_logits.shape[0]:
-        mtp = F.cross_entropy(mtp_logits.float(), ids[:, 2:][w2[:, :-1]])
+        mtp = F.cross_entropy(mtp_logits.float(), ids[:, 2:][w2[:, :-1]], reduction="sum") / mtp_logits.shape[0]
     return main, mtp, aux["index_kl"]
 
 
@@ -169,6 +180,10 @@ def main() -> None:
     ap.add_argument("--profile-steps", type=int, default=0, metavar="N",
                     help="profile N steps after 10 warm-up steps, print where the time went (torch.profiler) and stop "
                          "without exporting")
+    ap.add_argument("--pack", action="store_true", help="fixed-shape steps: every chat step is --batch packed "
+                    "windows of --seq tokens, every retrieval step --long-tokens / --long-seq windows of --long-seq")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder block (with --pack: one "
+                    "shape per kind of step, so it compiles a few times and then runs without the Python overhead)")
     ap.add_argument("--init", default=None, metavar="DIR", help="start from a checkpoint export.py wrote (its "
                     "weights and router biases; the optimizer starts afresh)")
     args = ap.parse_args()
@@ -185,6 +200,9 @@ def main() -> None:
     if args.init:
         load_checkpoint(model, args.init)
     model = model.to(device)
+    if args.compile:
+        for block in [*model.layers, *([model.mtp.transformer_layer] if model.mtp is not None else [])]:
+            block.compile()  # in place: parameter names, and so the exported checkpoint, stay the same
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     print(f"m3-mini: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
@@ -209,12 +227,15 @@ def main() -> None:
             g["lr"] = lr
         is_long = args.long_every and step % args.long_every == args.long_every - 1
         if is_long:
-            rows = chat_rows(long, rng, args.long_tokens, args.long_seq)
+            rows = (packed_rows(long, rng, max(1, args.long_tokens // args.long_seq), args.long_seq) if args.pack
+                    else chat_rows(long, rng, args.long_tokens, args.long_seq))
             mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
         elif rng.random() < args.text_frac:
             rows, mode = text_rows(text, rng, args.batch, args.seq), "dense"
         else:
-            rows, mode = chat_rows(chat, rng, args.batch * args.seq, args.seq), "dense"
+            rows = (packed_rows(chat, rng, args.batch, args.seq) if args.pack
+                    else chat_rows(chat, rng, args.batch * args.seq, args.seq))
+            mode = "dense"
         ids, trains, lengths = batch(rows, device)
         with torch.autocast(device.type, dtype=torch.bfloat16):
             main_l, mtp_l, kl = losses(model, ids, trains, lengths, mode, args.kl_rows)

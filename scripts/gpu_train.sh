@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Train m3-mini in one GPU call and bring the checkpoint back in pieces small enough for any file transfer.
+#
+#   OUT=DIR [DEADLINE=570] [PROFILE=1] [TRAIN_ARGS="..."] bash scripts/gpu_train.sh
+#
+# Needs the prepared arrays in data/prepared (python -m training.prepare; chats.npz, long.npz and text.npz are all
+# it reads) and a CUDA PyTorch; nothing is installed. In order:
+#   1. (PROFILE=1) `training.train --profile-steps 10` with packed fixed-shape steps, eager and with --compile;
+#      the faster of the two (tokens per second) is the one trained. Both tables go to $OUT/profile.txt.
+#   2. `training.train` with $TRAIN_ARGS, its time budget set so that the export is done DEADLINE seconds after
+#      the script started; the log in $OUT/train.txt and $OUT/train_log.jsonl.
+#   3. The exported checkpoint directory as $OUT/checkpoint.tar.part-aa, -ab, ... (15 MB each); put it back with
+#      `cat checkpoint.tar.part-* | tar x -C data/run`.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:?set OUT to a directory for the logs and the checkpoint}
+mkdir -p "$OUT"
+start=$(date +%s)
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+TRAIN_ARGS=${TRAIN_ARGS:---batch 32 --seq 1280 --long-seq 8192 --long-tokens 16384 --long-every 4 --text-frac 0.2 --pack}
+RUN=${RUN:-/tmp/m3_mini_run}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  git rev-parse HEAD 2>/dev/null; } | tee "$OUT/gpu.txt"
+
+rate() {  # tokens per second from a --profile-steps report, 0 when it failed
+  grep -o 'profile: [0-9]* steps, [0-9]* tokens, [0-9.]* s' "$1" | awk '{print $4 / $6}' | tail -1 | grep . || echo 0
+}
+compile=""
+if [ "${PROFILE:-1}" = 1 ]; then
+  # shellcheck disable=SC2086
+  timeout 120 python3 -m training.train --device cuda --profile-steps 10 $TRAIN_ARGS --out /tmp/profile_eager \
+    > /tmp/profile_eager.txt 2>&1
+  # shellcheck disable=SC2086
+  timeout 240 python3 -m training.train --device cuda --profile-steps 10 $TRAIN_ARGS --compile \
+    --out /tmp/profile_compile > /tmp/profile_compile.txt 2>&1
+  eager=$(rate /tmp/profile_eager.txt) compiled=$(rate /tmp/profile_compile.txt)
+  { echo "== eager: $eager tokens/s"; cat /tmp/profile_eager.txt
+    echo "== compiled: $compiled tokens/s"; cat /tmp/profile_compile.txt; } > "$OUT/profile.txt"
+  echo "profile: eager $eager tokens/s, compiled $compiled tokens/s"
+  if awk -v a="$eager" -v b="$compiled" 'BEGIN {exit !(b > 1.1 * a)}'; then compile="--compile"; fi
+fi
+budget=$(( ${DEADLINE:-570} - ($(date +%s) - start) - 30 ))
+echo "training for $budget s ${compile:+with --compile}"
+# shellcheck disable=SC2086
+timeout $(( budget + 25 )) python3 -m training.train --device cuda $TRAIN_ARGS $compile --time-budget "$budget" \
+  --save-every 120 --out "$RUN" > "$OUT/train.txt" 2>&1
+echo "train exit $?"
+tail -3 "$OUT/train.txt"
+cp "$RUN/train_log.jsonl" "$OUT/" 2>/dev/null
+tar cf /tmp/checkpoint.tar -C "$RUN" checkpoint && split -b 15M /tmp/checkpoint.tar "$OUT/checkpoint.tar.part-"
+ls -la "$OUT"
