@@ -187,6 +187,12 @@ class Optimizations:
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)
+    mx_activations: bool = switch(
+        False, MODEL, "kernels/mx_linear.py", "with MXFP8 weights, quantize the activations entering every quantized "
+        "linear to MXFP8 per token (e4m3 values, one E8M0 scale per 32 along K) and multiply fp8 x fp8 with "
+        "tl.dot_scaled: the block-scaled MFMA on gfx950 and tcgen05.mma on sm_100 (decomposed on sm_90 and gfx942); "
+        "without Triton, kernels/reference.py mx_linear; no effect on 16-bit weights or the MoE's experts",
+        "the activations stay in the model dtype (kernels/fp8_linear.py or reference.fp8_linear)", exact=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -168,7 +168,7 @@ def compile_launch(launch, target_name: str) -> Result:
         return result
     result.shared = int(compiled.metadata.shared)
     asm = compiled.asm["amdgcn" if target.backend == "hip" else "ptx"]
-    result.instructions = frozenset(re.findall(r"^\s+([a-z][\w.]*)", asm, flags=re.M))
+    result.instructions = frozenset(re.findall(r"^\s+(?:@!?%\w+\s+)?([a-z][\w.:]*)", asm, flags=re.M))
     if target.backend == "hip":
         result.vgpr_spills = _amd_field(asm, "vgpr_spill_count")
         result.sgpr_spills = _amd_field(asm, "sgpr_spill_count")

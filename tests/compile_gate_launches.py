@@ -19,7 +19,8 @@ The collectives of the sharded layers (TP=4, TP=8, and TP=8 with EP=8) are no-op
 The KV pools are bf16, and once more fp8 (`--kv-cache-dtype fp8`) with bf16 weights on one GPU (the sharded
 shapes change head counts, not the fp8 code): the attention, MSA and cache-insert kernels then read or write fp8;
 a launch that run makes that a bf16-pool run made too (everything else) is kept once, under the bf16 runs, so
-the CI subset grows by the fp8-KV launches only (six per backend).
+the CI subset grows by the fp8-KV launches only (six per backend). Likewise one more run with MXFP8 weights and
+the `mx_activations` switch on (one GPU) adds the linears' activation quantize kernel and tl.dot_scaled GEMM.
 A launch is deduplicated by (kernel, signature, constexprs, attributes, options) per backend; each keeps the
 scenarios (weights, sharding, step) that made it.
 """
@@ -63,9 +64,16 @@ FP8_KV = "bf16+fp8-kv"
 """The weight-format label of the runs with fp8 KV pools (bf16 weights: the attention side does not depend on
 the weights' format), recorded at FP8_KV_SHARDINGS."""
 FP8_KV_SHARDINGS = ("tp1",)
+MX_ACT = "mxfp8+mx-act"
+"""The weight-format label of the run with the `mx_activations` switch on (MXFP8 weights and activations: the
+linears' tl.dot_scaled kernel and its quantize kernel), recorded on one GPU: the sharded shapes change N and K,
+not the code."""
 RUNS = [(weights, sharding, torch.bfloat16) for weights in WEIGHTS for sharding in SHARDINGS] + \
-    [(FP8_KV, sharding, torch.float8_e4m3fn) for sharding in FP8_KV_SHARDINGS]
+    [(FP8_KV, sharding, torch.float8_e4m3fn) for sharding in FP8_KV_SHARDINGS] + [(MX_ACT, "tp1", torch.bfloat16)]
 """(weight-format label, sharding, KV pool dtype) of every recorded run."""
+EXTRA_RUNS = (FP8_KV, MX_ACT)
+"""Runs recorded apart: a launch one of them makes that a plain bf16 / MXFP8 run made too is kept under the
+plain run, so each adds only its own launches to the CI subset."""
 
 
 def _steps() -> list[tuple[str, list[int], list[int]]]:
@@ -190,6 +198,7 @@ def _import_kernels() -> None:
     import nanoserve.kernels.gemv  # noqa: F401
     import nanoserve.kernels.moe  # noqa: F401
     import nanoserve.kernels.msa  # noqa: F401
+    import nanoserve.kernels.mx_linear  # noqa: F401
     import nanoserve.kernels.norm_rope  # noqa: F401
     import nanoserve.kernels.swiglu  # noqa: F401
 
@@ -200,17 +209,18 @@ def record_launches(backends: list[str]) -> dict[str, list[Launch]]:
     _import_kernels()
     cfg = get_preset("m3-slice").config
     launches: dict[str, dict[tuple, Launch]] = {backend: {} for backend in backends}
-    fp8_kv: dict[str, dict[tuple, Launch]] = {backend: {} for backend in backends}  # the fp8-KV runs' launches
+    extra = {label: {backend: {} for backend in backends} for label in EXTRA_RUNS}  # their launches, apart
     scenario: list = []
     recorders = {backend: _recorder(backend, launches[backend], scenario) for backend in backends}
-    fp8_recorders = {backend: _recorder(backend, fp8_kv[backend], scenario) for backend in backends}
+    extra_recorders = {label: {backend: _recorder(backend, extra[label][backend], scenario) for backend in backends}
+                       for label in EXTRA_RUNS}
     saved_tp = parallel_state.get_tp()
     try:
         for weights, sharding, kv_dtype in RUNS:
             tp, ep = SHARDINGS[sharding]
             set_tp(0, tp, None, ep)
-            model = M3ForCausalLM(cfg, Optimizations(), torch.bfloat16, "meta",
-                                  "mxfp8" if weights == "mxfp8" else None)
+            model = M3ForCausalLM(cfg, Optimizations(mx_activations=weights == MX_ACT), torch.bfloat16, "meta",
+                                  "mxfp8" if weights in ("mxfp8", MX_ACT) else None)
             longest = max(max(seq_lens) for _, _, seq_lens in STEPS)
             kv, index = allocate_kv_caches(cfg, -(-longest // BLOCK_SIZE), BLOCK_SIZE, kv_dtype, "meta")
             model.bind_kv_caches(kv, index)
@@ -221,12 +231,13 @@ def record_launches(backends: list[str]) -> dict[str, list[Launch]]:
                 ids = torch.zeros(sum(query_lens), dtype=torch.long, device="meta")
                 last = (torch.tensor(query_lens).cumsum(0) - 1).to("meta")
                 for backend in backends:
-                    record = recorders[backend] if weights != FP8_KV else fp8_recorders[backend]
+                    record = extra_recorders[weights][backend] if weights in extra else recorders[backend]
                     with recording(backend, launches[backend], scenario, record):
                         model.compute_logits(model(ids, meta.positions, meta)[last])
         for backend in backends:
-            for key, launch in fp8_kv[backend].items():
-                launches[backend].setdefault(key, launch)  # a launch a bf16-pool run made too stays under it
+            for label in EXTRA_RUNS:
+                for key, launch in extra[label][backend].items():
+                    launches[backend].setdefault(key, launch)  # a launch a plain run made too stays under it
     finally:
         set_tp(saved_tp.rank, saved_tp.size, saved_tp.group, saved_tp.expert_parallel)
     return {backend: list(found.values()) for backend, found in launches.items()}

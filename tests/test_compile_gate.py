@@ -17,15 +17,16 @@ from nanoserve.config import Optimizations
 from nanoserve.kernels import configs, fp8_configs
 from nanoserve.kernels.fp8_linear import LinearTiles, _sum_splits_kernel, fp8_linear
 from nanoserve.kernels.gemv import gemv_mxfp8
+from nanoserve.kernels.mx_linear import MX_LINEAR_TILES, mx_linear
 from nanoserve.model.layers.moe import M3MoE
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.parallel_state import get_tp, set_tp
 from nanoserve.presets.catalog import get_preset
 from tests.compile_gate import KNOWN_SPILLS, TARGETS, compile_all, representative, run_gate
-from tests.compile_gate_launches import FP8_KV, SHARDINGS, recording
+from tests.compile_gate_launches import FP8_KV, MX_ACT, SHARDINGS, recording
 
 OCCUPANCY_2 = ("_paged_prefill_kernel", "_up_swiglu_kernel", "_down_weighted_kernel", "_fp8_linear_kernel",
-               "_gemv_kernel", "_gemv_mxfp8_kernel")
+               "_gemv_kernel", "_gemv_mxfp8_kernel", "_mx_linear_kernel")
 """Kernels whose AMD tiles the rule chose (configs.py): each compiles to >= 2 waves per SIMD on both AMD chips."""
 
 
@@ -199,3 +200,55 @@ def test_fp8_kv_kernels_are_in_the_subset(gate):
     compiled = {(launch.short_name, r.target) for launch, r in results
                 if any(w == FP8_KV for w, _, _ in launch.scenarios)}
     assert compiled == {(k, t) for k in want for t in TARGETS}
+
+
+# -- mx_activations: the native block-scaled instructions -----------------------------------------------------------
+
+NATIVE_MX = {"gfx950": r"v_mfma_scale_f32_\w+_f8f6f4", "sm_100": r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale\S*"}
+"""What tl.dot_scaled with two e4m3 operands must become on the chips with block-scaled matrix instructions
+(AMD GCN mnemonics, PTX instructions)."""
+DECOMPOSED_MX = {"gfx942": r"v_mfma_f32_\w+_bf16", "sm_90": r"wgmma\.mma_async\S*\.bf16\.bf16"}
+"""...and on the chips without: both operands scaled to bf16, then a bf16 MMA (why the switch is off by default)."""
+
+
+def _mx_matrix_instructions(result) -> set[str]:
+    return {i for i in result.instructions if re.match(r"v_mfma|tcgen05\.mma|wgmma\.mma|mma\.", i)}
+
+
+@pytest.mark.parametrize("backend", ["hip", "cuda"])
+def test_every_mx_tile_compiles_to_the_native_block_scaled_mma(backend):
+    """Every entry of MX_LINEAR_TILES: gfx950 builds the scaled MFMA, sm_100 the block-scaled tcgen05.mma; gfx942
+    and sm_90 a bf16 MMA; each within the gate's limits on every chip of its backend."""
+    targets = [t for t, spec in TARGETS.items() if spec.backend == backend]
+    jobs = []
+    for tiles in MX_LINEAR_TILES[backend].values():
+        x = torch.empty(4096, 6144, dtype=torch.bfloat16, device="meta")
+        w = torch.empty(6144, 6144, dtype=torch.float8_e4m3fn, device="meta")
+        s = torch.empty(6144, 6144 // 32, dtype=torch.uint8, device="meta")
+        launches: dict = {}
+        with recording(backend, launches, ["mxfp8", "tp1", "test"]):
+            mx_linear(x, w, s, tiles=tiles)
+        (launch,) = [la for la in launches.values() if la.short_name == "_mx_linear_kernel"]
+        jobs += [(launch, t) for t in targets]
+    for launch, r in compile_all(jobs, workers=2):
+        assert not r.problems(TARGETS[r.target].shared_budget), (r.target, r.problems(TARGETS[r.target].shared_budget))
+        found = _mx_matrix_instructions(r)
+        want = {**NATIVE_MX, **DECOMPOSED_MX}[r.target]
+        assert found and all(re.fullmatch(want, i) for i in found), (r.target, launch.named_constexprs(), found)
+
+
+@pytest.mark.slow
+def test_mx_activation_launches_are_in_the_subset_and_native_where_the_chip_has_it(gate):
+    """The model's own launches with `mx_activations` on (the quantize kernel and the dot_scaled GEMM) are recorded
+    apart and compiled on every target; the GEMM is native on gfx950 and sm_100."""
+    results, _, recorded = gate
+    want = {"_mx_quantize_kernel", "_mx_linear_kernel"}
+    for backend, launches in recorded.items():
+        assert {la.short_name for la in launches if any(w == MX_ACT for w, _, _ in la.scenarios)} == want, backend
+    compiled = {(la.short_name, r.target) for la, r in results if any(w == MX_ACT for w, _, _ in la.scenarios)}
+    assert compiled == {(k, t) for k in want for t in TARGETS}
+    for la, r in results:
+        if la.short_name == "_mx_linear_kernel":
+            want_mma = {**NATIVE_MX, **DECOMPOSED_MX}[r.target]
+            found = _mx_matrix_instructions(r)
+            assert found and all(re.fullmatch(want_mma, i) for i in found), (r.target, found)

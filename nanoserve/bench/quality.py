@@ -246,12 +246,19 @@ def build_llm(model: str, **engine_args):
                seed=0, **engine_args)
 
 
+WITH_MXFP8 = ("mx_activations",)
+"""Approximation switches that change nothing on 16-bit weights: their quality rows run with MXFP8 weights."""
+
+
 def variants() -> list[tuple[str, dict]]:
     """What is not exact, each as the engine arguments that turn it on: every approximation switch, MXFP8
-    weights (the format M3 ships in: the bf16 weights quantised at load) and the fp8 KV cache."""
+    weights (the format M3 ships in: the bf16 weights quantised at load) and the fp8 KV cache. A switch that
+    acts on MXFP8 weights only (WITH_MXFP8) runs on them, so its row shows MXFP8 weights plus the switch."""
     from nanoserve.config import Optimizations
 
-    out = [(name, {"optimizations": Optimizations().replace(**{name: True})})
+    out = [(name + (" + --quantization mxfp8" if name in WITH_MXFP8 else ""),
+            {"optimizations": Optimizations().replace(**{name: True}),
+             **({"quantization": "mxfp8"} if name in WITH_MXFP8 else {})})
            for name in Optimizations.approximations()]
     out.append(("--quantization mxfp8", {"quantization": "mxfp8"}))
     out.append(("--kv-cache-dtype fp8", {"kv_cache_dtype": "fp8"}))

@@ -305,6 +305,40 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.T
     return F.linear(x, dequantize_mxfp8(w, scale, x.dtype))
 
 
+MX_E4M3_EMAX = 8
+"""floor(log2(448)): the exponent of e4m3's largest power of two, which the OCP MX scale rule subtracts."""
+MX_MIN_EXPONENT = -126
+"""Activation scales are clamped here (E8M0 byte 1, never 0): every reader then agrees on the scale's value
+(E8M0's byte 0 is 2^-127 to the block-scaled instructions, and 0 to kernels that place the byte in an fp32
+exponent field). Only blocks whose largest magnitude is under 2^-118 are affected: they quantize to zero."""
+
+
+def quantize_mx_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., K] (K a multiple of 32) -> (fp8 e4m3 [..., K], uint8 E8M0 [..., K / 32]) by the OCP MX rule, per
+    token and per 32 consecutive values along K: the scale is 2^(floor(log2(amax)) - 8) (amax: the block's
+    largest magnitude), each value is divided by it, saturated to +-448 and rounded to the nearest e4m3 value
+    (ties to even). floor(log2) is read from fp32's exponent field, so it is exact. Dequantize with
+    `dequantize_mxfp8` (the weights' rule)."""
+    k = x.shape[-1]
+    if k % MXFP8_BLOCK:
+        raise ValueError(f"MX activations need a width that is a multiple of {MXFP8_BLOCK}, got {k}")
+    blocks = x.float().reshape(*x.shape[:-1], k // MXFP8_BLOCK, MXFP8_BLOCK)
+    amax = blocks.abs().amax(-1)
+    exp = ((amax.view(torch.int32) >> 23) & 0xFF) - E8M0_BIAS - MX_E4M3_EMAX
+    exp = exp.clamp(MX_MIN_EXPONENT, 127)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks * torch.exp2(-exp.float())[..., None]).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn)
+    return q.reshape(x.shape), (exp + E8M0_BIAS).to(torch.uint8)
+
+
+def mx_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with the activations quantized to MXFP8 as well (kernels/mx_linear.py, the `mx_activations`
+    switch): quantize x (`quantize_mx_activations`), dequantize both operands to fp32, multiply in fp32, cast to
+    x's dtype."""
+    q, s = quantize_mx_activations(x)
+    return F.linear(dequantize_mxfp8(q, s, torch.float32), dequantize_mxfp8(w, scale, torch.float32)).to(x.dtype)
+
+
 def route(router_logits: torch.Tensor, correction_bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """M3 routing, all fp32: s = sigmoid(logits); choose top_k of (s + bias); weights = s of the chosen experts,
     renormalised to sum to 1. Returns (topk_weights [T, k] fp32, topk_ids [T, k] int32)."""

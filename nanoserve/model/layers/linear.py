@@ -67,16 +67,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     """x @ W^T for a 16/32-bit weight (scale None) or an MXFP8 one (fp8 weight + E8M0 scale): the Triton
     fp8-weight GEMM under the `triton_fp8_linear` switch (opts None: on), else its reference. A single row with a
     weight of a tuned shape takes the Triton GEMV under the `triton_gemv` switch (16-bit: instead of F.linear;
-    MXFP8: instead of the fp8 GEMM)."""
+    MXFP8: instead of the fp8 GEMM). Under the `mx_activations` switch (an approximation, off by default) an
+    MXFP8 weight multiplies activations quantized to MXFP8 too: kernels/mx_linear.py (no GEMV), or its
+    reference."""
     if scale is None:
         y = one_row_gemv(x, weight, None, opts)
         return F.linear(x, weight) if y is None else y
+    mx = opts is not None and opts.mx_activations
     if (opts is None or opts.triton_fp8_linear) and triton_usable(x):
+        if mx:
+            from nanoserve.kernels.mx_linear import mx_linear
+
+            return mx_linear(x, weight, scale)
         from nanoserve.kernels.fp8_linear import fp8_linear
 
         y = one_row_gemv(x, weight, scale, opts)
         return fp8_linear(x, weight, scale) if y is None else y
-    return reference.fp8_linear(x, weight, scale)
+    return reference.mx_linear(x, weight, scale) if mx else reference.fp8_linear(x, weight, scale)
 
 
 def one_row_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None, opts: Optimizations | None,
