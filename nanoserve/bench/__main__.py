@@ -4,7 +4,8 @@
     python -m nanoserve.bench --workloads W1,W2 --engine both --hf-modes eager,static --out results/
     python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table
     python -m nanoserve.bench --workloads W1 --ablate-switches rope_table,captured_argmax   # just those rows
-    python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile
+    python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile (time, bytes)
+    python -m nanoserve.bench --profile W2 --quantization bf16,mxfp8   # the same per format, then side by side
     python -m nanoserve.bench --profile W4 --w4-lens 131072     # W4: the prefill profile too (TTFT)
     python -m nanoserve.bench --profile-prefill W2 --prefill-chunk 4096   # prefill steps of 4096 tokens
     python -m nanoserve.bench --serve http://127.0.0.1:8000     # W3 against a running server
@@ -175,7 +176,8 @@ def main(argv: list[str] | None = None) -> int:
     formats = _formats(args.quantization)
     base = dict(model=model, device=args.device, dtype=args.dtype, seed=args.seed,
                 cpu_reference_kernels=args.cpu_reference_kernels, switch_changes=changes,
-                max_num_batched_tokens=args.max_num_batched_tokens, hw=hw, kv_cache_dtype=args.kv_cache_dtype)
+                max_num_batched_tokens=args.max_num_batched_tokens, hw=hw, kv_cache_dtype=args.kv_cache_dtype,
+                copy_ceiling_known=True if args.peak_gbps else None)
     if len(formats) > 1:
         return _side_by_side(args, formats, base)
     session = BenchSession(SessionConfig(out_dir=args.out, time_budget_s=args.time_budget,
@@ -204,8 +206,9 @@ PART_ESTIMATES_S = {"build": 60, "W1": 20, "W2": 40, "W4": 25, "W5": 75, "W6": 2
 
 def _side_by_side(args, formats: list[str | None], base: dict) -> int:
     """The kernel micro-benchmarks, then both models built (resident together: m3-slice's bf16 and MXFP8 weights
-    are 50 + 26 GB), then every workload in each format back to back, then one table comparing them. Results go
-    to OUT/<format>/."""
+    are 50 + 26 GB), then every workload in each format back to back, then one table comparing them; the same
+    for the decode-step profiles (--profile: one table by group, formats side by side) and the prefill profiles.
+    Results go to OUT/<format>/, the profile comparison to OUT/profile_formats.json and .txt."""
     import os
     import time
 
@@ -224,13 +227,33 @@ def _side_by_side(args, formats: list[str | None], base: dict) -> int:
     build = dict(vocab=first.model_cfg.vocab_size, scale=scale, prompt_len=args.prompt_len,
                  output_len=args.output_len, num_requests=args.num_requests, w4_lens=_ints(args.w4_lens),
                  seed=args.seed)
-    wls = W.build([n for n in (_names(args.workloads) or ["W1", "W2", "W4", "W5"]) if n != "W3"], **build)
-    built = {name: s.part(f"build nanoserve ({name})", lambda s=s: s.build_nano(wls),
+    profile_names = _names(args.profile)
+    prefill_names = _names(args.profile_prefill) + [n for n in profile_names if n == "W4"]
+    for n in _names(args.workloads) + profile_names + prefill_names:
+        if n not in W.ALL:
+            raise SystemExit(f"unknown workload {n}; choose from {', '.join(W.ALL)}")
+    default = [] if profile_names or prefill_names else ["W1", "W2", "W4", "W5"]
+    wls = W.build([n for n in (_names(args.workloads) or default) if n != "W3"], **build)
+    prof_wls = W.build([n for n in profile_names if n != "W3"], **build)
+    prefill_wls = W.build([n for n in dict.fromkeys(prefill_names) if n != "W3"], **build)
+    planned = wls + prof_wls + prefill_wls
+    built = {name: s.part(f"build nanoserve ({name})", lambda s=s: s.build_nano(planned),
                           min_time_s=PART_ESTIMATES_S["build"]) is not None for name, s in sessions.items()}
     for wl in wls:
         for name, s in sessions.items():
             if built[name]:
                 s.part(f"nanoserve {wl.name} ({name})", lambda s=s, wl=wl: s.run_nano(wl),
+                       min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
+    for wl in prof_wls:
+        for name, s in sessions.items():
+            if built[name]:
+                s.part(f"profile {wl.name} ({name})", lambda s=s, wl=wl: s.profile(wl, args.profile_steps),
+                       min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
+    for wl in prefill_wls:
+        for name, s in sessions.items():
+            if built[name]:
+                s.part(f"prefill profile {wl.name} ({name})",
+                       lambda s=s, wl=wl: s.profile_prefill(wl, args.prefill_chunk),
                        min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
     rc = 0
     for name, s in sessions.items():
@@ -247,7 +270,35 @@ def _side_by_side(args, formats: list[str | None], base: dict) -> int:
         if args.out:
             with open(os.path.join(args.out, "formats.txt"), "w") as f:
                 f.write(text + "\n")
+    _compare_profiles(args, sessions, [wl.name for wl in prof_wls])
     return rc
+
+
+def _compare_profiles(args, sessions: dict, names: list[str]) -> None:
+    """The decode-step profiles of each workload, one table with the formats side by side (printed, and under
+    --out in profile_formats.txt / profile_formats.json)."""
+    import json
+    import os
+
+    from nanoserve.bench.profile import compare_profiles, compare_table
+
+    out, texts = [], []
+    for name in names:
+        profiles = {label: p for label, s in sessions.items() for p in s.results.data["profiles"]
+                    if p["workload"] == name}
+        if len(profiles) < 2:
+            continue  # a format's profile failed (its error is in its summary)
+        c = compare_profiles(profiles)
+        c["table"] = compare_table(c)
+        out.append(c)
+        texts.append(c["table"])
+        print()
+        print(c["table"])
+    if args.out and out:
+        with open(os.path.join(args.out, "profile_formats.txt"), "w") as f:
+            f.write("\n\n".join(texts) + "\n")
+        with open(os.path.join(args.out, "profile_formats.json"), "w") as f:
+            json.dump(out, f, indent=1)
 
 
 def _run(args, session: BenchSession, model: str, scale: str) -> int:

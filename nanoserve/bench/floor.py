@@ -25,6 +25,14 @@ class Ceilings:
 
 H200 = Ceilings("H200 measured ceilings (4.26 TB/s copy, 772 TFLOP/s bf16 matmul)", 4.26e12, 772e12)
 
+QUANTIZABLE_COMPONENTS = ("attention projections", "indexer projections", "dense MLPs", "routed experts w13",
+                          "routed experts w2", "shared expert w13", "shared expert w2")
+"""The components of a decode step's bytes whose weights MXFP8 quantizes (`ModelCost.decode_components`)."""
+DECODE_COMPONENTS = QUANTIZABLE_COMPONENTS + ("router", "LM head", "embedding rows", "dense-layer KV",
+                                              "MSA index keys", "MSA selected KV")
+"""Every component of a decode step's bytes: the quantizable weights, the fp32 router, the 16-bit LM head and
+embedding rows, the KV of the dense layers, and on MSA layers the index keys and the selected KV blocks."""
+
 
 class ModelCost:
     """Bytes and FLOPs of M3 steps, from the config (weights in `weight_bytes` per element, router in fp32).
@@ -109,6 +117,34 @@ class ModelCost:
         f += len(self.sparse_attn_layers) * (2 * c.index_n_heads * c.index_head_dim * context
                                              + per_key * self._selected_keys(context))
         return f
+
+    def decode_components(self, batch: int, context: float) -> dict[str, float]:
+        """decode_step's bytes split by model component (DECODE_COMPONENTS, in that order): what one decode step
+        of `batch` sequences at mean context `context` reads for each. The experts are split into w13 (gate|up,
+        2/3 of an expert) and w2 (down, 1/3), as the fused MoE reads them in two kernels. The values sum to
+        decode_step(batch, context)[0]."""
+        c = self.cfg
+        ctx = int(context)
+        h, n_moe, n_sparse = c.hidden_size, len(self.moe_layers), len(self.sparse_attn_layers)
+        touched = self.experts_touched(batch) * n_moe
+        per_token_kv = 2 * c.num_key_value_heads * c.head_dim * self.kvb
+        out = {
+            "attention projections": self.attn * c.num_hidden_layers * self.qb,
+            "indexer projections": self.indexer * n_sparse * self.qb,
+            "dense MLPs": self.dense_mlp * len(self.dense_mlp_layers) * self.qb,
+            "routed experts w13": touched * 2 * c.intermediate_size * h * self.qb,
+            "routed experts w2": touched * c.intermediate_size * h * self.qb,
+            "shared expert w13": n_moe * 2 * c.shared_intermediate_size * h * self.qb,
+            "shared expert w2": n_moe * c.shared_intermediate_size * h * self.qb,
+            "router": self.router * n_moe * 4,
+            "LM head": self.lm_head * self.wb,
+            "embedding rows": batch * h * self.wb,
+            "dense-layer KV": batch * len(self.dense_attn_layers) * ctx * per_token_kv,
+            "MSA index keys": batch * n_sparse * ctx * c.index_head_dim * self.kvb,
+            "MSA selected KV": batch * n_sparse * self._selected_keys(ctx) * per_token_kv,
+        }
+        assert tuple(out) == DECODE_COMPONENTS
+        return out
 
     # -- steps ----------------------------------------------------------------------------------------------
     def decode_step(self, batch: int, context: float) -> tuple[float, float]:

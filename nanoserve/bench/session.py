@@ -98,6 +98,9 @@ class SessionConfig:
     """Weight format asked of the engine (vLLM's --quantization): None = the checkpoint's, "mxfp8"."""
     kv_cache_dtype: str = "auto"
     """The KV cache's element type (vLLM's --kv-cache-dtype): "auto" = the model dtype, "fp8" = e4m3."""
+    copy_ceiling_known: bool | None = None
+    """Whether hw's copy bandwidth is this device's, for the decode profile's % of ceiling: None = on a GPU (the
+    H200 default or --peak-gbps) yes, on the CPU no; True when --peak-gbps gave it."""
 
 
 class BenchSession:
@@ -241,7 +244,7 @@ class BenchSession:
     def profile(self, wl: Workload, steps: int = 5) -> dict:
         from nanoserve.bench.profile import profile_decode
 
-        prof = profile_decode(self.nano, wl, steps)
+        prof = profile_decode(self.nano, wl, steps, copy_ceiling_known=self.cfg.copy_ceiling_known)
         self.results.add("profiles", prof)
         self.say(prof["table"])
         self.results.write_text(f"profile_{wl.name}.txt", prof["table"])
