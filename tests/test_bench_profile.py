@@ -183,7 +183,7 @@ def test_profile_decode_has_bytes_and_rates(bench):
     assert matmuls["of_ceiling"] == pytest.approx(matmuls["gb_s"] * 1e9 / bench.hw.bytes_per_s)
     for column in ("launches / step", "us / step", "MB / step", "GB/s", "% of ceiling", "floor us"):
         assert column in prof["table"]
-    assert "% of it at the step time" in prof["table"]
+    assert "the step (graphs as configured) reads at" in prof["table"]
     unknown = profile_decode(bench, wl, steps=1)  # the CPU's ceiling is not the H200's
     assert unknown["ceiling_gb_s"] is None and "copy ceiling of this device is unknown" in unknown["table"]
     assert all(g["of_ceiling"] is None for g in unknown["byte_groups"].values())

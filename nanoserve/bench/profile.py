@@ -311,8 +311,8 @@ def profile_table(p: dict) -> str:
             f"{p['kernel_time_per_step_us'] / 1e3:.3f} ms per step")
     if p["ceiling_gb_s"]:
         bytes_line = (f"A decode step must read {_mb(p['step_bytes'])} MB (ModelCost); copy ceiling "
-                      f"{p['ceiling_gb_s']:,.0f} GB/s ({p['ceilings']}): {p['copy_floor_ms']:.3f} ms, "
-                      f"{_pct(p['step_of_ceiling'])} of it at the step time")
+                      f"{p['ceiling_gb_s']:,.0f} GB/s ({p['ceilings']}): {p['copy_floor_ms']:.3f} ms at it; the step "
+                      f"(graphs as configured) reads at {_pct(p['step_of_ceiling'])} of it")
     else:
         bytes_line = (f"A decode step must read {_mb(p['step_bytes'])} MB (ModelCost); the copy ceiling of this "
                       f"device is unknown (--peak-gbps sets one): no % of ceiling")
