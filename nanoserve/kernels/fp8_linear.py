@@ -24,7 +24,8 @@ Small batches (decode) are bandwidth-bound and have few output tiles, so K is sp
 until the grid covers the GPU a few times over; the fp32 partials are summed by one small kernel that also casts
 (`sum_splits`: deterministic, no atomics). Large batches use square-ish tiles and no split. Activations are not
 quantised: Hopper has no block-scaled MMA, and scaling each 32-column block of an fp8 dot on the fp32 accumulator takes
-about as many CUDA-core operations as the bf16 MMA it would replace does tensor-core time.
+about as many CUDA-core operations as the bf16 MMA it would replace does tensor-core time. (On chips that have one,
+the `mx_activations` approximation quantises them to MXFP8: kernels/mx_linear.py.)
 
 The plain-PyTorch reference is `reference.fp8_linear` (dequantise, then F.linear).
 """

@@ -13,8 +13,9 @@ With MXFP8 weights, the activations entering a quantized linear are quantized to
 
 `tl.dot_scaled` with two e4m3 operands compiles to the block-scaled MFMA on gfx950 (`v_mfma_scale_f32_*_f8f6f4`)
 and to the block-scaled `tcgen05.mma` (`kind::mxf8f6f4.block_scale`) on sm_100 when the row tile is 128;
-on sm_90 and gfx942 Triton decomposes it (both operands scaled to bf16, then a bf16 MMA), which is slower than
-the bf16-activation kernels of fp8_linear.py - so the switch is off by default. It is an approximation: e4m3
+on sm_90 and gfx942 Triton decomposes it (both operands scaled to bf16, then a bf16 MMA): the same MMA as the
+bf16-activation kernels of fp8_linear.py plus a quantize launch and a rounding, nothing to gain there - so the
+switch is off by default (no card with native MX has timed it). It is an approximation: e4m3
 keeps 3 fraction bits, so each activation moves by up to 1/16 of itself (1/8 for values the saturation clips).
 """
 
