@@ -96,9 +96,10 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
                         f"off in the base run: {base_notes.get(name, 'turned off on the command line')}"))
             continue
         note = ""
-        if name == "mxfp8_weights" and bench.weights["weight_format"] != "mxfp8":
-            record(_row(f"{name} off", name, None, None, "not applicable: the weights are not MXFP8 (an MXFP8 "
-                        "checkpoint or --quantization mxfp8)"))
+        if name in ("mxfp8_weights", "mx_activations") and bench.weights["weight_format"] != "mxfp8":
+            # mx_activations quantizes what enters the MXFP8 linears: with other weights the row would change nothing
+            record(_row(f"{name} {'ON' if approx else 'off'}", name, None, None, "not applicable: the weights are "
+                        "not MXFP8 (an MXFP8 checkpoint or --quantization mxfp8)", approximation=approx))
             continue
         if name == "cuda_graphs" and device != "cuda":
             note = f"not applicable on {device} (decode is eager either way)"
