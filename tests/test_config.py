@@ -195,7 +195,8 @@ def test_defaults_on_except_approximations():
     assert expected <= set(Optimizations.names())  # the names the docs promise
     for name, value in opts.as_dict().items():
         assert value is (name not in Optimizations.approximations()), name
-    assert Optimizations.approximations() == ["msa_topk_reuse"] and opts.msa_topk_reuse is False
+    assert Optimizations.approximations() == ["msa_topk_reuse", "mx_activations"]
+    assert opts.msa_topk_reuse is False and opts.mx_activations is False
 
 
 def test_every_switch_declares_its_module_layer_and_reference():
