@@ -17,7 +17,7 @@ OUT=${OUT:?set OUT to a directory for the logs and the checkpoint}
 mkdir -p "$OUT"
 start=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 8192 --long-tokens 16384 --long-every 4 --text-frac 0.2 --warmup 300 --pack}
+TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 8192 --long-tokens 16384 --long-every 4 --text-frac 0.2 --long-text-frac 0.5 --warmup 300 --pack}
 RUN=${RUN:-/tmp/m3_mini_run}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"

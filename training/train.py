@@ -6,7 +6,8 @@ One loop, three losses: next-token cross-entropy (on the corpus everywhere, on c
 the MTP module's next-next-token cross-entropy (weight 0.3), and each MSA layer's indexer KL toward the dense
 attention (weight 0.5; model.py). A step is either --batch windows of --seq corpus tokens (share --text-frac) or
 whole chats of similar length, one per row from position 0, padded to the longest. Every `--long-every`-th step
-trains retrieval chats instead (as many of similar length as fit --long-tokens, at least one); in the last
+trains retrieval chats instead (as many of similar length as fit --long-tokens, at least one; or, for a
+`--long-text-frac` share of those steps, corpus windows of --long-seq tokens); in the last
 `--sparse-frac` of training those run through MSA's real block selection (`attention="sparse"`), so the model
 learns to answer from the blocks its indexer picks. The MoE stays balanced by
 the auxiliary-loss-free bias update after every step.
@@ -171,6 +172,8 @@ def main() -> None:
     ap.add_argument("--long-every", type=int, default=8)
     ap.add_argument("--sparse-frac", type=float, default=0.2)
     ap.add_argument("--text-frac", type=float, default=0.35, help="share of short rows from the corpus")
+    ap.add_argument("--long-text-frac", type=float, default=0.0, help="share of long steps that are corpus windows "
+                    "of --long-seq tokens instead of retrieval chats")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--warmup", type=int, default=150)
     ap.add_argument("--kl-rows", type=int, default=64)
@@ -226,7 +229,12 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         is_long = args.long_every and step % args.long_every == args.long_every - 1
-        if is_long:
+        if is_long and rng.random() < args.long_text_frac:
+            # long corpus windows: the indexer's KL (and, late, the sparse selection) also on plain text at the
+            # distances MSA drops blocks, not only on retrieval filler
+            rows = text_rows(text, rng, max(1, args.long_tokens // args.long_seq), args.long_seq)
+            mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
+        elif is_long:
             rows = (packed_rows(long, rng, max(1, args.long_tokens // args.long_seq), args.long_seq) if args.pack
                     else chat_rows(long, rng, args.long_tokens, args.long_seq))
             mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
