@@ -48,6 +48,7 @@ from nanoserve.kernels.fp8_tile import (
     mx_tile_dot,
     mx_tile_gemv,
     scaled_block_dot,
+    tile_coords,
 )
 
 SCALE_ACC_MAX_M = 32
@@ -136,13 +137,7 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
     2 bcast, 3 swap, 4 scaled, 6 gemv (fp8_configs.FP8_VARIANTS)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -261,21 +256,37 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
     return out
 
 
+def linear_rows(name: str, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] as unit-stride rows [M, K], once its shapes are checked against an MXFP8 weight [N, K] fp8 e4m3
+    and its scales [N, K/32] uint8 (`name` is the caller, for the error)."""
+    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
+        raise ValueError(f"{name} needs float8_e4m3fn weights and uint8 scales, got {weight.dtype}, {scale.dtype}")
+    n, k = weight.shape
+    if x.shape[-1] != k or k % MXFP8_BLOCK or tuple(scale.shape) != (n, k // MXFP8_BLOCK):
+        raise ValueError(f"{name}: x {list(x.shape)}, weight {list(weight.shape)}, scale {list(scale.shape)} "
+                         f"do not fit (K must be a multiple of {MXFP8_BLOCK}, scale [N, K/{MXFP8_BLOCK}])")
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def split_plan(m: int, n: int, k: int, t: LinearTiles, split_k: int | None,
+               x: torch.Tensor) -> tuple[int, int, bool, torch.Tensor]:
+    """How a split-K launch covers K: (split, k_per_split, even_k, out), `split` programs along K of `k_per_split`
+    columns each writing `out` [split, M, N] (x's dtype when split == 1, else fp32 partial sums for `sum_splits`);
+    even_k when no K tile is ragged. `split_k` overrides split_k_for's choice."""
+    split = split_k if split_k is not None else split_k_for(m, n, k, t, x.device)
+    k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
+    split = triton.cdiv(k, k_per_split)
+    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
+    return split, k_per_split, k % t.block_k == 0 and k_per_split % t.block_k == 0, out
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
                tiles: LinearTiles | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] fp8 e4m3, scale [N, K/32] uint8 E8M0)^T -> [..., N]
     in x's dtype. `tiles` / `split_k` override the heuristics (benchmarks, tests)."""
-    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
-        raise ValueError(f"fp8_linear needs float8_e4m3fn weights and uint8 scales, got {weight.dtype}, {scale.dtype}")
-    n, k = weight.shape
-    if x.shape[-1] != k or k % MXFP8_BLOCK or tuple(scale.shape) != (n, k // MXFP8_BLOCK):
-        raise ValueError(f"fp8_linear: x {list(x.shape)}, weight {list(weight.shape)}, scale {list(scale.shape)} "
-                         f"do not fit (K must be a multiple of {MXFP8_BLOCK}, scale [N, K/{MXFP8_BLOCK}])")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+    x2 = linear_rows("fp8_linear", x, weight, scale)
+    (m, k), n, lead = x2.shape, weight.shape[0], x.shape[:-1]
     if m == 0:
         return x.new_empty(*lead, n)
     weight, scale = weight.contiguous(), scale.contiguous()  # no-ops for the layer's parameters
@@ -286,11 +297,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         # A captured decode graph would keep that copy in its memory pool, which the KV-cache plan does not
         # count (it measures an eager step): dequantise in registers there.
         t = LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, "bcast")
-    split = split_k if split_k is not None else split_k_for(m, n, k, t, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
-    split = triton.cdiv(k, k_per_split)
-    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    even_k = k % t.block_k == 0 and k_per_split % t.block_k == 0
+    split, k_per_split, even_k, out = split_plan(m, n, k, t, split_k, x)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     _fp8_linear_kernel[grid](
         x2, weight, scale, out, m, n, k, k_per_split,

@@ -10,6 +10,8 @@ pointer set-up and epilogue, and calls one of these per K step:
 - `mx_tile_gemv`: the same load for the CUDA-core variant ("gemv"): rows of a few tokens times the tile in fp32,
   each 32-column block summed before its scale is applied, into per-block partial sums.
 - `scaled_block_dot` ("acc") and `dequant_fp8_tile` ("gather") for the other two layouts.
+- `tile_coords`: a program id -> (row tile, column tile), GROUP_M row tiles at a time, the grid order of every
+  matrix kernel here (the linears and the MoE, in either weight format).
 
 The factor 2^(S - 127) is built by placing S in fp32's exponent field (exact: no exp2, no table; S = 0 gives 0).
 An e4m3 value times a power of two is exact in bf16, so every variant multiplies the very weights the
@@ -23,6 +25,17 @@ import triton.language as tl
 
 MXFP8_BLOCK = 32
 """Input columns per E8M0 scale."""
+
+
+@triton.jit
+def tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program id -> (row tile, column tile), GROUP_M row tiles at a time across all column tiles."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    return pid_m, pid_n
 
 
 @triton.jit

@@ -54,7 +54,7 @@ import triton.language as tl
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
 from nanoserve.kernels.fp8_linear import variant_code
-from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot
+from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot, tile_coords
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align
 
@@ -175,17 +175,6 @@ def select_config(tokens: int, hidden: int, inter: int, experts: int, top_k: int
 
 
 @triton.jit
-def _tile_coords(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
-    """Program id -> (row tile, column tile), GROUP_M row tiles at a time across all column tiles."""
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
-    return pid_m, pid_n
-
-
-@triton.jit
 def _swiglu_store(acc_gate, acc_up, act_ptr, rows, cols, inter, stride_ar, alpha, limit):
     """SwiGLU-OAI of a tile's fp32 gate/up sums, stored as its activation rows."""
     gate = tl.minimum(acc_gate, limit)
@@ -225,7 +214,7 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
     MXFP8 weights (W_FP8) are dequantised as VARIANT says (fp8_linear.py: 0 acc, 1 gather, 2 bcast, 3 swap,
     4 scaled, 6 gemv: only the tile's first ROWS rows, on CUDA cores). TMA: 16-bit weight tiles through w13_desc,
     a descriptor over w13 viewed as [S * 2I, H]."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
@@ -355,7 +344,7 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
     """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared).
     TMA: 16-bit tiles through act_desc (over act [rows, I]) and w2_desc (over w2 viewed as [S * H, I]). VARIANT 6
     (MXFP8 "gemv"): only the tile's first ROWS rows, on CUDA cores, as in GEMM 1."""
-    pid_m, pid_n = _tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
+    pid_m, pid_n = tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return

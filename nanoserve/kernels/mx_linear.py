@@ -26,8 +26,8 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import backend
-from nanoserve.kernels.fp8_linear import LinearTiles, split_k_for, sum_splits
-from nanoserve.kernels.fp8_tile import MXFP8_BLOCK, load_mx_tile
+from nanoserve.kernels.fp8_linear import LinearTiles, linear_rows, split_plan, sum_splits
+from nanoserve.kernels.fp8_tile import MXFP8_BLOCK, load_mx_tile, tile_coords
 from nanoserve.kernels.reference import E8M0_BIAS, MX_E4M3_EMAX, MX_MIN_EXPONENT
 
 MX_LINEAR_TILES: dict[str, dict[int, LinearTiles]] = {
@@ -110,13 +110,7 @@ def _mx_linear_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, out_ptr, M, N, K, k_per_spli
     E8M0 exponent per 32 columns of a row), by `tl.dot_scaled`."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_rows
-    pid_n = (pid % per_group) // group_rows
+    pid_m, pid_n = tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -148,27 +142,14 @@ def mx_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, tiles:
               split_k: int | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) quantized to MXFP8, @ dequant(weight [N, K] fp8 e4m3, scale [N, K/32] uint8
     E8M0)^T -> [..., N] in x's dtype (`reference.mx_linear`). `tiles` / `split_k` override the table (tests)."""
-    if weight.dtype != torch.float8_e4m3fn or scale.dtype != torch.uint8:
-        raise ValueError(f"mx_linear needs float8_e4m3fn weights and uint8 scales, got {weight.dtype}, {scale.dtype}")
-    n, k = weight.shape
-    if x.shape[-1] != k or k % MXFP8_BLOCK or tuple(scale.shape) != (n, k // MXFP8_BLOCK):
-        raise ValueError(f"mx_linear: x {list(x.shape)}, weight {list(weight.shape)}, scale {list(scale.shape)} "
-                         f"do not fit (K must be a multiple of {MXFP8_BLOCK}, scale [N, K/{MXFP8_BLOCK}])")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+    x2 = linear_rows("mx_linear", x, weight, scale)
+    (m, k), n, lead = x2.shape, weight.shape[0], x.shape[:-1]
     if m == 0:
         return x.new_empty(*lead, n)
     weight, scale = weight.contiguous(), scale.contiguous()
     a, a_scale = quantize_mx(x2)
     t = tiles or select_mx_tiles(m, x.device)
-    split = split_k if split_k is not None else split_k_for(m, n, k, t, x.device)
-    k_per_split = triton.cdiv(triton.cdiv(k, split), t.block_k) * t.block_k
-    split = triton.cdiv(k, k_per_split)
-    out = torch.empty((split, m, n), dtype=x.dtype if split == 1 else torch.float32, device=x.device)
-    even_k = k % t.block_k == 0 and k_per_split % t.block_k == 0
+    split, k_per_split, even_k, out = split_plan(m, n, k, t, split_k, x)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     _mx_linear_kernel[grid](
         a, a_scale, weight, scale, out, m, n, k, k_per_split,
