@@ -229,14 +229,16 @@ def main() -> None:
         for g in opt.param_groups:
             g["lr"] = lr
         is_long = args.long_every and step % args.long_every == args.long_every - 1
-        if is_long and rng.random() < args.long_text_frac:
-            # long corpus windows: the indexer's KL (and, late, the sparse selection) also on plain text at the
-            # distances MSA drops blocks, not only on retrieval filler
-            rows = text_rows(text, rng, max(1, args.long_tokens // args.long_seq), args.long_seq)
-            mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
-        elif is_long:
-            rows = (packed_rows(long, rng, max(1, args.long_tokens // args.long_seq), args.long_seq) if args.pack
-                    else chat_rows(long, rng, args.long_tokens, args.long_seq))
+        if is_long:
+            windows = max(1, args.long_tokens // args.long_seq)
+            if rng.random() < args.long_text_frac:
+                # long corpus windows: the indexer's KL (and, late, the sparse selection) also on plain text at
+                # the distances MSA drops blocks, not only on retrieval filler
+                rows = text_rows(text, rng, windows, args.long_seq)
+            elif args.pack:
+                rows = packed_rows(long, rng, windows, args.long_seq)
+            else:
+                rows = chat_rows(long, rng, args.long_tokens, args.long_seq)
             mode = "sparse" if progress >= 1.0 - args.sparse_frac else "dense"
         elif rng.random() < args.text_frac:
             rows, mode = text_rows(text, rng, args.batch, args.seq), "dense"
