@@ -239,22 +239,15 @@ def _side_by_side(args, formats: list[str | None], base: dict) -> int:
     planned = wls + prof_wls + prefill_wls
     built = {name: s.part(f"build nanoserve ({name})", lambda s=s: s.build_nano(planned),
                           min_time_s=PART_ESTIMATES_S["build"]) is not None for name, s in sessions.items()}
-    for wl in wls:
-        for name, s in sessions.items():
-            if built[name]:
-                s.part(f"nanoserve {wl.name} ({name})", lambda s=s, wl=wl: s.run_nano(wl),
-                       min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
-    for wl in prof_wls:
-        for name, s in sessions.items():
-            if built[name]:
-                s.part(f"profile {wl.name} ({name})", lambda s=s, wl=wl: s.profile(wl, args.profile_steps),
-                       min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
-    for wl in prefill_wls:
-        for name, s in sessions.items():
-            if built[name]:
-                s.part(f"prefill profile {wl.name} ({name})",
-                       lambda s=s, wl=wl: s.profile_prefill(wl, args.prefill_chunk),
-                       min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
+    jobs = [("nanoserve", wls, lambda s, wl: s.run_nano(wl)),
+            ("profile", prof_wls, lambda s, wl: s.profile(wl, args.profile_steps)),
+            ("prefill profile", prefill_wls, lambda s, wl: s.profile_prefill(wl, args.prefill_chunk))]
+    for label, group, job in jobs:  # each workload in every format back to back
+        for wl in group:
+            for name, s in sessions.items():
+                if built[name]:
+                    s.part(f"{label} {wl.name} ({name})", lambda s=s, wl=wl, job=job: job(s, wl),
+                           min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
     rc = 0
     for name, s in sessions.items():
         s.close_nano()

@@ -121,6 +121,10 @@ def _rates(bytes_: float | None, us: float, ceiling: float | None) -> dict:
             "floor_us": bytes_ / ceiling * 1e6 if bytes_ is not None and ceiling else None}
 
 
+def _empty_group() -> dict:
+    return {"us_per_step": 0.0, "calls_per_step": 0.0, "kernels": 0, "components": []}
+
+
 def attribute_bytes(per_step: dict[str, tuple[float, float]], components: dict[str, float], device: str,
                     quantized: bool, shared_folded: bool, ceiling: float | None) -> tuple[dict, list]:
     """Kernel times per step (name -> (us, launches)) against the step's bytes per component: (per group: time,
@@ -135,7 +139,7 @@ def attribute_bytes(per_step: dict[str, tuple[float, float]], components: dict[s
             readers[c] = readers.get(c, 0) + 1
     groups: dict[str, dict] = {}
     for group, _, comps in entries:
-        g = groups.setdefault(group, {"us_per_step": 0.0, "calls_per_step": 0.0, "kernels": 0, "components": []})
+        g = groups.setdefault(group, _empty_group())
         g["components"] += [c for c in comps if c not in g["components"]]
     rows = []
     for name, (us, calls) in sorted(per_step.items(), key=lambda kv: -kv[1][0]):
@@ -143,7 +147,7 @@ def attribute_bytes(per_step: dict[str, tuple[float, float]], components: dict[s
         group = m[0] if m else group_of(name)
         comps = m[1] if m else ()
         own = sum(components[c] for c in comps) if comps and all(readers[c] == 1 for c in comps) else None
-        g = groups.setdefault(group, {"us_per_step": 0.0, "calls_per_step": 0.0, "kernels": 0, "components": []})
+        g = groups.setdefault(group, _empty_group())
         g["us_per_step"] += us
         g["calls_per_step"] += calls
         g["kernels"] += 1
