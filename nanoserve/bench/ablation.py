@@ -16,6 +16,7 @@ import logging
 import time
 
 from nanoserve.bench.offline import NanoBench, RunResult
+from nanoserve.bench.quality import WITH_MXFP8
 from nanoserve.bench.report import fmt_ms, table
 from nanoserve.bench.workloads import Workload
 from nanoserve.config import ENGINE
@@ -96,8 +97,8 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
                         f"off in the base run: {base_notes.get(name, 'turned off on the command line')}"))
             continue
         note = ""
-        if name in ("mxfp8_weights", "mx_activations") and bench.weights["weight_format"] != "mxfp8":
-            # mx_activations quantizes what enters the MXFP8 linears: with other weights the row would change nothing
+        if (name == "mxfp8_weights" or name in WITH_MXFP8) and bench.weights["weight_format"] != "mxfp8":
+            # a switch that acts on MXFP8 weights only: with other weights the row would change nothing
             record(_row(f"{name} {'ON' if approx else 'off'}", name, None, None, "not applicable: the weights are "
                         "not MXFP8 (an MXFP8 checkpoint or --quantization mxfp8)", approximation=approx))
             continue
