@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Train m3-mini in one GPU call and bring the checkpoint back in pieces small enough for any file transfer.
 #
-#   OUT=DIR [DEADLINE=570] [PROFILE=1] [TRAIN_ARGS="..."] bash scripts/gpu_train.sh
+#   OUT=DIR [DEADLINE=570] [PROFILE=1] [TRAIN_ARGS="..."] [TOKENIZER=...] bash scripts/gpu_train.sh
 #
 # Needs the prepared arrays in data/prepared (python -m training.prepare; chats.npz, long.npz and text.npz are all
 # it reads) and a CUDA PyTorch; nothing is installed. In order:
@@ -19,6 +19,8 @@ start=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 8192 --long-tokens 16384 --long-every 4 --text-frac 0.2 --long-text-frac 0.5 --warmup 300 --pack}
 RUN=${RUN:-/tmp/m3_mini_run}
+# the frozen tokenizer the package ships (the same file training.tokenizer wrote), so data/tokenizer need not travel
+TOKENIZER=${TOKENIZER:-nanoserve/presets/m3_mini/tokenizer.json}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT/gpu.txt"
@@ -43,7 +45,7 @@ fi
 budget=$(( ${DEADLINE:-570} - ($(date +%s) - start) - 30 ))
 echo "training for $budget s ${compile:+with --compile}"
 # shellcheck disable=SC2086
-timeout $(( budget + 25 )) python3 -m training.train --device cuda $TRAIN_ARGS $compile --time-budget "$budget" \
+timeout $(( budget + 25 )) python3 -m training.train --device cuda $TRAIN_ARGS $compile --tokenizer "$TOKENIZER" --time-budget "$budget" \
   --save-every 120 --out "$RUN" > "$OUT/train.txt" 2>&1
 echo "train exit $?"
 tail -3 "$OUT/train.txt"

@@ -195,6 +195,8 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if not os.path.isfile(args.tokenizer):  # the export at the first save needs it; fail before training, not after
+        raise SystemExit(f"--tokenizer {args.tokenizer}: no such file (python -m training.tokenizer writes it)")
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     device = torch.device(args.device)
