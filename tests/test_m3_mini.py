@@ -143,3 +143,30 @@ def test_a_pass_key_is_found_in_4k_tokens(client):
     r = client.chat.completions.create(model="m3-mini", messages=chat.messages, temperature=0, max_tokens=24)
     assert r.usage.prompt_tokens > 3_000  # well past the 1,024 tokens MSA keeps: blocks are dropped
     assert str(chat.expected["value"]) in r.choices[0].message.content
+
+
+def test_the_readme_transcript_is_what_the_server_answers(client):
+    """The README's table of answers is this server's greedy output, row for row, so it cannot go stale when the
+    weights change."""
+    def answer(messages, **kw):
+        r = client.chat.completions.create(model="m3-mini", messages=messages, temperature=0, **kw)
+        return r.choices[0]
+
+    def one_line(text):
+        return " ".join(text.split())
+
+    hello = answer([{"role": "user", "content": "Hello! Who are you?"}])
+    weather = answer(WEATHER, tools=[WEATHER_TOOL])
+    call = weather.message.tool_calls[0].function
+    total = answer(SUM, extra_body=THINKING)
+    rows = [
+        f'| "Hello! Who are you?" | {hello.finish_reason} | content: "{one_line(hello.message.content)}" |',
+        f'| "What\'s the weather like in Paris?" with a `get_weather(city)` tool | {weather.finish_reason} | '
+        f'`{call.name}({call.arguments})` |',
+        f'| "What is 48 + 37?" with `thinking_mode: enabled` | {total.finish_reason} | reasoning: '
+        f'"{one_line(total.message.reasoning_content)}"; content: "{one_line(total.message.content)}" |',
+    ]
+    with open(os.path.join(os.path.dirname(__file__), "..", "README.md"), encoding="utf-8") as f:
+        readme = f.read().splitlines()
+    for row in rows:
+        assert row in readme, row
