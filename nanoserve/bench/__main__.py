@@ -205,10 +205,11 @@ PART_ESTIMATES_S = {"build": 60, "W1": 20, "W2": 40, "W4": 25, "W5": 75, "W6": 2
 
 
 def _side_by_side(args, formats: list[str | None], base: dict) -> int:
-    """The kernel micro-benchmarks, then both models built (resident together: m3-slice's bf16 and MXFP8 weights
-    are 50 + 26 GB), then every workload in each format back to back, then one table comparing them; the same
-    for the decode-step profiles (--profile: one table by group, formats side by side) and the prefill profiles.
-    Results go to OUT/<format>/, the profile comparison to OUT/profile_formats.json and .txt."""
+    """The kernel micro-benchmarks, then each format in turn - its model built, every workload and profile run,
+    the model freed before the next format's is built (one resident at a time: m3-slice's bf16 and MXFP8 weights
+    and KV pools together do not fit an 80 GB card) - then one table comparing them; the same for the decode-step
+    profiles (--profile: one table by group, formats side by side) and the prefill profiles. Results go to
+    OUT/<format>/, the profile comparison to OUT/profile_formats.json and .txt."""
     import os
     import time
 
@@ -237,20 +238,19 @@ def _side_by_side(args, formats: list[str | None], base: dict) -> int:
     prof_wls = W.build([n for n in profile_names if n != "W3"], **build)
     prefill_wls = W.build([n for n in dict.fromkeys(prefill_names) if n != "W3"], **build)
     planned = wls + prof_wls + prefill_wls
-    built = {name: s.part(f"build nanoserve ({name})", lambda s=s: s.build_nano(planned),
-                          min_time_s=PART_ESTIMATES_S["build"]) is not None for name, s in sessions.items()}
     jobs = [("nanoserve", wls, lambda s, wl: s.run_nano(wl)),
             ("profile", prof_wls, lambda s, wl: s.profile(wl, args.profile_steps)),
             ("prefill profile", prefill_wls, lambda s, wl: s.profile_prefill(wl, args.prefill_chunk))]
-    for label, group, job in jobs:  # each workload in every format back to back
-        for wl in group:
-            for name, s in sessions.items():
-                if built[name]:
+    for name, s in sessions.items():  # one format at a time, its model freed before the next one is built
+        if s.part(f"build nanoserve ({name})", lambda s=s: s.build_nano(planned),
+                  min_time_s=PART_ESTIMATES_S["build"]) is not None:
+            for label, group, job in jobs:
+                for wl in group:
                     s.part(f"{label} {wl.name} ({name})", lambda s=s, wl=wl, job=job: job(s, wl),
                            min_time_s=PART_ESTIMATES_S.get(wl.family, 30))
+        s.close_nano()
     rc = 0
     for name, s in sessions.items():
-        s.close_nano()
         print()
         print(s.summary())
         rc |= 1 if s.results.data["errors"] else 0
