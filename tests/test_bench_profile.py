@@ -13,7 +13,7 @@ import pytest
 
 from nanoserve.bench import workloads as W
 from nanoserve.bench.__main__ import main
-from nanoserve.bench.floor import DECODE_COMPONENTS, QUANTIZABLE_COMPONENTS, ModelCost
+from nanoserve.bench.floor import DECODE_COMPONENTS, H100, H200, QUANTIZABLE_COMPONENTS, ModelCost, ceilings_for
 from nanoserve.bench.offline import NanoBench
 from nanoserve.bench.profile import (
     attribute_bytes,
@@ -218,3 +218,10 @@ def test_profile_command_side_by_side(tmp_path, capsys):
     assert step["mxfp8"]["bytes"] == pytest.approx(profiles["mxfp8"]["step_bytes"])
     assert step["bf16"]["of_ceiling"] > 0
     assert os.path.exists(out / "profile_formats.txt")
+
+
+@pytest.mark.parametrize("name, ceilings", [("NVIDIA H200", H200), ("NVIDIA H100 80GB HBM3", H100),
+                                            ("NVIDIA A100-SXM4-80GB", None), (None, None)])
+def test_the_ceilings_are_the_cards(name, ceilings):
+    """A profile on an H100 reads its % of ceiling against the H100's bandwidth, not the H200's."""
+    assert ceilings_for(name) is ceilings

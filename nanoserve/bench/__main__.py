@@ -30,7 +30,7 @@ import logging
 import sys
 
 from nanoserve.bench import workloads as W
-from nanoserve.bench.floor import H200, Ceilings
+from nanoserve.bench.floor import H200, Ceilings, ceilings_for
 from nanoserve.bench.session import BenchSession, SessionConfig, parse_switch_changes
 from nanoserve.config import KV_CACHE_DTYPES
 
@@ -92,8 +92,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--time-budget", type=float, default=None, help="seconds; no new part starts after it")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--peak-gbps", type=float, default=None, help="bandwidth ceiling (default: H200 4260)")
-    ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 ceiling (default: H200 772)")
+    ap.add_argument("--peak-gbps", type=float, default=None, help="bandwidth ceiling in GB/s (default: the card's: "
+                    "H200 4260 measured, H100 3350 datasheet; another card H200's)")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="bf16 ceiling in TFLOP/s (default: the card's: "
+                    "H200 772 measured, H100 989 datasheet; another card H200's)")
     ap.add_argument("--quantization", default=None, help="weight format (vLLM's flag; default auto = the "
                     "checkpoint's): mxfp8 quantizes bf16 weights at load (m3-slice: the same random draw), bf16 "
                     "dequantizes an MXFP8 checkpoint; a comma list (bf16,mxfp8) runs every workload in each format "
@@ -167,9 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     model = args.model or (DEFAULT_GPU_MODEL if on_gpu else DEFAULT_CPU_MODEL)
     scale = args.scale or ("full" if on_gpu else "small")
     hw = H200
+    if on_gpu:  # the card's own ceilings where known (an unknown card keeps H200's: the label says whose they are)
+        hw = ceilings_for(torch.cuda.get_device_name()) or H200
     if args.peak_gbps or args.peak_tflops:
-        hw = Ceilings("given ceilings", (args.peak_gbps or H200.bytes_per_s / 1e9) * 1e9,
-                      (args.peak_tflops or H200.flops_per_s / 1e12) * 1e12)
+        hw = Ceilings("given ceilings", (args.peak_gbps or hw.bytes_per_s / 1e9) * 1e9,
+                      (args.peak_tflops or hw.flops_per_s / 1e12) * 1e12)
     changes = parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager,
                                                  "enable_prefix_caching": args.enable_prefix_caching,
                                                  "enable_chunked_prefill": args.enable_chunked_prefill})

@@ -24,6 +24,18 @@ class Ceilings:
 
 
 H200 = Ceilings("H200 measured ceilings (4.26 TB/s copy, 772 TFLOP/s bf16 matmul)", 4.26e12, 772e12)
+H100 = Ceilings("H100 SXM datasheet peaks (3.35 TB/s HBM3, 989 TFLOP/s bf16 dense matmul; not measured)", 3.35e12,
+                989e12)
+
+
+def ceilings_for(device_name: str | None) -> Ceilings | None:
+    """The ceilings of a GPU by its name (torch.cuda.get_device_name), or None for a card without an entry."""
+    name = (device_name or "").upper()
+    if "H200" in name:
+        return H200
+    if "H100" in name:
+        return H100
+    return None
 
 QUANTIZABLE_COMPONENTS = ("attention projections", "indexer projections", "dense MLPs", "routed experts w13",
                           "routed experts w2", "shared expert w13", "shared expert w2")
