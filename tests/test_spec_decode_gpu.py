@@ -1,5 +1,6 @@
 """Speculative decoding on the GPU (marked `gpu`): the Triton kernels, CUDA graphs for the steps without a verify
-query, pinned host copies and device-side acceptance, on m3-tiny in fp32.
+query (and, with switch spec_cuda_graphs, for verify steps too), pinned host copies and device-side acceptance, on
+m3-tiny in fp32.
 
 Greedy output with speculation must equal greedy output without it, for the ngram, MTP and EAGLE-3 drafters, and
 every block must come back. A verify query runs through the prefill kernels and a one-token decode through the decode
@@ -32,13 +33,18 @@ def gpu_mtp_dir(tiny_dir, tmp_path_factory) -> str:
     return str(path)
 
 
-def generate(model: str, **kwargs) -> tuple[list[list[int]], dict]:
+def generate(model: str, prompts: list[list[int]] | None = None, **kwargs) -> tuple[list[list[int]], dict]:
     with LLM(model, **ENGINE, **kwargs) as llm:
-        outs = llm.generate([{"prompt_token_ids": p} for p in repetitive_prompts()], GREEDY, use_tqdm=False)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts or repetitive_prompts()], GREEDY,
+                            use_tqdm=False)
         stats = llm.engine.stats
         assert_all_blocks_free(llm)
+        graphs = llm.engine.executor.runner.graphs
         return tokens_of(outs), {"drafts": stats.spec_decode_num_drafts,
-                                 "accepted": stats.spec_decode_num_accepted_tokens}
+                                 "accepted": stats.spec_decode_num_accepted_tokens,
+                                 "decode_graphs": len(graphs.graphs) if graphs is not None else 0,
+                                 "verify_graphs": sorted(graphs.verify_graphs) if graphs is not None else [],
+                                 "verify_disabled": graphs.verify_disabled if graphs is not None else None}
 
 
 def test_every_drafter_keeps_greedy_output_on_the_gpu(gpu_mtp_dir, tmp_path):
@@ -52,3 +58,32 @@ def test_every_drafter_keeps_greedy_output_on_the_gpu(gpu_mtp_dir, tmp_path):
     got, stats = generate(gpu_mtp_dir, speculative_config={"method": "eagle3", "model": str(tmp_path / "eagle3"),
                                                            "num_speculative_tokens": 3})
     assert got == want and stats["drafts"] > 0, stats
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(gpu_mtp_dir, tmp_path, batch):
+    """Switch spec_cuda_graphs with real CUDA graphs: verify steps replay graphs of (batch bucket, context bucket,
+    query length) - 3 sequences padded to bucket 4 - and the mtp and eagle3 drafters read the graphs' static
+    buffer; greedy output equals the output without speculation and with the switch off, for every drafter."""
+    from nanoserve import Optimizations
+
+    prompts = repetitive_prompts()[:batch]
+    on = Optimizations(spec_cuda_graphs=True)
+    want, plain = generate(gpu_mtp_dir, prompts)
+    assert plain["decode_graphs"] > 0, "decode graphs were meant to be captured"
+    write_eagle3_dir(tmp_path / "eagle3")
+    configs = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+                         "prompt_lookup_min": 1},
+               "mtp": {"method": "mtp", "num_speculative_tokens": 3},
+               "eagle3": {"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3}}
+    for name, spec in configs.items():
+        off, _ = generate(gpu_mtp_dir, prompts, speculative_config=spec)
+        got, stats = generate(gpu_mtp_dir, prompts, speculative_config=spec, optimizations=on)
+        assert off == want and got == want, name
+        assert stats["drafts"] > 0 and stats["verify_disabled"] is None, (name, stats)
+        assert stats["decode_graphs"] > 0, (name, stats)  # a drafter no longer turns graphs off
+        if name == "ngram":  # the drafter whose drafts m3-tiny's repetitive output accepts
+            assert stats["accepted"] > 0, stats
+        assert stats["verify_graphs"], f"no verify step replayed a graph: {stats}"
+        assert (1 if batch == 1 else 4) in {k[0] for k in stats["verify_graphs"]}, stats
+        assert all(1 < k[2] <= 4 for k in stats["verify_graphs"]), stats

@@ -70,6 +70,7 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
         raise ValueError(f"unknown optimization switch(es) {', '.join(unknown)}; known: "
                          f"{', '.join(switches.names())}")
     approximations = set(switches.approximations())
+    defaults = {sw.name: sw.default for sw in switches.switches()}
     engine_side = set(switches.names(ENGINE))
     build_time = set(switches.build_time())
     device = bench.device.type
@@ -93,8 +94,8 @@ def ablate(bench: NanoBench, wl: Workload, base_notes: dict[str, str] | None = N
             record(_row(f"{name} on", name, None, None, "on in the base run already", approximation=True))
             continue
         if not approx and not value:
-            record(_row(f"{name} off", name, None, None,
-                        f"off in the base run: {base_notes.get(name, 'turned off on the command line')}"))
+            why = base_notes.get(name) or ("off by default" if not defaults[name] else "turned off on the command line")
+            record(_row(f"{name} off", name, None, None, f"off in the base run: {why}"))
             continue
         note = ""
         if (name == "mxfp8_weights" or name in WITH_MXFP8) and bench.weights["weight_format"] != "mxfp8":

@@ -8,7 +8,8 @@ The steps run on a live model runner with the model's own (random) weights: acce
 cost. B sequences of C context tokens are prefilled into blocks of the runner's pool; then, timed after a warm-up:
 
     decode      a 1-token step per sequence, as the engine runs it (under CUDA graphs when they apply), and eager
-    verify      k + 1 tokens per sequence, with the logits of every position (eager, as the engine runs it)
+    verify      k + 1 tokens per sequence, with the logits of every position, as the engine runs it (replaying a
+                graph with switch spec_cuda_graphs, eagerly without), and eager
     draft       ngram: the prompt lookup on the host; mtp: an MTP module (random weights, the target's widths)
                 over the k + 1 positions a fully accepted verify step made final, then k - 1 further passes;
                 eagle3: the same with an EAGLE-3 layer at the target's hidden size, heads and dense MLP width
@@ -89,9 +90,12 @@ def measure_costs(model: str, device: str = "auto", dtype: str = "auto", context
     k_max, b_max = max(ks), max(batches)
     block = model_block_size(model)
     per_seq = -(-(context + 2 * k_max) // block)
+    # an ngram speculative_config of the largest k: the runner sizes its verify graphs by it (spec_cuda_graphs);
+    # no request runs, so nothing is drafted
+    spec = {"method": "ngram", "num_speculative_tokens": k_max, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
     llm = LLM(model=model, device=device, dtype=dtype, seed=seed, max_num_seqs=b_max,
               max_model_len=context + 2 * k_max + 16, num_gpu_blocks_override=per_seq * b_max,
-              **({"optimizations": optimizations} if optimizations else {}))
+              speculative_config=spec, **({"optimizations": optimizations} if optimizations else {}))
     try:
         return _measure(llm.engine.executor.runner, context, batches, ks, repeats, per_seq, seed, model)
     finally:
@@ -138,7 +142,13 @@ def _measure(runner, context: int, batches, ks, repeats: int, per_seq: int, seed
                 n = k + 1
                 ver = ModelInput(rng.integers(0, vocab, b * n).tolist(), [n] * b, [context + n] * b, tables[:b], [],
                                  list(range(b * n)))
+                opts.cuda_graphs = graphs_were
                 row[f"verify_k{k}_ms"] = _timer(runner.device, lambda ver=ver: runner.execute(ver), repeats) * 1e3
+                row[f"verify_k{k}_graphs"] = runner.graphs is not None and any(
+                    key[2] == n for key in runner.graphs.verify_graphs)
+                opts.cuda_graphs = False
+                row[f"verify_k{k}_eager_ms"] = _timer(runner.device, lambda ver=ver: runner.execute(ver),
+                                                      repeats) * 1e3
             out["rows"].append(row)
     finally:
         opts.cuda_graphs = graphs_were
@@ -199,14 +209,15 @@ def cost_table(report: dict[str, Any], ks) -> str:
              f"{report['context']} tokens of context, mean of {report['repeats']})", ""]
     head = ["batch", "decode ms (graphs / eager)"]
     for k in ks:
-        head += [f"verify {k + 1} tok ms (x decode)", f"draft k={k} ms ngram / mtp / eagle3"]
+        head += [f"verify {k + 1} tok ms (x decode) / eager", f"draft k={k} ms ngram / mtp / eagle3"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in report["rows"]:
         cells = [str(row["batch"]), f"{row['decode_ms']:.3f}{'' if row['decode_graphs'] else ' (no graphs)'} / "
                  f"{row['decode_eager_ms']:.3f}"]
         for k in ks:
             v = row[f"verify_k{k}_ms"]
-            cells += [f"{v:.3f} ({v / row['decode_ms']:.2f}x)",
+            cells += [f"{v:.3f} ({v / row['decode_ms']:.2f}x){'' if row[f'verify_k{k}_graphs'] else ' (no graphs)'}"
+                      f" / {row[f'verify_k{k}_eager_ms']:.3f}",
                       " / ".join(f"{row[f'draft_{m}_k{k}_ms']:.3f}" for m in ("ngram", "mtp", "eagle3"))]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "Speed-up implied = L x decode / (verify + draft), L = mean accepted length:", "",

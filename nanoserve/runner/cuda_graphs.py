@@ -1,10 +1,10 @@
-"""GraphRunner: decode steps replayed as CUDA/HIP graphs (switch `cuda_graphs`; reference: the eager forward in
-`ModelRunner.execute`).
+"""GraphRunner: decode steps - and, with switch `spec_cuda_graphs`, speculative verify steps - replayed as CUDA/HIP
+graphs (switch `cuda_graphs`; reference: the eager forward in `ModelRunner.execute`).
 
 A decode step launches a few hundred small kernels; at batch size 1 their launch cost alone is a large share of a
 ~1.5 ms step. A captured graph replays all of them with one launch. Graphs need fixed shapes and fixed addresses,
 so the runner keeps static input buffers sized for the largest batch and captures one graph per
-(batch-size bucket, context-length bucket):
+(batch-size bucket, context-length bucket) - and per query length for verify steps:
 
 - batch buckets (`BATCH_BUCKETS`, up to max_num_seqs): a batch of n decodes runs in the smallest bucket >= n.
   Padding rows carry token 0 at position 0 with seq_len 1, an all-zero block table row and slot -1 (no cache
@@ -12,6 +12,13 @@ so the runner keeps static input buffers sized for the largest batch and capture
 - context buckets (`SEQ_LEN_BUCKETS`, up to max_model_len): the captured AttentionMetadata says
   max_seq_len = the bucket, so the decode kernels' grids (which depend only on the batch size, the head counts
   and meta.max_seq_len) are fixed; a short context does not pay for a grid sized for max_model_len.
+- query length q: 1 for a decode step. A speculative verify step (switch `spec_cuda_graphs`) feeds every sequence
+  the same q = 1 + drafts tokens (2 <= q <= k + 1) and wants the logits of all of them: its graph runs the batch as
+  bs sequences of q tokens (query_start_loc 0, q, 2q, ...; positions seq_len - q .. seq_len - 1), and the static
+  buffers hold max_bs * (k + 1) tokens. Its padding sequences have seq_len q, positions 0 .. q - 1 and slot -1.
+  Such a batch takes the prefill kernels' paths (num_decode_seqs 0): their grids and tiles depend only on the
+  host-side query lengths ([q] * bs) and context lengths (the bucket), which are fixed for the key; everything
+  per step (positions, lengths, tables, query starts) is read on the device.
 
 Each step copies its inputs into the static buffers (pinned host staging, one asynchronous copy per buffer; the
 block tables and slots are computed by the same functions as an eager step's, runner/input_prep.py),
@@ -19,12 +26,19 @@ replays the graph, and returns a view of the static logits [n, vocab] (valid unt
 `captured_argmax` the graph also writes each row's argmax into a static token buffer (`tokens`), so a batch of
 plain greedy rows needs no kernel after the replay but a copy of its tokens (engine/sampler.py). A graph is
 captured the first time its key is needed, after one eager warm-up run of the same padded batch (which compiles
-the Triton kernels outside the capture); `capture_all` captures every batch bucket ahead of time. All graphs share
-one memory pool.
+the Triton kernels outside the capture); `capture_all` captures every decode batch bucket ahead of time. All graphs
+share one memory pool. A failed decode capture turns every graph off (decode and verify run eagerly); a failed
+verify capture turns the verify graphs off only.
 
-Graphs apply only where every kernel on the decode path is graph-safe: the Triton attention, MSA, MoE and
-QK-norm/RoPE/KV-insert kernels (their reference paths loop over sequences in Python or use data-dependent shapes),
-on a CUDA/HIP device, with tensor_parallel_size 1. Otherwise decode runs eagerly and the reason is logged once.
+A model-based drafter (MTP, EAGLE-3) reads what each target step computed for every row: its `keep` function
+(`DraftRunner.read`) runs inside the captured forward and writes into a static buffer (`kept`), so after a replay
+the drafter reads a view of it.
+
+Graphs apply only where every kernel on the decode and verify paths is graph-safe: the Triton attention, MSA, MoE
+and QK-norm/RoPE/KV-insert kernels (their reference paths loop over sequences in Python or use data-dependent
+shapes; the MSA prefill grouped by block, `msa_sparse_by_block`, sorts and tiles on the device without a host
+synchronisation), on a CUDA/HIP device, with tensor_parallel_size 1. Otherwise decode runs eagerly and the reason
+is logged once.
 """
 
 from __future__ import annotations
@@ -51,6 +65,11 @@ SEQ_LEN_BUCKET_FIRST, SEQ_LEN_BUCKET_GROWTH = 4096, 4
 
 Replay = Callable[[], None]
 CaptureFn = Callable[[Callable[[], None]], Replay]
+Keep = Callable[[torch.Tensor], torch.Tensor]
+"""What a drafter reads of a forward: the model's final hidden states [T, H] -> [T, width] (runner/drafter.py)."""
+VerifyKey = tuple[int, int, int]
+"""A verify graph's key: (batch bucket, context bucket, query length per sequence); a decode graph's is the first
+two."""
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -119,7 +138,11 @@ class GraphRunner:
     padding and buffer plumbing against the eager path without a GPU."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
-                 device: torch.device, capture: CaptureFn | None = None, captured_argmax: bool = False):
+                 device: torch.device, capture: CaptureFn | None = None, captured_argmax: bool = False,
+                 max_query_len: int = 1, keep: Keep | None = None, keep_width: int = 0,
+                 keep_dtype: torch.dtype | None = None):
+        """max_query_len: the longest verify query a graph takes (k + 1; 1 = decode graphs only). keep: what a
+        drafter reads of each forward, written into the static `kept` [tokens, keep_width] of keep_dtype."""
         self.model = model
         self.captured_argmax = captured_argmax
         self.device = device
@@ -129,27 +152,38 @@ class GraphRunner:
         self.len_buckets = seq_len_buckets(max_model_len)
         self.max_model_len = max_model_len
         self.max_blocks = -(-max_model_len // block_size)
+        self.max_query_len = max(1, max_query_len)
+        self.max_tokens = self.max_bs * self.max_query_len
+        self.keep = keep
         on_cuda = device.type == "cuda"
         self._capture = capture or cuda_graph_capture(torch.cuda.graph_pool_handle())
-        n, w = self.max_bs, self.max_blocks
-        # device-side static inputs: int64 rows = input ids, positions, slots; int32 = query starts + seq lens
-        self.i64 = torch.zeros(3, n, dtype=torch.int64, device=device)
+        n, w, t = self.max_bs, self.max_blocks, self.max_tokens
+        # device-side static inputs: int64 rows = input ids, positions, slots (one per token); int32 = query starts
+        # + seq lens (one per sequence)
+        self.i64 = torch.zeros(3, t, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, w, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.zeros(t, model.cfg.vocab_size, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device)  # captured_argmax: argmax of each row
+        self.kept = torch.zeros(t, keep_width, dtype=keep_dtype or torch.float32, device=device) \
+            if keep is not None else None
         # host staging (pinned on a GPU, so the copies are asynchronous), written through numpy views
-        self.h_i64 = torch.zeros(3, n, dtype=torch.int64, pin_memory=on_cuda)
+        self.h_i64 = torch.zeros(3, t, dtype=torch.int64, pin_memory=on_cuda)
         self.h_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=on_cuda)
         self.h_tables = torch.zeros(n, w, dtype=torch.int32, pin_memory=on_cuda)
         self.n_i64, self.n_i32, self.n_tables = self.h_i64.numpy(), self.h_i32.numpy(), self.h_tables.numpy()
-        self.n_i32[: n + 1] = np.arange(n + 1)  # a decode batch's query_start_loc is always 0, 1, ..., bs
         self._copied = torch.cuda.Event() if on_cuda else None
         self.graphs: dict[tuple[int, int], Replay] = {}
+        self.verify_graphs: dict[VerifyKey, Replay] = {}
         self.disabled: str | None = None
+        self.verify_disabled: str | None = None
+        """Why verify graphs are off (a capture failed) while decode graphs go on; None = they are on."""
 
     # -- which graph ----------------------------------------------------------------------------------------
-    def fits(self, num_seqs: int, max_seq_len: int, max_table_len: int) -> bool:
+    def fits(self, num_seqs: int, max_seq_len: int, max_table_len: int, query_len: int = 1) -> bool:
+        """May a batch of num_seqs sequences of query_len tokens each replay a graph?"""
+        if query_len > 1 and (self.verify_disabled is not None or query_len > self.max_query_len):
+            return False
         return (self.disabled is None and num_seqs <= self.max_bs and max_seq_len <= self.max_model_len
                 and max_table_len <= self.max_blocks)
 
@@ -160,40 +194,47 @@ class GraphRunner:
 
     # -- one step ---------------------------------------------------------------------------------------------
     def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]],
-            feed: TokenFeed | None = None) -> torch.Tensor | None:
-        """One decode step (one new token per sequence, every sequence sampled): logits [n, vocab] (a view of the
-        static output, valid until the next replay), or None if the graph could not be captured. `feed`: input
-        ids copied on the device from the previous step's tokens, after the staging (async scheduling)."""
+            feed: TokenFeed | None = None, query_len: int = 1) -> torch.Tensor | None:
+        """One step of query_len new tokens per sequence with every token's logits wanted - a decode step
+        (query_len 1, each sequence sampled) or a verify step: logits [n x query_len, vocab] (a view of the static
+        output, valid until the next replay), or None if the graph could not be captured. `feed`: input ids copied
+        on the device from the previous step's tokens, after the staging (async scheduling)."""
         n = len(seq_lens)
-        key = self.key(n, max(seq_lens))
-        self.stage(input_ids, seq_lens, block_tables, key[0])
+        bs, length = self.key(n, max(seq_lens))
+        self.stage(input_ids, seq_lens, block_tables, bs, query_len)
         apply_token_feed(self.i64[0], feed)
-        replay = self.graphs.get(key)
+        replay = self.graphs.get((bs, length)) if query_len == 1 else self.verify_graphs.get((bs, length, query_len))
         if replay is None:
-            replay = self._capture_key(key)
+            replay = self._capture_key(bs, length, query_len)
             if replay is None:
                 return None
         replay()
-        return self.logits[:n]
+        return self.logits[: n * query_len]
 
-    def stage(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], bs: int) -> None:
-        """Write the padded batch into the host staging buffers and copy them to the device buffers."""
+    def stage(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], bs: int,
+              query_len: int = 1) -> None:
+        """Write the padded batch (bs sequences of query_len tokens) into the host staging buffers and copy them
+        to the device buffers."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
-        n, page = len(seq_lens), self.block_size
+        n, q, page = len(seq_lens), query_len, self.block_size
+        t, t_pad = n * q, bs * q
         lens = np.asarray(seq_lens, dtype=np.int64)
-        pos = lens - 1
+        rows = np.repeat(np.arange(n), q)
+        pos = lens[rows] - q + np.tile(np.arange(q), n)  # a sequence's q tokens sit at seq_len - q .. seq_len - 1
         h = self.n_i64
-        h[:, :bs] = 0
-        h[0, :n] = input_ids
-        h[1, :n] = pos
-        h[2, :bs] = -1
+        h[:, :t_pad] = 0
+        h[0, :t] = input_ids
+        h[1, :t] = pos
+        h[1, t:t_pad] = np.tile(np.arange(q), bs - n)  # padding sequences: positions 0 .. q - 1 of seq_len q
+        h[2, :t_pad] = -1  # padding writes nothing into the cache
         tables = self.n_tables
         tables[:bs] = 0
         fill_block_tables(tables, block_tables)
-        h[2, :n] = slot_mapping(tables, np.arange(n), pos, page)  # a decode's one token sits at seq_len - 1
+        h[2, :t] = slot_mapping(tables, rows, pos, page)
+        self.n_i32[: bs + 1] = np.arange(bs + 1) * q  # query_start_loc: 0, q, 2q, ...
         seq = self.n_i32[self.max_bs + 1:]
-        seq[:bs] = 1
+        seq[:bs] = q
         seq[:n] = lens
         non_blocking = self._copied is not None
         self.i64.copy_(self.h_i64, non_blocking=non_blocking)
@@ -203,34 +244,43 @@ class GraphRunner:
             self._copied.record()
 
     # -- capture ----------------------------------------------------------------------------------------------
-    def static_inputs(self, bs: int, max_seq_len: int) -> tuple[torch.Tensor, AttentionMetadata]:
-        """The input ids and AttentionMetadata of the first bs static rows, as a graph of context bucket
-        max_seq_len reads them."""
-        n = self.max_bs
+    def static_inputs(self, bs: int, max_seq_len: int, query_len: int = 1
+                      ) -> tuple[torch.Tensor, AttentionMetadata]:
+        """The input ids and AttentionMetadata of the first bs static sequences (bs x query_len tokens), as a graph
+        of context bucket max_seq_len reads them. The host-side lengths are fixed for the key: query_len per
+        sequence, and the bucket as each context length (only grid and tile choices and the reference paths read
+        them; a key past a query's position is masked everywhere)."""
+        n, t = self.max_bs, bs * query_len
         meta = AttentionMetadata(
-            positions=self.i64[1, :bs], query_start_loc=self.i32[: bs + 1], seq_lens=self.i32[n + 1: n + 1 + bs],
-            block_tables=self.tables[:bs], slot_mapping=self.i64[2, :bs], block_size=self.block_size,
-            max_query_len=1, max_seq_len=max_seq_len, num_decode_seqs=bs, query_lens_cpu=[1] * bs,
-            # host lengths = the bucket: only the reference paths read them (CPU tests), and a key past a query's
-            # position is masked there anyway
-            seq_lens_cpu=[max_seq_len] * bs)
-        return self.i64[0, :bs], meta
+            positions=self.i64[1, :t], query_start_loc=self.i32[: bs + 1], seq_lens=self.i32[n + 1: n + 1 + bs],
+            block_tables=self.tables[:bs], slot_mapping=self.i64[2, :t], block_size=self.block_size,
+            max_query_len=query_len, max_seq_len=max_seq_len, num_decode_seqs=bs if query_len == 1 else 0,
+            query_lens_cpu=[query_len] * bs, seq_lens_cpu=[max_seq_len] * bs)
+        return self.i64[0, :t], meta
 
-    def _forward(self, bs: int, max_seq_len: int) -> Callable[[], None]:
-        """The step a graph records: the model over the first bs static rows, logits into the static output."""
-        input_ids, meta = self.static_inputs(bs, max_seq_len)
-        model, logits, tokens, argmax = self.model, self.logits[:bs], self.tokens[:bs], self.captured_argmax
+    def _forward(self, bs: int, max_seq_len: int, query_len: int) -> Callable[[], None]:
+        """The step a graph records: the model over the first bs static sequences, logits into the static output
+        (and what the drafter reads into `kept`)."""
+        input_ids, meta = self.static_inputs(bs, max_seq_len, query_len)
+        t = bs * query_len
+        model, logits, tokens = self.model, self.logits[:t], self.tokens[:bs]
+        argmax = self.captured_argmax and query_len == 1  # a verify step's rows go to the acceptance rule
+        keep, kept = self.keep, self.kept[:t] if self.kept is not None else None
 
         def forward() -> None:
             hidden = model(input_ids, meta.positions, meta)
+            if keep is not None:
+                kept.copy_(keep(hidden))
             model.compute_logits(hidden, out=logits)
             if argmax:
                 torch.argmax(logits, dim=-1, out=tokens)
 
+        forward.key = (bs, max_seq_len, query_len)  # for the capture seam (logs, tests)
         return forward
 
-    def _capture_key(self, key: tuple[int, int]) -> Replay | None:
+    def _capture_key(self, bs: int, length: int, query_len: int = 1) -> Replay | None:
         """Warm up and capture one graph over the staged inputs (this step's: K/V writes are idempotent)."""
+        key = (bs, length, query_len)
         fn = self._forward(*key)
         try:
             fn()  # eager warm-up: compiles the kernels and settles allocator state outside the capture
@@ -238,14 +288,25 @@ class GraphRunner:
                 torch.cuda.synchronize(self.device)
             replay = self._capture(fn)
         except Exception as e:  # noqa: BLE001 - a failed capture must not take the engine down
-            self.disabled = f"capture of batch {key[0]} / context {key[1]} failed: {type(e).__name__}: {e}"
-            logger.warning("CUDA graphs disabled, decode runs eagerly: %s", self.disabled, exc_info=True)
+            why = f"capture of batch {key[0]} / context {key[1]} / query length {key[2]} failed: " \
+                  f"{type(e).__name__}: {e}"
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # raises if the failure left the device unusable
+            if key[2] > 1:  # the decode graphs were captured on their own and keep working
+                self.verify_disabled = why
+                logger.warning("verify-step CUDA graphs disabled, verify steps run eagerly: %s", why, exc_info=True)
+                self.verify_graphs.clear()
+                return None
+            self.disabled = why
+            logger.warning("CUDA graphs disabled, decode and verify steps run eagerly: %s", why, exc_info=True)
             self.graphs.clear()
+            self.verify_graphs.clear()
             return None
-        self.graphs[key] = replay
-        logger.debug("captured decode graph: batch %d, context bucket %d", *key)
+        if query_len == 1:
+            self.graphs[(bs, length)] = replay
+        else:
+            self.verify_graphs[key] = replay
+        logger.debug("captured graph: batch %d, context bucket %d, query length %d", *key)
         return replay
 
     def capture_all(self, max_seq_len: int | None = None, max_batch: int | None = None) -> int:
@@ -258,7 +319,7 @@ class GraphRunner:
                 continue
             self.stage([0] * bs, [1] * bs, [[0]] * bs, bs)
             self.i64[2, :bs].fill_(-1)  # dummy rows write nothing into the cache
-            if self._capture_key((bs, length)) is None:
+            if self._capture_key(bs, length) is None:
                 break
             count += 1
         return count

@@ -2,9 +2,10 @@
 draft model (method "eagle3"), with what they read of each target step and their K/V pools.
 
     DraftRunner.build(...)   the drafter that speculative_config names (None for ngram, or none at all)
-    observe(hidden)          after every target forward: keep what the drafter reads (the final hidden states
-                             for MTP; for EAGLE-3 the residual stream entering each tap layer, caught by forward
-                             pre-hooks - or leaving the last layer)
+    observe(hidden)          after every eager target forward: keep what the drafter reads (the final hidden
+                             states for MTP; for EAGLE-3 the residual stream entering each tap layer, caught by
+                             forward pre-hooks - or leaving the last layer). Under CUDA graphs the captured forward
+                             runs `read` into a static buffer instead, and `last` is set to a view of it.
     propose(DraftInput)      its K/V over the positions the last step made final, then greedy drafts
 
 Both drafters work alike: at position t the draft layer reads (the target's state at t, the token x_{t+1}) and
@@ -112,12 +113,23 @@ class DraftRunner:
             self._taps[key] = out + residual
         return hook
 
-    def observe(self, hidden: torch.Tensor) -> None:
-        """After a target forward: keep the final hidden states (MTP) or the taps, side by side (EAGLE-3)."""
+    @property
+    def width(self) -> int:
+        """The width of what `read` returns per token."""
         if isinstance(self.drafter, Eagle3Drafter):
-            self.last = torch.cat([self._taps.pop(i) for i in self.drafter.cfg.aux_layer_ids], dim=-1)
-        else:
-            self.last = hidden
+            return self.model.cfg.hidden_size * len(self.drafter.cfg.aux_layer_ids)
+        return self.model.cfg.hidden_size
+
+    def read(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the drafter reads of the target forward that just ran (hidden: its final hidden states [T, H]):
+        those states (MTP) or the taps, side by side [T, width] (EAGLE-3). Runs inside a captured graph too."""
+        if isinstance(self.drafter, Eagle3Drafter):
+            return torch.cat([self._taps.pop(i) for i in self.drafter.cfg.aux_layer_ids], dim=-1)
+        return hidden
+
+    def observe(self, hidden: torch.Tensor) -> None:
+        """After an eager target forward: keep what the drafter reads of it (`read`)."""
+        self.last = self.read(hidden)
 
     # -- drafting ----------------------------------------------------------------------------------------------
     def _step(self, ids: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata

@@ -22,6 +22,7 @@ from nanoserve.runner import cuda_graphs
 from nanoserve.runner.drafter import DraftRunner
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
+from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_input import DraftInput
 
 logger = logging.getLogger(__name__)
@@ -154,12 +155,14 @@ class ModelRunner:
         the prompt rows' (every rank computes them). The LM head runs on those rows only. `feed`: input ids to take
         from the previous step's sampled tokens on the device (async scheduling)."""
         self.last_argmax = None
-        graphs = self._decode_graphs(inp)
+        graphs, q = self._step_graphs(inp)
         if graphs is not None:
-            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables, feed)
+            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables, feed, q)
             if logits is not None:
-                if graphs.captured_argmax:
+                if graphs.captured_argmax and q == 1:
                     self.last_argmax = graphs.tokens[: len(inp.seq_lens)]
+                if self.drafter is not None:  # what the captured forward kept for it: every token's row
+                    self.drafter.last = graphs.kept[: len(inp.input_ids)]
                 return logits
         input_ids, meta, logits_index = self.prepare(inp)
         apply_token_feed(input_ids, feed)
@@ -173,30 +176,49 @@ class ModelRunner:
         assert self.drafter is not None, "no model-based drafter was loaded"
         return self.drafter.propose(inp, self.prepare)
 
-    def _decode_graphs(self, inp: ModelInput) -> cuda_graphs.GraphRunner | None:
-        """The decode graphs if this step can replay one: a decode-only batch (every sequence one new token, all
-        sampled), graphs on and applicable, the batch within the captured sizes."""
+    def _step_graphs(self, inp: ModelInput) -> tuple[cuda_graphs.GraphRunner | None, int]:
+        """The graphs and the query length q if this step can replay one: a decode-only batch (every sequence one
+        new token, all sampled; q = 1), or with `spec_cuda_graphs` a verify step (every sequence q > 1 tokens,
+        the logits of every token wanted, in order); graphs on and applicable, the batch within the captured
+        sizes."""
         n = len(inp.query_lens)
-        if len(inp.input_ids) != n or len(inp.sample_rows) != n or inp.prompt_rows:
-            return None
+        if not n:
+            return None, 1
+        q = inp.query_lens[0]
+        if len(inp.input_ids) != n * q or any(x != q for x in inp.query_lens):
+            return None, q
+        if q == 1:
+            if len(inp.sample_rows) != n or inp.prompt_rows:
+                return None, q
+        elif inp.sample_rows or inp.prompt_rows != list(range(n * q)):
+            return None, q
         graphs = self._graphs()
-        if graphs is None or not graphs.fits(n, max(inp.seq_lens), max(len(t) for t in inp.block_tables)):
-            return None
-        return graphs
+        if graphs is None or not graphs.fits(n, max(inp.seq_lens), max(len(t) for t in inp.block_tables), q):
+            return None, q
+        return graphs, q
+
+    def _verify_len(self) -> int:
+        """The longest verify query a graph takes: k + 1 with `spec_cuda_graphs` and a speculative_config in use,
+        else 1 (decode graphs only)."""
+        opts, spec = self.config.optimizations, self.config.speculative_config
+        if not opts.spec_cuda_graphs or not opts.speculative_decoding or spec is None:
+            return 1
+        return 1 + SpeculativeConfig.from_dict(spec).num_speculative_tokens
 
     def _graphs(self) -> cuda_graphs.GraphRunner | None:
-        """The GraphRunner for the current pool and switches (rebuilt if a model-side switch changed), or None
-        when graphs are off or not applicable (the reason is logged once)."""
+        """The GraphRunner for the current pool and switches (rebuilt if a model-side switch or spec_cuda_graphs
+        changed), or None when graphs are off or not applicable (the reason is logged once)."""
         opts = self.config.optimizations
         if not opts.cuda_graphs or not self.num_blocks or self.max_model_len is None:
             return None
-        if self.drafter is not None:  # a replayed graph keeps no hidden states for the drafter to read
+        if self.drafter is not None and not opts.spec_cuda_graphs:
+            # the eager forward hands the drafter its hidden states; without spec_cuda_graphs no graph keeps them
             if self._graph_notice != "drafter":
-                logger.info("CUDA graphs not used: the %s drafter reads every step's hidden states",
-                            self.drafter.method)
+                logger.info("CUDA graphs not used: the %s drafter reads every step's hidden states (switch "
+                            "spec_cuda_graphs keeps them in graphs)", self.drafter.method)
                 self._graph_notice = "drafter"
             return None
-        state = cuda_graphs.switch_state(opts)
+        state = cuda_graphs.switch_state(opts) + (opts.spec_cuda_graphs,)
         if self.graphs is None or state != self._graph_switches:
             self.graphs = None
             reason = None if self.graph_capture is not None else \
@@ -206,9 +228,12 @@ class ModelRunner:
                     logger.info("CUDA graphs not applicable, decode runs eagerly: %s", reason)
                     self._graph_notice = reason
                 return None
-            self.graphs = cuda_graphs.GraphRunner(self.model, self.max_num_seqs, self.max_model_len,
-                                                  self.block_size, self.device, self.graph_capture,
-                                                  captured_argmax=opts.captured_argmax)
+            drafter = self.drafter
+            self.graphs = cuda_graphs.GraphRunner(
+                self.model, self.max_num_seqs, self.max_model_len, self.block_size, self.device, self.graph_capture,
+                captured_argmax=opts.captured_argmax, max_query_len=self._verify_len(),
+                keep=drafter.read if drafter is not None else None, keep_width=drafter.width if drafter else 0,
+                keep_dtype=self.dtype)
             self._graph_switches = state
         return self.graphs
 

@@ -1,0 +1,196 @@
+"""Speculative decoding under CUDA graphs (switch `spec_cuda_graphs`, runner/cuda_graphs.py), on the CPU with the
+runner's capture seam: `graph_capture = lambda fn: fn` re-runs the captured function over the same static buffers at
+every replay, which checks the padding (a batch of 3 in bucket 4) and the buffer plumbing - query starts 0, q, 2q,
+positions, slots, the logits of every row, what the drafter reads - against the eager path.
+
+Greedy output (m3-tiny, fp32) with speculation, graphs and the switch on must equal the output without speculation
+and with the switch off, token for token, for the ngram and MTP drafters, at batch 1 and 3; verify and decode steps
+both replay graphs; a failed verify capture leaves the decode graphs working; every block comes back.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.engine_utils import assert_all_blocks_free, engine_opts
+from tests.test_spec_decode import mtp_tensors, tokens_of
+
+MAX_MODEL_LEN = 256
+K = 3
+GREEDY = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MTP = {"method": "mtp", "num_speculative_tokens": K}
+
+
+def prompts() -> list[list[int]]:
+    """Three prompts that repeat themselves (prompt lookup finds drafts in all three at once, so whole batches
+    verify the same number of tokens)."""
+    rng = random.Random(11)
+    motifs = [[rng.randrange(9, 512) for _ in range(n)] for n in (7, 9, 5)]
+    return [motifs[0] * 5, motifs[1] * 4 + motifs[0][:3], motifs[2] * 6]
+
+
+@pytest.fixture(scope="module")
+def mtp_model(tiny_dir, tmp_path_factory) -> str:
+    """m3-tiny plus a random MTP module."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path_factory.mktemp("m3-tiny-mtp-graphs")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+def generate(model: str, batches: list[list[list[int]]], spec: dict | None, graphs: bool,
+             capture=None) -> tuple[list[list[int]], Counter, dict]:
+    """Greedy outputs of each batch in turn (one generate call each); with `graphs`, under the emulated capture
+    (or `capture`) with spec_cuda_graphs on. Returns the outputs, how often each graph key replayed (query length
+    1: decode; more: verify) and the engine's stats and GraphRunner (before it shut down)."""
+    opts = engine_opts().replace(cuda_graphs=graphs, spec_cuda_graphs=graphs)
+    llm = LLM(model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, speculative_config=spec)
+    runner = llm.engine.executor.runner
+    replays: Counter = Counter()
+
+    def counting(fn):
+        replay = capture(fn) if capture is not None else fn
+
+        def run():
+            replays[fn.key] += 1
+            replay()
+        return run
+
+    if graphs:
+        runner.graph_capture = counting
+    drafts: list[list[list[int]]] = []  # every draft a model-based drafter proposed, in order
+    if runner.drafter is not None:
+        propose = runner.propose_drafts
+
+        def recording(inp):
+            out = propose(inp)
+            drafts.append(out)
+            return out
+        runner.propose_drafts = recording
+    outs = []
+    for batch in batches:
+        outs += tokens_of(llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False))
+    assert_all_blocks_free(llm)
+    state = {"stats": llm.engine.stats, "graphs": runner.graphs, "drafts": drafts}
+    llm.engine.shutdown()
+    return outs, replays, state
+
+
+BATCHES = {"batch 1": lambda p: [[p[0]], [p[2]]], "batch 3": lambda p: [p]}
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_dir, mtp_model) -> dict:
+    """Greedy outputs without speculation (the MTP checkpoint's main model is m3-tiny's)."""
+    out, _, _ = generate(tiny_dir, [prompts()], None, graphs=False)
+    return {"batch 1": [out[0], out[2]], "batch 3": out}
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+@pytest.mark.parametrize("method", ["ngram", "mtp"])
+def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_model, expected, method, batch):
+    model, spec = (tiny_dir, NGRAM) if method == "ngram" else (mtp_model, MTP)
+    batches = BATCHES[batch](prompts())
+    eager, _, eager_state = generate(model, batches, spec, graphs=False)
+    graphed, replays, state = generate(model, batches, spec, graphs=True)
+    assert eager == expected[batch]
+    assert graphed == expected[batch]
+    # the drafter read the same hidden states from the graphs' static buffer as from the eager forward: the same
+    # drafts (greedy verification alone would hide a wrong drafter input: it only costs acceptance)
+    assert state["drafts"] == eager_state["drafts"]
+    if method == "mtp":
+        assert sum(len(d) for step in state["drafts"] for d in step) > 20
+    verify = {k: n for k, n in replays.items() if k[2] > 1}
+    decode = {k: n for k, n in replays.items() if k[2] == 1}
+    assert verify and decode, f"verify and decode steps were both meant to replay graphs: {replays}"
+    assert all(1 < k[2] <= K + 1 for k in verify)
+    want_bs = 1 if batch == "batch 1" else 4  # 3 sequences run padded to bucket 4
+    assert any(k[0] == want_bs for k in verify), replays
+    if method == "ngram":  # (m3-tiny's random MTP module drafts what its greedy output rarely is)
+        assert state["stats"].spec_decode_num_accepted_tokens > 0
+
+
+def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_model):
+    """With spec_cuda_graphs an MTP drafter keeps graphs on: after a replayed step its input is the graph's
+    static `kept` rows (every token of the step), not a copy taken outside the graph."""
+    opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
+    with LLM(mtp_model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+             speculative_config=MTP) as llm:
+        runner = llm.engine.executor.runner
+        runner.graph_capture = lambda fn: fn
+        views = []
+        execute = runner.execute
+
+        def spy(inp, feed=None):
+            out = execute(inp, feed)
+            graphs = runner.graphs
+            if graphs is not None and runner.drafter.last is not None and \
+                    runner.drafter.last.data_ptr() == graphs.kept.data_ptr():
+                views.append(len(inp.input_ids) == runner.drafter.last.shape[0])
+            return out
+
+        runner.execute = spy
+        llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+        assert views and all(views)
+        assert runner.graphs.graphs and runner.graphs.verify_graphs
+        assert_all_blocks_free(llm)
+
+
+def test_switch_off_keeps_todays_behaviour(mtp_model):
+    """spec_cuda_graphs off: verify steps run eagerly, and an MTP drafter turns graphs off altogether."""
+    for model, spec in ((mtp_model, MTP), (mtp_model, NGRAM)):
+        opts = engine_opts().replace(cuda_graphs=True)
+        assert opts.spec_cuda_graphs is False  # off by default
+        with LLM(model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                 speculative_config=spec) as llm:
+            runner = llm.engine.executor.runner
+            runner.graph_capture = lambda fn: fn
+            llm.generate([{"prompt_token_ids": p} for p in prompts()], GREEDY, use_tqdm=False)
+            if spec is MTP:
+                assert runner.graphs is None
+            else:
+                assert runner.graphs.graphs and not runner.graphs.verify_graphs
+                assert runner.graphs.max_query_len == 1
+
+
+def test_a_failed_verify_capture_leaves_the_decode_graphs(tiny_dir, expected):
+    """A verify graph whose capture fails: verify steps run eagerly from then on (logged), decode steps keep
+    replaying their graphs, and the output is unchanged."""
+    def capture(fn):
+        if fn.key[2] > 1:
+            raise RuntimeError("emulated capture failure")
+        return fn
+
+    out, replays, state = generate(tiny_dir, [prompts()], NGRAM, graphs=True, capture=capture)
+    assert out == expected["batch 3"]
+    graphs = state["graphs"]
+    assert graphs.verify_disabled and "emulated capture failure" in graphs.verify_disabled
+    assert graphs.disabled is None and graphs.graphs and not graphs.verify_graphs
+    assert replays and all(k[2] == 1 for k in replays)
+
+
+def test_cost_bench_times_the_verify_step_as_the_engine_runs_it(tiny_dir):
+    """`python -m nanoserve.bench --speculative cost`: with spec_cuda_graphs the verify step it times replays a
+    graph of k + 1 tokens per sequence (here the emulated capture), and it reports the eager verify beside it."""
+    from nanoserve.bench.speculative_cost import _measure
+
+    opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
+    context, per_seq = 20, 2
+    with LLM(tiny_dir, optimizations=opts, max_model_len=64, max_num_seqs=3, num_gpu_blocks_override=3 * per_seq,
+             speculative_config=NGRAM) as llm:
+        runner = llm.engine.executor.runner
+        runner.graph_capture = lambda fn: fn
+        report = _measure(runner, context, (1, 3), (1, K), 1, per_seq, 0, "m3-tiny")
+    for row in report["rows"]:
+        assert row["decode_graphs"] and row["verify_k1_graphs"] and row[f"verify_k{K}_graphs"], row
+        assert row[f"verify_k{K}_ms"] > 0 and row[f"verify_k{K}_eager_ms"] > 0
+    assert "(no graphs)" not in report["table"]
