@@ -194,3 +194,45 @@ def test_cost_bench_times_the_verify_step_as_the_engine_runs_it(tiny_dir):
         assert row["decode_graphs"] and row["verify_k1_graphs"] and row[f"verify_k{K}_graphs"], row
         assert row[f"verify_k{K}_ms"] > 0 and row[f"verify_k{K}_eager_ms"] > 0
     assert "(no graphs)" not in report["table"]
+
+
+def test_verify_staging_matches_the_eager_preparation():
+    """A verify graph's static buffers, staged for random batches of q tokens per sequence, hold what the eager
+    preparation builds for the real sequences (query starts 0, q, 2q, ...; positions seq_len - q .. seq_len - 1;
+    slots), and inert padding sequences (seq_len q, positions 0 .. q - 1, zero tables, slot -1) for the rest of
+    the bucket. Integers: exact."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from nanoserve.batch import AttentionMetadata
+    from nanoserve.runner.cuda_graphs import GraphRunner
+
+    page, max_len = 16, 96
+    model = SimpleNamespace(cfg=SimpleNamespace(vocab_size=8))
+    graphs = GraphRunner(model, 8, max_len, page, torch.device("cpu"), capture=lambda fn: fn, max_query_len=K + 1)
+    assert graphs.max_tokens == 8 * (K + 1) and graphs.logits.shape == (8 * (K + 1), 8)
+    rng = np.random.default_rng(3)
+    for _ in range(30):
+        n, q = int(rng.integers(1, 9)), int(rng.integers(2, K + 2))
+        seq = rng.integers(q, max_len + 1, n).tolist()
+        free = rng.permutation(300).tolist()
+        tables = [[free.pop() for _ in range(-(-s // page))] for s in seq]
+        ids = rng.integers(0, 500, n * q).tolist()
+        assert graphs.fits(n, max(seq), max(len(t) for t in tables), q)
+        bs, length = graphs.key(n, max(seq))
+        graphs.stage(ids, seq, tables, bs, q)
+        got_ids, meta = graphs.static_inputs(bs, length, q)
+        ref = AttentionMetadata.build([q] * n, seq, tables, page)
+        t = n * q
+        assert got_ids[:t].tolist() == ids and not got_ids[t:].any()
+        assert torch.equal(meta.query_start_loc, torch.arange(bs + 1, dtype=torch.int32) * q)
+        assert torch.equal(meta.positions[:t], ref.positions)
+        assert meta.positions[t:].tolist() == list(range(q)) * (bs - n)
+        assert torch.equal(meta.slot_mapping[:t], ref.slot_mapping) and (meta.slot_mapping[t:] == -1).all()
+        assert torch.equal(meta.seq_lens[:n], ref.seq_lens) and (meta.seq_lens[n:] == q).all()
+        width = ref.block_tables.shape[1]
+        assert torch.equal(meta.block_tables[:n, :width], ref.block_tables) and not meta.block_tables[n:].any()
+        assert meta.num_decode_seqs == 0 and meta.max_query_len == q and meta.query_lens_cpu == [q] * bs
+    assert not graphs.fits(1, 10, 1, K + 2)  # longer than k + 1
