@@ -39,12 +39,14 @@ def generate(model: str, prompts: list[list[int]] | None = None, **kwargs) -> tu
                             use_tqdm=False)
         stats = llm.engine.stats
         assert_all_blocks_free(llm)
-        graphs = llm.engine.executor.runner.graphs
+        runner = llm.engine.executor.runner
+        graphs = runner.graphs
         return tokens_of(outs), {"drafts": stats.spec_decode_num_drafts,
                                  "accepted": stats.spec_decode_num_accepted_tokens,
                                  "decode_graphs": len(graphs.graphs) if graphs is not None else 0,
                                  "verify_graphs": sorted(graphs.verify_graphs) if graphs is not None else [],
-                                 "verify_disabled": graphs.verify_disabled if graphs is not None else None}
+                                 "verify_disabled": graphs.verify_disabled if graphs is not None else None,
+                                 "draft_graphs": len(runner.draft_graphs.graphs) if runner.draft_graphs else 0}
 
 
 def test_every_drafter_keeps_greedy_output_on_the_gpu(gpu_mtp_dir, tmp_path):
@@ -63,8 +65,9 @@ def test_every_drafter_keeps_greedy_output_on_the_gpu(gpu_mtp_dir, tmp_path):
 @pytest.mark.parametrize("batch", [1, 3])
 def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(gpu_mtp_dir, tmp_path, batch):
     """Switch spec_cuda_graphs with real CUDA graphs: verify steps replay graphs of (batch bucket, context bucket,
-    query length) - 3 sequences padded to bucket 4 - and the mtp and eagle3 drafters read the graphs' static
-    buffer; greedy output equals the output without speculation and with the switch off, for every drafter."""
+    query length) - 3 sequences padded to bucket 4 - the mtp and eagle3 drafters read the graphs' static buffer,
+    and the MTP's one-token draft passes replay graphs of their own; greedy output equals the output without
+    speculation and with the switch off, for every drafter."""
     from nanoserve import Optimizations
 
     prompts = repetitive_prompts()[:batch]
@@ -87,3 +90,4 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(gpu_mtp_dir, tmp
         assert stats["verify_graphs"], f"no verify step replayed a graph: {stats}"
         assert (1 if batch == 1 else 4) in {k[0] for k in stats["verify_graphs"]}, stats
         assert all(1 < k[2] <= 4 for k in stats["verify_graphs"]), stats
+        assert (stats["draft_graphs"] > 0) == (name == "mtp"), stats  # the MTP's one-token passes: graphs too

@@ -109,9 +109,11 @@ def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_mo
     assert state["drafts"] == eager_state["drafts"]
     if method == "mtp":
         assert sum(len(d) for step in state["drafts"] for d in step) > 20
-    verify = {k: n for k, n in replays.items() if k[2] > 1}
-    decode = {k: n for k, n in replays.items() if k[2] == 1}
+    verify = {k: n for k, n in replays.items() if k[0] != "draft" and k[2] > 1}
+    decode = {k: n for k, n in replays.items() if k[0] != "draft" and k[2] == 1}
     assert verify and decode, f"verify and decode steps were both meant to replay graphs: {replays}"
+    draft_passes = {k: n for k, n in replays.items() if k[0] == "draft"}
+    assert bool(draft_passes) == (method == "mtp"), replays  # the MTP's one-token passes replay graphs too
     assert all(1 < k[2] <= K + 1 for k in verify)
     want_bs = 1 if batch == "batch 1" else 4  # 3 sequences run padded to bucket 4
     assert any(k[0] == want_bs for k in verify), replays
@@ -175,12 +177,13 @@ def test_a_failed_verify_capture_leaves_the_decode_graphs(tiny_dir, expected):
     graphs = state["graphs"]
     assert graphs.verify_disabled and "emulated capture failure" in graphs.verify_disabled
     assert graphs.disabled is None and graphs.graphs and not graphs.verify_graphs
-    assert replays and all(k[2] == 1 for k in replays)
+    assert replays and all(k[2] == 1 for k in replays)  # (ngram: no draft passes)
 
 
 def test_cost_bench_times_the_verify_step_as_the_engine_runs_it(tiny_dir):
     """`python -m nanoserve.bench --speculative cost`: with spec_cuda_graphs the verify step it times replays a
-    graph of k + 1 tokens per sequence (here the emulated capture), and it reports the eager verify beside it."""
+    graph of k + 1 tokens per sequence (here the emulated capture), and it reports the eager verify beside it; the
+    MTP's one-token draft passes replay graphs as in the engine."""
     from nanoserve.bench.speculative_cost import _measure
 
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
@@ -188,8 +191,11 @@ def test_cost_bench_times_the_verify_step_as_the_engine_runs_it(tiny_dir):
     with LLM(tiny_dir, optimizations=opts, max_model_len=64, max_num_seqs=3, num_gpu_blocks_override=3 * per_seq,
              speculative_config=NGRAM) as llm:
         runner = llm.engine.executor.runner
-        runner.graph_capture = lambda fn: fn
+        captured = []
+        runner.graph_capture = lambda fn: captured.append(fn.key) or fn
         report = _measure(runner, context, (1, 3), (1, K), 1, per_seq, 0, "m3-tiny")
+        assert any(key[0] == "draft" for key in captured)  # the MTP's one-token passes too
+        assert runner.draft_graphs is None  # dropped with the bench's random drafter
     for row in report["rows"]:
         assert row["decode_graphs"] and row["verify_k1_graphs"] and row[f"verify_k{K}_graphs"], row
         assert row[f"verify_k{K}_ms"] > 0 and row[f"verify_k{K}_eager_ms"] > 0
@@ -236,3 +242,18 @@ def test_verify_staging_matches_the_eager_preparation():
         assert torch.equal(meta.block_tables[:n, :width], ref.block_tables) and not meta.block_tables[n:].any()
         assert meta.num_decode_seqs == 0 and meta.max_query_len == q and meta.query_lens_cpu == [q] * bs
     assert not graphs.fits(1, 10, 1, K + 2)  # longer than k + 1
+
+
+def test_a_failed_draft_pass_capture_leaves_the_step_graphs(mtp_model, expected):
+    """The MTP's one-token passes: a failed capture sends them back to the eager path (the same drafts), while
+    verify and decode steps keep replaying their graphs."""
+    def capture(fn):
+        if fn.key[0] == "draft":
+            raise RuntimeError("emulated capture failure")
+        return fn
+
+    eager, _, eager_state = generate(mtp_model, [prompts()], MTP, graphs=False)
+    out, replays, state = generate(mtp_model, [prompts()], MTP, graphs=True, capture=capture)
+    assert out == eager == expected["batch 3"] and state["drafts"] == eager_state["drafts"]
+    assert not any(k[0] == "draft" for k in replays)
+    assert any(k[2] > 1 for k in replays) and any(k[2] == 1 for k in replays)

@@ -11,7 +11,8 @@ cost. B sequences of C context tokens are prefilled into blocks of the runner's 
     verify      k + 1 tokens per sequence, with the logits of every position, as the engine runs it (replaying a
                 graph with switch spec_cuda_graphs, eagerly without), and eager
     draft       ngram: the prompt lookup on the host; mtp: an MTP module (random weights, the target's widths)
-                over the k + 1 positions a fully accepted verify step made final, then k - 1 further passes;
+                over the k + 1 positions a fully accepted verify step made final, then k - 1 further passes
+                (replaying graphs with spec_cuda_graphs, as the engine runs them);
                 eagle3: the same with an EAGLE-3 layer at the target's hidden size, heads and dense MLP width
 
 A drafter emitting L tokens per verify step on average (the mean accepted length) gives
@@ -163,9 +164,9 @@ def _measure(runner, context: int, batches, ks, repeats: int, per_seq: int, seed
                         runner.device, _draft_step(method, draft, runner, contexts[:b], tables[:b], k, rng),
                         repeats) * 1e3
         finally:
-            if draft is not None:  # its weights and pool go before the next one's are made
+            if draft is not None:  # its weights, pool and graphs go before the next one's are made
                 draft.allocate(0)
-                draft = None
+                draft = runner.draft_graphs = None
                 if runner.device.type == "cuda":
                     torch.cuda.empty_cache()
     out["speedups"] = implied_speedups(out["rows"], ks)
@@ -174,7 +175,8 @@ def _measure(runner, context: int, batches, ks, repeats: int, per_seq: int, seed
 
 
 def _draft_step(method: str, draft, runner, contexts: list[list[int]], tables: list[list[int]], k: int, rng):
-    """One draft step for every sequence, after a fully accepted verify step of k + 1 tokens."""
+    """One draft step for every sequence, after a fully accepted verify step of k + 1 tokens (the one-token
+    passes under graphs where the engine would replay them)."""
     if method == "ngram":
         proposer = NgramProposer(2, 4, k)
         return lambda: [proposer.propose(c) for c in contexts]
@@ -185,9 +187,11 @@ def _draft_step(method: str, draft, runner, contexts: list[list[int]], tables: l
     width = runner.cfg.hidden_size * (len(draft.drafter.cfg.aux_layer_ids) if method == "eagle3" else 1)
     hidden = torch.randn(b * n, width, device=runner.device).to(runner.dtype)  # what the verify step left
 
+    graphs = runner.draft_pass_graphs(draft)
+
     def step():
         draft.last = hidden
-        return draft.propose(inp, runner.prepare)
+        return draft.propose(inp, runner.prepare, graphs)
     return step
 
 

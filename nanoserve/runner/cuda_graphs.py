@@ -137,12 +137,16 @@ class GraphRunner:
     `lambda fn: fn`, which re-runs the function at every replay over the same static buffers - it checks the
     padding and buffer plumbing against the eager path without a GPU."""
 
+    runs_eagerly = "decode and verify steps"
+    """What runs eagerly once a capture has failed (for the log)."""
+
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, capture: CaptureFn | None = None, captured_argmax: bool = False,
                  max_query_len: int = 1, keep: Keep | None = None, keep_width: int = 0,
-                 keep_dtype: torch.dtype | None = None):
+                 keep_dtype: torch.dtype | None = None, with_logits: bool = True):
         """max_query_len: the longest verify query a graph takes (k + 1; 1 = decode graphs only). keep: what a
-        drafter reads of each forward, written into the static `kept` [tokens, keep_width] of keep_dtype."""
+        drafter reads of each forward, written into the static `kept` [tokens, keep_width] of keep_dtype.
+        with_logits: allocate the static logits (a subclass whose graphs output something else does not)."""
         self.model = model
         self.captured_argmax = captured_argmax
         self.device = device
@@ -163,7 +167,8 @@ class GraphRunner:
         self.i64 = torch.zeros(3, t, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self.tables = torch.zeros(n, w, dtype=torch.int32, device=device)
-        self.logits = torch.zeros(t, model.cfg.vocab_size, dtype=torch.float32, device=device)
+        self.logits = torch.zeros(t, model.cfg.vocab_size, dtype=torch.float32, device=device) \
+            if with_logits else None
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device)  # captured_argmax: argmax of each row
         self.kept = torch.zeros(t, keep_width, dtype=keep_dtype or torch.float32, device=device) \
             if keep is not None else None
@@ -298,7 +303,7 @@ class GraphRunner:
                 self.verify_graphs.clear()
                 return None
             self.disabled = why
-            logger.warning("CUDA graphs disabled, decode and verify steps run eagerly: %s", why, exc_info=True)
+            logger.warning("CUDA graphs disabled, %s run eagerly: %s", self.runs_eagerly, why, exc_info=True)
             self.graphs.clear()
             self.verify_graphs.clear()
             return None

@@ -7,6 +7,8 @@ draft model (method "eagle3"), with what they read of each target step and their
                              forward pre-hooks - or leaving the last layer). Under CUDA graphs the captured forward
                              runs `read` into a static buffer instead, and `last` is set to a view of it.
     propose(DraftInput)      its K/V over the positions the last step made final, then greedy drafts
+    DraftGraphs              with switch spec_cuda_graphs, the MTP drafter's one-token passes (every draft after
+                             the first) replayed as CUDA graphs
 
 Both drafters work alike: at position t the draft layer reads (the target's state at t, the token x_{t+1}) and
 its output's logits give x_{t+2}; each further draft feeds the layer its own output and the token it drafted,
@@ -26,6 +28,7 @@ from nanoserve.model.eagle3 import Eagle3Drafter, load_eagle3
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp
 from nanoserve.parallel_state import get_tp
+from nanoserve.runner.cuda_graphs import GraphRunner
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_input import DraftInput
 
@@ -146,10 +149,12 @@ class DraftRunner:
         return self.model.compute_logits(normed).argmax(dim=-1)
 
     @torch.inference_mode()
-    def propose(self, inp: DraftInput, prepare: Prepare) -> list[list[int]]:
+    def propose(self, inp: DraftInput, prepare: Prepare, graphs: "DraftGraphs | None" = None) -> list[list[int]]:
         """The drafter's K/V over the positions the last step finished, then greedy drafts (see DraftInput):
         step 1 from its output at each sequence's last such position, step j from its own output of step j - 1
-        and the token drafted there, one position further. `prepare`: the runner's step-input preparation."""
+        and the token drafted there, one position further. `prepare`: the runner's step-input preparation;
+        `graphs`: the one-token passes (steps 2 ..) replay these where they fit (the first pass's shape varies:
+        it runs eagerly)."""
         assert self.last is not None, "no target step to draft from"
         rows = self.last[torch.tensor(inp.rows, dtype=torch.int64, device=self.device)]
         hidden = self.drafter.combine(rows) if isinstance(self.drafter, Eagle3Drafter) else rows
@@ -172,8 +177,62 @@ class DraftRunner:
             active = [active[i] for i in keep]
             idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
             lens = [inp.seq_lens[s] + j + 1 for s in active]
-            _, meta, _ = prepare(ModelInput([0] * len(active), [1] * len(active), lens,
-                                            [inp.block_tables[s] for s in active], []))
+            tables = [inp.block_tables[s] for s in active]
+            replayed = graphs.run_pass(tokens[idx], carry[idx], lens, tables) if graphs is not None else None
+            if replayed is not None:
+                tokens, carry = replayed
+                continue
+            _, meta, _ = prepare(ModelInput([0] * len(active), [1] * len(active), lens, tables, []))
             out, carry = self._step(tokens[idx], carry[idx], meta)
             tokens = self._tokens(out)
         return drafts
+
+
+class DraftGraphs(GraphRunner):
+    """The MTP drafter's one-token passes as CUDA graphs (switch spec_cuda_graphs): every draft after the first is a
+    decode-like pass - each drafting sequence one token at position seq_len - 1 - of the MTP layer and the LM head's
+    argmax, keyed like a decode graph by (batch bucket, context bucket). Its static inputs are the decode staging
+    plus the hidden input rows; its outputs the drafted tokens and the next pass's hidden input. Padding rows write
+    no K/V (slot -1). EAGLE-3's layer writes its K/V through a boolean mask (a host synchronisation), so its passes
+    stay eager."""
+
+    runs_eagerly = "MTP draft passes"
+
+    def __init__(self, draft: DraftRunner, target: GraphRunner):
+        """`target`: the target model's graphs (their limits, capture function and memory pool)."""
+        super().__init__(draft.model, target.max_bs, target.max_model_len, target.block_size, target.device,
+                         target._capture, with_logits=False)
+        self.draft, self.target = draft, target
+        h = draft.model.cfg.hidden_size
+        self.hidden_in = torch.zeros(self.max_bs, h, dtype=draft.dtype, device=target.device)
+        self.carry_out = torch.zeros(self.max_bs, h, dtype=draft.dtype, device=target.device)
+
+    def run_pass(self, tokens: torch.Tensor, carry: torch.Tensor, seq_lens: list[int],
+                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One pass for n sequences (their last drafted tokens and hidden inputs, on the device): (the next
+        drafted tokens [n], the next hidden inputs [n, H]) - views of the static outputs, valid until the next
+        replay - or None where no graph fits or its capture failed (the caller runs the pass eagerly)."""
+        n = len(seq_lens)
+        if not self.fits(n, max(seq_lens), max(len(t) for t in block_tables)):
+            return None
+        bs, length = self.key(n, max(seq_lens))
+        self.stage([0] * n, seq_lens, block_tables, bs)
+        self.i64[0, :n].copy_(tokens)  # after the staging's copy, in stream order
+        self.hidden_in[:n].copy_(carry)
+        replay = self.graphs.get((bs, length)) or self._capture_key(bs, length)
+        if replay is None:
+            return None
+        replay()
+        return self.tokens[:n], self.carry_out[:n]
+
+    def _forward(self, bs: int, max_seq_len: int, query_len: int = 1):
+        input_ids, meta = self.static_inputs(bs, max_seq_len)
+        hidden, carry, tokens, draft = self.hidden_in[:bs], self.carry_out[:bs], self.tokens[:bs], self.draft
+
+        def forward() -> None:
+            out, nxt = draft._step(input_ids, hidden, meta)
+            carry.copy_(nxt)
+            tokens.copy_(draft._tokens(out))
+
+        forward.key = ("draft", bs, max_seq_len)  # for the capture seam (logs, tests)
+        return forward

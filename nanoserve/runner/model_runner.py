@@ -19,7 +19,7 @@ from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
-from nanoserve.runner.drafter import DraftRunner
+from nanoserve.runner.drafter import DraftGraphs, DraftRunner
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
 from nanoserve.spec_decode.config import SpeculativeConfig
@@ -74,6 +74,7 @@ class ModelRunner:
         self.max_model_len: int | None = None
         self.max_num_seqs: int | None = None
         self.graphs: cuda_graphs.GraphRunner | None = None
+        self.draft_graphs: DraftGraphs | None = None
         self.graph_capture: cuda_graphs.CaptureFn | None = None
         self._graph_switches: tuple[bool, ...] | None = None
         self._graph_notice: str | None = None
@@ -127,7 +128,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.graphs = None  # captured against the old pools
+        self.graphs = self.draft_graphs = None  # captured against the old pools
         self.kv_caches, self.index_caches = [], []
         self.model.bind_kv_caches([None] * self.cfg.num_hidden_layers, [None] * self.cfg.num_hidden_layers)
         if self.device.type == "cuda":
@@ -174,7 +175,22 @@ class ModelRunner:
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
         """Speculative decoding: the model-based drafter's tokens per sequence (runner/drafter.py)."""
         assert self.drafter is not None, "no model-based drafter was loaded"
-        return self.drafter.propose(inp, self.prepare)
+        return self.drafter.propose(inp, self.prepare, self.draft_pass_graphs())
+
+    def draft_pass_graphs(self, drafter: DraftRunner | None = None) -> DraftGraphs | None:
+        """With spec_cuda_graphs and the target's graphs in use: the MTP drafter's one-token passes as graphs
+        (rebuilt with the target's graphs). EAGLE-3's passes stay eager (DraftGraphs says why). `drafter`: the
+        runner's own by default (the step-cost bench passes one of its own)."""
+        drafter = drafter or self.drafter
+        if not self.config.optimizations.spec_cuda_graphs or drafter is None or drafter.method != "mtp":
+            return None
+        graphs = self._graphs()
+        if graphs is None:
+            return None
+        current = self.draft_graphs
+        if current is None or current.target is not graphs or current.draft is not drafter:
+            self.draft_graphs = DraftGraphs(drafter, graphs)
+        return self.draft_graphs
 
     def _step_graphs(self, inp: ModelInput) -> tuple[cuda_graphs.GraphRunner | None, int]:
         """The graphs and the query length q if this step can replay one: a decode-only batch (every sequence one
@@ -255,6 +271,6 @@ class ModelRunner:
         """Free the graphs, the KV pools and the weights. Idempotent: an engine's finalizer may call it again."""
         if not hasattr(self, "model"):
             return
-        self.graphs = None
+        self.graphs = self.draft_graphs = None
         self.allocate_kv_cache(0)
         del self.model
