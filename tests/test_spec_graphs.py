@@ -4,8 +4,10 @@ every replay, which checks the padding (a batch of 3 in bucket 4) and the buffer
 positions, slots, the logits of every row, what the drafter reads - against the eager path.
 
 Greedy output (m3-tiny, fp32) with speculation, graphs and the switch on must equal the output without speculation
-and with the switch off, token for token, for the ngram and MTP drafters, at batch 1 and 3; verify and decode steps
-both replay graphs; a failed verify capture leaves the decode graphs working; every block comes back.
+and with the switch off, token for token, for the ngram, MTP and EAGLE-3 drafters, at batch 1 and 3, and a
+model-based drafter's drafts must equal the eager path's (it read the right rows of the graphs' static buffer);
+verify, decode and MTP draft-pass steps replay graphs; a failed verify or draft-pass capture leaves the other
+graphs working; every block comes back.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.engine_utils import assert_all_blocks_free, engine_opts
-from tests.test_spec_decode import mtp_tensors, tokens_of
+from tests.test_spec_decode import eagle_config, mtp_tensors, tokens_of, write_eagle3_dir
 
 MAX_MODEL_LEN = 256
 K = 3
@@ -85,6 +87,14 @@ def generate(model: str, batches: list[list[list[int]]], spec: dict | None, grap
     return outs, replays, state
 
 
+@pytest.fixture(scope="module")
+def eagle_draft(tmp_path_factory) -> str:
+    """A random EAGLE-3 draft for m3-tiny (taps on layers 0, 2 and after the last)."""
+    path = tmp_path_factory.mktemp("eagle3-graphs") / "draft"
+    write_eagle3_dir(path)
+    return str(path)
+
+
 BATCHES = {"batch 1": lambda p: [[p[0]], [p[2]]], "batch 3": lambda p: [p]}
 
 
@@ -96,9 +106,11 @@ def expected(tiny_dir, mtp_model) -> dict:
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_model, expected, method, batch):
-    model, spec = (tiny_dir, NGRAM) if method == "ngram" else (mtp_model, MTP)
+@pytest.mark.parametrize("method", ["ngram", "mtp", "eagle3"])
+def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_model, eagle_draft, expected, method,
+                                                                batch):
+    model, spec = {"ngram": (tiny_dir, NGRAM), "mtp": (mtp_model, MTP),
+                   "eagle3": (tiny_dir, eagle_config(eagle_draft, K))}[method]
     batches = BATCHES[batch](prompts())
     eager, _, eager_state = generate(model, batches, spec, graphs=False)
     graphed, replays, state = generate(model, batches, spec, graphs=True)
@@ -107,7 +119,7 @@ def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_mo
     # the drafter read the same hidden states from the graphs' static buffer as from the eager forward: the same
     # drafts (greedy verification alone would hide a wrong drafter input: it only costs acceptance)
     assert state["drafts"] == eager_state["drafts"]
-    if method == "mtp":
+    if method != "ngram":
         assert sum(len(d) for step in state["drafts"] for d in step) > 20
     verify = {k: n for k, n in replays.items() if k[0] != "draft" and k[2] > 1}
     decode = {k: n for k, n in replays.items() if k[0] != "draft" and k[2] == 1}
