@@ -188,7 +188,7 @@ class Optimizations:
         False, ENGINE, "runner/cuda_graphs.py", "with cuda_graphs and a speculative_config: a verify step whose "
         "sequences all feed the same number of tokens (2 to k + 1) replays a graph keyed by (batch bucket, context "
         "bucket, query length), a model-based drafter (mtp, eagle3) no longer turns graphs off (the graph writes "
-        "what it reads into a static buffer), and the MTP drafter's one-token passes replay graphs of their own "
+        "what it reads into a static buffer), and the MTP drafter's passes replay graphs of their own "
         "(off by default until a GPU run measures it)",
         "verify steps run eagerly; with an mtp or eagle3 drafter every step and draft pass runs eagerly")
     msa_topk_reuse: bool = switch(

@@ -269,3 +269,39 @@ def test_a_failed_draft_pass_capture_leaves_the_step_graphs(mtp_model, expected)
     assert out == eager == expected["batch 3"] and state["drafts"] == eager_state["drafts"]
     assert not any(k[0] == "draft" for k in replays)
     assert any(k[2] > 1 for k in replays) and any(k[2] == 1 for k in replays)
+
+
+@pytest.mark.parametrize("batch, q", [(1, 2), (3, K + 1)])
+def test_mtp_first_draft_pass_over_several_positions_replays_a_graph(mtp_model, batch, q):
+    """The MTP's first pass reads the q positions a verify step made final (q = 1 + accepted): with every sequence
+    drafting and the same q, it replays a graph keyed by (batch bucket, context bucket, q) that takes each
+    sequence's last row; its drafts (and the passes after it) equal the eager path's."""
+    import torch
+
+    from nanoserve.batch import ModelInput
+    from nanoserve.spec_decode.draft_input import DraftInput
+
+    opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
+    with LLM(mtp_model, optimizations=opts, max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=12,
+             speculative_config=MTP) as llm:
+        runner = llm.engine.executor.runner
+        captured = []
+        runner.graph_capture = lambda fn: captured.append(fn.key) or fn
+        block, context = runner.block_size, 20
+        per_seq = -(-(context + q + K) // block)
+        tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(batch)]
+        for i, table in enumerate(tables):  # the target's K/V of each context (eager prefill)
+            runner.execute(ModelInput([(7 * i + j) % 400 + 9 for j in range(context)], [context], [context], [table],
+                                      [0]))
+        g = torch.Generator().manual_seed(batch)
+        hidden = torch.randn(batch * q, runner.cfg.hidden_size, generator=g)  # the verify step's rows
+        inp = DraftInput(list(range(batch * q)), [(11 * r) % 400 + 9 for r in range(batch * q)], [q] * batch,
+                         [context] * batch, tables, [K] * batch)
+        runner.drafter.last = hidden
+        eager = runner.drafter.propose(inp, runner.prepare)
+        runner.drafter.last = hidden
+        graphed = runner.drafter.propose(inp, runner.prepare, runner.draft_pass_graphs())
+        assert graphed == eager and all(len(d) == K for d in eager)
+        bs = 1 if batch == 1 else 4
+        assert ("draft", bs, 64, q) in captured, captured  # the first pass
+        assert ("draft", bs, 64, 1) in captured, captured  # the passes after it

@@ -12,7 +12,7 @@ cost. B sequences of C context tokens are prefilled into blocks of the runner's 
                 graph with switch spec_cuda_graphs, eagerly without), and eager
     draft       ngram: the prompt lookup on the host; mtp: an MTP module (random weights, the target's widths)
                 over the k + 1 positions a fully accepted verify step made final, then k - 1 further passes
-                (replaying graphs with spec_cuda_graphs, as the engine runs them);
+                (with spec_cuda_graphs each pass replays a graph, as the engine runs them);
                 eagle3: the same with an EAGLE-3 layer at the target's hidden size, heads and dense MLP width
 
 A drafter emitting L tokens per verify step on average (the mean accepted length) gives

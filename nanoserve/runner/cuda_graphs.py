@@ -139,6 +139,8 @@ class GraphRunner:
 
     runs_eagerly = "decode and verify steps"
     """What runs eagerly once a capture has failed (for the log)."""
+    verify_runs_eagerly = "verify steps"
+    """What runs eagerly once a capture of a graph of several tokens per sequence has failed (for the log)."""
 
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, capture: CaptureFn | None = None, captured_argmax: bool = False,
@@ -299,7 +301,8 @@ class GraphRunner:
                 torch.cuda.synchronize(self.device)  # raises if the failure left the device unusable
             if key[2] > 1:  # the decode graphs were captured on their own and keep working
                 self.verify_disabled = why
-                logger.warning("verify-step CUDA graphs disabled, verify steps run eagerly: %s", why, exc_info=True)
+                logger.warning("CUDA graphs of several tokens per sequence disabled, %s run eagerly: %s",
+                               self.verify_runs_eagerly, why, exc_info=True)
                 self.verify_graphs.clear()
                 return None
             self.disabled = why

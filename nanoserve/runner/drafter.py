@@ -153,21 +153,28 @@ class DraftRunner:
         """The drafter's K/V over the positions the last step finished, then greedy drafts (see DraftInput):
         step 1 from its output at each sequence's last such position, step j from its own output of step j - 1
         and the token drafted there, one position further. `prepare`: the runner's step-input preparation;
-        `graphs`: the one-token passes (steps 2 ..) replay these where they fit (the first pass's shape varies:
-        it runs eagerly)."""
+        `graphs`: the passes replay these where they fit - the first where every sequence drafts and has the same
+        number of final positions (at most k + 1), each later one-token pass always."""
         assert self.last is not None, "no target step to draft from"
         rows = self.last[torch.tensor(inp.rows, dtype=torch.int64, device=self.device)]
         hidden = self.drafter.combine(rows) if isinstance(self.drafter, Eagle3Drafter) else rows
         active = [s for s, n in enumerate(inp.num_drafts) if n > 0]
-        # the rows' next tokens as input ids, each drafting sequence's last row as its logits row
-        next_ids, meta, last_rows = prepare(ModelInput(inp.next_ids, inp.query_lens, inp.seq_lens, inp.block_tables,
-                                                       active))
-        out, carry = self._step(next_ids, hidden, meta)
         drafts: list[list[int]] = [[] for _ in inp.seq_lens]
-        if not active:
-            return drafts
-        carry = carry[last_rows]
-        tokens = self._tokens(out[last_rows])
+        q = inp.query_lens[0] if inp.query_lens else 0
+        replayed = graphs.run_pass(inp.next_ids, hidden, inp.seq_lens, inp.block_tables, q) \
+            if graphs is not None and len(active) == len(inp.seq_lens) and inp.query_lens == [q] * len(active) \
+            else None
+        if replayed is not None:
+            tokens, carry = replayed
+        else:
+            # the rows' next tokens as input ids, each drafting sequence's last row as its logits row
+            next_ids, meta, last_rows = prepare(ModelInput(inp.next_ids, inp.query_lens, inp.seq_lens,
+                                                           inp.block_tables, active))
+            out, carry = self._step(next_ids, hidden, meta)
+            if not active:
+                return drafts
+            carry = carry[last_rows]
+            tokens = self._tokens(out[last_rows])
         for j in range(max(inp.num_drafts)):
             for s, t in zip(active, tokens.tolist()):
                 drafts[s].append(t)
@@ -189,50 +196,64 @@ class DraftRunner:
 
 
 class DraftGraphs(GraphRunner):
-    """The MTP drafter's one-token passes as CUDA graphs (switch spec_cuda_graphs): every draft after the first is a
+    """The MTP drafter's passes as CUDA graphs (switch spec_cuda_graphs). Every draft after the first is a
     decode-like pass - each drafting sequence one token at position seq_len - 1 - of the MTP layer and the LM head's
-    argmax, keyed like a decode graph by (batch bucket, context bucket). Its static inputs are the decode staging
-    plus the hidden input rows; its outputs the drafted tokens and the next pass's hidden input. Padding rows write
-    no K/V (slot -1). EAGLE-3's layer writes its K/V through a boolean mask (a host synchronisation), so its passes
-    stay eager."""
+    argmax, keyed like a decode graph by (batch bucket, context bucket). The first pass reads the q positions the
+    last step made final: where every sequence drafts and q is the same for all (q <= k + 1: after a decode or a
+    verify step, not a prompt chunk) it replays a graph keyed like a verify graph by (batch bucket, context bucket,
+    q), which takes each sequence's last row; otherwise it runs eagerly. Static inputs: the step staging plus the
+    hidden input rows; outputs: the drafted tokens and the next pass's hidden input. Padding rows write no K/V
+    (slot -1). EAGLE-3's layer writes its K/V through a boolean mask (a host synchronisation), so its passes stay
+    eager."""
 
     runs_eagerly = "MTP draft passes"
+    verify_runs_eagerly = "MTP first draft passes over several positions"
 
     def __init__(self, draft: DraftRunner, target: GraphRunner):
         """`target`: the target model's graphs (their limits, capture function and memory pool)."""
         super().__init__(draft.model, target.max_bs, target.max_model_len, target.block_size, target.device,
-                         target._capture, with_logits=False)
+                         target._capture, max_query_len=target.max_query_len, with_logits=False)
         self.draft, self.target = draft, target
         h = draft.model.cfg.hidden_size
-        self.hidden_in = torch.zeros(self.max_bs, h, dtype=draft.dtype, device=target.device)
+        self.hidden_in = torch.zeros(self.max_tokens, h, dtype=draft.dtype, device=target.device)
         self.carry_out = torch.zeros(self.max_bs, h, dtype=draft.dtype, device=target.device)
 
-    def run_pass(self, tokens: torch.Tensor, carry: torch.Tensor, seq_lens: list[int],
-                 block_tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """One pass for n sequences (their last drafted tokens and hidden inputs, on the device): (the next
-        drafted tokens [n], the next hidden inputs [n, H]) - views of the static outputs, valid until the next
-        replay - or None where no graph fits or its capture failed (the caller runs the pass eagerly)."""
+    def run_pass(self, ids: list[int] | torch.Tensor, hidden: torch.Tensor, seq_lens: list[int],
+                 block_tables: list[list[int]], query_len: int = 1) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """One pass for n sequences of query_len positions each (their input ids - on the host, or the last
+        drafted tokens on the device - and hidden input rows): (the drafted tokens [n], the next hidden inputs
+        [n, H]) at each sequence's last position - views of the static outputs, valid until the next replay - or
+        None where no graph fits or its capture failed (the caller runs the pass eagerly)."""
         n = len(seq_lens)
-        if not self.fits(n, max(seq_lens), max(len(t) for t in block_tables)):
+        if not self.fits(n, max(seq_lens), max(len(t) for t in block_tables), query_len):
             return None
         bs, length = self.key(n, max(seq_lens))
-        self.stage([0] * n, seq_lens, block_tables, bs)
-        self.i64[0, :n].copy_(tokens)  # after the staging's copy, in stream order
-        self.hidden_in[:n].copy_(carry)
-        replay = self.graphs.get((bs, length)) or self._capture_key(bs, length)
+        on_host = isinstance(ids, list)
+        self.stage(ids if on_host else [0] * n, seq_lens, block_tables, bs, query_len)
+        if not on_host:
+            self.i64[0, :n].copy_(ids)  # after the staging's copy, in stream order
+        self.hidden_in[: n * query_len].copy_(hidden)
+        replay = self.graphs.get((bs, length)) if query_len == 1 else self.verify_graphs.get((bs, length, query_len))
         if replay is None:
-            return None
+            replay = self._capture_key(bs, length, query_len)
+            if replay is None:
+                return None
         replay()
         return self.tokens[:n], self.carry_out[:n]
 
     def _forward(self, bs: int, max_seq_len: int, query_len: int = 1):
-        input_ids, meta = self.static_inputs(bs, max_seq_len)
-        hidden, carry, tokens, draft = self.hidden_in[:bs], self.carry_out[:bs], self.tokens[:bs], self.draft
+        input_ids, meta = self.static_inputs(bs, max_seq_len, query_len)
+        t, draft = bs * query_len, self.draft
+        hidden, carry, tokens = self.hidden_in[:t], self.carry_out[:bs], self.tokens[:bs]
+        # each sequence's last position (a constant of the key, made before the capture)
+        last = torch.arange(query_len - 1, t, query_len, device=self.device) if query_len > 1 else None
 
         def forward() -> None:
             out, nxt = draft._step(input_ids, hidden, meta)
+            if last is not None:
+                out, nxt = out[last], nxt[last]
             carry.copy_(nxt)
             tokens.copy_(draft._tokens(out))
 
-        forward.key = ("draft", bs, max_seq_len)  # for the capture seam (logs, tests)
+        forward.key = ("draft", bs, max_seq_len, query_len)  # for the capture seam (logs, tests)
         return forward
