@@ -178,7 +178,7 @@ class ModelRunner:
         return self.drafter.propose(inp, self.prepare, self.draft_pass_graphs())
 
     def draft_pass_graphs(self, drafter: DraftRunner | None = None) -> DraftGraphs | None:
-        """With spec_cuda_graphs and the target's graphs in use: the MTP drafter's one-token passes as graphs
+        """With spec_cuda_graphs and the target's graphs in use: the MTP drafter's passes as graphs
         (rebuilt with the target's graphs). EAGLE-3's passes stay eager (DraftGraphs says why). `drafter`: the
         runner's own by default (the step-cost bench passes one of its own)."""
         drafter = drafter or self.drafter
