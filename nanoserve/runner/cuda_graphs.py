@@ -210,13 +210,20 @@ class GraphRunner:
         bs, length = self.key(n, max(seq_lens))
         self.stage(input_ids, seq_lens, block_tables, bs, query_len)
         apply_token_feed(self.i64[0], feed)
+        if not self.replay(bs, length, query_len):
+            return None
+        return self.logits[: n * query_len]
+
+    def replay(self, bs: int, length: int, query_len: int = 1) -> bool:
+        """Replay the graph of this key over the staged buffers, capturing it first if needed; False if its
+        capture failed (the caller runs the step eagerly)."""
         replay = self.graphs.get((bs, length)) if query_len == 1 else self.verify_graphs.get((bs, length, query_len))
         if replay is None:
             replay = self._capture_key(bs, length, query_len)
             if replay is None:
-                return None
+                return False
         replay()
-        return self.logits[: n * query_len]
+        return True
 
     def stage(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], bs: int,
               query_len: int = 1) -> None:

@@ -233,12 +233,8 @@ class DraftGraphs(GraphRunner):
         if not on_host:
             self.i64[0, :n].copy_(ids)  # after the staging's copy, in stream order
         self.hidden_in[: n * query_len].copy_(hidden)
-        replay = self.graphs.get((bs, length)) if query_len == 1 else self.verify_graphs.get((bs, length, query_len))
-        if replay is None:
-            replay = self._capture_key(bs, length, query_len)
-            if replay is None:
-                return None
-        replay()
+        if not self.replay(bs, length, query_len):
+            return None
         return self.tokens[:n], self.carry_out[:n]
 
     def _forward(self, bs: int, max_seq_len: int, query_len: int = 1):
