@@ -122,7 +122,10 @@ class ModelRunner:
         table = list(range(1, blocks))
         ids = [i % self.cfg.vocab_size for i in range(num_tokens)]
         self.execute(ModelInput(ids, [num_tokens], [num_tokens], [table], [0]))
-        logits_rows = torch.zeros(max_num_seqs, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
+        # the logits of the largest sampled step: one row per sequence, k + 1 with verify graphs (their static
+        # logits buffer is that size), so the pool leaves room for them
+        rows = max_num_seqs * self._verify_len()
+        logits_rows = torch.zeros(rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.model.compute_logits(logits_rows)
         self.allocate_kv_cache(0)
 
