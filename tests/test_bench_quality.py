@@ -66,3 +66,35 @@ def test_long_perplexity_reads_selected_blocks(llm_and_text, monkeypatch):
     finally:
         quality.force_selection(llm, None)
     assert local[f"words past {dense}"] != pytest.approx(learned[f"words past {dense}"], rel=1e-6)
+
+
+class _Answers:
+    """An engine stand-in that answers each prompt with a given text, recording the max_tokens it was asked for."""
+
+    def __init__(self, answers):
+        self.answers, self.max_tokens = answers, []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        self.max_tokens += [p.max_tokens for p in params]
+        return [SimpleNamespace(outputs=[SimpleNamespace(text=self.answers[p], finish_reason="stop")])
+                for p in prompts]
+
+
+def test_arithmetic_is_also_reported_by_thinking_mode():
+    from nanoserve.presets.catalog import SHIPPED
+
+    rows = quality.heldout_rows(SHIPPED["m3-mini"], None, 0, flag="--quality")
+    off = next(r for r in rows if r["task"] == "arith" and r.get("thinking_mode") == "disabled")
+    on = next(r for r in rows if r["task"] == "arith" and r.get("thinking_mode") == "enabled")
+    chat = next(r for r in rows if r["task"] == "no_tool")
+    answers = {off["prompt"]: f"It is {int(off['expected']['answer']) + 1}.",  # wrong, without a scratchpad
+               on["prompt"]: f"digits ...</mm:think>It is {on['expected']['answer']}.",  # right, after thinking
+               chat["prompt"]: "Hello."}
+    llm = _Answers(answers)
+    got = quality.run_tasks(llm, [off, on, chat])
+    assert got["arith"] == [False, True]
+    assert got["arith (thinking disabled)"] == [False]
+    assert got["arith (thinking not disabled)"] == [True]
+    assert llm.max_tokens[2] == quality.TASK_TOKENS["no_tool"] >= quality.TASK_TOKENS["arith"]

@@ -8,6 +8,8 @@ template with what a grader expects; `heldout_text.jsonl.gz`: text of each train
 Every prompt is answered greedily through the engine, then graded the way a client reads the answer:
 
     arith           the reasoning parser splits thinking from the answer; the answer holds the right number
+                    (also split by the prompt's thinking mode: with thinking disabled the model must add without
+                    its scratchpad)
     tool            the minimax_m3 tool parser finds a call: right tool name, arguments equal to the expected
                     values (so valid under the schema), on tools never seen in training
     no_tool         tools were offered but the question needs none: no call, and an answer
@@ -36,7 +38,8 @@ from typing import Any
 
 import torch
 
-TASK_TOKENS = {"arith": 200, "tool": 120, "no_tool": 80}
+TASK_TOKENS = {"arith": 200, "tool": 120, "no_tool": 200}
+"""max_tokens per task: no-tool questions include sums, whose scratchpad needs arithmetic's budget."""
 LONG_WINDOW = 4096
 """Window of the long-context perplexity: past MSA's top-k x block size, so that blocks are really dropped."""
 RETRIEVAL_TOKENS = 24
@@ -126,6 +129,9 @@ def run_tasks(llm, rows: list[dict]) -> dict[str, list[bool]]:
             if k == "thinking" and r["task"].startswith("retrieval"):
                 continue
             results.setdefault(k, []).append(v)
+            if k == "arith":
+                mode = "thinking disabled" if r.get("thinking_mode") == "disabled" else "thinking not disabled"
+                results.setdefault(f"arith ({mode})", []).append(v)
     return results
 
 
