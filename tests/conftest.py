@@ -54,6 +54,23 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def mtp_dir(tiny_dir, tmp_path_factory) -> str:
+    """The m3-tiny checkpoint plus a random MTP module in a second safetensors file (no index file, so the loader
+    must find the module's tensors by reading every file), written once per test session."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from tests.test_spec_decode import mtp_tensors
+
+    path = tmp_path_factory.mktemp("m3-tiny-mtp")
+    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
+    assert not (path / "model.safetensors.index.json").exists()
+    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny_hf(tiny_dir):
     """transformers' MiniMaxM3VLForCausalLM holding the `tiny_dir` weights (fp32, eval): the parity oracle.
     Shared by the whole session; do not modify it. See tests/hf_oracle.py to load other directories."""

@@ -467,20 +467,6 @@ def mtp_tensors(model_dir: str, seed: int = 0) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.fixture(scope="module")
-def mtp_dir(tiny_dir, tmp_path_factory) -> str:
-    """The m3-tiny checkpoint plus an MTP module in a second safetensors file."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    path = tmp_path_factory.mktemp("m3-tiny-mtp")
-    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
-    assert not (path / "model.safetensors.index.json").exists()
-    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
-    return str(path)
-
-
 def test_mtp_loader_reads_every_key(mtp_dir, tmp_path):
     from safetensors.torch import save_file
 

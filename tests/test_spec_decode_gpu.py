@@ -13,24 +13,12 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.engine_utils import assert_all_blocks_free
-from tests.test_spec_decode import mtp_tensors, repetitive_prompts, tokens_of, write_eagle3_dir
+from tests.test_spec_decode import repetitive_prompts, tokens_of, write_eagle3_dir
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 ENGINE = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_utilization=0.3)
-
-
-@pytest.fixture(scope="module")
-def gpu_mtp_dir(tiny_dir, tmp_path_factory) -> str:
-    import shutil
-
-    from safetensors.torch import save_file
-
-    path = tmp_path_factory.mktemp("m3-tiny-mtp-gpu")
-    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
-    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
-    return str(path)
 
 
 def generate(model: str, prompts: list[list[int]] | None = None, **kwargs) -> tuple[list[list[int]], dict]:
@@ -49,21 +37,21 @@ def generate(model: str, prompts: list[list[int]] | None = None, **kwargs) -> tu
                                  "draft_graphs": len(runner.draft_graphs.graphs) if runner.draft_graphs else 0}
 
 
-def test_every_drafter_keeps_greedy_output_on_the_gpu(gpu_mtp_dir, tmp_path):
-    want, _ = generate(gpu_mtp_dir)
-    got, stats = generate(gpu_mtp_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                           "prompt_lookup_max": 3, "prompt_lookup_min": 1})
+def test_every_drafter_keeps_greedy_output_on_the_gpu(mtp_dir, tmp_path):
+    want, _ = generate(mtp_dir)
+    got, stats = generate(mtp_dir, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "prompt_lookup_max": 3, "prompt_lookup_min": 1})
     assert got == want and stats["accepted"] > 0, stats
-    got, stats = generate(gpu_mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
+    got, stats = generate(mtp_dir, speculative_config={"method": "mtp", "num_speculative_tokens": 3})
     assert got == want and stats["drafts"] > 0, stats
     write_eagle3_dir(tmp_path / "eagle3")
-    got, stats = generate(gpu_mtp_dir, speculative_config={"method": "eagle3", "model": str(tmp_path / "eagle3"),
-                                                           "num_speculative_tokens": 3})
+    got, stats = generate(mtp_dir, speculative_config={"method": "eagle3", "model": str(tmp_path / "eagle3"),
+                                                       "num_speculative_tokens": 3})
     assert got == want and stats["drafts"] > 0, stats
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(gpu_mtp_dir, tmp_path, batch):
+def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(mtp_dir, tmp_path, batch):
     """Switch spec_cuda_graphs with real CUDA graphs: verify steps replay graphs of (batch bucket, context bucket,
     query length) - 3 sequences padded to bucket 4 - the mtp and eagle3 drafters read the graphs' static buffer,
     and the MTP's one-token draft passes replay graphs of their own; greedy output equals the output without
@@ -72,7 +60,7 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(gpu_mtp_dir, tmp
 
     prompts = repetitive_prompts()[:batch]
     on = Optimizations(spec_cuda_graphs=True)
-    want, plain = generate(gpu_mtp_dir, prompts)
+    want, plain = generate(mtp_dir, prompts)
     assert plain["decode_graphs"] > 0, "decode graphs were meant to be captured"
     write_eagle3_dir(tmp_path / "eagle3")
     configs = {"ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
@@ -80,8 +68,8 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(gpu_mtp_dir, tmp
                "mtp": {"method": "mtp", "num_speculative_tokens": 3},
                "eagle3": {"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3}}
     for name, spec in configs.items():
-        off, _ = generate(gpu_mtp_dir, prompts, speculative_config=spec)
-        got, stats = generate(gpu_mtp_dir, prompts, speculative_config=spec, optimizations=on)
+        off, _ = generate(mtp_dir, prompts, speculative_config=spec)
+        got, stats = generate(mtp_dir, prompts, speculative_config=spec, optimizations=on)
         assert off == want and got == want, name
         assert stats["drafts"] > 0 and stats["verify_disabled"] is None, (name, stats)
         assert stats["decode_graphs"] > 0, (name, stats)  # a drafter no longer turns graphs off

@@ -19,7 +19,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.engine_utils import assert_all_blocks_free, engine_opts
-from tests.test_spec_decode import eagle_config, mtp_tensors, tokens_of, write_eagle3_dir
+from tests.test_spec_decode import eagle_config, tokens_of, write_eagle3_dir
 
 MAX_MODEL_LEN = 256
 K = 3
@@ -34,19 +34,6 @@ def prompts() -> list[list[int]]:
     rng = random.Random(11)
     motifs = [[rng.randrange(9, 512) for _ in range(n)] for n in (7, 9, 5)]
     return [motifs[0] * 5, motifs[1] * 4 + motifs[0][:3], motifs[2] * 6]
-
-
-@pytest.fixture(scope="module")
-def mtp_model(tiny_dir, tmp_path_factory) -> str:
-    """m3-tiny plus a random MTP module."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    path = tmp_path_factory.mktemp("m3-tiny-mtp-graphs")
-    shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
-    save_file(mtp_tensors(tiny_dir), str(path / "mtp.safetensors"), metadata={"format": "pt"})
-    return str(path)
 
 
 def generate(model: str, batches: list[list[list[int]]], spec: dict | None, graphs: bool,
@@ -99,7 +86,7 @@ BATCHES = {"batch 1": lambda p: [[p[0]], [p[2]]], "batch 3": lambda p: [p]}
 
 
 @pytest.fixture(scope="module")
-def expected(tiny_dir, mtp_model) -> dict:
+def expected(tiny_dir, mtp_dir) -> dict:
     """Greedy outputs without speculation (the MTP checkpoint's main model is m3-tiny's)."""
     out, _, _ = generate(tiny_dir, [prompts()], None, graphs=False)
     return {"batch 1": [out[0], out[2]], "batch 3": out}
@@ -107,9 +94,9 @@ def expected(tiny_dir, mtp_model) -> dict:
 
 @pytest.mark.parametrize("batch", list(BATCHES))
 @pytest.mark.parametrize("method", ["ngram", "mtp", "eagle3"])
-def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_model, eagle_draft, expected, method,
+def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_dir, eagle_draft, expected, method,
                                                                 batch):
-    model, spec = {"ngram": (tiny_dir, NGRAM), "mtp": (mtp_model, MTP),
+    model, spec = {"ngram": (tiny_dir, NGRAM), "mtp": (mtp_dir, MTP),
                    "eagle3": (tiny_dir, eagle_config(eagle_draft, K))}[method]
     batches = BATCHES[batch](prompts())
     eager, _, eager_state = generate(model, batches, spec, graphs=False)
@@ -133,11 +120,11 @@ def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_mo
         assert state["stats"].spec_decode_num_accepted_tokens > 0
 
 
-def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_model):
+def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_dir):
     """With spec_cuda_graphs an MTP drafter keeps graphs on: after a replayed step its input is the graph's
     static `kept` rows (every token of the step), not a copy taken outside the graph."""
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
-    with LLM(mtp_model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+    with LLM(mtp_dir, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
              speculative_config=MTP) as llm:
         runner = llm.engine.executor.runner
         runner.graph_capture = lambda fn: fn
@@ -159,9 +146,9 @@ def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_model):
         assert_all_blocks_free(llm)
 
 
-def test_switch_off_keeps_todays_behaviour(mtp_model):
+def test_switch_off_keeps_todays_behaviour(mtp_dir):
     """spec_cuda_graphs off: verify steps run eagerly, and an MTP drafter turns graphs off altogether."""
-    for model, spec in ((mtp_model, MTP), (mtp_model, NGRAM)):
+    for model, spec in ((mtp_dir, MTP), (mtp_dir, NGRAM)):
         opts = engine_opts().replace(cuda_graphs=True)
         assert opts.spec_cuda_graphs is False  # off by default
         with LLM(model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
@@ -256,7 +243,7 @@ def test_verify_staging_matches_the_eager_preparation():
     assert not graphs.fits(1, 10, 1, K + 2)  # longer than k + 1
 
 
-def test_a_failed_draft_pass_capture_leaves_the_step_graphs(mtp_model, expected):
+def test_a_failed_draft_pass_capture_leaves_the_step_graphs(mtp_dir, expected):
     """The MTP's one-token passes: a failed capture sends them back to the eager path (the same drafts), while
     verify and decode steps keep replaying their graphs."""
     def capture(fn):
@@ -264,15 +251,15 @@ def test_a_failed_draft_pass_capture_leaves_the_step_graphs(mtp_model, expected)
             raise RuntimeError("emulated capture failure")
         return fn
 
-    eager, _, eager_state = generate(mtp_model, [prompts()], MTP, graphs=False)
-    out, replays, state = generate(mtp_model, [prompts()], MTP, graphs=True, capture=capture)
+    eager, _, eager_state = generate(mtp_dir, [prompts()], MTP, graphs=False)
+    out, replays, state = generate(mtp_dir, [prompts()], MTP, graphs=True, capture=capture)
     assert out == eager == expected["batch 3"] and state["drafts"] == eager_state["drafts"]
     assert not any(k[0] == "draft" for k in replays)
     assert any(k[2] > 1 for k in replays) and any(k[2] == 1 for k in replays)
 
 
 @pytest.mark.parametrize("batch, q", [(1, 2), (3, K + 1)])
-def test_mtp_first_draft_pass_over_several_positions_replays_a_graph(mtp_model, batch, q):
+def test_mtp_first_draft_pass_over_several_positions_replays_a_graph(mtp_dir, batch, q):
     """The MTP's first pass reads the q positions a verify step made final (q = 1 + accepted): with every sequence
     drafting and the same q, it replays a graph keyed by (batch bucket, context bucket, q) that takes each
     sequence's last row; its drafts (and the passes after it) equal the eager path's."""
@@ -282,7 +269,7 @@ def test_mtp_first_draft_pass_over_several_positions_replays_a_graph(mtp_model, 
     from nanoserve.spec_decode.draft_input import DraftInput
 
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
-    with LLM(mtp_model, optimizations=opts, max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=12,
+    with LLM(mtp_dir, optimizations=opts, max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=12,
              speculative_config=MTP) as llm:
         runner = llm.engine.executor.runner
         captured = []
