@@ -161,9 +161,10 @@ class DraftRunner:
         active = [s for s, n in enumerate(inp.num_drafts) if n > 0]
         drafts: list[list[int]] = [[] for _ in inp.seq_lens]
         q = inp.query_lens[0] if inp.query_lens else 0
+        # the first pass replays a graph only where every sequence drafts from the same number of positions
+        uniform = bool(active) and len(active) == len(inp.seq_lens) and inp.query_lens == [q] * len(active)
         replayed = graphs.run_pass(inp.next_ids, hidden, inp.seq_lens, inp.block_tables, q) \
-            if graphs is not None and len(active) == len(inp.seq_lens) and inp.query_lens == [q] * len(active) \
-            else None
+            if graphs is not None and uniform else None
         if replayed is not None:
             tokens, carry = replayed
         else:
