@@ -185,3 +185,32 @@ def test_async_scheduling_under_real_graphs(tiny_dir):
         assert any(fed_replays) == on
         llm.engine.shutdown()
     assert outs[True] == outs[False]
+
+
+@gpu
+@pytest.mark.gpu
+def test_a_replay_keeps_alive_what_the_captured_function_made_before_the_capture():
+    """A captured function may hold a tensor it made before the capture (the MTP draft graphs' index of each
+    sequence's last row); the graph reads it by address, so the replay must keep the function - and that tensor -
+    alive after every other reference is gone, or the allocator reuses its memory and the replays read garbage."""
+    import gc
+
+    def make():
+        src = torch.arange(8, dtype=torch.float32, device="cuda")
+        out = torch.zeros(2, device="cuda")
+        index = torch.tensor([1, 7], device="cuda")  # made outside the capture, held only by the closure
+
+        def fn() -> None:
+            out.copy_(src[index])
+        fn()
+        torch.cuda.synchronize()
+        return cuda_graphs.cuda_graph_capture(torch.cuda.graph_pool_handle())(fn), src, out
+
+    replay, src, out = make()
+    gc.collect()
+    torch.cuda.empty_cache()
+    clobber = [torch.full((4096,), 5, dtype=torch.int64, device="cuda") for _ in range(64)]
+    replay()
+    torch.cuda.synchronize()
+    assert out.tolist() == [1.0, 7.0]
+    del clobber

@@ -23,18 +23,30 @@ ENGINE = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_util
 
 def generate(model: str, prompts: list[list[int]] | None = None, **kwargs) -> tuple[list[list[int]], dict]:
     with LLM(model, **ENGINE, **kwargs) as llm:
+        proposed: list[list[list[int]]] = []  # every draft a model-based drafter proposed, in order
+        runner = llm.engine.executor.runner
+        if runner.drafter is not None:
+            propose = runner.propose_drafts
+
+            def recording(inp):
+                out = propose(inp)
+                proposed.append(out)
+                return out
+            runner.propose_drafts = recording
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts or repetitive_prompts()], GREEDY,
                             use_tqdm=False)
         stats = llm.engine.stats
         assert_all_blocks_free(llm)
         runner = llm.engine.executor.runner
         graphs = runner.graphs
+        drafts = [d for step in proposed for d in step]
         return tokens_of(outs), {"drafts": stats.spec_decode_num_drafts,
                                  "accepted": stats.spec_decode_num_accepted_tokens,
                                  "decode_graphs": len(graphs.graphs) if graphs is not None else 0,
                                  "verify_graphs": sorted(graphs.verify_graphs) if graphs is not None else [],
                                  "verify_disabled": graphs.verify_disabled if graphs is not None else None,
-                                 "draft_graphs": len(runner.draft_graphs.graphs) if runner.draft_graphs else 0}
+                                 "draft_graphs": len(runner.draft_graphs.graphs) if runner.draft_graphs else 0,
+                                 "draft_tokens": drafts}
 
 
 def test_every_drafter_keeps_greedy_output_on_the_gpu(mtp_dir, tmp_path):
@@ -68,7 +80,7 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(mtp_dir, tmp_pat
                "mtp": {"method": "mtp", "num_speculative_tokens": 3},
                "eagle3": {"method": "eagle3", "model": str(tmp_path / "eagle3"), "num_speculative_tokens": 3}}
     for name, spec in configs.items():
-        off, _ = generate(mtp_dir, prompts, speculative_config=spec)
+        off, eager = generate(mtp_dir, prompts, speculative_config=spec)
         got, stats = generate(mtp_dir, prompts, speculative_config=spec, optimizations=on)
         assert off == want and got == want, name
         assert stats["drafts"] > 0 and stats["verify_disabled"] is None, (name, stats)
@@ -76,6 +88,15 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(mtp_dir, tmp_pat
         if name == "ngram":  # the drafter whose drafts m3-tiny's repetitive output accepts
             assert stats["accepted"] > 0, stats
         assert stats["verify_graphs"], f"no verify step replayed a graph: {stats}"
-        assert (1 if batch == 1 else 4) in {k[0] for k in stats["verify_graphs"]}, stats
+        # several sequences verify in one graph when the batch has several (not always all three: a sequence
+        # the ngram drafter finds no match for does not verify that step)
+        assert (max(k[0] for k in stats["verify_graphs"]) > 1) == (batch > 1), stats
         assert all(1 < k[2] <= 4 for k in stats["verify_graphs"]), stats
         assert (stats["draft_graphs"] > 0) == (name == "mtp"), stats  # the MTP's one-token passes: graphs too
+        if name != "ngram":  # the drafts themselves: graph replays read the same rows and compute the same passes
+            a, b = eager["draft_tokens"], stats["draft_tokens"]
+            same = sum(x == y for da, db in zip(a, b) for x, y in zip(da, db))
+            total = sum(len(d) for d in a)
+            # fp32, but graphs read the context bucket where eager steps read the exact length (tile and split
+            # choices differ): a rare near-tie may flip; a graph reading the wrong rows agrees on almost none
+            assert len(a) == len(b) and same >= 0.9 * total, (name, same, total)

@@ -124,7 +124,14 @@ def cuda_graph_capture(pool) -> CaptureFn:
         # background thread while its event loop thread keeps running)
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             fn()
-        return graph.replay
+
+        def replay() -> None:
+            graph.replay()
+        # the graph reads tensors by address: whatever `fn` made before the capture and holds in its closure (the
+        # draft graphs' index of each sequence's last row) must live as long as the graph, or the allocator hands
+        # its memory to other tensors and the replays read whatever those hold
+        replay.captured = fn
+        return replay
 
     return capture
 
