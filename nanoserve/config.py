@@ -185,11 +185,10 @@ class Optimizations:
         "nothing changes",
         "one token per sequence per step; a speculative_config given is not used (logged at start)")
     spec_cuda_graphs: bool = switch(
-        False, ENGINE, "runner/cuda_graphs.py", "with cuda_graphs and a speculative_config: a verify step whose "
+        True, ENGINE, "runner/cuda_graphs.py", "with cuda_graphs and a speculative_config: a verify step whose "
         "sequences all feed the same number of tokens (2 to k + 1) replays a graph keyed by (batch bucket, context "
         "bucket, query length), a model-based drafter (mtp, eagle3) no longer turns graphs off (the graph writes "
-        "what it reads into a static buffer), and the MTP drafter's passes replay graphs of their own "
-        "(off by default until a GPU run measures it)",
+        "what it reads into a static buffer), and the MTP drafter's passes replay graphs of their own",
         "verify steps run eagerly; with an mtp or eagle3 drafter every step and draft pass runs eagerly")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",

@@ -193,9 +193,8 @@ def test_defaults_on_except_approximations():
                 "triton_attention", "triton_msa", "fused_moe", "fold_shared_expert", "fused_qk_norm_rope",
                 "overlap_scheduling", "msa_topk_reuse"}
     assert expected <= set(Optimizations.names())  # the names the docs promise
-    # exact switches are on, except spec_cuda_graphs: off until a GPU run measures it
-    for name, value in opts.as_dict().items():
-        assert value is (name not in Optimizations.approximations() and name != "spec_cuda_graphs"), name
+    for name, value in opts.as_dict().items():  # every exact switch is on
+        assert value is (name not in Optimizations.approximations()), name
     assert Optimizations.approximations() == ["msa_topk_reuse", "mx_activations"]
     assert opts.msa_topk_reuse is False and opts.mx_activations is False
 

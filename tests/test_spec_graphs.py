@@ -146,11 +146,11 @@ def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_dir):
         assert_all_blocks_free(llm)
 
 
-def test_switch_off_keeps_todays_behaviour(mtp_dir):
-    """spec_cuda_graphs off: verify steps run eagerly, and an MTP drafter turns graphs off altogether."""
+def test_switch_off_runs_verify_steps_eagerly(mtp_dir):
+    """spec_cuda_graphs off (its reference): verify steps run eagerly, and an MTP drafter turns graphs off
+    altogether."""
     for model, spec in ((mtp_dir, MTP), (mtp_dir, NGRAM)):
-        opts = engine_opts().replace(cuda_graphs=True)
-        assert opts.spec_cuda_graphs is False  # off by default
+        opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=False)
         with LLM(model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
                  speculative_config=spec) as llm:
             runner = llm.engine.executor.runner

@@ -119,7 +119,9 @@ class LLMEngine:
             return None
         if spec.method != "ngram" and config.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1 only")
-        logger.info("speculative decoding: %s (async scheduling off; verify steps run eagerly)", spec)
+        logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
+                    "replay CUDA graphs where they apply" if config.optimizations.spec_cuda_graphs
+                    else "run eagerly (switch spec_cuda_graphs off)")
         return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate)
 
     # -- the loop -----------------------------------------------------------------------------------------
