@@ -9,11 +9,13 @@ cd "$(dirname "$0")/.."
 PYV=3.12
 if [ "${1:-}" = "--python-version" ]; then PYV=$2; shift 2; fi
 # the engine (structured outputs), the server, the clients the agent session drives, and what they pull in (the
-# openai 3.x client talks through httpx2, which the GPU image does not carry)
+# openai 3.x client talks through httpx2, which the GPU image does not carry); jsonschema and its dependencies,
+# which ten test files import, so that `pytest -m gpu` collects every file
 PKGS=(xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
       fastapi starlette uvicorn httptools opentelemetry-api annotated-doc prometheus-client
       openai anthropic distro jiter docstring-parser sniffio
-      httpx2 httpcore2 truststore idna anyio h11 certifi typing-extensions "$@")
+      httpx2 httpcore2 truststore idna anyio h11 certifi typing-extensions
+      jsonschema jsonschema-specifications referencing rpds-py attrs "$@")
 mkdir -p .whl
 for name in "${PKGS[@]}"; do
   # not installed here: pip show fails, which must not end the script (pipefail); the spec is then unpinned
