@@ -73,3 +73,30 @@ def test_dense_moe_equals_gathered_experts():
     for a, b in zip(g_got, g_ref):
         assert (a - b).abs().max() <= 1e-4 * b.abs().max()  # fp32 gradients, summed in another order
     assert int(m.load.sum()) == 3 * 40 * MINI.num_experts_per_tok  # every live token's choices counted
+
+
+def test_eager_modes_bypass_compiled_blocks_and_compute_the_same():
+    """train.py compiles the decoder blocks in place and puts "sparse" in `eager_modes`, so the rare sparse
+    retrieval steps call each block's plain forward instead of compiling every block once more. Here a block's
+    compiled call is emulated (a counting wrapper of its own call): dense steps go through it, sparse steps do not,
+    and either way the logits are those of the plain model."""
+    torch.manual_seed(0)
+    model = M3Train(MINI).eval()
+    ids = torch.randint(3, MINI.vocab_size, (1, 96), generator=torch.Generator().manual_seed(1))
+    lengths = torch.tensor([96])
+    with torch.no_grad():
+        want = {mode: model(ids, lengths, mode=mode)[0] for mode in ("dense", "sparse")}
+    calls = []
+    blocks = [*model.layers, model.mtp.transformer_layer]
+    for block in blocks:
+        def compiled(*args, _block=block, **kwargs):
+            calls.append(_block)
+            return _block._call_impl(*args, **kwargs)
+        block._compiled_call_impl = compiled  # what nn.Module.compile() sets
+    model.eager_modes = {"sparse"}
+    with torch.no_grad():
+        dense = model(ids, lengths, mode="dense")[0]
+        assert len(calls) == len(blocks)
+        sparse = model(ids, lengths, mode="sparse")[0]
+        assert len(calls) == len(blocks)  # no block went through its compiled call
+    assert torch.equal(dense, want["dense"]) and torch.equal(sparse, want["sparse"])

@@ -249,6 +249,9 @@ class M3Train(nn.Module):
         self.norm = Norm(cfg.hidden_size)
         self.lm_head = linear(cfg.vocab_size, cfg.hidden_size)
         self.mtp = MTP(cfg) if mtp else None
+        self.eager_modes: set[str] = set()
+        """Attention modes whose steps call the blocks' plain `forward`, bypassing a torch.compile'd block (train.py
+        puts "sparse" here: compiling that rare kind of step costs more time than it saves)."""
         half = cfg.rotary_dim // 2
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
         self.register_buffer("inv_freq", inv[:half], persistent=False)
@@ -284,8 +287,9 @@ class M3Train(nn.Module):
         rows = torch.randperm(t, device=ids.device)[:kl_rows].sort().values if kl_rows else None
         x = self.embed_tokens(ids)
         kls = []
+        eager = mode in self.eager_modes
         for layer in self.layers:
-            x, aux = layer(x, cos, sin, token_mask, mode, rows)
+            x, aux = (layer.forward if eager else layer)(x, cos, sin, token_mask, mode, rows)
             if "index_kl" in aux:
                 kls.append(aux["index_kl"])
         h = gemma_norm(x, self.norm.weight, cfg.rms_norm_eps)
@@ -297,7 +301,8 @@ class M3Train(nn.Module):
             hp = gemma_norm(h[:, :-1], m.hnorm.weight, cfg.rms_norm_eps)
             z = m.eh_proj(torch.cat([e, hp], dim=-1))
             # row t reads h_t and x_{t+1} at position t (vLLM's MTP convention: the target's positions)
-            z, _ = m.transformer_layer(z, cos[:, :-1], sin[:, :-1], token_mask[:, :-1], mode, None)
+            block = m.transformer_layer.forward if eager else m.transformer_layer
+            z, _ = block(z, cos[:, :-1], sin[:, :-1], token_mask[:, :-1], mode, None)
             z = gemma_norm(z, m.final_layernorm.weight, cfg.rms_norm_eps)
             mtp_logits = self.lm_head(z if heads is None else z[heads[1]])
         out_aux = {"index_kl": torch.stack(kls).mean() if kls else torch.zeros((), device=ids.device)}

@@ -208,6 +208,9 @@ def main() -> None:
     if args.compile:
         for block in [*model.layers, *([model.mtp.transformer_layer] if model.mtp is not None else [])]:
             block.compile()  # in place: parameter names, and so the exported checkpoint, stay the same
+        # the last --sparse-frac's retrieval steps (every --long-every-th step) run eagerly: compiling every block
+        # once more for them took 74 s of a 550 s H100 run, which left that phase about 600 steps
+        model.eager_modes = {"sparse"}
     opt = torch.optim.AdamW(param_groups(model, 0.1), lr=args.lr, betas=(0.9, 0.95), eps=1e-8,
                             fused=device.type == "cuda")
     print(f"m3-mini: {sum(p.numel() for p in model.parameters()) / 1e6:.2f} M parameters; "
