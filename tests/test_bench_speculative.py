@@ -2,7 +2,7 @@
 small held-out set, the acceptance report has every drafter's fields (mtp at k=1 and k=3, ngram; eagle3 skipped
 with the reason), greedy outputs with speculation equal those without, and the ngram drafter is really accepted
 on prompts that repeat themselves; `--speculative cost` times decode, verify and draft steps and computes the
-speed-up from them."""
+speed-up from them; `--speculative host` times every engine phase of a step without and with speculation."""
 
 from __future__ import annotations
 
@@ -112,3 +112,64 @@ def test_step_costs_and_the_speedup_they_imply(tmp_path):
         2.7 * row16["decode_ms"] / (row16["verify_k3_ms"] + row16["draft_eagle3_k3_ms"]))
     assert {(b, length) for b, k, _, length in at if k == 3} == {(1, 2.7), (1, 3.5), (16, 2.7), (16, 3.5)}
     assert "| 16 | 3 | 3.5 |" in res.stdout
+
+
+def test_host_time_per_phase_of_a_speculative_step(trained_dir):
+    import torch
+
+    from nanoserve.bench.session import resolve_switches
+    from nanoserve.bench.speculative_host import PHASE_SOURCES, PHASES, measure_host
+
+    opts, _ = resolve_switches(torch.device("cpu"), True, {})  # the bench's CPU switches: the reference kernels
+    report = measure_host(trained_dir, "cpu", "auto", limit=2, optimizations=opts)
+    assert report["prompts"] == {"no_tool": 2}  # the chat tasks only: no retrieval prompt
+    assert list(report["configs"]) == ["no speculation", "ngram k=3", "mtp k=3"] and not report["skipped"]
+    assert report["identical"] is True and report["differences"] == []
+    expected = {"no speculation": {"schedule", "execute_model", "sample", "receive", "process"},
+                "ngram k=3": {"propose", "schedule", "execute_model", "sample", "verify", "receive", "process"},
+                "mtp k=3": set(PHASES)}
+    for name, c in report["configs"].items():
+        assert set(c["phases"]) == expected[name], name
+        assert all(ph["calls"] > 0 and ph["ms_per_step"] >= 0 for ph in c["phases"].values()), name
+        assert c["steps"] == c["phases"]["execute_model"]["calls"] > 0 and c["engine_steps"] >= c["steps"]
+        # each phase's time is inside step's, and the phases step calls directly do not overlap
+        direct = sum(ph["ms_per_step"] for ph in c["phases"].values() if ph["within"] == "step")
+        assert c["other_ms_per_step"] == pytest.approx(c["step_ms_per_step"] - direct)
+        assert c["other_ms_per_step"] >= -1e-6 and c["outside_step_ms_per_step"] >= -1e-6
+        assert c["ms_per_token"] == pytest.approx(c["step_ms_per_step"] * c["steps"] / c["output_tokens"])
+        assert c["tokens_per_step"] == pytest.approx(c["output_tokens"] / c["steps"])
+    assert all(ph["within"] == "step" for p, ph in report["configs"]["mtp k=3"]["phases"].items()
+               if p != "propose_drafts")
+    assert report["configs"]["mtp k=3"]["phases"]["propose_drafts"]["within"] == "propose"
+    base = report["configs"]["no speculation"]
+    assert base["tokens_per_step"] == pytest.approx(1.0) and base["mean_accepted_length"] is None
+    outputs = {c["output_tokens"] for c in report["configs"].values()}
+    assert len(outputs) == 1  # the same greedy tokens
+    for name in ("ngram k=3", "mtp k=3"):
+        c = report["configs"][name]
+        assert c["num_drafts"] > 0 and 1 <= c["mean_accepted_length"] <= 4
+        assert c["tokens_per_step"] >= 1
+    # the prompts repeat themselves, and so does the random model's greedy output: prompt lookup is accepted, so a
+    # step yields more than one token
+    assert report["configs"]["ngram k=3"]["tokens_per_step"] > 1
+    for p in PHASES:
+        assert PHASE_SOURCES[p] in report["table"]
+    for row in ("other", "**step**", "tokens / step", "**ms / token**", "mean accepted length"):
+        assert f"| {row}" in report["table"]
+
+
+def test_host_command_writes_its_report(tiny_dir, trained_dir, tmp_path):
+    res = bench("--speculative", "host", "--model", trained_dir, "--spec-limit", "1", "--device", "cpu", "--out",
+                str(tmp_path))
+    assert res.returncode == 0, res.stdout + res.stderr
+    report = json.loads((tmp_path / "speculative_host.json").read_text())
+    table = (tmp_path / "speculative_host.md").read_text()
+    assert table.strip() in res.stdout and "| **ms / token**" in table
+    assert report["prompts"] == {"no_tool": 1} and list(report["configs"]) == ["no speculation", "ngram k=3",
+                                                                               "mtp k=3"]
+    assert report["identical"] is True and "environment" in report
+    from nanoserve.bench.speculative_host import configurations
+
+    assert "no MTP module" in dict((n, skip) for n, _, skip in configurations(tiny_dir))["mtp k=3"]
+    res = bench("--speculative", "host", "--model", tiny_dir, "--device", "cpu")  # no held-out set
+    assert res.returncode != 0 and "heldout.jsonl.gz" in res.stderr and "Traceback" not in res.stderr

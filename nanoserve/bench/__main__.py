@@ -19,6 +19,7 @@
                                                                 # and what each approximation costs in quality
     python -m nanoserve.bench --speculative [--spec-limit N]    # each drafter's acceptance and speed-up (m3-mini)
     python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
+    python -m nanoserve.bench --speculative host                # where a speculative step's host time goes (m3-mini)
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -124,10 +125,13 @@ def parser() -> argparse.ArgumentParser:
                     help="--quality: at most N prompts per retrieval length (default: as --quality-limit)")
     ap.add_argument("--quality-text-tokens", type=int, default=8192, metavar="N",
                     help="--quality: held-out tokens per corpus for perplexity (0: none)")
-    ap.add_argument("--speculative", nargs="?", const="acceptance", choices=["acceptance", "cost"], default=None,
+    ap.add_argument("--speculative", nargs="?", const="acceptance", choices=["acceptance", "cost", "host"],
+                    default=None,
                     help="speculative decoding: each drafter's acceptance and speed-up on a trained model's held-out "
                     "prompts (default m3-mini), or with `cost` the verify, decode and draft step costs (default "
-                    f"{DEFAULT_GPU_MODEL} on a GPU, {DEFAULT_CPU_MODEL} on the CPU; --prompt-len: the context)")
+                    f"{DEFAULT_GPU_MODEL} on a GPU, {DEFAULT_CPU_MODEL} on the CPU; --prompt-len: the context), or "
+                    "with `host` where each step's wall time goes on the host, per engine phase, without speculation, "
+                    "with ngram and with mtp (default m3-mini; --spec-limit: prompts per task)")
     ap.add_argument("--spec-limit", type=int, default=None, metavar="N", help="--speculative: at most N prompts per "
                     "task (default: all)")
     ap.add_argument("--spec-retrieval-limit", type=int, default=None, metavar="N", help="--speculative: at most N "

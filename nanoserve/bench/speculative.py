@@ -5,6 +5,7 @@ step and a draft step cost on the device.
     python -m nanoserve.bench --speculative --spec-limit 2       # at most 2 prompts per task
     python -m nanoserve.bench --speculative --spec-limit 20 --spec-retrieval-limit 2   # fewer long prompts
     python -m nanoserve.bench --speculative cost                 # m3-slice on a GPU (m3-tiny on the CPU)
+    python -m nanoserve.bench --speculative host                 # where a step's host time goes (m3-mini)
 
 **Acceptance** (`acceptance`). A trained model's directory carries its held-out prompts (`heldout.jsonl.gz`, rows
 {"task", "prompt", ...}). Each prompt is answered greedily, alone (batch 1, where speculation pays), once without
@@ -22,6 +23,10 @@ and eagerly), of a verify step of k + 1 tokens per sequence (eager, as the engin
 positions a fully accepted verify step made final, then k - 1 further passes). The speed-up a drafter would give
 at a mean accepted length L is L x decode / (verify + draft); it is printed at EAGLE-3's published 2.7 and 3.5
 (k = 3).
+
+**Host** (`host`, nanoserve/bench/speculative_host.py): per configuration (no speculation, ngram k=3, mtp k=3),
+the mean wall time per step of each engine phase (draft, schedule, forward launch, sample, verify, the wait for the
+tokens, detokenisation), timed around the engine's objects while it answers the chat prompts alone.
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from typing import Any
 
 import torch
 
-from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS, heldout_rows
+from nanoserve.bench.quality import heldout_rows
+from nanoserve.bench.speculative_llm import build_llm, first_difference, max_tokens_for
 
 NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MTP = {"method": "mtp"}
@@ -90,10 +96,6 @@ class TaskRun:
         return [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
 
 
-def max_tokens_for(task: str) -> int:
-    return TASK_TOKENS.get(task, RETRIEVAL_TOKENS)
-
-
 def answer_alone(llm, rows: list[dict]) -> dict[str, TaskRun]:
     """Answer every row greedily, one at a time; per task the outputs, timings and the acceptance counters."""
     from nanoserve.sampling import SamplingParams
@@ -121,28 +123,6 @@ def answer_alone(llm, rows: list[dict]) -> dict[str, TaskRun]:
                 run.accepted_per_pos.append(0)
             run.accepted_per_pos[j] += n - (before[3][j] if j < len(before[3]) else 0)
     return runs
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    """The first index where two token lists differ (the shorter one's length if one is a prefix), or None."""
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
-MAX_MODEL_LEN = 12_288
-"""Room for the longest held-out prompts (retrieval at 8k tokens) and their answers."""
-
-
-def build_llm(model: str, device: str, dtype: str, speculative_config: dict | None, optimizations=None):
-    from nanoserve.entrypoints.llm import LLM
-    from nanoserve.model.loader import read_config
-    from nanoserve.presets.resolve import resolve_model_dir
-
-    max_len = min(MAX_MODEL_LEN, read_config(resolve_model_dir(model)).max_position_embeddings)
-    return LLM(model=model, device=device, dtype=dtype, max_model_len=max_len, kv_cache_tokens=65_536, seed=0,
-               speculative_config=speculative_config, **({"optimizations": optimizations} if optimizations else {}))
 
 
 def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | None = None, device: str = "cpu",
@@ -243,7 +223,7 @@ def acceptance_table(report: dict[str, Any]) -> str:
 
 
 def run(args) -> int:
-    """`python -m nanoserve.bench --speculative [acceptance|cost]`: print the report, write it under --out;
+    """`python -m nanoserve.bench --speculative [acceptance|cost|host]`: print the report, write it under --out;
     exit status 1 when greedy output changed with speculation."""
     from nanoserve.bench.session import parse_switch_changes, resolve_switches
     from nanoserve.cpu_threads import configure_cpu_threads
@@ -262,6 +242,15 @@ def run(args) -> int:
         model = args.model or ("m3-slice" if on_gpu else "m3-tiny")
         report = measure_costs(model, device, args.dtype, context=args.prompt_len, seed=args.seed, optimizations=opts)
         name, rc = "speculative_cost", 0
+    elif args.speculative == "host":
+        from nanoserve.bench.speculative_host import measure_host
+        from nanoserve.presets.catalog import DEFAULT_MODEL
+
+        try:
+            report = measure_host(args.model or DEFAULT_MODEL, device, args.dtype, args.spec_limit, opts)
+        except ValueError as e:  # no held-out set: the reason, not a traceback
+            raise SystemExit(f"error: {e}") from None
+        name, rc = "speculative_host", 0 if report["identical"] else 1
     else:
         from nanoserve.presets.catalog import DEFAULT_MODEL
 

@@ -1,0 +1,245 @@
+"""Where a speculative step's wall time goes on the host, beside a plain decode step.
+
+    python -m nanoserve.bench --speculative host                  # m3-mini, every configuration, all prompts
+    python -m nanoserve.bench --speculative host --spec-limit 5   # at most 5 prompts per task
+
+A model's arithmetic at batch 1 is small; what a step costs beyond it is host work (drafting, scheduling, input
+staging, launching, sampling, acceptance, detokenisation) and the waits where the host syncs with the device. For
+each configuration - no speculation, ngram k=3 (prompt lookup 1-3 tokens) and mtp k=3 (when the checkpoint has an
+MTP module) - the engine is built once, warmed up on one prompt, and then answers the held-out chat prompts (tasks
+arith, tool, no_tool) greedily, one at a time (batch 1, where speculation pays). Meanwhile time.perf_counter
+wrappers, installed on the engine's objects (the engine's code is not changed), time each phase of every engine
+step:
+
+    propose         engine.speculator.propose: the drafts for the next step (ngram: the lookup on the host)
+      propose_drafts  inside it, engine.executor.propose_drafts: a draft model's passes (mtp; its graph replays)
+    schedule        engine.scheduler.schedule
+    execute_model   engine.executor.execute_model: stage the inputs and launch (or replay) the target's forward
+    sample          engine.sampler.sample: queue the draw of the rows that do not verify drafts
+    verify          engine.speculator.verify: queue the acceptance of the drafts (target distributions, rejection)
+    receive         engine._receive: wait for the step's tokens (the host-device sync), append them, stop checks
+    process         engine._process: detokenise, stop strings, logprobs, the outputs
+    other           the rest of engine.step (building the model input, bookkeeping): step - the phases above
+                    that step calls directly (propose_drafts runs inside propose and is not subtracted again)
+    step            the whole engine.step
+    outside step    generate()'s time outside engine.step (add_request, the generate loop), per step
+
+How to read it: each phase row is its mean milliseconds per step, where a step is one forward of the target model
+(a prefill, a decode or a verify step: tokens per step is output tokens / steps). With overlap_scheduling (on by
+default) one step() call receives the previous step's tokens and launches the next, and a request's last step()
+call only finishes its last step; that call's time is counted too, so per step the phases add up to step's wall
+time. On a GPU the forward runs asynchronously: execute_model, sample and verify are launch times, and the
+device's compute shows up where the host waits for it, in receive (and in propose_drafts, which reads its
+drafts back). ms / token = the step's wall time per output token, TPOT as the host sees it; a speculative
+configuration gains when its tokens per step outgrow its step's cost relative to no speculation. Greedy outputs
+must be equal across configurations: a difference is printed and the command fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from nanoserve.bench.quality import heldout_rows
+from nanoserve.bench.speculative_llm import build_llm, first_difference, max_tokens_for
+
+TASKS = ("arith", "tool", "no_tool")
+"""The held-out chat tasks answered (retrieval's long prompts measure prefill, not a decode step)."""
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+MTP_K3 = {"method": "mtp", "num_speculative_tokens": 3}
+
+PHASES = ("propose", "propose_drafts", "schedule", "execute_model", "sample", "verify", "receive", "process")
+"""The timed phases of a step, in the order the plain step runs them (the overlapped step receives first)."""
+
+PHASE_SOURCES = {"propose": "engine.speculator.propose", "propose_drafts": "engine.executor.propose_drafts",
+                 "schedule": "engine.scheduler.schedule", "execute_model": "engine.executor.execute_model",
+                 "sample": "engine.sampler.sample", "verify": "engine.speculator.verify",
+                 "receive": "engine._receive", "process": "engine._process"}
+
+
+def configurations(model_dir: str) -> list[tuple[str, dict | None, str | None]]:
+    """(name, speculative_config, why it is skipped or None) for every configuration measured."""
+    from nanoserve.model.mtp import has_mtp
+
+    no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
+    return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp)]
+
+
+@dataclass
+class PhaseTimer:
+    """Inclusive wall time and calls per phase. A phase called while another timed one runs is nested in it: its
+    time is the caller's too, so only the phases `step` calls directly are subtracted from it for "other"."""
+
+    total_s: Counter = field(default_factory=Counter)
+    calls: Counter = field(default_factory=Counter)
+    within: dict[str, str | None] = field(default_factory=dict)  # phase -> the timed phase that called it
+    direct_in_step_s: float = 0.0
+    _stack: list[str] = field(default_factory=list)
+
+    def wrap(self, name: str, fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            parent = self._stack[-1] if self._stack else None
+            self._stack.append(name)
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                dt = time.perf_counter() - t0
+                self._stack.pop()
+                self.total_s[name] += dt
+                self.calls[name] += 1
+                self.within.setdefault(name, parent)
+                if parent == "step":
+                    self.direct_in_step_s += dt
+        return timed
+
+
+def install_timers(engine, timer: PhaseTimer) -> list[str]:
+    """Wrap the engine's phases on its instances (see the module docstring); returns the phases wrapped. The
+    overlapped step holds the engine's `_receive` and `_process` as bound methods taken when it was built: it
+    gets the wrapped ones."""
+    wrapped = []
+
+    def put(obj, attr: str, name: str) -> None:
+        setattr(obj, attr, timer.wrap(name, getattr(obj, attr)))
+        wrapped.append(name)
+
+    if engine.speculator is not None:
+        put(engine.speculator, "propose", "propose")
+        if engine.speculator.proposer is None:  # a draft model: the executor runs its passes
+            put(engine.executor, "propose_drafts", "propose_drafts")
+        put(engine.speculator, "verify", "verify")
+    put(engine.scheduler, "schedule", "schedule")
+    put(engine.executor, "execute_model", "execute_model")
+    put(engine.sampler, "sample", "sample")
+    put(engine, "_receive", "receive")
+    put(engine, "_process", "process")
+    if engine.overlapped is not None:
+        engine.overlapped.receive, engine.overlapped.process = engine._receive, engine._process
+    put(engine, "step", "step")
+    return wrapped
+
+
+def measure_host(model: str, device: str = "cpu", dtype: str = "auto", limit: int | None = None,
+                 optimizations=None) -> dict[str, Any]:
+    """The report (see the module docstring): a dict, with a printable `table`. `limit`: at most this many
+    prompts per task (None: all); `optimizations`: the engines' switches (None: the defaults)."""
+    from nanoserve.presets.resolve import resolve_model_dir
+
+    model_dir = resolve_model_dir(model)
+    rows = [r for r in heldout_rows(model_dir, limit, 0, flag="--speculative host") if r["task"] in TASKS]
+    if not rows:
+        raise ValueError(f"--speculative host: {model_dir}'s held-out set has no prompts of the tasks "
+                         f"{', '.join(TASKS)}")
+    report: dict[str, Any] = {"model": model, "device": device, "dtype": dtype, "limit": limit,
+                              "prompts": dict(Counter(r["task"] for r in rows)), "configs": {}, "skipped": {},
+                              "differences": []}
+    outputs: dict[str, list[list[int]]] = {}
+    for name, config, skip in configurations(model_dir):
+        if skip:
+            report["skipped"][name] = skip
+            continue
+        result, outputs[name] = _measure_one(model, device, dtype, config, rows, optimizations)
+        report["configs"][name] = {"speculative_config": config, **result}
+        _progress(name, result)
+    base = outputs["no speculation"]
+    for name, outs in outputs.items():
+        for i, (a, b) in enumerate(zip(base, outs)):
+            if (d := first_difference(a, b)) is not None:
+                report["differences"].append({"config": name, "prompt": i, "first_token": d})
+    report["identical"] = not report["differences"]
+    report["table"] = host_table(report)
+    return report
+
+
+def _measure_one(model: str, device: str, dtype: str, config: dict | None, rows: list[dict], optimizations
+                 ) -> tuple[dict[str, Any], list[list[int]]]:
+    """One engine: warm up, install the timers, answer every row alone; its per-step report and its outputs."""
+    from nanoserve.sampling import SamplingParams
+
+    llm = build_llm(model, device, dtype, config, optimizations)
+    try:
+        engine = llm.engine
+        # one short request first, so the timed ones do not pay for first-use work (allocations, kernel builds)
+        llm.generate([rows[0]["prompt"]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        timer = PhaseTimer()
+        install_timers(engine, timer)
+        stats = engine.stats
+        drafts0, accepted0 = stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens
+        outs, wall = [], 0.0
+        for r in rows:
+            t0 = time.perf_counter()
+            out = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=max_tokens_for(r["task"])),
+                               use_tqdm=False)[0]
+            wall += time.perf_counter() - t0
+            outs.append(list(out.outputs[0].token_ids))
+        num_drafts = stats.spec_decode_num_drafts - drafts0
+        num_accepted = stats.spec_decode_num_accepted_tokens - accepted0
+    finally:
+        llm.shutdown()
+    steps = timer.calls["execute_model"]  # target forwards
+    tokens = sum(len(o) for o in outs)
+    step_s = timer.total_s["step"]
+
+    def per_step_ms(seconds: float) -> float:
+        return seconds * 1e3 / steps if steps else 0.0
+
+    result = {"engine_steps": timer.calls["step"], "steps": steps, "output_tokens": tokens,
+              "tokens_per_step": tokens / steps if steps else 0.0, "wall_s": wall,
+              "phases": {p: {"calls": timer.calls[p], "ms_per_step": per_step_ms(timer.total_s[p]),
+                             "total_ms": timer.total_s[p] * 1e3, "within": timer.within.get(p)}
+                         for p in PHASES if p in timer.calls},
+              "other_ms_per_step": per_step_ms(step_s - timer.direct_in_step_s),
+              "step_ms_per_step": per_step_ms(step_s),
+              "outside_step_ms_per_step": per_step_ms(wall - step_s),
+              "ms_per_token": step_s * 1e3 / tokens if tokens else None,
+              "num_drafts": num_drafts, "num_accepted_tokens": num_accepted,
+              "mean_accepted_length": 1.0 + num_accepted / num_drafts if num_drafts else None}
+    return result, outs
+
+
+def _progress(name: str, result: dict[str, Any]) -> None:
+    import sys
+
+    print(f"{name}: {result['output_tokens']} tokens in {result['steps']} steps, {result['wall_s']:.1f} s",
+          file=sys.stderr, flush=True)
+
+
+def _f(v: float | None, fmt: str = ".3f") -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def host_table(report: dict[str, Any]) -> str:
+    configs = report["configs"]
+    names = list(configs)
+    prompts = ", ".join(f"{t} {n}" for t, n in report["prompts"].items())
+    lines = [f"## Host time per speculative step on {report['model']} ({report['device']}, greedy, batch 1; "
+             f"held-out prompts: {prompts})", "",
+             "ms per step (a step: one target forward); a phase's calls are in the JSON report", "",
+             "| phase | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for p in PHASES:
+        if not any(p in c["phases"] for c in configs.values()):
+            continue
+        within = next((c["phases"][p]["within"] for c in configs.values() if p in c["phases"]), None)
+        label = f"{p} ({PHASE_SOURCES[p]}" + (f", within {within})" if within not in (None, "step") else ")")
+        cells = [_f(c["phases"][p]["ms_per_step"]) if p in c["phases"] else "-" for c in configs.values()]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    for label, key, fmt in (("other (step - the phases step calls)", "other_ms_per_step", ".3f"),
+                            ("**step** (engine.step)", "step_ms_per_step", ".3f"),
+                            ("outside step (generate loop, add_request)", "outside_step_ms_per_step", ".3f"),
+                            ("steps", "steps", "d"), ("output tokens", "output_tokens", "d"),
+                            ("tokens / step", "tokens_per_step", ".2f"),
+                            ("mean accepted length", "mean_accepted_length", ".2f"),
+                            ("**ms / token** (step time per output token)", "ms_per_token", ".3f")):
+        lines.append(f"| {label} | " + " | ".join(_f(c[key], fmt) for c in configs.values()) + " |")
+    for name, why in report["skipped"].items():
+        lines.append(f"\n{name}: skipped, {why}")
+    if not report["identical"]:
+        lines.append("\nGREEDY OUTPUT DIFFERS ACROSS CONFIGURATIONS: " + "; ".join(
+            f"{d['config']} prompt {d['prompt']} from token {d['first_token']}" for d in report["differences"]))
+    return "\n".join(lines)

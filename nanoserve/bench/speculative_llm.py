@@ -1,0 +1,33 @@
+"""What the speculative-decoding benchmarks share: the engine they build for a model and how long a task's
+answers may be (nanoserve/bench/speculative.py's acceptance, nanoserve/bench/speculative_host.py's host times),
+and where two greedy outputs part."""
+
+from __future__ import annotations
+
+from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS
+
+
+def max_tokens_for(task: str) -> int:
+    return TASK_TOKENS.get(task, RETRIEVAL_TOKENS)
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where two token lists differ (the shorter one's length if one is a prefix), or None."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+MAX_MODEL_LEN = 12_288
+"""Room for the longest held-out prompts (retrieval at 8k tokens) and their answers."""
+
+
+def build_llm(model: str, device: str, dtype: str, speculative_config: dict | None, optimizations=None):
+    from nanoserve.entrypoints.llm import LLM
+    from nanoserve.model.loader import read_config
+    from nanoserve.presets.resolve import resolve_model_dir
+
+    max_len = min(MAX_MODEL_LEN, read_config(resolve_model_dir(model)).max_position_embeddings)
+    return LLM(model=model, device=device, dtype=dtype, max_model_len=max_len, kv_cache_tokens=65_536, seed=0,
+               speculative_config=speculative_config, **({"optimizations": optimizations} if optimizations else {}))
