@@ -1,5 +1,6 @@
 """Helpers for the tests that run the engine on m3-tiny on the CPU: the switches they run with, random prompts, the
-check that a run left nothing behind, and the logprobs of one direct forward pass to compare the engine's with."""
+check that a run left nothing behind, the drafts a model-based drafter proposes, and the logprobs of one direct
+forward pass to compare the engine's with."""
 
 from __future__ import annotations
 
@@ -31,6 +32,22 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert bm.num_free_blocks == bm.num_blocks and not bm.tables
     assert not llm.engine.has_unfinished_requests()
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
+
+
+def record_drafts(llm: LLM) -> list[list[list[int]]]:
+    """Every draft the engine's model-based drafter (mtp, eagle3) proposes from now on, in order: one entry per
+    draft step, one token list per sequence. Empty, and nothing wrapped, without such a drafter."""
+    proposed: list[list[list[int]]] = []
+    runner = llm.engine.executor.runner
+    if runner.drafter is not None:
+        propose = runner.propose_drafts
+
+        def recording(inp):
+            out = propose(inp)
+            proposed.append(out)
+            return out
+        runner.propose_drafts = recording
+    return proposed
 
 
 def direct_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.engine_utils import assert_all_blocks_free
+from tests.engine_utils import assert_all_blocks_free, record_drafts
 from tests.test_spec_decode import repetitive_prompts, tokens_of, write_eagle3_dir
 
 pytestmark = pytest.mark.gpu
@@ -23,16 +23,7 @@ ENGINE = dict(device="cuda", dtype="float32", max_model_len=256, gpu_memory_util
 
 def generate(model: str, prompts: list[list[int]] | None = None, **kwargs) -> tuple[list[list[int]], dict]:
     with LLM(model, **ENGINE, **kwargs) as llm:
-        proposed: list[list[list[int]]] = []  # every draft a model-based drafter proposed, in order
-        runner = llm.engine.executor.runner
-        if runner.drafter is not None:
-            propose = runner.propose_drafts
-
-            def recording(inp):
-                out = propose(inp)
-                proposed.append(out)
-                return out
-            runner.propose_drafts = recording
+        proposed = record_drafts(llm)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts or repetitive_prompts()], GREEDY,
                             use_tqdm=False)
         stats = llm.engine.stats

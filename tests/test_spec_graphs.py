@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.engine_utils import assert_all_blocks_free, engine_opts
+from tests.engine_utils import assert_all_blocks_free, engine_opts, record_drafts
 from tests.test_spec_decode import eagle_config, tokens_of, write_eagle3_dir
 
 MAX_MODEL_LEN = 256
@@ -56,15 +56,7 @@ def generate(model: str, batches: list[list[list[int]]], spec: dict | None, grap
 
     if graphs:
         runner.graph_capture = counting
-    drafts: list[list[list[int]]] = []  # every draft a model-based drafter proposed, in order
-    if runner.drafter is not None:
-        propose = runner.propose_drafts
-
-        def recording(inp):
-            out = propose(inp)
-            drafts.append(out)
-            return out
-        runner.propose_drafts = recording
+    drafts = record_drafts(llm)  # every draft a model-based drafter proposed, in order
     outs = []
     for batch in batches:
         outs += tokens_of(llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False))
