@@ -4,12 +4,12 @@ one-row GEMV (kernels/gemv.py) and the fused MoE (kernels/moe.py).
 One table per kernel, keyed by backend:
 
 - "cuda": chosen for an H200 (Hopper, 132 SMs, 4.26 TB/s measured copy ceiling) at m3-slice shapes with
-  `scripts/gpu_attention_bench.py --sweep` (in git at 8277a9c; torch 2.11, Triton 3.6), and checked for register
-  spills with Triton 3.6's sm_90 compiler. Decode kernels stream the KV cache: many programs, a few pipeline
-  stages (dense decode at 128k: BLOCK_N 32-64 with 2-4 warps all within 3%; 8 warps or 128-key tiles were
-  slower). Prefill tiles are the usual flash-attention shapes for head_dim 128. Sparse prefill: 8 query tokens per
-  program (128 rows, 8 warps) ran 1.6-1.8x faster than 1-4 tokens, with random and with smoothly varying index
-  queries.
+  `scripts/gpu_attention_bench.py --sweep` (in git at 8277a9c; torch 2.11, Triton 3.6; today `python -m nanoserve.bench
+  --micro attention` times the same decode and prefill cases with these tiles, without the sweep), and checked for
+  register spills with Triton 3.6's sm_90 compiler. Decode kernels stream the KV cache: many programs, a few pipeline
+  stages (dense decode at 128k: BLOCK_N 32-64 with 2-4 warps all within 3%; 8 warps or 128-key tiles were slower).
+  Prefill tiles are the usual flash-attention shapes for head_dim 128. Sparse prefill: 8 query tokens per program (128
+  rows, 8 warps) ran 1.6-1.8x faster than 1-4 tokens, with random and with smoothly varying index queries.
 - "hip": the same kernels on AMD Instinct (MI300X = gfx942, MI355X = gfx950). No entry has run on an AMD card:
   each follows one rule, and the compile gate (tests/compile_gate.py, docs/rocm.md) compiles every launch of the
   engine for gfx942 and gfx950 and fails on a compile error, LDS over budget or a register spill. The rule (for
@@ -97,7 +97,9 @@ TABLES: dict[str, dict[str, Tiles]] = {
     "slot_combine": {"cuda": Tiles(4, 0, 4, 1), "hip": Tiles(8, 0, 4, 1), "interpret": Tiles(4, 0, 1, 1)},
     # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step). "cuda": measured by
     # `scripts/gpu_prefill.py` (in git at 8277a9c; 2026-12-03, H200, Triton 3.6) on one chunk of 8,192 queries at
-    # the end of a 131,072-token context, each against the short-context entry above:
+    # the end of a 131,072-token context, each against the short-context entry above (today `python -m
+    # nanoserve.bench --workloads W4 --w4-lens 131072 --profile-prefill W4` times these kernels per call inside
+    # the whole 128k prefill, with the table's tiles):
     # - dense: 128 x 128 tiles 85.9 ms (397 TFLOP/s) vs 128 x 64 106.0 ms (322); 64-wide query tiles and 4 warps
     #   were slower, 2 stages within 3%.
     # - MSA scores (+ top-k): 4 warps 3.69 ms vs 8 warps 4.09 ms; 256-row tiles 4.5 ms.
@@ -133,16 +135,16 @@ used them), not of a sweep at those lengths."""
 MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, tuple]]] = {
     # Fused MoE (kernels/moe.py): backend -> (hidden, intermediate, routed experts) -> {token bucket:
     # (block_m, group_m, GEMM 1 (block_n, block_k, warps, stages), GEMM 2 (block_n, block_k, warps, stages))}.
-    # A batch of T tokens uses the smallest bucket >= T (the largest one beyond). NVIDIA H200, bf16, top-4 +
-    # the folded shared expert. Buckets 1-256: hand-picked (small BLOCK_M, narrow BLOCK_N and long BLOCK_K while
-    # memory-bound), measured at 77-102% of the 4.26 TB/s copy ceiling (2026-12-02, `scripts/gpu_moe_bench.py`,
-    # in git at 8277a9c). Bucket 1024: coordinate-descent sweep of its `--sweep-only`
-    # (2026-12-02). Buckets
-    # 4096-16384: `scripts/tune_moe.py --tokens 4096,16384,8192` (2026-12-03,
-    # H200, Triton 3.6; times of the whole fused MoE with the shared expert, random routing). Buckets 4096 and
-    # 16384 again, with TMA descriptor tiles as a coordinate ("tma", switch moe_tma): `OUT=$OUT python3
-    # scripts/tune_moe.py --tokens 4096,16384 --budget 120 --decode-check --write-configs`
-    # (2026-12-04, H200, Triton 3.6, commit c8a1f5b); the same tiles without TMA took
+    # A batch of T tokens uses the smallest bucket >= T (the largest one beyond). NVIDIA H200, bf16, top-4 + the folded
+    # shared expert. Buckets 1-256: hand-picked (small BLOCK_M, narrow BLOCK_N and long BLOCK_K while memory-bound),
+    # measured at 77-102% of the 4.26 TB/s copy ceiling (2026-12-02, `scripts/gpu_moe_bench.py`, in git at 8277a9c;
+    # today `python scripts/tune_moe.py --decode-check` times the 1- and 16-token entries against the same ceiling, and
+    # `python -m nanoserve.bench --micro moe` the buckets at 1-4,096 tokens). Bucket 1024: that script's `--sweep-only`
+    # coordinate descent (2026-12-02; `scripts/tune_moe.py --tokens 1024` runs the same kind of descent today). Buckets
+    # 4096-16384: `scripts/tune_moe.py --tokens 4096,16384,8192` (2026-12-03, H200, Triton 3.6; times of the whole fused
+    # MoE with the shared expert, random routing). Buckets 4096 and 16384 again, with TMA descriptor tiles as a
+    # coordinate ("tma", switch moe_tma): `OUT=$OUT python3 scripts/tune_moe.py --tokens 4096,16384 --budget 120
+    # --decode-check --write-configs` (2026-12-04, H200, Triton 3.6, commit c8a1f5b); the same tiles without TMA took
     # 6.433 ms (4096) and 18.586 ms (16384).
     "cuda": {
         (6144, 3072, 128): {

@@ -50,7 +50,9 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     # The 1/8/64-row entries were then re-picked by `python scripts/gpu_fp8dec.py --budget 170 --write-configs`
     # (in git at 8277a9c; 2026-12-04, H200, Triton 3.6, kernel sources of commit 4e6483c): the table's tensor-core
     # entries against the CUDA-core "gemv" variant, each timed with the L2 flushed; "gemv" wins at 1 row (and at 8
-    # rows of qkv+index).
+    # rows of qkv+index). Today `python scripts/tune_fp8.py --rows 1,8,64 --skip moe` times the tensor-core
+    # candidates at those rows the same way (its linear sweep has no "gemv" candidate), and `python -m
+    # nanoserve.bench --quantization mxfp8 --micro linear` times the table's choices as the engine runs them.
     "cuda": {
         (6144, 12288): {
             1: ('bcast', 16, 64, 128, 4, 4, 8),
