@@ -18,7 +18,7 @@
 # from .whl/ (bash scripts/fetch_wheels.sh on a machine that can): they are installed once, into /tmp/site.
 # NANOSERVE_GIT_COMMIT is set from git when the checkout has its history, so the results name their commit.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:?set OUT to a directory for the logs and results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -29,7 +29,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 if [ -z "${NANOSERVE_GIT_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
-  export NANOSERVE_GIT_COMMIT=$(git rev-parse HEAD)
+  NANOSERVE_GIT_COMMIT=$(git rev-parse HEAD)
+  export NANOSERVE_GIT_COMMIT
 fi
 pack() { tar czf /tmp/gpu_run.tgz -C "$OUT" --exclude gpu_run.tgz . 2>/dev/null && mv /tmp/gpu_run.tgz "$OUT/"; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>/dev/null

@@ -14,7 +14,7 @@
 #   3. The exported checkpoint directory as $OUT/checkpoint.tar.part-aa, -ab, ... (15 MB each); put it back with
 #      `cat checkpoint.tar.part-* | tar x -C data/run`.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:?set OUT to a directory for the logs and the checkpoint}
 mkdir -p "$OUT"
 start=$(date +%s)
