@@ -190,6 +190,12 @@ class Optimizations:
         "bucket, query length), a model-based drafter (mtp, eagle3) no longer turns graphs off (the graph writes "
         "what it reads into a static buffer), and the MTP drafter's passes replay graphs of their own",
         "verify steps run eagerly; with an mtp or eagle3 drafter every step and draft pass runs eagerly")
+    spec_greedy_accept: bool = switch(
+        True, ENGINE, "engine/speculative.py", "a verify step whose sequences are all plain greedy (temperature 0, no "
+        "logprobs, no logit processing, no structured output) queues one argmax over its rows and copies it to the "
+        "host, where each draft is compared with it (the longest matching prefix, then the argmax)",
+        "every verify step runs the rejection sampler on the device over the target distributions (one-hot at the "
+        "argmax for a greedy row)")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)

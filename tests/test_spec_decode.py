@@ -121,6 +121,50 @@ def test_greedy_rows_accept_the_longest_prefix_equal_to_the_argmax():
     assert tokens.tolist() == [[1, 2, 3, -1], [0, 0, -1, -1]]  # the argmax after the accepted run
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_greedy_acceptance_on_the_host_equals_the_rejection_sampler(seed):
+    """Switch spec_greedy_accept against its reference on fresh random logits (fp32, exact): plain greedy
+    sequences with 1-4 drafts, each draft the argmax with some tokens changed, and logits with ties."""
+    from nanoserve.engine.sampler import Sampler
+    from nanoserve.engine.scheduler import ScheduledSeq
+    from nanoserve.engine.sequence import Sequence
+    from nanoserve.engine.speculative import Speculator
+
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    vocab, num_seqs = 50, 12
+    scheduled = []
+    for i in range(num_seqs):
+        seq = Sequence(i, f"r{i}", 0, [1, 2, 3], SamplingParams(temperature=0.0))
+        scheduled.append(ScheduledSeq(seq, 0, rng.randint(1, 4)))
+    rows = sum(s.num_draft + 1 for s in scheduled)
+    logits = torch.randint(0, 6, (rows, vocab), generator=gen).float()  # small integers: ties are common
+    argmax = logits.argmax(dim=-1).tolist()
+    start = 0
+    for s in scheduled:
+        draft = argmax[start: start + s.num_draft]
+        for j in range(s.num_draft):
+            if rng.random() < 0.3:
+                draft[j] = (draft[j] + rng.randint(1, vocab - 1)) % vocab
+        s.seq.spec_token_ids = draft
+        s.num_new_tokens = s.num_draft + 1
+        start += s.num_draft + 1
+
+    def accepted(greedy_accept: bool) -> list[int]:
+        spec = Speculator(SpeculativeConfig.from_dict(NGRAM), MAX_MODEL_LEN, None, lambda seq, n: True,
+                          greedy_accept)
+        verify = spec.verify(logits, scheduled, Sampler(torch.device("cpu"), seed, eos_token_id=None))
+        assert (verify.drafts is not None) == greedy_accept
+        return spec.to_host(verify).token_ids
+
+    on_host = accepted(True)
+    assert on_host == accepted(False)
+    width = max(s.num_draft for s in scheduled) + 1
+    runs = [sum(t >= 0 for t in on_host[r * width: (r + 1) * width]) - 1 for r in range(num_seqs)]
+    full = [n == s.num_draft for n, s in zip(runs, scheduled)]
+    assert any(full) and not all(full)  # both whole drafts and rejections were checked
+
+
 # -- the engine --------------------------------------------------------------------------------------------------
 def repetitive_prompts() -> list[list[int]]:
     rng = random.Random(7)
@@ -170,7 +214,8 @@ def test_greedy_output_is_unchanged_and_drafts_are_accepted(spec_llm, expected):
     assert_all_blocks_free(spec_llm)
 
 
-@pytest.mark.parametrize("setting", ["no_prefix_caching", "preemption", "small_budget", "switch_off"])
+@pytest.mark.parametrize("setting", ["no_prefix_caching", "preemption", "small_budget", "switch_off",
+                                     "device_acceptance"])
 def test_greedy_output_is_unchanged_under(setting, expected):
     kwargs = dict(optimizations=FAST, max_model_len=MAX_MODEL_LEN, speculative_config=NGRAM)
     if setting == "no_prefix_caching":
@@ -179,6 +224,8 @@ def test_greedy_output_is_unchanged_under(setting, expected):
         kwargs["num_gpu_blocks_override"] = 16  # 256 tokens for 209 prompt + 160 output tokens
     elif setting == "small_budget":
         kwargs["max_num_batched_tokens"] = 18  # chunked prompts; drafts cut to what the budget leaves
+    elif setting == "device_acceptance":  # greedy rows through the rejection sampler, the reference path
+        kwargs["optimizations"] = FAST.replace(spec_greedy_accept=False)
     else:
         kwargs["optimizations"] = FAST.replace(speculative_decoding=False)
     llm = LLM("m3-tiny", **kwargs)

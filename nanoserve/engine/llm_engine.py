@@ -122,7 +122,8 @@ class LLMEngine:
         logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
                     "replay CUDA graphs where they apply" if config.optimizations.spec_cuda_graphs
                     else "run eagerly (switch spec_cuda_graphs off)")
-        return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate)
+        return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate,
+                          config.optimizations.spec_greedy_accept)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

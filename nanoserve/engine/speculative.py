@@ -13,7 +13,9 @@ with a `speculative_config`).
     3. Verify. The runner returns the logits of all k + 1 positions; `verify` turns them into the distributions
        the sampler would draw from (`Sampler.target_distributions`) and applies the acceptance rule
        (spec_decode/rejection.py): greedy keeps the longest prefix equal to the argmax, sampling keeps the target
-       distribution exactly. A sequence gains its accepted drafts plus one token per step.
+       distribution exactly. A sequence gains its accepted drafts plus one token per step. Where every verifying
+       sequence is plain greedy (switch spec_greedy_accept) the rule needs only each position's argmax: one
+       argmax is queued and the drafts are compared with it on the host, after the copy the step waits for anyway.
     4. Roll back. The engine appends the tokens one at a time with the usual stop checks (EOS, stop ids,
        max_tokens, stop strings: a stop inside the accepted run drops the tokens after it), and
        `Scheduler.accept_drafts` keeps the K/V of the accepted positions and returns the blocks only the rejected
@@ -25,7 +27,8 @@ position is masked with the grammar's state after the draft tokens before it (`g
 not speculate decode as before, in the same batch: those whose sampling reads their own output on the host
 otherwise (bad_words, penalties), those still under min_tokens, and any while a speculative step cannot be
 formed. Async scheduling is off while speculating (a draft needs the previous step's tokens on the
-host); verify steps run eagerly (a CUDA graph captures one-token decodes only).
+host); with spec_cuda_graphs a verify step whose sequences all feed the same number of tokens replays a CUDA graph
+(runner/cuda_graphs.py), other verify steps run eagerly.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult
+from nanoserve.engine.sampler import DeviceSample, Sampler, SampleResult, plain_greedy
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.structured_output import GrammarBitmask
 from nanoserve.spec_decode.config import SpeculativeConfig
@@ -60,6 +63,9 @@ class DeviceVerify:
     num_draft: list[int]
     width: int
     sample: DeviceSample
+    drafts: list[list[int]] | None = None
+    """Set where the step accepts greedily on the host (switch spec_greedy_accept): `sample` then holds the argmax
+    of every verified position (sequence r's k_r + 1 rows in turn), and `to_host` compares each draft with it."""
 
 
 def speculable(seq: Sequence) -> bool:
@@ -121,10 +127,11 @@ class Speculator:
     """The engine's drafter and verifier for one SpeculativeConfig (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, executor: Executor,
-                 allocate: Callable[[Sequence, int], bool]):
+                 allocate: Callable[[Sequence, int], bool], greedy_accept: bool = True):
         """`executor`: runs a model-based drafter (mtp, eagle3); `allocate(seq, num_tokens)`: the block manager's,
-        for the positions a draft model computes its later drafts at."""
+        for the positions a draft model computes its later drafts at; `greedy_accept`: switch spec_greedy_accept."""
         self.config = config
+        self.greedy_accept = greedy_accept
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.executor = executor
@@ -189,6 +196,12 @@ class Speculator:
         seqs = [s.seq for s in scheduled]
         counts = [s.num_draft for s in scheduled]
         k_max = max(counts)
+        if self.greedy_accept and all(s.grammar is None and plain_greedy(s) for s in seqs):
+            # greedy acceptance needs nothing but each position's argmax: one launch and one copy, where the
+            # rejection sampler below launches dozens of small kernels (a verify step's cost at batch 1)
+            argmax = logits.argmax(dim=-1)
+            sample = DeviceSample(argmax, [None] * len(argmax), None, None, None).start_host_copy()
+            return DeviceVerify(seqs, counts, k_max + 1, sample, [s.draft for s in scheduled])
         device = logits.device
         row_seqs = [s.seq for s in scheduled for _ in range(s.num_draft + 1)]
         probs, source = sampler.target_distributions(logits, row_seqs, grammar_masks(scheduled, logits.shape[-1]))
@@ -231,4 +244,19 @@ class Speculator:
 
     @staticmethod
     def to_host(verify: DeviceVerify) -> SampleResult:
-        return Sampler.to_host(verify.sample)
+        """Wait for a verify step's outcome: row r * width + j holds sequence r's j-th emitted token (its accepted
+        drafts, then the drawn one, then -1)."""
+        result = Sampler.to_host(verify.sample)
+        if verify.drafts is None:
+            return result
+        tokens: list[int] = []
+        start = 0
+        for drafts in verify.drafts:  # the longest prefix equal to the argmax, then the argmax after it
+            argmax = result.token_ids[start: start + len(drafts) + 1]
+            n = 0
+            while n < len(drafts) and drafts[n] == argmax[n]:
+                n += 1
+            tokens += drafts[:n] + [argmax[n]] + [-1] * (verify.width - n - 1)
+            start += len(drafts) + 1
+        none: list[None] = [None] * len(tokens)
+        return SampleResult(tokens, none, none, None, None)

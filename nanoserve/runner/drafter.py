@@ -176,23 +176,33 @@ class DraftRunner:
                 return drafts
             carry = carry[last_rows]
             tokens = self._tokens(out[last_rows])
+        # every pass is queued before any token is read back: one host-device synchronisation per call, at the end
+        passes: list[tuple[list[int], torch.Tensor]] = []
         for j in range(max(inp.num_drafts)):
-            for s, t in zip(active, tokens.tolist()):
-                drafts[s].append(t)
+            # a graph's outputs are static buffers that its next replay overwrites
+            passes.append((active, tokens.clone() if replayed is not None else tokens))
             keep = [i for i, s in enumerate(active) if inp.num_drafts[s] > j + 1]
             if not keep:
                 break
+            if len(keep) < len(active):  # (while every sequence still drafts, no gather is launched)
+                idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
+                tokens, carry = tokens[idx], carry[idx]
             active = [active[i] for i in keep]
-            idx = torch.tensor(keep, dtype=torch.int64, device=self.device)
             lens = [inp.seq_lens[s] + j + 1 for s in active]
             tables = [inp.block_tables[s] for s in active]
-            replayed = graphs.run_pass(tokens[idx], carry[idx], lens, tables) if graphs is not None else None
+            replayed = graphs.run_pass(tokens, carry, lens, tables) if graphs is not None else None
             if replayed is not None:
                 tokens, carry = replayed
                 continue
             _, meta, _ = prepare(ModelInput([0] * len(active), [1] * len(active), lens, tables, []))
-            out, carry = self._step(tokens[idx], carry[idx], meta)
+            out, carry = self._step(tokens, carry, meta)
             tokens = self._tokens(out)
+        if passes:
+            flat = torch.cat([t for _, t in passes]).tolist()
+            for seqs, _ in passes:
+                for s, t in zip(seqs, flat):
+                    drafts[s].append(t)
+                flat = flat[len(seqs):]
         return drafts
 
 
