@@ -158,6 +158,44 @@ def test_every_decode_graph_is_captured_ahead():
         assert_all_blocks_free(llm)
 
 
+def test_speculative_graphs_are_captured_ahead(mtp_dir):
+    """With an MTP drafter of k = 2 and spec_cuda_graphs (emulated capture): the warm-up runs a verify step of
+    every query length 2 .. k + 1 and a draft step from every number of final positions 1 .. k + 1 per batch
+    bucket, capturing their graphs (verify and MTP first-pass graphs per length, the one-token draft pass); later
+    requests capture none, their greedy output is the output of an engine without the warm-up, and every block
+    comes back."""
+    spec = {"method": "mtp", "num_speculative_tokens": 2}
+    rng = random.Random(5)
+    prompts = [random_tokens(rng, n) for n in (6, 17, 40)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def run(warm: bool):
+        llm = LLM(mtp_dir, optimizations=engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True),
+                  max_model_len=MAX_MODEL_LEN, kv_cache_tokens=4096, max_num_seqs=2,
+                  max_num_batched_tokens=BUDGET_TOKENS, cpu_threads=1, speculative_config=spec)
+        with llm:
+            runner = llm.engine.executor.runner
+            runner.graph_capture = lambda fn: fn
+            report = warm_up(llm.engine, budget_s=600) if warm else None
+            captured = runner.num_graphs
+            outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.engine.stats.spec_decode_num_drafts > 0
+            assert_all_blocks_free(llm)
+            return outs, report, captured, runner.num_graphs
+
+    outs, report, captured, after = run(warm=True)
+    kinds = [(s.kind, s.batch, s.chunk) for s in report.built if s.kind in ("verify", "draft")]
+    assert kinds == [(kind, b, q) for b in (2, 1) for kind, q in
+                     [("verify", 2), ("verify", 3), ("draft", 1), ("draft", 2), ("draft", 3)]]
+    # per batch bucket: a decode graph, verify graphs of 2 and 3 tokens, MTP first passes from 1, 2 and 3
+    # positions (1: a decode-like pass, shared with the later passes)
+    assert report.graphs == captured == 2 * (1 + 2 + 3)
+    assert after == captured, "a request met a graph the warm-up had not captured"
+    cold_outs, _, _, cold_graphs = run(warm=False)
+    assert cold_outs == outs
+    assert cold_graphs >= 3, "without the warm-up the requests were meant to capture decode, verify and draft graphs"
+
+
 @pytest.mark.gpu
 def test_gpu_warm_up_captures_every_decode_graph():
     """On a GPU (m3-slice, real graphs and compiled kernels): every batch bucket's graph is captured before the

@@ -9,12 +9,13 @@ step and a draft step cost on the device.
 
 **Acceptance** (`acceptance`). A trained model's directory carries its held-out prompts (`heldout.jsonl.gz`, rows
 {"task", "prompt", ...}). Each prompt is answered greedily, alone (batch 1, where speculation pays), once without
-speculation and once per drafter (ngram k=3, mtp k=1 and k=3 when the checkpoint has an MTP module, eagle3 k=3
-with --spec-eagle3 DIR). Per drafter and task: the mean accepted length (tokens a verify step emits: accepted
-drafts + 1) and the acceptance per draft position (the fraction of verify steps that accepted position j), from
-the engine's counters (vLLM's spec_decode_* names); output tokens/s and TPOT without and with, and the speed-up
-(TPOT without / TPOT with). Greedy output with speculation must be the output without it, token for token: a
-difference is printed and the command fails.
+speculation and once per drafter (ngram k=3, mtp k=1 and k=3 when the checkpoint has an MTP module, eagle3 k=3 with
+--spec-eagle3 DIR), each by an engine that on a GPU first warms up as the server does (kernels built, and every
+decode, verify and draft graph captured: engine/warmup.py), so no TPOT pays for them. Per drafter and task: the mean
+accepted length (tokens a verify step emits: accepted drafts + 1) and the acceptance per draft position (the
+fraction of verify steps that accepted position j), from the engine's counters (vLLM's spec_decode_* names); output
+tokens/s and TPOT without and with, and the speed-up (TPOT without / TPOT with). Greedy output with speculation must
+be the output without it, token for token: a difference is printed and the command fails.
 
 **Cost** (`cost`). On a live model runner (random weights are fine: acceptance does not enter), B sequences of
 C context tokens: the time of a 1-token decode step (as the engine runs it: under CUDA graphs when they apply,

@@ -6,10 +6,10 @@
 A model's arithmetic at batch 1 is small; what a step costs beyond it is host work (drafting, scheduling, input
 staging, launching, sampling, acceptance, detokenisation) and the waits where the host syncs with the device. For
 each configuration - no speculation, ngram k=3 (prompt lookup 1-3 tokens) and mtp k=3 (when the checkpoint has an
-MTP module) - the engine is built once, warmed up on one prompt, and then answers the held-out chat prompts (tasks
-arith, tool, no_tool) greedily, one at a time (batch 1, where speculation pays). Meanwhile time.perf_counter
-wrappers, installed on the engine's objects (the engine's code is not changed), time each phase of every engine
-step:
+MTP module) - the engine is built once (on a GPU warmed up as the server is: engine/warmup.py), answers one short
+prompt untimed, and then answers the held-out chat prompts (tasks arith, tool, no_tool) greedily, one at a time
+(batch 1, where speculation pays). Meanwhile time.perf_counter wrappers, installed on the engine's objects (the
+engine's code is not changed), time each phase of every engine step:
 
     propose         engine.speculator.propose: the drafts for the next step (ngram: the lookup on the host)
       propose_drafts  inside it, engine.executor.propose_drafts: a draft model's passes (mtp; its graph replays)

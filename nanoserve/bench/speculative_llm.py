@@ -24,10 +24,16 @@ MAX_MODEL_LEN = 12_288
 
 
 def build_llm(model: str, device: str, dtype: str, speculative_config: dict | None, optimizations=None):
+    from nanoserve.engine.warmup import DEFAULT_GPU_BUDGET_S, warm_up
     from nanoserve.entrypoints.llm import LLM
     from nanoserve.model.loader import read_config
     from nanoserve.presets.resolve import resolve_model_dir
 
     max_len = min(MAX_MODEL_LEN, read_config(resolve_model_dir(model)).max_position_embeddings)
-    return LLM(model=model, device=device, dtype=dtype, max_model_len=max_len, kv_cache_tokens=65_536, seed=0,
-               speculative_config=speculative_config, **({"optimizations": optimizations} if optimizations else {}))
+    llm = LLM(model=model, device=device, dtype=dtype, max_model_len=max_len, kv_cache_tokens=65_536, seed=0,
+              speculative_config=speculative_config, **({"optimizations": optimizations} if optimizations else {}))
+    if llm.engine.executor.device.type != "cpu":
+        # as the server does before it serves: kernels built and graphs captured (decode, and the verify and draft
+        # graphs of every length) before anything is timed, so no request's TPOT pays for them
+        print(warm_up(llm.engine, DEFAULT_GPU_BUDGET_S).summary(), flush=True)
+    return llm

@@ -12,11 +12,16 @@ every request needs first, the rarer shapes last, so a budget that runs out leav
    with CUDA graphs on, each step captures its bucket's graph (at that context bucket; longer context buckets are
    still captured when first met). Each step's logits go through the sampler: greedy rows and a seeded row with
    top-k / top-p / min-p and logprobs.
-2. prefill: one prompt of every power-of-two token count up to max_num_batched_tokens (the MoE's token buckets
+2b. speculative decoding (with a speculative_config of k tokens): per decode batch bucket, largest first, one
+   verify step of every query length 2 .. k + 1 (with spec_cuda_graphs each captures its verify graph) and, for a
+   draft model (mtp, eagle3), after the k + 1 one, a draft step from each number of final positions 1 .. k + 1
+   (the MTP drafter captures its first-pass graph of that length and its one-token pass). Without them a
+   request's first verify and draft steps of each length capture graphs and build kernels inside its TPOT.
+3. prefill: one prompt of every power-of-two token count up to max_num_batched_tokens (the MoE's token buckets
    are powers of two, and the small-batch kernels pad their rows to one), and the budget itself.
-3. MSA: a prompt of index_topk_blocks + 2 blocks, so every sparse layer selects among more blocks than it keeps
+4. MSA: a prompt of index_topk_blocks + 2 blocks, so every sparse layer selects among more blocks than it keeps
    (in chunks of max_num_batched_tokens when it is longer than one step).
-4. long prompts: one chunk of max_num_batched_tokens tokens ending at 2x, 4x, ... the budget and at the longest
+5. long prompts: one chunk of max_num_batched_tokens tokens ending at 2x, 4x, ... the budget and at the longest
    prompt (max_model_len - 1): the MSA top-k chunk grows with the blocks a chunk attends to, and from
    configs.LONG_PREFILL_CONTEXT tokens on the prefill kernels take their `_long` tiles.
 
@@ -38,6 +43,7 @@ from nanoserve.batch import ModelInput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.cuda_graphs import batch_buckets
 from nanoserve.sampling import SamplingParams
+from nanoserve.spec_decode.draft_input import DraftInput
 
 if TYPE_CHECKING:
     from nanoserve.engine.llm_engine import LLMEngine
@@ -56,10 +62,12 @@ WARMUP_SEQ_ID = -1
 class Shape:
     """One warm-up step (or, for a prompt longer than a step, the chunks of one prompt).
 
-    kind: "decode" (`batch` sequences, one new token each, at context `context`), "prefill" (one prompt of
-    `context` tokens, run in chunks of at most `chunk` tokens) or "chunk" (the last chunk of a long prompt alone:
-    `chunk` tokens ending at `context`, attending to whatever the scratch blocks before it hold - the kernels' tiles
-    depend on the lengths, not on the values)."""
+    kind: "decode" (`batch` sequences, one new token each, at context `context`), "verify" (`batch` sequences of
+    `chunk` new tokens each, every token's logits wanted, ending at `context`), "draft" (no target step: the draft
+    model's passes after the verify step before it, from the last `chunk` positions of each sequence), "prefill"
+    (one prompt of `context` tokens, run in chunks of at most `chunk` tokens) or "chunk" (the last chunk of a long
+    prompt alone: `chunk` tokens ending at `context`, attending to whatever the scratch blocks before it hold - the
+    kernels' tiles depend on the lengths, not on the values)."""
 
     kind: str
     batch: int
@@ -72,7 +80,9 @@ class Shape:
         """(query tokens, context after the step) of each step this shape runs."""
         if self.kind == "decode":
             return [(1, self.context)]
-        if self.kind == "chunk":
+        if self.kind == "draft":
+            return []
+        if self.kind in ("chunk", "verify"):
             return [(self.chunk, self.context)]
         out, done = [], 0
         while done < self.context:
@@ -83,13 +93,22 @@ class Shape:
 
 
 def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int, topk_blocks: int,
-         has_msa: bool) -> list[Shape]:
-    """The shapes to warm, in the order they run (see the module docstring)."""
+         has_msa: bool, spec_tokens: int = 0, draft_model: bool = False) -> list[Shape]:
+    """The shapes to warm, in the order they run (see the module docstring). spec_tokens: k of the
+    speculative_config (0: none); draft_model: its drafter is a model (mtp, eagle3), not prompt lookup."""
     longest_prompt = max(max_model_len - 1, 1)  # a prompt leaves room for one generated token
     msa_len = min((topk_blocks + 2) * block_size, longest_prompt) if has_msa else 0
     decode_context = min(max(msa_len + 1, 2), max_model_len)
     shapes = [Shape("decode", b, decode_context, 1, f"decode batch {b}")
               for b in reversed(batch_buckets(max_num_seqs))]
+    # a verify step's context and its drafts' positions stay within max_model_len (and the scratch blocks)
+    spec_context = max(1, min(decode_context, max_model_len - spec_tokens))
+    for b in reversed(batch_buckets(max_num_seqs)) if spec_tokens else ():
+        shapes += [Shape("verify", b, spec_context, q, f"verify batch {b} x {q} tokens")
+                   for q in range(2, spec_tokens + 2) if q <= spec_context]
+        if draft_model and spec_tokens + 1 <= spec_context:
+            shapes += [Shape("draft", b, spec_context, q, f"drafts batch {b} from {q} positions")
+                       for q in range(1, spec_tokens + 2)]
     top = min(max_num_batched_tokens, longest_prompt)
     counts, t = [], 1
     while t < top:
@@ -127,10 +146,13 @@ class WarmupReport:
             return ("warm-up skipped (budget 0 s): kernels are built and decode graphs captured when first met "
                     f"({len(self.skipped)} shapes)")
         decode = [s.batch for s in self.built if s.kind == "decode"]
-        prefill = [s.context for s in self.built if s.kind != "decode"]
+        spec = [s for s in self.built if s.kind in ("verify", "draft")]
+        prefill = [s.context for s in self.built if s.kind in ("prefill", "chunk")]
         parts = [f"{len(decode)} decode batch sizes" + (f" ({min(decode)}-{max(decode)})" if decode else ""),
                  f"{len(prefill)} prefill shapes" + (f" ({min(prefill)}-{max(prefill)} tokens)" if prefill else ""),
                  f"{self.graphs} CUDA graphs captured"]
+        if spec or any(s.kind in ("verify", "draft") for s in self.skipped):
+            parts.insert(1, f"{len(spec)} speculative verify and draft shapes")
         line = f"warm-up: built {', '.join(parts)} in {self.seconds:.1f} s"
         if self.skipped:
             line += (f"; not built, the budget of {self.budget_s:g} s was spent: "
@@ -142,8 +164,10 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
     """Run the engine's warm-up shapes until done or `budget_s` seconds have passed (0: none); log one line.
     Raises if the KV blocks did not all come back (a bug, not a condition to serve with)."""
     cfg = engine.model_config
+    spec = engine.speculator
     shapes = plan(engine.config.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len,
-                  engine.block_size, cfg.index_topk_blocks, cfg.num_sparse_attn_layers > 0)
+                  engine.block_size, cfg.index_topk_blocks, cfg.num_sparse_attn_layers > 0,
+                  spec.k if spec is not None else 0, spec is not None and spec.proposer is None)
     report = WarmupReport(budget_s)
     start = clock()
     if budget_s <= 0:
@@ -153,7 +177,9 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
     bm = engine.block_manager
     free_before = bm.num_free_blocks
     scratch = Sequence(WARMUP_SEQ_ID, "warmup", 0, [], SamplingParams())
-    longest = max(ctx for s in shapes for _, ctx in s.steps)
+    # (a draft shape writes its drafts' K/V up to k - 1 positions past its context)
+    longest = max([ctx for s in shapes for _, ctx in s.steps] +
+                  [s.context + engine.speculator.k - 1 for s in shapes if s.kind == "draft"])
     if not bm.allocate(scratch, longest):
         raise RuntimeError(f"warm-up: the KV pool has no {bm.blocks_needed(longest)} free blocks for its "
                            f"scratch sequence")
@@ -176,11 +202,19 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
 
 
 def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
-    """One shape's steps through the executor, each sampled."""
+    """One shape's steps through the executor, each sampled (a verify step's logits read back)."""
     vocab, bs = engine.model_config.vocab_size, engine.block_size
+    if shape.kind == "draft":
+        _draft(engine, shape, table)
+        return
     for query, context in shape.steps:
         blocks = table[: -(-context // bs)]
         n = shape.batch
+        if shape.kind == "verify":  # as engine/llm_engine.py's model_input lays out a verify step
+            ids = [(context + i) % vocab for i in range(n * query)]
+            inp = ModelInput(ids, [query] * n, [context] * n, [blocks] * n, [], list(range(n * query)))
+            engine.executor.execute_model(inp).argmax(dim=-1).tolist()  # waits for the step
+            continue
         if shape.kind == "decode":
             inp = ModelInput([(context + i) % vocab for i in range(n)], [1] * n, [context] * n, [blocks] * n,
                              list(range(n)))
@@ -195,6 +229,18 @@ def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
             engine.sampler.forget(seq.seq_id)
 
 
+def _draft(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
+    """A draft model's passes from the last `shape.chunk` positions of each sequence of the verify step of k + 1
+    tokens that ran just before (the drafter reads its rows), k drafts each."""
+    n, q, k = shape.batch, shape.chunk, engine.speculator.k
+    verified = k + 1
+    blocks = table[: -(-(shape.context + k - 1) // engine.block_size)]
+    rows = [i * verified + verified - q + j for i in range(n) for j in range(q)]
+    vocab = engine.model_config.vocab_size
+    engine.executor.propose_drafts(DraftInput(rows, [r % vocab for r in rows], [q] * n, [shape.context] * n,
+                                              [blocks] * n, [k] * n))
+
+
 def _sampled_rows(n: int) -> list[Sequence]:
     """The sampler's dummy rows: one seeded draw with every filter and logprobs (its own generator, so the engine's
     shared one is not advanced), the rest greedy."""
@@ -204,6 +250,6 @@ def _sampled_rows(n: int) -> list[Sequence]:
 
 
 def _num_graphs(engine: "LLMEngine") -> int:
-    """Decode graphs captured so far: only a runner in this process (tensor_parallel_size 1) has them."""
+    """Graphs captured so far: only a runner in this process (tensor_parallel_size 1) has them."""
     runner = getattr(engine.executor, "runner", None)
-    return runner.num_decode_graphs if runner is not None else 0
+    return runner.num_graphs if runner is not None else 0

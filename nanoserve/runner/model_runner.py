@@ -258,8 +258,14 @@ class ModelRunner:
 
     @property
     def num_decode_graphs(self) -> int:
-        """Decode graphs captured over the current pool (engine/warmup.py reports how many it captured)."""
+        """Decode graphs captured over the current pool."""
         return len(self.graphs.graphs) if self.graphs is not None else 0
+
+    @property
+    def num_graphs(self) -> int:
+        """Every graph captured over the current pool: decode, verify and draft-pass graphs (engine/warmup.py
+        reports how many it captured)."""
+        return sum(len(g.graphs) + len(g.verify_graphs) for g in (self.graphs, self.draft_graphs) if g is not None)
 
     @torch.inference_mode()
     def capture_decode_graphs(self, max_seq_len: int, max_batch: int) -> int:
