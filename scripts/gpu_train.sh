@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train m3-mini in one GPU call and bring the checkpoint back in pieces small enough for any file transfer.
+# Train m3-mini on one GPU, export done by a deadline (DEADLINE seconds, 570 by default), and leave the checkpoint
+# in 15 MB pieces, small enough for any file transfer.
 #
 #   OUT=DIR [DEADLINE=570] [COMPILE=1] [PROFILE=0] [TRAIN_ARGS="..."] [TOKENIZER=...] bash scripts/gpu_train.sh
 #
