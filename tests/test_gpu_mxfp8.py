@@ -7,7 +7,9 @@ and paths at small widths on the CPU, where Triton's interpreter cannot compute 
   weights, plus the shared expert through F.linear.
 - Both replayed from a CUDA graph equal their eager call bit for bit.
 - m3-slice served natively in MXFP8 gives the log-probabilities of the same weights dequantised at load, bit for
-  bit (docs/mxfp8.md says why: at prefill sizes both paths add the same bf16 products in the same order).
+  bit (docs/mxfp8.md says why: at prefill sizes every projection makes the dequantised model's own F.linear call,
+  and the fused MoE adds the same bf16 products in the same order); on failure it names the first module where the
+  two forwards differ.
 
 Tolerance of the kernels: max |kernel - reference| <= 2e-2 x max |reference| (bf16 outputs; both accumulate in
 fp32).
@@ -131,12 +133,15 @@ def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
 
 
 def test_native_mxfp8_logprobs_equal_the_dequantised_weights_bit_for_bit():
-    """m3-slice, two 256-token prompts, every position over the whole vocabulary."""
-    from nanoserve.bench.accuracy import mxfp8_accuracy
+    """m3-slice, two 256-token prompts, every position over the whole vocabulary. The first prompt's forward is
+    recorded module by module in both builds (`locate`), so a failure names the first module whose output differs,
+    whether its inputs were still equal, and the kernel path each build took there."""
+    from nanoserve.bench.accuracy import divergence_text, mxfp8_accuracy
     from nanoserve.config import Optimizations
 
     res = mxfp8_accuracy("m3-slice", Optimizations(), torch.bfloat16, torch.device("cuda"), prompt_len=256,
-                         unquantised=False)
+                         unquantised=False, locate=True)
     pair = res["pairs"]["native vs dequantised"]
     assert pair["positions"] == 512
-    assert pair["max_abs_logprob_diff"] == 0.0 and pair["top1_agreement"] == 1.0
+    assert pair["max_abs_logprob_diff"] == 0.0 and pair["top1_agreement"] == 1.0, (
+        f"{pair}\n{divergence_text(res['divergence'])}\n{torch.cuda.get_device_name()}")

@@ -93,6 +93,14 @@ FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
     },
 }
 
+PREFILL_ROWS = 128
+"""A linear of more rows than this is prefill-sized, and takes "dequant": every built-in entry above this bucket
+on both backends is "dequant", and a shape missing from the tables takes it too (fp8_linear.select_tiles). So a
+prefill runs the very F.linear call - same shapes, same bf16 values - that a model with its weights dequantised at
+load runs, whatever the card's SM count or the library's choice of GEMM: native MXFP8 and dequantised weights
+agree bit for bit there by construction (docs/mxfp8.md). A $NANOSERVE_FP8_TUNED_CONFIG entry naming another
+variant for a prefill bucket is used as given, and gives that up for its shape."""
+
 M3_LINEAR_SHAPES = (
     # (N, K) of M3's MXFP8 projections on one rank: MSA qkv + index, dense qkv, o_proj, dense gate_up, dense down
     (9856, 6144), (9216, 6144), (6144, 8192), (24576, 6144), (6144, 12288),  # tensor parallel 1

@@ -18,7 +18,8 @@ does the same with the weight tile as the dot's first operand, "scaled" hands th
 multiplies a few rows by the widened tile on CUDA cores (`mx_tile_gemv`). The per-K-step code of every variant
 lives in fp8_tile.py, shared with the fused MoE. `select_tiles`
 takes the variant and tiles from the tuned table for known shapes (`scripts/tune_fp8.py` writes it), else a
-heuristic.
+heuristic; a prefill (more than fp8_configs.PREFILL_ROWS rows) takes "dequant" either way, the same F.linear the
+dequantised model calls.
 
 Small batches (decode) are bandwidth-bound and have few output tiles, so K is split across programs (SPLIT_K)
 until the grid covers the GPU a few times over; the fp32 partials are summed by one small kernel that also casts
@@ -40,7 +41,7 @@ import triton
 import triton.language as tl
 
 from nanoserve.kernels.configs import backend, sm_count
-from nanoserve.kernels.fp8_configs import FP8_VARIANTS, linear_entry
+from nanoserve.kernels.fp8_configs import FP8_VARIANTS, PREFILL_ROWS, linear_entry
 from nanoserve.kernels.fp8_tile import (
     MXFP8_BLOCK,
     dequant_fp8_tile,
@@ -77,10 +78,11 @@ class LinearTiles:
 
 
 def select_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> LinearTiles:
-    """Tiles by backend and batch size: the tuned table (fp8_configs.py) for known shapes on CUDA, else a
-    heuristic. Decode (M <= 16): one row tile, narrow N, long K (memory-bound); mid batches: 64-row tiles;
-    prefill: 128 x 128 tiles. BLOCK_K is a multiple of the 32-column scale block; ROCm keeps 2 pipeline stages
-    and tl.dot dims >= 16."""
+    """Tiles by backend and batch size: the tuned table (fp8_configs.py) for known shapes, else a heuristic.
+    Decode (M <= 16): one row tile, narrow N, long K (memory-bound); mid batches: 64-row tiles; prefill (more than
+    fp8_configs.PREFILL_ROWS rows): "dequant", as every table entry there, so that a prefill of any shape calls the
+    dequantised model's F.linear (its tiles serve only a captured graph, which dequantises in registers). BLOCK_K
+    is a multiple of the 32-column scale block; ROCm keeps 2 pipeline stages and tl.dot dims >= 16."""
     kind = backend(device)
     if kind == "interpret":
         return LinearTiles(16, 32, 64, 4, 1)
@@ -92,11 +94,13 @@ def select_tiles(m: int, n: int, k: int, device: torch.device, dtype: torch.dtyp
         t = LinearTiles(16, 64, 256, 4, 4)
     elif m <= 64:
         t = LinearTiles(64, 64, 128, 4, 4)
-    elif m <= 256:
+    elif m <= PREFILL_ROWS:
         t = LinearTiles(64, 128, 64, 4, 4)
+    elif m <= 256:
+        t = LinearTiles(64, 128, 64, 4, 4, "dequant")
     else:
-        t = LinearTiles(128, 128, 64, 8, 3)
-    return t if stages is None else LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, stages)
+        t = LinearTiles(128, 128, 64, 8, 3, "dequant")
+    return t if stages is None else LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, stages, t.variant)
 
 
 def split_k_for(m: int, n: int, k: int, tiles: LinearTiles, device: torch.device) -> int:
