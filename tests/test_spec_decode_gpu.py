@@ -91,3 +91,31 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(mtp_dir, tmp_pat
             # fp32, but graphs read the context bucket where eager steps read the exact length (tile and split
             # choices differ): a rare near-tie may flip; a graph reading the wrong rows agrees on almost none
             assert len(a) == len(b) and same >= 0.9 * total, (name, same, total)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_draft_chain_under_real_cuda_graphs(batch):
+    """Switch spec_draft_chain with real CUDA graphs, on the trained m3-mini (its MTP drafts are mostly accepted)
+    in fp32: the same greedy tokens as without speculation, acceptance within a few drafts of the chain's
+    reference (drafts proposed at each step's start: graphs of other shapes may break a near-tie differently), the
+    chain graph replayed, and every block back."""
+    from nanoserve import Optimizations
+
+    prompts = [[1, 2, 3] + list(range(40, 80)), list(range(100, 140)), list(range(300, 330)) * 2][:batch]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    results = {}
+    for chain in (None, False, True):
+        kwargs = {} if chain is None else dict(speculative_config=spec,
+                                               optimizations=Optimizations(spec_draft_chain=chain))
+        with LLM("m3-mini", **ENGINE, **kwargs) as llm:
+            outs = tokens_of(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+            stats = llm.engine.stats
+            runner = llm.engine.executor.runner
+            results[chain] = (outs, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens,
+                              len(runner.chain.graphs) if runner.chain is not None else 0)
+            assert_all_blocks_free(llm)
+    plain, ref, chained = results[None], results[False], results[True]
+    assert ref[0] == plain[0] and chained[0] == plain[0]
+    assert ref[3] == 0 and chained[3] > 0, results
+    assert chained[2] > 0.5 * chained[1], "m3-mini's MTP drafts were meant to be mostly accepted"
+    assert abs(chained[2] - ref[2]) <= 0.1 * ref[2], results

@@ -37,11 +37,11 @@ def prompts() -> list[list[int]]:
 
 
 def generate(model: str, batches: list[list[list[int]]], spec: dict | None, graphs: bool,
-             capture=None) -> tuple[list[list[int]], Counter, dict]:
+             capture=None, **switches: bool) -> tuple[list[list[int]], Counter, dict]:
     """Greedy outputs of each batch in turn (one generate call each); with `graphs`, under the emulated capture
     (or `capture`) with spec_cuda_graphs on. Returns the outputs, how often each graph key replayed (query length
     1: decode; more: verify) and the engine's stats and GraphRunner (before it shut down)."""
-    opts = engine_opts().replace(cuda_graphs=graphs, spec_cuda_graphs=graphs)
+    opts = engine_opts().replace(cuda_graphs=graphs, spec_cuda_graphs=graphs, **switches)
     llm = LLM(model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, speculative_config=spec)
     runner = llm.engine.executor.runner
     replays: Counter = Counter()
@@ -110,6 +110,53 @@ def test_verify_steps_replay_graphs_with_the_same_greedy_output(tiny_dir, mtp_di
     assert any(k[0] == want_bs for k in verify), replays
     if method == "ngram":  # (m3-tiny's random MTP module drafts what its greedy output rarely is)
         assert state["stats"].spec_decode_num_accepted_tokens > 0
+
+
+def acceptance(stats) -> tuple:
+    return (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens, stats.spec_decode_num_accepted_tokens,
+            list(stats.spec_decode_accepted_per_pos))
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_the_draft_chain_drafts_what_the_next_step_would(mtp_dir, expected, batch):
+    """spec_draft_chain against its reference (the drafts proposed at each step's start), m3-tiny's random MTP
+    module, emulated capture: the same greedy output, the same drafts - so the same acceptance counts, per
+    position - with chain graphs replayed after the verify graphs and fewer draft proposals at step starts."""
+    batches = BATCHES[batch](prompts())
+    ref, _, ref_state = generate(mtp_dir, batches, MTP, graphs=True)
+    out, replays, state = generate(mtp_dir, batches, MTP, graphs=True, spec_draft_chain=True)
+    assert out == ref == expected[batch]
+    assert acceptance(state["stats"]) == acceptance(ref_state["stats"])
+    chains = {k: n for k, n in replays.items() if k[0] == "chain"}
+    assert chains and all(k[3] == K + 1 for k in chains), replays
+    proposals = sum(len(step) for step in state["drafts"])
+    assert proposals < sum(len(step) for step in ref_state["drafts"])
+
+
+def test_the_draft_chain_on_a_trained_model_accepts_and_matches():
+    """m3-mini (trained: its MTP drafts are mostly accepted, so the chain meets whole, partial and rejected drafts)
+    in fp32: spec_draft_chain on and off give the same greedy tokens and the same acceptance, every block comes
+    back."""
+    prompt_sets = [[[1, 2, 3] + list(range(40, 80))], [list(range(100, 140)), list(range(300, 330)) * 2]]
+
+    def run(chain: bool):
+        opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=chain)
+        with LLM("m3-mini", optimizations=opts, dtype="float32", max_model_len=512, max_num_seqs=4,
+                 speculative_config=MTP) as llm:
+            runner = llm.engine.executor.runner
+            runner.graph_capture = lambda fn: fn
+            outs = []
+            for batch in prompt_sets:
+                outs += tokens_of(llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False))
+            assert_all_blocks_free(llm)
+            return outs, acceptance(llm.engine.stats), runner.chain
+
+    out, accepted, chain = run(True)
+    ref, ref_accepted, no_chain = run(False)
+    assert out == ref and accepted == ref_accepted
+    per_pos = accepted[3]
+    assert per_pos[0] > 0 and per_pos[-1] < accepted[0], "whole and partial drafts were both meant to occur"
+    assert chain is not None and chain.graphs and no_chain is None
 
 
 def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_dir):

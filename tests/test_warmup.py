@@ -158,7 +158,8 @@ def test_every_decode_graph_is_captured_ahead():
         assert_all_blocks_free(llm)
 
 
-def test_speculative_graphs_are_captured_ahead(mtp_dir):
+@pytest.mark.parametrize("chain", [False, True])
+def test_speculative_graphs_are_captured_ahead(mtp_dir, chain):
     """With an MTP drafter of k = 2 and spec_cuda_graphs (emulated capture): the warm-up runs a verify step of
     every query length 2 .. k + 1 and a draft step from every number of final positions 1 .. k + 1 per batch
     bucket, capturing their graphs (verify and MTP first-pass graphs per length, the one-token draft pass); later
@@ -170,7 +171,8 @@ def test_speculative_graphs_are_captured_ahead(mtp_dir):
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 
     def run(warm: bool):
-        llm = LLM(mtp_dir, optimizations=engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True),
+        opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=chain)
+        llm = LLM(mtp_dir, optimizations=opts,
                   max_model_len=MAX_MODEL_LEN, kv_cache_tokens=4096, max_num_seqs=2,
                   max_num_batched_tokens=BUDGET_TOKENS, cpu_threads=1, speculative_config=spec)
         with llm:
@@ -188,8 +190,8 @@ def test_speculative_graphs_are_captured_ahead(mtp_dir):
     assert kinds == [(kind, b, q) for b in (2, 1) for kind, q in
                      [("verify", 2), ("verify", 3), ("draft", 1), ("draft", 2), ("draft", 3)]]
     # per batch bucket: a decode graph, verify graphs of 2 and 3 tokens, MTP first passes from 1, 2 and 3
-    # positions (1: a decode-like pass, shared with the later passes)
-    assert report.graphs == captured == 2 * (1 + 2 + 3)
+    # positions (1: a decode-like pass, shared with the later passes), and with spec_draft_chain its graph
+    assert report.graphs == captured == 2 * (1 + 2 + 3 + chain)
     assert after == captured, "a request met a graph the warm-up had not captured"
     cold_outs, _, _, cold_graphs = run(warm=False)
     assert cold_outs == outs

@@ -9,13 +9,14 @@ step and a draft step cost on the device.
 
 **Acceptance** (`acceptance`). A trained model's directory carries its held-out prompts (`heldout.jsonl.gz`, rows
 {"task", "prompt", ...}). Each prompt is answered greedily, alone (batch 1, where speculation pays), once without
-speculation and once per drafter (ngram k=3, mtp k=1 and k=3 when the checkpoint has an MTP module, eagle3 k=3 with
---spec-eagle3 DIR), each by an engine that on a GPU first warms up as the server does (kernels built, and every
-decode, verify and draft graph captured: engine/warmup.py), so no TPOT pays for them. Per drafter and task: the mean
-accepted length (tokens a verify step emits: accepted drafts + 1) and the acceptance per draft position (the
-fraction of verify steps that accepted position j), from the engine's counters (vLLM's spec_decode_* names); output
-tokens/s and TPOT without and with, and the speed-up (TPOT without / TPOT with). Greedy output with speculation must
-be the output without it, token for token: a difference is printed and the command fails.
+speculation and once per drafter (ngram k=3, mtp k=1 and k=3 when the checkpoint has an MTP module - on a GPU also
+k=3 with switch spec_draft_chain on - and eagle3 k=3 with --spec-eagle3 DIR), each by an engine that on a GPU first
+warms up as the server does (kernels built, and every decode, verify and draft graph captured: engine/warmup.py), so
+no TPOT pays for them. Per drafter and task: the mean accepted length (tokens a verify step emits: accepted drafts +
+1) and the acceptance per draft position (the fraction of verify steps that accepted position j), from the engine's
+counters (vLLM's spec_decode_* names); output tokens/s and TPOT without and with, and the speed-up (TPOT without /
+TPOT with). Greedy output with speculation must be the output without it, token for token: a difference is printed
+and the command fails.
 
 **Cost** (`cost`). On a live model runner (random weights are fine: acceptance does not enter), B sequences of
 C context tokens: the time of a 1-token decode step (as the engine runs it: under CUDA graphs when they apply,
@@ -49,15 +50,23 @@ PUBLISHED_EAGLE3_ACCEPTANCE = (2.7, 3.5)
 """Mean accepted length of Inferact/MiniMax-M3-EAGLE3 with 3 draft tokens: MT-Bench, and GSM8K / HumanEval."""
 
 
-def drafters(model_dir: str, eagle3_dir: str | None) -> list[tuple[str, dict | None, str | None]]:
+CHAIN = "mtp k=3, draft chain"
+"""MTP k=3 with switch spec_draft_chain on (runner/draft_chain.py): it replays CUDA graphs, so a GPU only."""
+
+
+def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
+             ) -> list[tuple[str, dict | None, str | None]]:
     """(name, speculative_config, why it is skipped or None) for every drafter this model can be measured with."""
     from nanoserve.model.mtp import has_mtp
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
     no_eagle = None if eagle3_dir else "no EAGLE-3 draft directory given (--spec-eagle3 DIR)"
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    no_chain = no_mtp or ("the draft chain replays CUDA graphs: a GPU only" if on_cpu else None)
     return [("ngram k=3", NGRAM_K3, None),
             ("mtp k=1", {**MTP, "num_speculative_tokens": 1}, no_mtp),
             ("mtp k=3", {**MTP, "num_speculative_tokens": 3}, no_mtp),
+            (CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain),
             ("eagle3 k=3", {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}, no_eagle)]
 
 
@@ -143,11 +152,16 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
     base = _answer_with(model, device, dtype, None, rows, optimizations)
     report["baseline"] = {t: _timing(run) for t, run in base.items()}
     _progress("no speculation", base)
-    for name, config, skip in drafters(model_dir, eagle3_dir):
+    for name, config, skip in drafters(model_dir, eagle3_dir, device):
         if skip:
             report["skipped"][name] = skip
             continue
-        spec = _answer_with(model, device, dtype, config, rows, optimizations)
+        opts = optimizations
+        if name == CHAIN:
+            from nanoserve.config import Optimizations
+
+            opts = (optimizations or Optimizations()).replace(spec_draft_chain=True)
+        spec = _answer_with(model, device, dtype, config, rows, opts)
         _progress(name, spec)
         tasks = {}
         for task, run in spec.items():

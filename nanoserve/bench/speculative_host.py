@@ -5,11 +5,12 @@
 
 A model's arithmetic at batch 1 is small; what a step costs beyond it is host work (drafting, scheduling, input
 staging, launching, sampling, acceptance, detokenisation) and the waits where the host syncs with the device. For
-each configuration - no speculation, ngram k=3 (prompt lookup 1-3 tokens) and mtp k=3 (when the checkpoint has an
-MTP module) - the engine is built once (on a GPU warmed up as the server is: engine/warmup.py), answers one short
-prompt untimed, and then answers the held-out chat prompts (tasks arith, tool, no_tool) greedily, one at a time
-(batch 1, where speculation pays). Meanwhile time.perf_counter wrappers, installed on the engine's objects (the
-engine's code is not changed), time each phase of every engine step:
+each configuration - no speculation, ngram k=3 (prompt lookup 1-3 tokens), mtp k=3 (when the checkpoint has an MTP
+module) and, on a GPU, mtp k=3 with switch spec_draft_chain on - the engine is built once (on a GPU warmed up as the
+server is: engine/warmup.py), answers one short prompt untimed, and then answers the held-out chat prompts (tasks
+arith, tool, no_tool) greedily, one at a time (batch 1, where speculation pays). Meanwhile time.perf_counter
+wrappers, installed on the engine's objects (the engine's code is not changed), time each phase of every engine
+step:
 
     propose         engine.speculator.propose: the drafts for the next step (ngram: the lookup on the host)
       propose_drafts  inside it, engine.executor.propose_drafts: a draft model's passes (mtp; its graph replays)
@@ -61,12 +62,22 @@ PHASE_SOURCES = {"propose": "engine.speculator.propose", "propose_drafts": "engi
                  "receive": "engine._receive", "process": "engine._process"}
 
 
-def configurations(model_dir: str) -> list[tuple[str, dict | None, str | None]]:
+CHAIN = "mtp k=3, draft chain"
+"""The MTP configuration with switch spec_draft_chain on (the next step's drafts made on the device after each
+greedy verify graph: runner/draft_chain.py); it needs CUDA graphs, so it is measured on a GPU only."""
+
+
+def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict | None, str | None]]:
     """(name, speculative_config, why it is skipped or None) for every configuration measured."""
     from nanoserve.model.mtp import has_mtp
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
-    return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp)]
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    no_chain = no_mtp or ("the draft chain replays CUDA graphs: a GPU only" if on_cpu else None)
+    return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp),
+            (CHAIN, MTP_K3, no_chain)]
 
 
 @dataclass
@@ -140,11 +151,16 @@ def measure_host(model: str, device: str = "cpu", dtype: str = "auto", limit: in
                               "prompts": dict(Counter(r["task"] for r in rows)), "configs": {}, "skipped": {},
                               "differences": []}
     outputs: dict[str, list[list[int]]] = {}
-    for name, config, skip in configurations(model_dir):
+    for name, config, skip in configurations(model_dir, device):
         if skip:
             report["skipped"][name] = skip
             continue
-        result, outputs[name] = _measure_one(model, device, dtype, config, rows, optimizations)
+        opts = optimizations
+        if name == CHAIN:
+            from nanoserve.config import Optimizations
+
+            opts = (optimizations or Optimizations()).replace(spec_draft_chain=True)
+        result, outputs[name] = _measure_one(model, device, dtype, config, rows, opts)
         report["configs"][name] = {"speculative_config": config, **result}
         _progress(name, result)
     base = outputs["no speculation"]

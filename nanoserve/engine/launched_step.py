@@ -24,6 +24,7 @@ class LaunchedStep:
     prompt_seqs: dict[int, Sequence] = field(default_factory=dict)
     verify: DeviceVerify | None = None  # speculative decoding: the sequences that verified drafts, their outcome
     rows: list[StepRows] = field(default_factory=list)  # (speculative decoding) each sequence's rows in the batch
+    chain: DeviceSample | None = None  # (spec_draft_chain) the next step's drafts, made on the device
 
 
 Received = tuple[Sequence, SampleResult | None, int, bool]  # a sequence, its step's draw on the host (None: it

@@ -38,7 +38,7 @@ from nanoserve.engine.launched_step import LaunchedStep, Received
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.overlap import OverlappedStep
-from nanoserve.engine.sampler import Sampler
+from nanoserve.engine.sampler import DeviceSample, Sampler
 from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
 from nanoserve.engine.speculative import DeviceVerify, Speculator, StepRows
@@ -122,8 +122,9 @@ class LLMEngine:
         logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
                     "replay CUDA graphs where they apply" if config.optimizations.spec_cuda_graphs
                     else "run eagerly (switch spec_cuda_graphs off)")
+        opts = config.optimizations
         return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate,
-                          config.optimizations.spec_greedy_accept)
+                          opts.spec_greedy_accept, opts.spec_draft_chain and opts.spec_cuda_graphs)
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -151,6 +152,8 @@ class LLMEngine:
         if sched.is_empty:
             return None
         self._count_step(sched)
+        # (before the staging: a draft chain's passes write past the verified positions)
+        chain = self.speculator is not None and self.speculator.prepare_chain(sched.scheduled)
         inp, prompt_rows, targets, fed = model_input(sched, self.model_config.vocab_size)
         feed = token_feed(fed, previous)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
@@ -177,6 +180,10 @@ class LLMEngine:
         if verifying:  # then the k + 1 positions of each sequence that verifies drafts
             launched.verify = self.speculator.verify(logits[len(sampled) + num_prompt_rows:], verifying,
                                                      self.sampler)
+            drafts = self.executor.draft_chain() if chain and launched.verify.drafts is not None else None
+            if drafts is not None:  # the next step's drafts, copied back beside this step's tokens
+                launched.chain = DeviceSample(drafts.reshape(-1).clone(), [None] * drafts.numel(), None, None,
+                                              None).start_host_copy()
         for seq in sampled + [s.seq for s in verifying]:  # its token is on the device until _receive takes it
             seq.num_pending += 1
         if self.speculator is not None:
@@ -197,6 +204,8 @@ class LLMEngine:
         accepted: dict[int, int] = {}
         if launched.verify is not None:
             accepted = self._receive_verified(launched.verify, received)
+            if launched.chain is not None:
+                self.speculator.keep_chain(launched.verify, self.sampler.to_host(launched.chain), accepted)
         if self.speculator is not None:  # the positions made final: the drafter reads them (unfinished sequences)
             self._last_rows = [(seq, start, offset, n + accepted.get(seq.seq_id, 0))
                                for seq, start, offset, n in launched.rows]

@@ -127,11 +127,15 @@ class Speculator:
     """The engine's drafter and verifier for one SpeculativeConfig (see the module docstring)."""
 
     def __init__(self, config: SpeculativeConfig, max_model_len: int, executor: Executor,
-                 allocate: Callable[[Sequence, int], bool], greedy_accept: bool = True):
+                 allocate: Callable[[Sequence, int], bool], greedy_accept: bool = True, draft_chain: bool = False):
         """`executor`: runs a model-based drafter (mtp, eagle3); `allocate(seq, num_tokens)`: the block manager's,
-        for the positions a draft model computes its later drafts at; `greedy_accept`: switch spec_greedy_accept."""
+        for the positions a draft model computes its later drafts at; `greedy_accept`, `draft_chain`: switches
+        spec_greedy_accept and spec_draft_chain."""
         self.config = config
         self.greedy_accept = greedy_accept
+        self.draft_chain = draft_chain and greedy_accept and config.method == "mtp"
+        self.premade: dict[int, list[int]] = {}
+        """spec_draft_chain: the drafts that the last verify step made on the device, by seq_id, for `propose`."""
         self.k = config.num_speculative_tokens
         self.max_model_len = max_model_len
         self.executor = executor
@@ -152,11 +156,14 @@ class Speculator:
 
     def propose(self, running: list[Sequence], last_rows: list[StepRows]) -> None:
         """Set each running sequence's drafts for the next step ([] for one that does not speculate now).
-        `last_rows`: the last step's sequences and their final positions (what a draft model reads)."""
+        `last_rows`: the last step's sequences and their final positions (what a draft model reads). A sequence
+        whose drafts the last verify step made on the device (`premade`) keeps them, cut to its room."""
+        premade, self.premade = self.premade, {}
         for seq in running:
-            seq.spec_token_ids = []
+            seq.spec_token_ids = premade[seq.seq_id][: self.room(seq)] if seq.seq_id in premade else []
         if self.proposer is None:
-            self._propose_by_model(last_rows)
+            # (the chain wrote the draft model's K/V at those sequences' final positions already)
+            self._propose_by_model([r for r in last_rows if r[0].seq_id not in premade])
         else:
             for seq in running:
                 room = self.room(seq)
@@ -189,6 +196,26 @@ class Speculator:
             inp.num_drafts.append(k)
         for (seq, *_), drafts in zip(entries, self.executor.propose_drafts(inp)):
             seq.spec_token_ids = drafts
+
+    def prepare_chain(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Before a step is staged (switch spec_draft_chain): may its verify graph be followed by the draft chain
+        (runner/draft_chain.py)? Only where every scheduled sequence verifies k drafts and is plain greedy; then
+        each gets the blocks the chain's passes write to (positions up to start + 2k - 1; trimmed at receive).
+        The runner still decides whether a graph fits."""
+        k = self.k
+        if not self.draft_chain or not scheduled or any(
+                s.num_draft != k or s.seq.grammar is not None or not plain_greedy(s.seq) for s in scheduled):
+            return False
+        reach = [s.seq.num_computed_tokens + 2 * k for s in scheduled]
+        return all(n <= self.max_model_len and self.allocate(s.seq, n) for s, n in zip(scheduled, reach))
+
+    def keep_chain(self, verify: DeviceVerify, drafts: SampleResult, accepted: dict[int, int]) -> None:
+        """At receive: the drafts the chain made after a verify step (row r * k + j: sequence r's j-th), for the
+        sequences the step left unfinished (`accepted`, by seq_id); `propose` hands them out."""
+        k = len(drafts.token_ids) // len(verify.seqs)
+        for r, seq in enumerate(verify.seqs):
+            if seq.seq_id in accepted:
+                self.premade[seq.seq_id] = drafts.token_ids[r * k: (r + 1) * k]
 
     def verify(self, logits: torch.Tensor, scheduled: list[ScheduledSeq], sampler: Sampler) -> DeviceVerify:
         """Queue the acceptance of the scheduled drafts on the device. `logits`: the k_r + 1 rows of each

@@ -15,8 +15,9 @@ every request needs first, the rarer shapes last, so a budget that runs out leav
 2b. speculative decoding (with a speculative_config of k tokens): per decode batch bucket, largest first, one
    verify step of every query length 2 .. k + 1 (with spec_cuda_graphs each captures its verify graph) and, for a
    draft model (mtp, eagle3), after the k + 1 one, a draft step from each number of final positions 1 .. k + 1
-   (the MTP drafter captures its first-pass graph of that length and its one-token pass). Without them a
-   request's first verify and draft steps of each length capture graphs and build kernels inside its TPOT.
+   (the MTP drafter captures its first-pass graph of that length and its one-token pass; with spec_draft_chain
+   the k + 1 verify step also captures its draft chain's graph). Without them a request's first verify and draft
+   steps of each length capture graphs and build kernels inside its TPOT.
 3. prefill: one prompt of every power-of-two token count up to max_num_batched_tokens (the MoE's token buckets
    are powers of two, and the small-batch kernels pad their rows to one), and the budget itself.
 4. MSA: a prompt of index_topk_blocks + 2 blocks, so every sparse layer selects among more blocks than it keeps
@@ -179,7 +180,7 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
     scratch = Sequence(WARMUP_SEQ_ID, "warmup", 0, [], SamplingParams())
     # (a draft shape writes its drafts' K/V up to k - 1 positions past its context)
     longest = max([ctx for s in shapes for _, ctx in s.steps] +
-                  [s.context + engine.speculator.k - 1 for s in shapes if s.kind == "draft"])
+                  [s.context + engine.speculator.k - 1 for s in shapes if s.kind in ("draft", "verify")])
     if not bm.allocate(scratch, longest):
         raise RuntimeError(f"warm-up: the KV pool has no {bm.blocks_needed(longest)} free blocks for its "
                            f"scratch sequence")
@@ -211,9 +212,16 @@ def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
         blocks = table[: -(-context // bs)]
         n = shape.batch
         if shape.kind == "verify":  # as engine/llm_engine.py's model_input lays out a verify step
+            spec = engine.speculator
+            chain = spec.draft_chain and query == spec.k + 1
+            if chain:  # the blocks its draft chain writes to, as Speculator.prepare_chain allocates them
+                blocks = table[: -(-(context + spec.k - 1) // bs)]
             ids = [(context + i) % vocab for i in range(n * query)]
             inp = ModelInput(ids, [query] * n, [context] * n, [blocks] * n, [], list(range(n * query)))
             engine.executor.execute_model(inp).argmax(dim=-1).tolist()  # waits for the step
+            drafts = engine.executor.draft_chain() if chain else None  # (spec_draft_chain: captures its graph)
+            if drafts is not None:
+                drafts.tolist()
             continue
         if shape.kind == "decode":
             inp = ModelInput([(context + i) % vocab for i in range(n)], [1] * n, [context] * n, [blocks] * n,

@@ -46,6 +46,11 @@ class Executor:
         from the last step's hidden states (spec_decode/draft_input.py). Only where the runner loaded one."""
         raise NotImplementedError(f"{type(self).__name__} runs no model-based drafter")
 
+    def draft_chain(self) -> torch.Tensor | None:
+        """Right after a verify step: the next step's MTP drafts made on the device (runner/draft_chain.py), or
+        None where this executor or the step has none."""
+        return None
+
     def check_health(self) -> None:
         """Raise if a worker is gone."""
 

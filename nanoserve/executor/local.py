@@ -41,5 +41,8 @@ class LocalExecutor(Executor):
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
         return self.runner.propose_drafts(inp)
 
+    def draft_chain(self) -> torch.Tensor | None:
+        return self.runner.draft_chain()
+
     def shutdown(self) -> None:
         self.runner.shutdown()

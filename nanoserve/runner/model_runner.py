@@ -19,6 +19,7 @@ from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
+from nanoserve.runner.draft_chain import DraftChain
 from nanoserve.runner.drafter import DraftGraphs, DraftRunner
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
@@ -75,6 +76,9 @@ class ModelRunner:
         self.max_num_seqs: int | None = None
         self.graphs: cuda_graphs.GraphRunner | None = None
         self.draft_graphs: DraftGraphs | None = None
+        self.chain: DraftChain | None = None  # switch spec_draft_chain: the MTP drafts made after a verify graph
+        self._last_verify: tuple[cuda_graphs.GraphRunner, int, int, int] | None = None
+        """The last step, when it replayed a verify graph: (its graphs, sequences, query length, longest context)."""
         self.graph_capture: cuda_graphs.CaptureFn | None = None
         self._graph_switches: tuple[bool, ...] | None = None
         self._graph_notice: str | None = None
@@ -131,7 +135,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.graphs = self.draft_graphs = None  # captured against the old pools
+        self.graphs = self.draft_graphs = self.chain = None  # captured against the old pools
         self.kv_caches, self.index_caches = [], []
         self.model.bind_kv_caches([None] * self.cfg.num_hidden_layers, [None] * self.cfg.num_hidden_layers)
         if self.device.type == "cuda":
@@ -159,12 +163,15 @@ class ModelRunner:
         the prompt rows' (every rank computes them). The LM head runs on those rows only. `feed`: input ids to take
         from the previous step's sampled tokens on the device (async scheduling)."""
         self.last_argmax = None
+        self._last_verify = None
         graphs, q = self._step_graphs(inp)
         if graphs is not None:
             logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables, feed, q)
             if logits is not None:
                 if graphs.captured_argmax and q == 1:
                     self.last_argmax = graphs.tokens[: len(inp.seq_lens)]
+                if q > 1:
+                    self._last_verify = (graphs, len(inp.seq_lens), q, max(inp.seq_lens))
                 if self.drafter is not None:  # what the captured forward kept for it: every token's row
                     self.drafter.last = graphs.kept[: len(inp.input_ids)]
                 return logits
@@ -179,6 +186,18 @@ class ModelRunner:
         """Speculative decoding: the model-based drafter's tokens per sequence (runner/drafter.py)."""
         assert self.drafter is not None, "no model-based drafter was loaded"
         return self.drafter.propose(inp, self.prepare, self.draft_pass_graphs())
+
+    def draft_chain(self) -> torch.Tensor | None:
+        """Right after a verify step replayed as a graph (switch spec_draft_chain, an MTP drafter): the next
+        step's drafts [n, k] of its sequences, made on the device from the greedy acceptance of its argmax
+        (runner/draft_chain.py); None where the last step was no such replay or no chain graph fits."""
+        last, self._last_verify = self._last_verify, None
+        if last is None or not self.config.optimizations.spec_draft_chain or self.draft_pass_graphs() is None:
+            return None
+        graphs, n, q, max_seq_len = last
+        if self.chain is None or self.chain.target is not graphs or self.chain.draft is not self.drafter:
+            self.chain = DraftChain(self.drafter, graphs)
+        return self.chain.run(n, q, max_seq_len)
 
     def draft_pass_graphs(self, drafter: DraftRunner | None = None) -> DraftGraphs | None:
         """With spec_cuda_graphs and the target's graphs in use: the MTP drafter's passes as graphs
@@ -263,9 +282,11 @@ class ModelRunner:
 
     @property
     def num_graphs(self) -> int:
-        """Every graph captured over the current pool: decode, verify and draft-pass graphs (engine/warmup.py
-        reports how many it captured)."""
-        return sum(len(g.graphs) + len(g.verify_graphs) for g in (self.graphs, self.draft_graphs) if g is not None)
+        """Every graph captured over the current pool: decode, verify, draft-pass and draft-chain graphs
+        (engine/warmup.py reports how many it captured)."""
+        chain = len(self.chain.graphs) if self.chain is not None else 0
+        return chain + sum(len(g.graphs) + len(g.verify_graphs) for g in (self.graphs, self.draft_graphs)
+                           if g is not None)
 
     @torch.inference_mode()
     def capture_decode_graphs(self, max_seq_len: int, max_batch: int) -> int:
@@ -280,6 +301,6 @@ class ModelRunner:
         """Free the graphs, the KV pools and the weights. Idempotent: an engine's finalizer may call it again."""
         if not hasattr(self, "model"):
             return
-        self.graphs = self.draft_graphs = None
+        self.graphs = self.draft_graphs = self.chain = None
         self.allocate_kv_cache(0)
         del self.model
