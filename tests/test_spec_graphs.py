@@ -159,6 +159,34 @@ def test_the_draft_chain_on_a_trained_model_accepts_and_matches():
     assert chain is not None and chain.graphs and no_chain is None
 
 
+def test_abort_while_a_draft_chain_is_in_flight(mtp_dir, expected):
+    """An abort of a sequence whose verify step and draft chain are still in flight: the blocks the chain's passes
+    write to come back with the rest, and the other sequences finish with their greedy output."""
+    opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=True)
+    with LLM(mtp_dir, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+             speculative_config=MTP) as llm:
+        llm.engine.executor.runner.graph_capture = lambda fn: fn
+        engine = llm.engine
+        for i, p in enumerate(prompts()):
+            engine.add_request(f"r{i}", p, GREEDY)
+        inflight = None
+        for _ in range(40):
+            engine.step()
+            inflight = engine.overlapped.in_flight
+            if inflight is not None and inflight.chain is not None:
+                break
+        assert inflight is not None and inflight.chain is not None, "a draft chain was meant to be in flight"
+        engine.abort_request(["r1"])
+        engine.block_manager.check_integrity()
+        finished = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.outputs[0].token_ids
+        assert finished == {"r0": expected["batch 3"][0], "r2": expected["batch 3"][2]}
+        assert_all_blocks_free(llm)
+
+
 def test_a_drafter_reads_a_view_of_the_graphs_static_buffer(mtp_dir):
     """With spec_cuda_graphs an MTP drafter keeps graphs on: after a replayed step its input is the graph's
     static `kept` rows (every token of the step), not a copy taken outside the graph."""
