@@ -188,7 +188,7 @@ class Optimizations:
         True, ENGINE, "runner/cuda_graphs.py", "with cuda_graphs and a speculative_config: a verify step whose "
         "sequences all feed the same number of tokens (2 to k + 1) replays a graph keyed by (batch bucket, context "
         "bucket, query length), a model-based drafter (mtp, eagle3) no longer turns graphs off (the graph writes "
-        "what it reads into a static buffer), and the MTP drafter's passes replay graphs of their own",
+        "what it reads into a static buffer), and the draft model's passes (mtp, eagle3) replay graphs of their own",
         "verify steps run eagerly; with an mtp or eagle3 drafter every step and draft pass runs eagerly")
     spec_greedy_accept: bool = switch(
         True, ENGINE, "engine/speculative.py", "a verify step whose sequences are all plain greedy (temperature 0, no "

@@ -99,3 +99,19 @@ def test_fused_add_rmsnorm_matches_reference(shape, dtype, device):
     torch.testing.assert_close(new_residual, residual_ref, rtol=0, atol=0)  # the add is rounded the same way
     rtol, atol = TOLERANCE[dtype]
     torch.testing.assert_close(normed, normed_ref, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("real, padding", [(5, 3), (1, 7), (8, 0)])
+def test_write_kv_padded_stores_what_write_kv_stores(real, padding):
+    """reference.write_kv_padded (no host synchronisation: graph-safe) against write_kv on fresh random K/V and
+    distinct random slots, padding rows (slot -1) after the real ones: the same pool, exactly (fp32)."""
+    gen = torch.Generator().manual_seed(real * 10 + padding)
+    blocks, block_size, heads, dim = 6, 4, 2, 8
+    t = real + padding
+    k, v = (torch.randn(t, heads, dim, generator=gen) for _ in range(2))
+    slots = torch.cat([torch.randperm(blocks * block_size, generator=gen)[:real], torch.full((padding,), -1)])
+    want = torch.randn(blocks, 2, block_size, heads, dim, generator=gen)
+    got = want.clone()
+    reference.write_kv(want, k, v, slots)
+    reference.write_kv_padded(got, k, v, slots)
+    assert torch.equal(got, want)

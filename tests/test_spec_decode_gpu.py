@@ -83,7 +83,7 @@ def test_verify_steps_under_real_cuda_graphs_keep_greedy_output(mtp_dir, tmp_pat
         # the ngram drafter finds no match for does not verify that step)
         assert (max(k[0] for k in stats["verify_graphs"]) > 1) == (batch > 1), stats
         assert all(1 < k[2] <= 4 for k in stats["verify_graphs"]), stats
-        assert (stats["draft_graphs"] > 0) == (name == "mtp"), stats  # the MTP's one-token passes: graphs too
+        assert (stats["draft_graphs"] > 0) == (name != "ngram"), stats  # a draft model's passes: graphs too
         if name != "ngram":  # the drafts themselves: graph replays read the same rows and compute the same passes
             a, b = eager["draft_tokens"], stats["draft_tokens"]
             same = sum(x == y for da, db in zip(a, b) for x, y in zip(da, db))

@@ -14,6 +14,7 @@ cost. B sequences of C context tokens are prefilled into blocks of the runner's 
                 over the k + 1 positions a fully accepted verify step made final, then k - 1 further passes
                 (with spec_cuda_graphs each pass replays a graph, as the engine runs them);
                 eagle3: the same with an EAGLE-3 layer at the target's hidden size, heads and dense MLP width
+                (its passes replay graphs too)
 
 A drafter emitting L tokens per verify step on average (the mean accepted length) gives
 speed-up = L x decode / (verify + draft): printed at EAGLE-3's published 2.7 and 3.5 (k = 3) for every drafter's

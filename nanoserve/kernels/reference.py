@@ -114,6 +114,18 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     kv_cache[blocks, 1, offsets] = to_cache(v[keep], kv_cache.dtype, v_scale)
 
 
+def write_kv_padded(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """`write_kv` for a batch whose padding rows (slot -1) come after its real ones, without a host
+    synchronisation (a boolean mask's shape waits for the device, which a CUDA graph cannot capture): each padding
+    row writes the first row's values into the first row's slot again, so every duplicate write is the same one."""
+    block_size = kv_cache.shape[2]
+    pad = (slot_mapping < 0)[:, None, None]
+    slots = torch.where(slot_mapping >= 0, slot_mapping, slot_mapping[:1])
+    blocks, offsets = slots // block_size, slots % block_size
+    kv_cache[blocks, 0, offsets] = to_cache(torch.where(pad, k[:1], k), kv_cache.dtype)
+    kv_cache[blocks, 1, offsets] = to_cache(torch.where(pad, v[:1], v), kv_cache.dtype)
+
+
 def write_index_keys(index_cache: torch.Tensor, index_k: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Store index keys [T, D_index] at their slots; slot -1 writes nothing. An fp8 pool stores them at scale 1
     (they only rank blocks; a scale would not change the ranking)."""

@@ -7,8 +7,8 @@ draft model (method "eagle3"), with what they read of each target step and their
                              forward pre-hooks - or leaving the last layer). Under CUDA graphs the captured forward
                              runs `read` into a static buffer instead, and `last` is set to a view of it.
     propose(DraftInput)      its K/V over the positions the last step made final, then greedy drafts
-    DraftGraphs              with switch spec_cuda_graphs, the MTP drafter's one-token passes (every draft after
-                             the first) replayed as CUDA graphs
+    DraftGraphs              with switch spec_cuda_graphs, the drafter's passes (MTP or EAGLE-3: the first where
+                             it fits, every one-token pass after it) replayed as CUDA graphs
 
 Both drafters work alike: at position t the draft layer reads (the target's state at t, the token x_{t+1}) and
 its output's logits give x_{t+2}; each further draft feeds the layer its own output and the token it drafted,
@@ -207,25 +207,25 @@ class DraftRunner:
 
 
 class DraftGraphs(GraphRunner):
-    """The MTP drafter's passes as CUDA graphs (switch spec_cuda_graphs). Every draft after the first is a
-    decode-like pass - each drafting sequence one token at position seq_len - 1 - of the MTP layer and the LM head's
-    argmax, keyed like a decode graph by (batch bucket, context bucket). The first pass reads the q positions the
-    last step made final: where every sequence drafts and q is the same for all (q <= k + 1: after a decode or a
-    verify step, not a prompt chunk) it replays a graph keyed like a verify graph by (batch bucket, context bucket,
-    q), which takes each sequence's last row; otherwise it runs eagerly. Static inputs: the step staging plus the
-    hidden input rows; outputs: the drafted tokens and the next pass's hidden input. Padding rows write no K/V
-    (slot -1). EAGLE-3's layer writes its K/V through a boolean mask (a host synchronisation), so its passes stay
-    eager."""
+    """The draft model's passes as CUDA graphs (switch spec_cuda_graphs), for the MTP module and for an EAGLE-3
+    layer alike. Every draft after the first is a decode-like pass - each drafting sequence one token at position
+    seq_len - 1 - of the draft layer and its head's argmax, keyed like a decode graph by (batch bucket, context
+    bucket). The first pass reads the q positions the last step made final: where every sequence drafts and q is
+    the same for all (q <= k + 1: after a decode or a verify step, not a prompt chunk) it replays a graph keyed
+    like a verify graph by (batch bucket, context bucket, q), which takes each sequence's last row; otherwise it
+    runs eagerly. Static inputs: the step staging plus the hidden input rows (EAGLE-3's first pass: its combined
+    taps, computed before the replay); outputs: the drafted tokens and the next pass's hidden input. Padding rows
+    write no K/V (slot -1; EAGLE-3's layer rewrites its first row's slot instead, `reference.write_kv_padded`)."""
 
-    runs_eagerly = "MTP draft passes"
-    verify_runs_eagerly = "MTP first draft passes over several positions"
+    runs_eagerly = "draft passes"
+    verify_runs_eagerly = "first draft passes over several positions"
 
     def __init__(self, draft: DraftRunner, target: GraphRunner):
         """`target`: the target model's graphs (their limits, capture function and memory pool)."""
         super().__init__(draft.model, target.max_bs, target.max_model_len, target.block_size, target.device,
                          target._capture, max_query_len=target.max_query_len, with_logits=False)
         self.draft, self.target = draft, target
-        h = draft.model.cfg.hidden_size
+        h = draft.drafter.cfg.hidden_size if isinstance(draft.drafter, Eagle3Drafter) else draft.model.cfg.hidden_size
         self.hidden_in = torch.zeros(self.max_tokens, h, dtype=draft.dtype, device=target.device)
         self.carry_out = torch.zeros(self.max_bs, h, dtype=draft.dtype, device=target.device)
 

@@ -200,12 +200,15 @@ class ModelRunner:
         return self.chain.run(n, q, max_seq_len)
 
     def draft_pass_graphs(self, drafter: DraftRunner | None = None) -> DraftGraphs | None:
-        """With spec_cuda_graphs and the target's graphs in use: the MTP drafter's passes as graphs
-        (rebuilt with the target's graphs). EAGLE-3's passes stay eager (DraftGraphs says why). `drafter`: the
+        """With spec_cuda_graphs and the target's graphs in use: the drafter's passes as graphs (rebuilt with the
+        target's graphs; EAGLE-3's only with triton_attention on, as the target's dense layers). `drafter`: the
         runner's own by default (the step-cost bench passes one of its own)."""
         drafter = drafter or self.drafter
-        if not self.config.optimizations.spec_cuda_graphs or drafter is None or drafter.method != "mtp":
+        opts = self.config.optimizations
+        if not opts.spec_cuda_graphs or drafter is None:
             return None
+        if drafter.method == "eagle3" and not opts.triton_attention and self.graph_capture is None:
+            return None  # its reference attention loops over the sequences on the host
         graphs = self._graphs()
         if graphs is None:
             return None
