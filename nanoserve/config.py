@@ -197,11 +197,11 @@ class Optimizations:
         "every verify step runs the rejection sampler on the device over the target distributions (one-hot at the "
         "argmax for a greedy row)")
     spec_draft_chain: bool = switch(
-        False, ENGINE, "runner/draft_chain.py", "with an mtp drafter, spec_cuda_graphs and spec_greedy_accept: after "
-        "a verify graph whose sequences are all plain greedy with k drafts, one more graph accepts on the device and "
-        "runs the MTP passes of the next step's drafts (the first over the verified positions, each reading its "
-        "argmax as the token after it), so they arrive with this step's tokens: one host-device synchronisation "
-        "per step instead of two",
+        False, ENGINE, "runner/draft_chain.py", "with a draft model (mtp, eagle3), spec_cuda_graphs and "
+        "spec_greedy_accept: after a verify graph whose sequences are all plain greedy with k drafts, one more graph "
+        "accepts on the device and runs the draft passes of the next step's drafts (the first over the verified "
+        "positions, each reading its argmax as the token after it), so they arrive with this step's tokens: one "
+        "host-device synchronisation per step instead of two",
         "each step's drafts are proposed at its start from the tokens the host accepted (runner/drafter.py)")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",

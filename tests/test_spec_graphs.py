@@ -57,11 +57,20 @@ def generate(model: str, batches: list[list[list[int]]], spec: dict | None, grap
     if graphs:
         runner.graph_capture = counting
     drafts = record_drafts(llm)  # every draft a model-based drafter proposed, in order
+    scheduled: list[list[list[int]]] = []  # the drafts each step's sequences got, however they were made
+    speculator = llm.engine.speculator
+    if speculator is not None:
+        propose = speculator.propose
+
+        def recording(running, last_rows):
+            propose(running, last_rows)
+            scheduled.append([list(seq.spec_token_ids) for seq in running])
+        speculator.propose = recording
     outs = []
     for batch in batches:
         outs += tokens_of(llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False))
     assert_all_blocks_free(llm)
-    state = {"stats": llm.engine.stats, "graphs": runner.graphs, "drafts": drafts}
+    state = {"stats": llm.engine.stats, "graphs": runner.graphs, "drafts": drafts, "scheduled": scheduled}
     llm.engine.shutdown()
     return outs, replays, state
 
@@ -118,14 +127,19 @@ def acceptance(stats) -> tuple:
 
 
 @pytest.mark.parametrize("batch", list(BATCHES))
-def test_the_draft_chain_drafts_what_the_next_step_would(mtp_dir, expected, batch):
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_the_draft_chain_drafts_what_the_next_step_would(tiny_dir, mtp_dir, eagle_draft, expected, method, batch):
     """spec_draft_chain against its reference (the drafts proposed at each step's start), m3-tiny's random MTP
-    module, emulated capture: the same greedy output, the same drafts - so the same acceptance counts, per
-    position - with chain graphs replayed after the verify graphs and fewer draft proposals at step starts."""
+    module or EAGLE-3 draft, emulated capture: the same greedy output, the same drafts - so the same acceptance
+    counts, per position - with chain graphs replayed after the verify graphs and fewer draft proposals at step
+    starts."""
+    model, spec = (mtp_dir, MTP) if method == "mtp" else (tiny_dir, eagle_config(eagle_draft, K))
     batches = BATCHES[batch](prompts())
-    ref, _, ref_state = generate(mtp_dir, batches, MTP, graphs=True)
-    out, replays, state = generate(mtp_dir, batches, MTP, graphs=True, spec_draft_chain=True)
+    ref, _, ref_state = generate(model, batches, spec, graphs=True)
+    out, replays, state = generate(model, batches, spec, graphs=True, spec_draft_chain=True)
     assert out == ref == expected[batch]
+    assert state["scheduled"] == ref_state["scheduled"]  # every step's drafts, token for token
+    assert sum(len(d) for step in state["scheduled"] for d in step) > 20
     assert acceptance(state["stats"]) == acceptance(ref_state["stats"])
     chains = {k: n for k, n in replays.items() if k[0] == "chain"}
     assert chains and all(k[3] == K + 1 for k in chains), replays

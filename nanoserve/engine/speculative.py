@@ -133,7 +133,7 @@ class Speculator:
         spec_greedy_accept and spec_draft_chain."""
         self.config = config
         self.greedy_accept = greedy_accept
-        self.draft_chain = draft_chain and greedy_accept and config.method == "mtp"
+        self.draft_chain = draft_chain and greedy_accept and config.method in ("mtp", "eagle3")
         self.premade: dict[int, list[int]] = {}
         """spec_draft_chain: the drafts that the last verify step made on the device, by seq_id, for `propose`."""
         self.k = config.num_speculative_tokens

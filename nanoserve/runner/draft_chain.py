@@ -1,9 +1,10 @@
-"""The next step's MTP drafts, made on the device right after a greedy verify step (switch `spec_draft_chain`).
+"""The next step's drafts of a draft model (MTP or EAGLE-3), made on the device right after a greedy verify step
+(switch `spec_draft_chain`).
 
-Without it, a speculative step with the MTP drafter synchronises with the device twice: once for the verify
-step's tokens (the engine's receive), and once in the next step's `DraftRunner.propose`, which runs the MTP
-module's passes from the accepted tokens and reads the drafts back before the next verify step can be staged. The
-device idles while the host decides acceptance, builds the draft input and stages each pass.
+Without it, a speculative step with a draft model synchronises with the device twice: once for the verify step's
+tokens (the engine's receive), and once in the next step's `DraftRunner.propose`, which runs the draft layer's
+passes from the accepted tokens and reads the drafts back before the next verify step can be staged. The device
+idles while the host decides acceptance, builds the draft input and stages each pass.
 
 For a verify step whose sequences are all plain greedy with k drafts each (replayed as a CUDA graph of q = k + 1
 tokens per sequence), everything that proposal needs is already on the device, in the verify graph's static
@@ -13,11 +14,12 @@ by (batch bucket, context bucket, q) and replayed right after the verify graph, 
 
 1. accept: each position's argmax; sequence s keeps the longest prefix of its drafts equal to the argmax before
    each (`num_accepted`, the same rule the host applies to the same argmax: engine/speculative.py);
-2. the MTP's first pass over all q verified positions, with each position's argmax as the token after it: at
-   every position up to the last accepted one P that is the true next token (an accepted draft equals the argmax
-   before it, and the argmax at P is the bonus token), so the MTP K/V written there is final and the output at P
-   gives the first draft. Rows past P hold rejected positions: their K/V is garbage that the passes below and the
-   next step overwrite before anything reads it, as for the target's rejected positions;
+2. the draft layer's first pass over all q verified positions (EAGLE-3: its fc over the kept taps first), with each
+   position's argmax as the token after it: at every position up to the last accepted one P that is the true next
+   token (an accepted draft equals the argmax before it, and the argmax at P is the bonus token), so the draft K/V
+   written there is final and the output at P gives the first draft. Rows past P hold rejected positions: their K/V
+   is garbage that the passes below and the next step overwrite before anything reads it, as for the target's
+   rejected positions;
 3. the k - 1 one-token passes at positions P + 1 .. P + k - 1, whose positions, slots and context lengths are
    computed on the device from P (padding sequences, slot -1 in the verify step, write nothing).
 
@@ -44,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 class DraftChain:
-    """The chain graphs of one MTP drafter over one target GraphRunner (see the module docstring)."""
+    """The chain graphs of one draft model over one target GraphRunner (see the module docstring)."""
 
     def __init__(self, draft: DraftRunner, target: GraphRunner):
         self.draft, self.target = draft, target
@@ -87,7 +89,7 @@ class DraftChain:
                 torch.cuda.synchronize(self.target.device)
             self.disabled = f"capture of batch {key[0]} / context {key[1]} / query length {key[2]} failed: " \
                             f"{type(e).__name__}: {e}"
-            logger.warning("MTP draft chain graphs disabled, the drafts are proposed at each step's start: %s",
+            logger.warning("draft chain graphs disabled, the drafts are proposed at each step's start: %s",
                            self.disabled, exc_info=True)
             self.graphs.clear()
             return None
@@ -98,7 +100,8 @@ class DraftChain:
         target, draft = self.target, self.draft
         t, k, block = bs * q, q - 1, target.block_size
         verified, meta = target.static_inputs(bs, length, q)  # the verify step's inputs, as its graph read them
-        logits, hidden, tables = target.logits[:t], target.kept[:t], target.tables[:bs]
+        logits, kept, tables = target.logits[:t], target.kept[:t], target.tables[:bs]
+        combine = getattr(draft.drafter, "combine", None)  # EAGLE-3: its fc over the taps the graph kept
         positions, slots, starts, lens = self.i64[0, :bs], self.i64[1, :bs], self.i32[: bs + 1], \
             self.i32[bs + 1: 2 * bs + 1]
         one = AttentionMetadata(positions=positions, query_start_loc=starts, seq_lens=lens, block_tables=tables,
@@ -114,7 +117,7 @@ class DraftChain:
             argmax = logits.argmax(dim=-1)
             guess = verified.view(bs, q)[:, 1:]  # each sequence's drafts
             accepted = (guess == argmax.view(bs, q)[:, :-1]).to(torch.int64).cumprod(dim=1).sum(dim=1)
-            out, carry = draft._step(argmax, hidden, meta)
+            out, carry = draft._step(argmax, combine(kept) if combine is not None else kept, meta)
             last = rows * q + accepted
             carry = carry[last]
             token = draft._tokens(out[last])

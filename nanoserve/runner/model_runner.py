@@ -188,7 +188,7 @@ class ModelRunner:
         return self.drafter.propose(inp, self.prepare, self.draft_pass_graphs())
 
     def draft_chain(self) -> torch.Tensor | None:
-        """Right after a verify step replayed as a graph (switch spec_draft_chain, an MTP drafter): the next
+        """Right after a verify step replayed as a graph (switch spec_draft_chain, a draft model): the next
         step's drafts [n, k] of its sequences, made on the device from the greedy acceptance of its argmax
         (runner/draft_chain.py); None where the last step was no such replay or no chain graph fits."""
         last, self._last_verify = self._last_verify, None
