@@ -252,6 +252,8 @@ class M3Train(nn.Module):
         self.eager_modes: set[str] = set()
         """Attention modes whose steps call the blocks' plain `forward`, bypassing a torch.compile'd block (train.py
         puts "sparse" here: compiling that rare kind of step costs more time than it saves)."""
+        self.dynamic_steps = False
+        """Mark the batch and sequence dimensions of the blocks' inputs dynamic on every call (`compile_blocks`)."""
         half = cfg.rotary_dim // 2
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float32) / cfg.rotary_dim))
         self.register_buffer("inv_freq", inv[:half], persistent=False)
@@ -272,6 +274,32 @@ class M3Train(nn.Module):
     def moe_layers(self):
         return [m for m in self.modules() if isinstance(m, MoE)]
 
+    def blocks(self) -> list[Block]:
+        """The decoder blocks, then the MTP module's block."""
+        return [*self.layers, *([self.mtp.transformer_layer] if self.mtp is not None else [])]
+
+    def compile_blocks(self, backend: str = "inductor") -> None:
+        """torch.compile every block in place (parameter names, and so the exported checkpoint, stay the same),
+        with the batch and sequence dimensions of its inputs dynamic from the first call. The identical MSA+MoE
+        layers share their graphs, so a run compiles one graph for each of the three kinds of block (the dense first
+        layer, the MSA+MoE layers, the MTP block, which reads a bf16 stream and trains no indexer), whatever the
+        shapes of its steps, except that steps of one row compile one more each (torch.compile always specialises
+        a size of 1). Left to torch.compile's automatic dynamic shapes, each kind compiled for the first step's
+        shape and again, dynamic, at the first step of another shape (a long step), after which only the dynamic
+        graphs ran."""
+        for block in self.blocks():
+            block.compile(backend=backend)
+        self.dynamic_steps = True
+
+    def _block(self, block: Block, eager: bool, x, cos, sin, token_mask, mode, rows):
+        if eager:
+            return block.forward(x, cos, sin, token_mask, mode, rows)
+        if self.dynamic_steps:
+            for tensor in (x, cos, sin, token_mask):  # all [B, T, ...]
+                torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return block(x, cos, sin, token_mask, mode, rows)
+
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, mode: str = "dense", kl_rows: int = 0,
                 mtp: bool = True, heads: tuple[torch.Tensor, torch.Tensor] | None = None):
         """ids [B, T]: one document per row from position 0, `lengths` [B] real tokens (the rest is padding, which
@@ -289,7 +317,7 @@ class M3Train(nn.Module):
         kls = []
         eager = mode in self.eager_modes
         for layer in self.layers:
-            x, aux = (layer.forward if eager else layer)(x, cos, sin, token_mask, mode, rows)
+            x, aux = self._block(layer, eager, x, cos, sin, token_mask, mode, rows)
             if "index_kl" in aux:
                 kls.append(aux["index_kl"])
         h = gemma_norm(x, self.norm.weight, cfg.rms_norm_eps)
@@ -301,8 +329,8 @@ class M3Train(nn.Module):
             hp = gemma_norm(h[:, :-1], m.hnorm.weight, cfg.rms_norm_eps)
             z = m.eh_proj(torch.cat([e, hp], dim=-1))
             # row t reads h_t and x_{t+1} at position t (vLLM's MTP convention: the target's positions)
-            block = m.transformer_layer.forward if eager else m.transformer_layer
-            z, _ = block(z, cos[:, :-1], sin[:, :-1], token_mask[:, :-1], mode, None)
+            z, _ = self._block(m.transformer_layer, eager, z, cos[:, :-1], sin[:, :-1], token_mask[:, :-1], mode,
+                               None)
             z = gemma_norm(z, m.final_layernorm.weight, cfg.rms_norm_eps)
             mtp_logits = self.lm_head(z if heads is None else z[heads[1]])
         out_aux = {"index_kl": torch.stack(kls).mean() if kls else torch.zeros((), device=ids.device)}

@@ -185,8 +185,8 @@ def main() -> None:
                          "without exporting")
     ap.add_argument("--pack", action="store_true", help="fixed-shape steps: every chat step is --batch packed "
                     "windows of --seq tokens, every retrieval step --long-tokens / --long-seq windows of --long-seq")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder block (with --pack: one "
-                    "shape per kind of step, so it compiles a few times and then runs without the Python overhead)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder block (dynamic in batch "
+                    "and length: one graph per kind of block for every step shape, then no Python overhead)")
     ap.add_argument("--init", default=None, metavar="DIR", help="start from a checkpoint export.py wrote (its "
                     "weights and router biases; the optimizer starts afresh)")
     args = ap.parse_args()
@@ -206,8 +206,7 @@ def main() -> None:
         load_checkpoint(model, args.init)
     model = model.to(device)
     if args.compile:
-        for block in [*model.layers, *([model.mtp.transformer_layer] if model.mtp is not None else [])]:
-            block.compile()  # in place: parameter names, and so the exported checkpoint, stay the same
+        model.compile_blocks()
         # the last --sparse-frac's retrieval steps (every --long-every-th step) run eagerly: compiling every block
         # once more for them took 74 s of a 550 s H100 run, which left that phase about 600 steps
         model.eager_modes = {"sparse"}
