@@ -197,7 +197,7 @@ class Optimizations:
         "every verify step runs the rejection sampler on the device over the target distributions (one-hot at the "
         "argmax for a greedy row)")
     spec_draft_chain: bool = switch(
-        False, ENGINE, "runner/draft_chain.py", "with a draft model (mtp, eagle3), spec_cuda_graphs and "
+        True, ENGINE, "runner/draft_chain.py", "with a draft model (mtp, eagle3), spec_cuda_graphs and "
         "spec_greedy_accept: after a verify graph whose sequences are all plain greedy with k drafts, one more graph "
         "accepts on the device and runs the draft passes of the next step's drafts (the first over the verified "
         "positions, each reading its argmax as the token after it), so they arrive with this step's tokens: one "

@@ -81,7 +81,7 @@ def test_drafters_the_model_cannot_run_are_skipped_with_the_reason(tiny_dir, tra
     assert plain["ngram k=3"] is None
     assert "no MTP module" in plain["mtp k=1"] and "no MTP module" in plain["mtp k=3"]
     with_mtp = {name: skip for name, _, skip in drafters(trained_dir, "/some/draft")}
-    assert "GPU" in with_mtp.pop("mtp k=3, draft chain")  # (it replays CUDA graphs)
+    assert "GPU" in with_mtp.pop("mtp k=3, no draft chain")  # (it replays CUDA graphs)
     assert all(skip is None for skip in with_mtp.values())
     assert all(skip is None for _, _, skip in drafters(trained_dir, "/some/draft", device="cuda"))
 
@@ -126,7 +126,7 @@ def test_host_time_per_phase_of_a_speculative_step(trained_dir):
     report = measure_host(trained_dir, "cpu", "auto", limit=2, optimizations=opts)
     assert report["prompts"] == {"no_tool": 2}  # the chat tasks only: no retrieval prompt
     assert list(report["configs"]) == ["no speculation", "ngram k=3", "mtp k=3"]
-    assert list(report["skipped"]) == ["mtp k=3, draft chain"]  # (it replays CUDA graphs: a GPU only)
+    assert list(report["skipped"]) == ["mtp k=3, no draft chain"]  # (it replays CUDA graphs: a GPU only)
     assert report["identical"] is True and report["differences"] == []
     expected = {"no speculation": {"schedule", "execute_model", "sample", "receive", "process"},
                 "ngram k=3": {"propose", "schedule", "execute_model", "sample", "verify", "receive", "process"},

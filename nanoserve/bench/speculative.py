@@ -10,7 +10,7 @@ step and a draft step cost on the device.
 **Acceptance** (`acceptance`). A trained model's directory carries its held-out prompts (`heldout.jsonl.gz`, rows
 {"task", "prompt", ...}). Each prompt is answered greedily, alone (batch 1, where speculation pays), once without
 speculation and once per drafter (ngram k=3, mtp k=1 and k=3 when the checkpoint has an MTP module - on a GPU also
-k=3 with switch spec_draft_chain on - and eagle3 k=3 with --spec-eagle3 DIR), each by an engine that on a GPU first
+k=3 with switch spec_draft_chain off - and eagle3 k=3 with --spec-eagle3 DIR), each by an engine that on a GPU first
 warms up as the server does (kernels built, and every decode, verify and draft graph captured: engine/warmup.py), so
 no TPOT pays for them. Per drafter and task: the mean accepted length (tokens a verify step emits: accepted drafts +
 1) and the acceptance per draft position (the fraction of verify steps that accepted position j), from the engine's
@@ -50,8 +50,9 @@ PUBLISHED_EAGLE3_ACCEPTANCE = (2.7, 3.5)
 """Mean accepted length of Inferact/MiniMax-M3-EAGLE3 with 3 draft tokens: MT-Bench, and GSM8K / HumanEval."""
 
 
-CHAIN = "mtp k=3, draft chain"
-"""MTP k=3 with switch spec_draft_chain on (runner/draft_chain.py): it replays CUDA graphs, so a GPU only."""
+CHAIN = "mtp k=3, no draft chain"
+"""MTP k=3 with switch spec_draft_chain off, its reference (runner/draft_chain.py): the chain replays CUDA graphs, so
+the two differ on a GPU only."""
 
 
 def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
@@ -160,7 +161,7 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
         if name == CHAIN:
             from nanoserve.config import Optimizations
 
-            opts = (optimizations or Optimizations()).replace(spec_draft_chain=True)
+            opts = (optimizations or Optimizations()).replace(spec_draft_chain=False)
         spec = _answer_with(model, device, dtype, config, rows, opts)
         _progress(name, spec)
         tasks = {}

@@ -6,7 +6,7 @@
 A model's arithmetic at batch 1 is small; what a step costs beyond it is host work (drafting, scheduling, input
 staging, launching, sampling, acceptance, detokenisation) and the waits where the host syncs with the device. For
 each configuration - no speculation, ngram k=3 (prompt lookup 1-3 tokens), mtp k=3 (when the checkpoint has an MTP
-module) and, on a GPU, mtp k=3 with switch spec_draft_chain on - the engine is built once (on a GPU warmed up as the
+module) and, on a GPU, mtp k=3 with switch spec_draft_chain off - the engine is built once (on a GPU warmed up as the
 server is: engine/warmup.py), answers one short prompt untimed, and then answers the held-out chat prompts (tasks
 arith, tool, no_tool) greedily, one at a time (batch 1, where speculation pays). Meanwhile time.perf_counter
 wrappers, installed on the engine's objects (the engine's code is not changed), time each phase of every engine
@@ -62,9 +62,10 @@ PHASE_SOURCES = {"propose": "engine.speculator.propose", "propose_drafts": "engi
                  "receive": "engine._receive", "process": "engine._process"}
 
 
-CHAIN = "mtp k=3, draft chain"
-"""The MTP configuration with switch spec_draft_chain on (the next step's drafts made on the device after each
-greedy verify graph: runner/draft_chain.py); it needs CUDA graphs, so it is measured on a GPU only."""
+CHAIN = "mtp k=3, no draft chain"
+"""The MTP configuration with switch spec_draft_chain off, its reference (the chain makes the next step's drafts on
+the device after each greedy verify graph: runner/draft_chain.py); the chain replays CUDA graphs, so the two differ
+on a GPU only."""
 
 
 def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict | None, str | None]]:
@@ -159,7 +160,7 @@ def measure_host(model: str, device: str = "cpu", dtype: str = "auto", limit: in
         if name == CHAIN:
             from nanoserve.config import Optimizations
 
-            opts = (optimizations or Optimizations()).replace(spec_draft_chain=True)
+            opts = (optimizations or Optimizations()).replace(spec_draft_chain=False)
         result, outputs[name] = _measure_one(model, device, dtype, config, rows, opts)
         report["configs"][name] = {"speculative_config": config, **result}
         _progress(name, result)
