@@ -19,6 +19,9 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+MAX_NUM_SEQS = 4
+"""The benchmarks answer one prompt at a time; the warm-up captures graphs for batch buckets up to this."""
+
 MAX_MODEL_LEN = 12_288
 """Room for the longest held-out prompts (retrieval at 8k tokens) and their answers."""
 
@@ -30,8 +33,10 @@ def build_llm(model: str, device: str, dtype: str, speculative_config: dict | No
     from nanoserve.presets.resolve import resolve_model_dir
 
     max_len = min(MAX_MODEL_LEN, read_config(resolve_model_dir(model)).max_position_embeddings)
+    # batch 1 only: a few sequences' graphs to capture, not the server's 256
     llm = LLM(model=model, device=device, dtype=dtype, max_model_len=max_len, kv_cache_tokens=65_536, seed=0,
-              speculative_config=speculative_config, **({"optimizations": optimizations} if optimizations else {}))
+              max_num_seqs=MAX_NUM_SEQS, speculative_config=speculative_config,
+              **({"optimizations": optimizations} if optimizations else {}))
     if llm.engine.executor.device.type != "cpu":
         # as the server does before it serves: kernels built and graphs captured (decode, and the verify and draft
         # graphs of every length) before anything is timed, so no request's TPOT pays for them
