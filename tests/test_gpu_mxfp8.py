@@ -6,10 +6,10 @@ and paths at small widths on the CPU, where Triton's interpreter cannot compute 
 - The fused MoE with fp8 experts and the folded shared expert against `reference.moe_experts` on the same fp8
   weights, plus the shared expert through F.linear.
 - Both replayed from a CUDA graph equal their eager call bit for bit.
-- m3-slice served natively in MXFP8 gives the log-probabilities of the same weights dequantised at load, bit for
-  bit (docs/mxfp8.md says why: at prefill sizes every projection makes the dequantised model's own F.linear call,
-  and the fused MoE adds the same bf16 products in the same order); on failure it names the first module where the
-  two forwards differ.
+- m3-slice served natively in MXFP8 against the same weights dequantised at load: every projection equal bit for
+  bit (at prefill sizes it makes the dequantised model's own F.linear call), so the first module that may differ
+  is a fused MoE, whose two tile tables choose apart (docs/mxfp8.md); the log-probabilities within the tolerance
+  below; on failure it names the first module where the two forwards differ.
 
 Tolerance of the kernels: max |kernel - reference| <= 2e-2 x max |reference| (bf16 outputs; both accumulate in
 fp32).
