@@ -50,6 +50,27 @@ def record_drafts(llm: LLM) -> list[list[list[int]]]:
     return proposed
 
 
+def step_until_in_flight(engine, has, max_steps: int):
+    """Step an overlap-scheduling engine until the step it keeps in flight satisfies `has(step)`; that step, or None
+    after max_steps steps."""
+    for _ in range(max_steps):
+        engine.step()
+        inflight = engine.overlapped.in_flight
+        if inflight is not None and has(inflight):
+            return inflight
+    return None
+
+
+def finish_all(engine) -> dict[str, list[int]]:
+    """Step until no request is left: the output tokens of each request that finished meanwhile, by request id."""
+    finished = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.outputs[0].token_ids
+    return finished
+
+
 def direct_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """log_softmax of the model's logits at every position of `tokens`, from one forward pass outside the
     scheduler (through the first blocks of the engine's KV pool, whose cached prefixes are dropped after)."""

@@ -18,7 +18,7 @@ from nanoserve import LLM, SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.ngram import NgramProposer
 from nanoserve.spec_decode.rejection import rejection_sample
-from tests.engine_utils import assert_all_blocks_free, engine_opts
+from tests.engine_utils import assert_all_blocks_free, engine_opts, finish_all, step_until_in_flight
 
 FAST = engine_opts()
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
@@ -414,22 +414,12 @@ def test_abort_while_a_verify_step_is_in_flight_frees_every_block(spec_llm, ref_
     prompts = repetitive_prompts()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
-    verifying = False
-    for _ in range(30):
-        engine.step()
-        inflight = engine.overlapped.in_flight
-        if inflight is not None and inflight.verify is not None:
-            verifying = True
-            break
-    assert verifying, "a verify step was meant to be in flight"
+    inflight = step_until_in_flight(engine, lambda step: step.verify is not None, 30)
+    assert inflight is not None, "a verify step was meant to be in flight"
     aborted = {s.request_id for s in inflight.verify.seqs}
     engine.abort_request(sorted(aborted))
     engine.block_manager.check_integrity()
-    finished = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.outputs[0].token_ids
+    finished = finish_all(engine)
     kept = sorted(set(f"r{i}" for i in range(len(prompts))) - aborted)
     assert sorted(finished) == kept
     expected = tokens_of(run(ref_llm, prompts, GREEDY))

@@ -18,7 +18,7 @@ from collections import Counter
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.engine_utils import assert_all_blocks_free, engine_opts, record_drafts
+from tests.engine_utils import assert_all_blocks_free, engine_opts, finish_all, record_drafts, step_until_in_flight
 from tests.test_spec_decode import eagle_config, tokens_of, write_eagle3_dir
 
 MAX_MODEL_LEN = 256
@@ -184,20 +184,11 @@ def test_abort_while_a_draft_chain_is_in_flight(mtp_dir, expected):
         engine = llm.engine
         for i, p in enumerate(prompts()):
             engine.add_request(f"r{i}", p, GREEDY)
-        inflight = None
-        for _ in range(40):
-            engine.step()
-            inflight = engine.overlapped.in_flight
-            if inflight is not None and inflight.chain is not None:
-                break
-        assert inflight is not None and inflight.chain is not None, "a draft chain was meant to be in flight"
+        inflight = step_until_in_flight(engine, lambda step: step.chain is not None, 40)
+        assert inflight is not None, "a draft chain was meant to be in flight"
         engine.abort_request(["r1"])
         engine.block_manager.check_integrity()
-        finished = {}
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = out.outputs[0].token_ids
+        finished = finish_all(engine)
         assert finished == {"r0": expected["batch 3"][0], "r2": expected["batch 3"][2]}
         assert_all_blocks_free(llm)
 

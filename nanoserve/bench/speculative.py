@@ -42,17 +42,19 @@ from typing import Any
 import torch
 
 from nanoserve.bench.quality import heldout_rows
-from nanoserve.bench.speculative_llm import build_llm, first_difference, max_tokens_for
+from nanoserve.bench.speculative_llm import (
+    NO_CHAIN,
+    build_llm,
+    first_difference,
+    max_tokens_for,
+    no_chain_skip,
+    switches_for,
+)
 
 NGRAM_K3 = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
 MTP = {"method": "mtp"}
 PUBLISHED_EAGLE3_ACCEPTANCE = (2.7, 3.5)
 """Mean accepted length of Inferact/MiniMax-M3-EAGLE3 with 3 draft tokens: MT-Bench, and GSM8K / HumanEval."""
-
-
-CHAIN = "mtp k=3, no draft chain"
-"""MTP k=3 with switch spec_draft_chain off, its reference (runner/draft_chain.py): the chain replays CUDA graphs, so
-the two differ on a GPU only."""
 
 
 def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
@@ -62,12 +64,10 @@ def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
     no_eagle = None if eagle3_dir else "no EAGLE-3 draft directory given (--spec-eagle3 DIR)"
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    no_chain = no_mtp or ("the draft chain replays CUDA graphs: a GPU only" if on_cpu else None)
     return [("ngram k=3", NGRAM_K3, None),
             ("mtp k=1", {**MTP, "num_speculative_tokens": 1}, no_mtp),
             ("mtp k=3", {**MTP, "num_speculative_tokens": 3}, no_mtp),
-            (CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain),
+            (NO_CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             ("eagle3 k=3", {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}, no_eagle)]
 
 
@@ -157,12 +157,7 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
         if skip:
             report["skipped"][name] = skip
             continue
-        opts = optimizations
-        if name == CHAIN:
-            from nanoserve.config import Optimizations
-
-            opts = (optimizations or Optimizations()).replace(spec_draft_chain=False)
-        spec = _answer_with(model, device, dtype, config, rows, opts)
+        spec = _answer_with(model, device, dtype, config, rows, switches_for(name, optimizations))
         _progress(name, spec)
         tasks = {}
         for task, run in spec.items():

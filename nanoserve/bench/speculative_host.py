@@ -45,7 +45,14 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nanoserve.bench.quality import heldout_rows
-from nanoserve.bench.speculative_llm import build_llm, first_difference, max_tokens_for
+from nanoserve.bench.speculative_llm import (
+    NO_CHAIN,
+    build_llm,
+    first_difference,
+    max_tokens_for,
+    no_chain_skip,
+    switches_for,
+)
 
 TASKS = ("arith", "tool", "no_tool")
 """The held-out chat tasks answered (retrieval's long prompts measure prefill, not a decode step)."""
@@ -62,23 +69,13 @@ PHASE_SOURCES = {"propose": "engine.speculator.propose", "propose_drafts": "engi
                  "receive": "engine._receive", "process": "engine._process"}
 
 
-CHAIN = "mtp k=3, no draft chain"
-"""The MTP configuration with switch spec_draft_chain off, its reference (the chain makes the next step's drafts on
-the device after each greedy verify graph: runner/draft_chain.py); the chain replays CUDA graphs, so the two differ
-on a GPU only."""
-
-
 def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict | None, str | None]]:
     """(name, speculative_config, why it is skipped or None) for every configuration measured."""
     from nanoserve.model.mtp import has_mtp
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
-    import torch
-
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    no_chain = no_mtp or ("the draft chain replays CUDA graphs: a GPU only" if on_cpu else None)
     return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp),
-            (CHAIN, MTP_K3, no_chain)]
+            (NO_CHAIN, MTP_K3, no_chain_skip(no_mtp, device))]
 
 
 @dataclass
@@ -156,12 +153,7 @@ def measure_host(model: str, device: str = "cpu", dtype: str = "auto", limit: in
         if skip:
             report["skipped"][name] = skip
             continue
-        opts = optimizations
-        if name == CHAIN:
-            from nanoserve.config import Optimizations
-
-            opts = (optimizations or Optimizations()).replace(spec_draft_chain=False)
-        result, outputs[name] = _measure_one(model, device, dtype, config, rows, opts)
+        result, outputs[name] = _measure_one(model, device, dtype, config, rows, switches_for(name, optimizations))
         report["configs"][name] = {"speculative_config": config, **result}
         _progress(name, result)
     base = outputs["no speculation"]

@@ -1,10 +1,32 @@
-"""What the speculative-decoding benchmarks share: the engine they build for a model and how long a task's
-answers may be (nanoserve/bench/speculative.py's acceptance, nanoserve/bench/speculative_host.py's host times),
-and where two greedy outputs part."""
+"""What the speculative-decoding benchmarks share: the engine they build for a model, how long a task's answers may
+be (nanoserve/bench/speculative.py's acceptance, nanoserve/bench/speculative_host.py's host times), where two
+greedy outputs part, and the draft chain's reference configuration."""
 
 from __future__ import annotations
 
 from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS
+
+NO_CHAIN = "mtp k=3, no draft chain"
+"""MTP k=3 with switch spec_draft_chain off, its reference (runner/draft_chain.py): the chain replays CUDA graphs, so
+the two differ on a GPU only."""
+
+
+def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
+    """Why NO_CHAIN is not measured (None: it is): the model has no MTP module (`no_mtp`), or the run is on the CPU."""
+    import torch
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    return no_mtp or ("the draft chain replays CUDA graphs: a GPU only" if on_cpu else None)
+
+
+def switches_for(name: str, optimizations):
+    """The engine's switches for the configuration `name`: the given ones (None: the defaults), with
+    spec_draft_chain off for NO_CHAIN."""
+    if name != NO_CHAIN:
+        return optimizations
+    from nanoserve.config import Optimizations
+
+    return (optimizations or Optimizations()).replace(spec_draft_chain=False)
 
 
 def max_tokens_for(task: str) -> int:

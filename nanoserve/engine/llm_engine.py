@@ -119,10 +119,10 @@ class LLMEngine:
             return None
         if spec.method != "ngram" and config.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1 only")
-        logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
-                    "replay CUDA graphs where they apply" if config.optimizations.spec_cuda_graphs
-                    else "run eagerly (switch spec_cuda_graphs off)")
         opts = config.optimizations
+        logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
+                    "replay CUDA graphs where they apply" if opts.spec_cuda_graphs
+                    else "run eagerly (switch spec_cuda_graphs off)")
         return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate,
                           opts.spec_greedy_accept, opts.spec_draft_chain and opts.spec_cuda_graphs)
 
@@ -182,7 +182,8 @@ class LLMEngine:
                                                      self.sampler)
             drafts = self.executor.draft_chain() if chain and launched.verify.drafts is not None else None
             if drafts is not None:  # the next step's drafts, copied back beside this step's tokens
-                launched.chain = DeviceSample(drafts.reshape(-1).clone(), [None] * drafts.numel(), None, None,
+                # (one copy out of the static buffer, which the next replay overwrites; dense, so it flattens)
+                launched.chain = DeviceSample(drafts.clone().view(-1), [None] * drafts.numel(), None, None,
                                               None).start_host_copy()
         for seq in sampled + [s.seq for s in verifying]:  # its token is on the device until _receive takes it
             seq.num_pending += 1
