@@ -51,7 +51,7 @@ VARIANTS = list(FP8_VARIANTS)
 
 
 def linear_candidates(m: int) -> list[tuple]:
-    """(variant, block_m, block_n, block_k, warps, stages) entries to time at M rows."""
+    """(variant, block_m, block_n, block_k, warps, stages[, split_waves]) entries to time at M rows."""
     return [e for e in _linear_candidates(m) if e[0] in VARIANTS]
 
 
@@ -88,6 +88,15 @@ def _linear_candidates(m: int) -> list[tuple]:
             for bn, bk, stages in ((64, 256, 3), (64, 128, 4), (128, 128, 4), (128, 256, 3)):
                 out.append((variant, bm, bn, bk, 4, stages))
         out += [("swap", bm, 64, 256, 4, 4), ("swap", bm, 128, 256, 8, 3)]
+        if bm == 64:
+            # row tiles narrower than the batch: the weight tile is read from memory once and from L2 by the
+            # other row tiles (adjacent programs), each doing a quarter or half of the MMA work; more programs
+            # need fewer K splits, whose fp32 partial sums cost memory traffic of their own
+            for small in (16, 32):
+                out += [("acc", small, 64, 256, 4, 4, w) for w in (2, 4)]
+                out += [(v, small, 64, 256, 4, 3, w) for v in ("bcast", "scaled") for w in (2, 4)]
+            # the split-K width of the 64-row tiles (the table's entries use 8 programs per multiprocessor)
+            out += [(v, 64, 64, bk, 4, 4, w) for v, bk in (("bcast", 128), ("swap", 256)) for w in (1, 2, 4, 16)]
     else:
         bm_small = 64 if m <= 128 else 128
         out.append(("gather", bm_small, 128, 64, 8 if bm_small == 128 else 4, 3))  # the old large-M path
