@@ -18,7 +18,7 @@ pad rows), so the launch grids depend on shapes only and a decode step can be ca
 past the real end are marked -1 in `block_expert` and the GEMM programs there exit at once.
 
 Two launches:
-  1. `_count_kernel`, one program per chunk of pairs: a histogram of the chunk's experts -> chunk_counts[c, e].
+  1. `_count_kernel`, one program per chunk of pairs (about ALIGN_PROGRAMS chunks): a histogram of the chunk's experts -> chunk_counts[c, e].
   2. `_place_kernel`, one program per chunk again: from all chunk counts it derives every expert's padded run
      (an exclusive scan over experts) and the chunk's offset inside each run (the counts of earlier chunks),
      then writes each pair to run_start[e] + (earlier pairs of e). Program 0 also marks the pad rows; all
@@ -40,6 +40,9 @@ import triton.language as tl
 
 ALIGN_CHUNK = 1024
 """Most pairs one alignment program handles (8192 tokens x 5 pairs = 40 programs)."""
+ALIGN_PROGRAMS = 16
+"""Programs a smaller batch is spread over (chunks of at least one one-hot step each): a decode batch in one chunk
+would walk all its one-hot steps and the whole block table in a single program, whose latency is the launch's."""
 ALIGN_LANES_BUDGET = 16384
 """Elements of the one-hot [lanes, experts] matrix per step: lanes = budget / padded experts, in [16, 64]."""
 COUNT_ROWS = 32
@@ -175,7 +178,8 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_ma
     num_pairs = align.num_pairs
     e_pad = triton.next_power_of_2(num_slots)
     lanes = max(16, min(64, ALIGN_LANES_BUDGET // e_pad))
-    chunk_size = min(ALIGN_CHUNK, triton.cdiv(max(num_pairs, 1), lanes) * lanes)
+    # a whole number of one-hot steps per chunk, about ALIGN_PROGRAMS chunks, each at most ALIGN_CHUNK pairs
+    chunk_size = min(ALIGN_CHUNK, triton.cdiv(triton.cdiv(max(num_pairs, 1), ALIGN_PROGRAMS), lanes) * lanes)
     num_chunks = max(1, triton.cdiv(num_pairs, chunk_size))
     chunk_counts = torch.empty(num_chunks, e_pad, dtype=torch.int32, device=topk_ids.device)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
