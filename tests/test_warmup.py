@@ -56,7 +56,7 @@ def test_plan_covers_the_buckets_of_a_real_deployment():
     the budget, an MSA prompt past the top-k, and chunks of long prompts (the long-context prefill tiles)."""
     shapes = plan(max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=65536, block_size=128,
                   topk_blocks=16, has_msa=True)
-    decode = [s for s in shapes if s.kind == "decode"]
+    decode = [s for s in shapes if s.kind == "decode" and s.context <= 4096]  # (the longer buckets' come last)
     assert [s.batch for s in decode] == list(reversed(batch_buckets(256)))
     msa_len = 18 * 128  # index_topk_blocks + 2 blocks
     assert {s.context for s in decode} == {msa_len + 1}
@@ -66,7 +66,17 @@ def test_plan_covers_the_buckets_of_a_real_deployment():
     # longest prompt
     chunks = [s.steps for s in shapes if s.kind == "chunk"]
     assert chunks == [[(8192, 16384)], [(8192, LONG_PREFILL_CONTEXT)], [(8192, 65535)]]
-    assert [s.kind for s in shapes[-3:]] == ["chunk"] * 3
+    assert [s.kind for s in shapes[-5:-2]] == ["chunk"] * 3
+    # last, one sequence decoding at the end of each longer context bucket (its graphs are keyed by it)
+    assert [(s.kind, s.batch, s.context) for s in shapes[-2:]] == [("decode", 1, 16384), ("decode", 1, 65536)]
+    # with speculation, that sequence's verify and draft shapes too, ending k - 1 positions before the bucket's end
+    spec = plan(max_num_seqs=4, max_num_batched_tokens=8192, max_model_len=65536, block_size=128, topk_blocks=16,
+                has_msa=True, spec_tokens=3, draft_model=True)
+    tail = [(s.kind, s.batch, s.chunk, s.context) for s in spec
+            if s.context > 4096 and s.kind in ("decode", "verify", "draft")]
+    assert tail == [(kind, 1, q, ctx) for bucket in (16384, 65536) for kind, q, ctx in
+                    [("decode", 1, bucket)] + [("verify", q, bucket - 3) for q in (2, 3, 4)] +
+                    [("draft", q, bucket - 3) for q in (1, 2, 3, 4)]]
     # a short context: nothing past max_model_len - 1, no long-context shape, the budget is the last bucket
     small = plan(max_num_seqs=5, max_num_batched_tokens=300, max_model_len=200, block_size=16, topk_blocks=3,
                  has_msa=False)
@@ -242,3 +252,34 @@ def test_bad_warmup_flags_stop_the_start(flags, message, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["--model", "m3-tiny", *flags])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_long_request_meets_no_graph_the_warm_up_left(mtp_dir, monkeypatch):
+    """Context buckets from 256 (monkeypatched: m3-tiny's positions stop at 4,096, the first real bucket), so
+    max_model_len 2048 has three (256, 1024, 2048): the warm-up also captures, at each bucket past the decode
+    context's, one sequence's decode graph and its verify and draft graphs, so a greedy request whose context
+    crosses 1024 captures nothing while it decodes, and its tokens are those of an engine without the warm-up."""
+    monkeypatch.setattr("nanoserve.runner.cuda_graphs.SEQ_LEN_BUCKET_FIRST", 256)
+    rng = random.Random(11)
+    prompt = random_tokens(rng, 1014)  # decodes from 1015 to 1030 tokens of context: across the bucket edge
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+    def run(warm: bool):
+        opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
+        with LLM(mtp_dir, optimizations=opts, max_model_len=2048, kv_cache_tokens=2048 + 512, max_num_seqs=1,
+                 max_num_batched_tokens=BUDGET_TOKENS, cpu_threads=1,
+                 speculative_config={"method": "mtp", "num_speculative_tokens": 2}) as llm:
+            runner = llm.engine.executor.runner
+            runner.graph_capture = lambda fn: fn
+            report = warm_up(llm.engine, budget_s=600) if warm else None
+            captured = runner.num_graphs
+            out = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+            assert_all_blocks_free(llm)
+            return out, report, captured, runner.num_graphs
+
+    out, report, captured, after = run(warm=True)
+    labels = [s.label for s in report.built]
+    assert {"decode batch 1 at context 1024", "decode batch 1 at context 2048"} <= set(labels) and not report.skipped
+    assert after == captured, "the long request captured a graph the warm-up had not"
+    cold, _, cold_before, cold_after = run(warm=False)
+    assert cold == out and cold_after > cold_before

@@ -25,6 +25,10 @@ every request needs first, the rarer shapes last, so a budget that runs out leav
 5. long prompts: one chunk of max_num_batched_tokens tokens ending at 2x, 4x, ... the budget and at the longest
    prompt (max_model_len - 1): the MSA top-k chunk grows with the blocks a chunk attends to, and from
    configs.LONG_PREFILL_CONTEXT tokens on the prefill kernels take their `_long` tiles.
+6. long contexts: a graph is keyed by its context bucket too (runner/cuda_graphs.py's `seq_len_buckets`), so per
+   bucket past the decode context's, one sequence (a long request is usually alone) decodes once and, with
+   speculative decoding, runs the verify and draft shapes of 2b - at the bucket's end, so that the draft chain's
+   positions stay in it. Without them the first long request captures those graphs inside its TPOT.
 
 The steps go straight to the executor (every rank under tensor parallelism), over scratch KV blocks that a dummy
 sequence takes from the block manager and gives back: nothing is scheduled, no request or statistic is recorded,
@@ -42,7 +46,7 @@ from typing import TYPE_CHECKING, Callable
 
 from nanoserve.batch import ModelInput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.runner.cuda_graphs import batch_buckets
+from nanoserve.runner.cuda_graphs import batch_buckets, seq_len_buckets
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.draft_input import DraftInput
 
@@ -105,11 +109,7 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
     # a verify step's context and its drafts' positions stay within max_model_len (and the scratch blocks)
     spec_context = max(1, min(decode_context, max_model_len - spec_tokens))
     for b in reversed(batch_buckets(max_num_seqs)) if spec_tokens else ():
-        shapes += [Shape("verify", b, spec_context, q, f"verify batch {b} x {q} tokens")
-                   for q in range(2, spec_tokens + 2) if q <= spec_context]
-        if draft_model and spec_tokens + 1 <= spec_context:
-            shapes += [Shape("draft", b, spec_context, q, f"drafts batch {b} from {q} positions")
-                       for q in range(1, spec_tokens + 2)]
+        shapes += _spec_shapes(b, spec_context, spec_tokens, draft_model, "")
     top = min(max_num_batched_tokens, longest_prompt)
     counts, t = [], 1
     while t < top:
@@ -126,7 +126,27 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
         if context == longest_prompt:
             break
         context *= 2
+    buckets = seq_len_buckets(max_model_len)
+    first = next(b for b in buckets if b >= decode_context)
+    for previous, bucket in zip(buckets, buckets[1:]):  # the context buckets past the decode context's
+        if bucket <= first:
+            continue
+        shapes.append(Shape("decode", 1, bucket, 1, f"decode batch 1 at context {bucket}"))
+        spec_at = bucket - spec_tokens  # + k - 1 draft positions end at the bucket's last position
+        if spec_tokens and spec_at > previous:
+            shapes += _spec_shapes(1, spec_at, spec_tokens, draft_model, f" at context {spec_at}")
     return shapes
+
+
+def _spec_shapes(batch: int, context: int, k: int, draft_model: bool, where: str) -> list[Shape]:
+    """A speculative batch's verify steps of every query length 2 .. k + 1 ending at `context`, and for a draft
+    model its draft steps from 1 .. k + 1 final positions (after the k + 1 one)."""
+    out = [Shape("verify", batch, context, q, f"verify batch {batch} x {q} tokens{where}")
+           for q in range(2, k + 2) if q <= context]
+    if draft_model and k + 1 <= context:
+        out += [Shape("draft", batch, context, q, f"drafts batch {batch} from {q} positions{where}")
+                for q in range(1, k + 2)]
+    return out
 
 
 @dataclass
