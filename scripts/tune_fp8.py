@@ -10,8 +10,10 @@ each against the bf16 computation on the dequantised weights (torch F.linear / t
 bf16| <= 2e-2 x max |bf16|; a candidate that fails or does not compile is dropped) and records the bf16 time
 beside it. The kernels are compiled first by `--workers` processes in parallel (the Triton cache is shared).
 
-Writes as it goes, under $OUT: tune_fp8.csv (every measurement), fp8_tuned.json (the winners, the form
-kernels/fp8_configs.py reads: NANOSERVE_FP8_TUNED_CONFIG=that file), and prints a table last: per shape and row
+Writes as it goes, under $OUT: tune_fp8.csv (every measurement), fp8_tuned.json (the winners with their provenance
+- this card, the torch and Triton versions, the command line, the commit, the date, each entry's time and bf16's -
+in the form of nanoserve/kernels/tuned/fp8.json, the built-in "cuda" tables, which it can replace as it is;
+NANOSERVE_FP8_TUNED_CONFIG=that file merges it over them instead), and prints a table last: per shape and row
 count the best variant, its time, GB/s of the weights read against the measured copy ceiling (small batches) or
 TFLOP/s (large), and bf16's time. With --bench-budget S > 0 it then runs `python -m nanoserve.bench
 --quantization mxfp8 --workloads W1,W2` with the tuned table for at most S seconds (log in $OUT/bench_log.txt).
@@ -34,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoserve.kernels import tuned  # noqa: E402
 from nanoserve.kernels.fp8_configs import FP8_LINEAR_TILES, FP8_MOE_TILES, FP8_VARIANTS, bucket_entry  # noqa: E402
 from nanoserve.kernels.moe import MOE_GEMV_MAX_TOKENS  # noqa: E402
 
@@ -394,11 +397,14 @@ def winners(rec: Recorder) -> dict:
 
 
 def tuned_json(best: dict) -> dict:
+    """The winners as tuned/fp8.json holds them, and each one's times (ms) for its provenance record."""
     out: dict = {"linear": {}, "moe": {}}
+    times: dict = {"linear": {}, "moe": {}}
     for (kind, _, rows), r in sorted(best.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2])):
         key = f"{r['n']},{r['k']}" if kind == "linear" else f"{r['h']},{r['inter']},{r['experts']}"
-        out[kind].setdefault(key, {})[str(rows)] = list(r["entry"])
-    return out
+        out[kind].setdefault(key, {})[str(rows)] = [list(v) if isinstance(v, tuple) else v for v in r["entry"]]
+        times[kind].setdefault(key, {})[str(rows)] = {"ms": round(r["ms"], 5), "bf16_ms": round(r["bf16_ms"], 5)}
+    return {**out, "times": times}
 
 
 def report(best: dict, ceil: dict) -> str:
@@ -475,9 +481,11 @@ def main() -> int:
         torch.cuda.empty_cache()
     best = winners(rec)
     table = tuned_json(best)
+    times = table.pop("times")
+    entries = {kind: {shape: [int(b) for b in buckets] for shape, buckets in table[kind].items()} for kind in table}
+    record = tuned.run_record({kind: e for kind, e in entries.items() if e}, times=times, preset=args.preset)
     tuned_path = os.path.join(OUT, "fp8_tuned.json")
-    with open(tuned_path, "w") as f:
-        json.dump({**table, "meta": meta}, f, indent=1)
+    tuned.write(tuned_path, {**table, "meta": meta, "provenance": [record]})
     text = report(best, ceil)
     with open(os.path.join(OUT, "tune_fp8.txt"), "w") as f:
         f.write(text + "\n")

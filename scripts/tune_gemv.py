@@ -1,5 +1,6 @@
 """Tune the one-row GEMV (kernels/gemv.py) against F.linear on this card, for the 16-bit projections of a decode
-step, and print the GEMV_TILES entries (kernels/configs.py) for the shapes where the GEMV wins.
+step, and print the GEMV_TILES entries (kernels/configs.py; the "cuda" ones are nanoserve/kernels/tuned/gemv.json)
+for the shapes where the GEMV wins.
 
 Shapes: every distinct 2-D weight one rank of the preset multiplies by in a decode step, read off the model it
 builds (model/shapes.py): at m3-slice's default tensor parallel size 1, the dense layer's QKV [9216, 6144], an MSA
@@ -16,7 +17,9 @@ With --mxfp8 the weights are the same draws quantised to MXFP8 and the GEMV is g
 kernels/fp8_linear.py's tuned choice (the GEMV_MXFP8_TILES entries). --then-bench W1,W2 then puts the winners into
 the table inside this process and runs `python -m nanoserve.bench [--quantization mxfp8] --workloads W1,W2`, so the
 engine's numbers are measured with exactly the tiles printed. --write FILE adds them to a JSON file that
-$NANOSERVE_GEMV_TUNED_CONFIG makes the engine use (another process, e.g. a later benchmark in the same call).
+$NANOSERVE_GEMV_TUNED_CONFIG makes the engine use (another process, e.g. a later benchmark in the same call), with
+a provenance record (this card, the torch and Triton versions, the command line, the commit, the date, each shape's
+time against the baseline's); `--write nanoserve/kernels/tuned/gemv.json` adds them to the built-in table.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.bench import micro
-from nanoserve.kernels import configs
+from nanoserve.kernels import configs, tuned
 from nanoserve.kernels.fp8_linear import fp8_linear
 from nanoserve.kernels.gemv import gemv, gemv_mxfp8
 from nanoserve.model.mxfp8 import quantize_mxfp8
@@ -72,7 +75,7 @@ def main() -> None:
     else:  # MXFP8 models keep the router and the LM head in 16 / 32 bits
         shapes = list((rank.quantizable if args.mxfp8 else rank.projections).values())
     print(f"{torch.cuda.get_device_name()}, {dtype}{', MXFP8 weights' if args.mxfp8 else ''}; us per call (GB/s)")
-    winners = {}
+    winners, times = {}, {}
     for n, k in shapes:
         x = torch.randn(1, k, device="cuda", dtype=dtype)
         if args.mxfp8:
@@ -89,13 +92,15 @@ def main() -> None:
             best = pick(n, k, n * k * w_dtype.itemsize / 1e9, "F.linear", base, "gemv",
                         lambda c, t: gemv(x, ws[c], t, w_dtype), tiles_for(n))
         if best is not None:
-            winners[(n, k)] = best
+            winners[(n, k)], times[f"{n},{k}"] = best
     table = configs.GEMV_MXFP8_TILES if args.mxfp8 else configs.GEMV_TILES
-    print(f"{'GEMV_MXFP8_TILES' if args.mxfp8 else 'GEMV_TILES'} entries:")
+    fmt = "mxfp8" if args.mxfp8 else "16bit"
+    print(f'{"GEMV_MXFP8_TILES" if args.mxfp8 else "GEMV_TILES"} entries (tuned/gemv.json "{fmt}"):')
     for (n, k), t in winners.items():
-        print(f"        ({n}, {k}): {t},", flush=True)
+        print(f'    "{n},{k}": {list(t)},', flush=True)
     if args.write:
-        write_tuned(args.write, "mxfp8" if args.mxfp8 else "16bit", winners)
+        record = tuned.run_record({fmt: list(times)}, times={fmt: times}, dtype=args.dtype)
+        write_tuned(args.write, fmt, winners, record)
     if args.then_bench:
         from nanoserve.bench.__main__ import main as bench_main
 
@@ -104,22 +109,22 @@ def main() -> None:
                    + (["--out", args.bench_out] if args.bench_out else []))
 
 
-def write_tuned(path: str, fmt: str, winners: dict) -> None:
-    """Merge `winners` into the JSON file at `path` under `fmt` ("16bit" / "mxfp8"), keeping its other entries."""
+def write_tuned(path: str, fmt: str, winners: dict, record: dict) -> None:
+    """Merge `winners` into the JSON file at `path` under `fmt` ("16bit" / "mxfp8"), keeping its other entries;
+    `record` (tuned.run_record) becomes the provenance of the shapes written."""
     data = {}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
     data.setdefault(fmt, {}).update({f"{n},{k}": list(t) for (n, k), t in winners.items()})
-    with open(path, "w") as f:
-        json.dump(data, f, indent=1)
+    tuned.write(path, tuned.add_record(data, record))
     print(f"wrote {len(winners)} {fmt} entries to {path}", flush=True)
 
 
 def pick(n: int, k: int, gb: float, base_name: str, base, name: str, run, tiles) -> tuple | None:
     """Time base(c) and run(c, tile) for every candidate tile, print the three fastest, and return the fastest
-    tile if it beats the baseline by more than MIN_GAIN (with its output's relative difference to the
-    baseline's), else None."""
+    tile and the times of both (us) if it beats the baseline by more than MIN_GAIN (with its output's relative
+    difference to the baseline's), else None."""
     base_us = graph_us(base)
     print(f"[{n}, {k}] {base_name} {base_us:7.1f} us ({gb / base_us * 1e6:6.0f} GB/s)", flush=True)
     results = sorted((graph_us(lambda c, t=t: run(c, t)), t) for t in tiles)
@@ -131,7 +136,7 @@ def pick(n: int, k: int, gb: float, base_name: str, base, name: str, run, tiles)
     ref = base(0).float()
     err = (run(0, best).float() - ref).abs().max().item() / ref.abs().max().item()
     print(f"[{n}, {k}]   -> {name}, {base_us / best_us:.2f}x {base_name} (rel. diff {err:.1e})", flush=True)
-    return best
+    return best, {"us": round(best_us, 1), f"{base_name.replace('.', '_').lower()}_us": round(base_us, 1)}
 
 
 def tiles_for(n: int, block_k=BLOCK_K, stages=STAGES):

@@ -1,4 +1,5 @@
-"""Offline autotuner for the fused MoE's tile table (kernels/configs.py MOE_TILES): nothing is tuned at serve time.
+"""Offline autotuner for the fused MoE's tile table (kernels/configs.py MOE_TILES, whose "cuda" entries are the data
+file nanoserve/kernels/tuned/moe.json): nothing is tuned at serve time.
 
     python scripts/tune_moe.py --tokens 4096,16384 [--budget 90] [--write-configs] [--out DIR]
 
@@ -13,10 +14,11 @@ the token counts still to run (one that runs out keeps its best so far). --decod
 entries at 1 and 16 tokens as GB/s of the expert weights they touch against the copy ceiling (what a prefill-bucket
 change must not cost).
 
-Results: `$OUT/tune_moe.json` (every candidate's time), the MOE_TILES lines printed last, and with
---write-configs the shape's entries rewritten in place in nanoserve/kernels/configs.py (the token buckets are the
-tuned token counts merged with the existing ones). Run it on the card the table is for; the entries name no card,
-so note the card in the comment above the table.
+Results: `$OUT/tune_moe.json` (every candidate's time), the table entries printed last (JSON, as moe.json holds
+them), and with --write-configs the shape's entries written into nanoserve/kernels/tuned/moe.json (the token buckets
+are the tuned token counts merged with the existing ones) with a provenance record for them: this card's name, the
+torch and Triton versions, the command line, the commit ($NANOSERVE_GIT_COMMIT, else the checkout's HEAD), the date
+and each bucket's time (the buckets leave the records of earlier runs). Run it on the card the table is for.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
-import re
 import sys
 import time
 
@@ -37,7 +39,7 @@ import triton  # noqa: E402
 from nanoserve.bench.floor import H200  # noqa: E402
 from nanoserve.bench.moe_problem import BF16_REL_TOL, rel_err  # noqa: E402
 from nanoserve.bench.moe_problem import MoEProblem as Problem  # noqa: E402
-from nanoserve.kernels import moe  # noqa: E402
+from nanoserve.kernels import moe, tuned  # noqa: E402
 from nanoserve.kernels.moe import GemmTiles, MoEConfig  # noqa: E402
 
 PEAK_TFLOPS = H200.flops_per_s / 1e12
@@ -50,8 +52,6 @@ DOWN_TILES = [GemmTiles(*t) for t in [(128, 64, 4, 4), (128, 64, 8, 3), (128, 64
                                       (128, 128, 8, 3), (64, 64, 4, 4), (256, 64, 8, 4), (128, 32, 4, 5)]]
 BLOCK_M = (64, 128)
 GROUP_M = (8, 16, 32)
-CONFIGS_PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "nanoserve", "kernels",
-                          "configs.py")
 
 
 def bench_ms(fn, rep: int = 100) -> float:
@@ -126,32 +126,32 @@ def decode_check(p: Problem, tokens=(1, 16), log=print) -> list[dict]:
     return rows
 
 
-def table_lines(shape: tuple[int, int, int], rows: list[dict], date: str) -> dict[int, str]:
-    """bucket -> the MOE_TILES line for it."""
-    out = {}
-    for r in rows:
-        b = r["bucket"]
-        best = repr(tuple(r["best"])).replace("'", '"')
-        out[b] = f"            {b}: {best},  # {r['ms']:.3f} ms, {r['tflop_s']:.0f} TFLOP/s ({date})"
-    return out
+def table_entries(rows: list[dict]) -> dict[str, list]:
+    """bucket -> its entry as tuned/moe.json holds it (tuples as lists)."""
+    return {str(r["bucket"]): [list(v) if isinstance(v, tuple) else v for v in r["best"]] for r in rows}
 
 
-def write_configs(shape: tuple[int, int, int], lines: dict[int, str], path: str = CONFIGS_PY) -> None:
-    """Rewrite the shape's bucket entries of MOE_TILES["cuda"] in configs.py: tuned buckets replaced or added,
-    the others kept, in bucket order."""
-    text = open(path).read()
-    head = f"        {shape}: {{\n"
-    i = text.index(head) + len(head)
-    j = text.index("        },\n", i)
-    current = {}
-    for line in text[i:j].splitlines():
-        m = re.match(r"\s+(\d+): ", line)
-        if m:
-            current[int(m.group(1))] = line
-    current.update(lines)
-    body = "".join(current[b] + "\n" for b in sorted(current))
-    with open(path, "w") as f:
-        f.write(text[:i] + body + text[j:])
+def bucket_times(rows: list[dict]) -> dict[str, dict]:
+    """bucket -> the times the provenance record keeps: the entry's, the same tiles with TMA flipped, the old
+    entry's."""
+    def num(v: float, digits: int = 3) -> float | None:  # never timed (the deadline) or failed: none
+        return round(v, digits) if math.isfinite(v) else None
+
+    return {str(r["bucket"]): {"ms": num(r["ms"]), "tflop_s": num(r["tflop_s"], 0),
+                               "tma_flipped_ms": num(r["best_with_tma_flipped_ms"]), "old_ms": num(r["start_ms"])}
+            for r in rows}
+
+
+def write_configs(shape: tuple[int, int, int], rows: list[dict], record: dict, path=None) -> None:
+    """Write the tuned buckets of `shape` into tuned/moe.json (or `path`): tuned buckets replaced or added, the
+    others kept, in bucket order; `record` (tuned.run_record) becomes their provenance."""
+    path = path or tuned.path("moe")
+    with open(path) as f:
+        data = json.load(f)
+    key = ",".join(str(v) for v in shape)
+    buckets = {**data.setdefault("moe", {}).get(key, {}), **table_entries(rows)}
+    data["moe"][key] = {b: buckets[b] for b in sorted(buckets, key=int)}
+    tuned.write(path, tuned.add_record(data, record))
 
 
 def main() -> int:
@@ -162,7 +162,8 @@ def main() -> int:
     ap.add_argument("--inter", type=int, default=3072)
     ap.add_argument("--experts", type=int, default=128)
     ap.add_argument("--top-k", type=int, default=4)
-    ap.add_argument("--write-configs", action="store_true", help="rewrite the entries in kernels/configs.py")
+    ap.add_argument("--write-configs", action="store_true",
+                    help="write the entries into nanoserve/kernels/tuned/moe.json")
     ap.add_argument("--decode-check", action="store_true", help="also time the table at 1 and 16 tokens (GB/s)")
     ap.add_argument("--out", default=os.environ.get("OUT"))
     args = ap.parse_args()
@@ -174,16 +175,20 @@ def main() -> int:
         rows.append(tune(p, t, time.perf_counter() + (end - time.perf_counter()) / (len(tokens) - i)))
     decode = decode_check(p) if args.decode_check else []
     shape = (args.hidden, args.inter, args.experts)
-    lines = table_lines(shape, rows, time.strftime("%Y-%m-%d"))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "tune_moe.json"), "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "shape": shape, "rows": rows, "decode": decode}, f,
                       indent=1)
+    key = ",".join(str(v) for v in shape)
     if args.write_configs:
-        write_configs(shape, lines)
-    print(f"MOE_TILES['cuda'][{shape}] entries ({torch.cuda.get_device_name()}):")
-    print("\n".join(lines[b] for b in sorted(lines)))
+        record = tuned.run_record({"moe": {key: [r["bucket"] for r in rows]}},
+                                  times={"moe": {key: bucket_times(rows)}},
+                                  problem=f"top-{args.top_k}, the shared expert folded in, uniform random routing")
+        write_configs(shape, rows, record)
+    print(f"tuned/moe.json entries of {key} ({torch.cuda.get_device_name()}):")
+    for bucket, e in table_entries(rows).items():
+        print(f'   "{bucket}": {json.dumps(e)}')
     return 0
 
 

@@ -20,19 +20,22 @@ Each entry names a *variant* (how a weight tile is dequantised and multiplied) a
 
 Tables are keyed by backend ("cuda", "hip"), then by the GEMM's shape and a batch bucket; a batch of M rows
 (tokens for the MoE) uses the smallest bucket >= M (the largest beyond). Shapes missing from a table use the
-heuristics in the kernel files. `scripts/tune_fp8.py` measures every variant at a card's shapes and writes a JSON
-file of the same form; `NANOSERVE_FP8_TUNED_CONFIG=<that file>` makes the kernels use it over these built-in
-entries (for another card, without editing code).
+heuristics in the kernel files.
 
-Built-in "cuda" entries: NVIDIA H200 at m3-slice widths (see each table's comment for the run). Built-in "hip"
-entries: M3's shapes at tensor parallel 1-8 and expert parallel 4 and 8, one bucket table per kind chosen by the
-rule stated in configs.py's docstring (never timed on an AMD card; the compile gate, tests/compile_gate.py,
-checks that they compile and fit gfx942 and gfx950).
+Built-in "cuda" entries: NVIDIA H200 at m3-slice widths, measured, so they are data: kernels/tuned/fp8.json, read
+once at import, each entry with the run that chose it in its "provenance" (card, torch and Triton versions,
+command, commit, date, times). `scripts/tune_fp8.py` measures every variant at a card's shapes and writes a JSON
+file of the same form (fp8_tuned.json, which can replace tuned/fp8.json as it is);
+`NANOSERVE_FP8_TUNED_CONFIG=<that file>` makes the kernels use its entries over the built-in ones (for another
+card, without editing anything). Built-in "hip" entries stay here in Python: M3's shapes at tensor parallel 1-8
+and expert parallel 4 and 8, one bucket table per kind chosen by the rule stated in configs.py's docstring (never
+timed on an AMD card; the compile gate, tests/compile_gate.py, checks that they compile and fit gfx942 and gfx950).
 """
 
 from __future__ import annotations
 
-from nanoserve.kernels.configs import M3_EXPERT_SHAPES, tuned_file
+from nanoserve.kernels import tuned
+from nanoserve.kernels.configs import M3_EXPERT_SHAPES, bucket_tables, tuned_file
 
 FP8_VARIANTS = ("acc", "gather", "bcast", "swap", "scaled", "dequant", "gemv")
 TUNED_CONFIG_ENV = "NANOSERVE_FP8_TUNED_CONFIG"
@@ -41,56 +44,12 @@ LinearEntry = tuple  # (variant, block_m, block_n, block_k, num_warps, num_stage
 MoEEntry = tuple  # (variant, block_m, group_m, (up block_n, block_k, warps, stages), (down ...))
 
 FP8_LINEAR_TILES: dict[str, dict[tuple[int, int], dict[int, LinearEntry]]] = {
-    # backend -> (N, K) -> {row bucket: entry}. "cuda": m3-slice's projections (qkv+index 9856 x 6144, o_proj
-    # 6144 x 8192, dense gate_up 24576 x 6144, dense down 6144 x 12288) on an H200, from two runs of
-    # `scripts/tune_fp8.py` (2026-12-03, Triton 3.6; commits 2a271b1 and aae03ba: the second timed "swap", which
-    # did not compile in the first, and "dequant"), each entry the lowest mean time of the runs that timed it.
-    # Decode-sized timings moved by up to 2x between the two runs for one entry (docs/optimizations.md): entries
-    # within that spread of each other are not told apart.
-    # The 1/8/64-row entries were then re-picked by `python scripts/gpu_fp8dec.py --budget 170 --write-configs`
-    # (in git at 8277a9c; 2026-12-04, H200, Triton 3.6, kernel sources of commit 4e6483c): the table's tensor-core
-    # entries against the CUDA-core "gemv" variant, each timed with the L2 flushed; "gemv" wins at 1 row (and at 8
-    # rows of qkv+index). Today `python scripts/tune_fp8.py --rows 1,8,64 --skip moe` times the tensor-core
-    # candidates at those rows the same way (its linear sweep has no "gemv" candidate), and `python -m
-    # nanoserve.bench --quantization mxfp8 --micro linear` times the table's choices as the engine runs them.
-    "cuda": {
-        (6144, 12288): {
-            1: ('bcast', 16, 64, 128, 4, 4, 8),
-            8: ('bcast', 16, 64, 128, 4, 4, 4),
-            32: ('bcast', 32, 64, 128, 4, 4),
-            64: ('bcast', 64, 64, 128, 4, 4, 8),
-            128: ('dequant', 128, 128, 64, 4, 4),
-            512: ('dequant', 128, 128, 64, 4, 4),
-            4096: ('dequant', 128, 128, 64, 4, 4),
-        },
-        (24576, 6144): {
-            1: ('gemv', 1, 32, 256, 4, 1, 8),
-            8: ('scaled', 16, 64, 256, 4, 3, 8),
-            32: ('scaled', 32, 64, 128, 4, 4),
-            64: ('bcast', 64, 64, 128, 4, 4, 8),
-            128: ('bcast', 64, 128, 64, 4, 4),
-            512: ('dequant', 128, 128, 64, 4, 4),
-            4096: ('dequant', 128, 128, 64, 4, 4),
-        },
-        (6144, 8192): {
-            1: ('gemv', 1, 32, 256, 4, 1, 4),
-            8: ('scaled', 16, 64, 256, 4, 3, 8),
-            32: ('bcast', 32, 64, 128, 4, 4),
-            64: ('bcast', 64, 64, 128, 4, 4, 8),
-            128: ('dequant', 128, 128, 64, 4, 4),
-            512: ('dequant', 128, 128, 64, 4, 4),
-            4096: ('dequant', 128, 128, 64, 4, 4),
-        },
-        (9856, 6144): {
-            1: ('gemv', 1, 32, 256, 4, 1, 4),
-            8: ('gemv', 2, 32, 256, 4, 1, 8),
-            32: ('bcast', 32, 64, 128, 4, 4),
-            64: ('swap', 64, 64, 256, 4, 4, 8),
-            128: ('dequant', 128, 128, 64, 4, 4),
-            512: ('dequant', 128, 128, 64, 4, 4),
-            4096: ('dequant', 128, 128, 64, 4, 4),
-        },
-    },
+    # backend -> (N, K) -> {row bucket: entry}. "cuda": tuned/fp8.json's "linear" table: m3-slice's projections
+    # (qkv+index 9856 x 6144, o_proj 6144 x 8192, dense gate_up 24576 x 6144, dense down 6144 x 12288) on an H200,
+    # the 32-4096-row buckets from two runs of `scripts/tune_fp8.py`, the 1/8/64-row ones re-picked against the
+    # CUDA-core "gemv" variant (see its "provenance"; entries within the decode timings' run-to-run spread of each
+    # other are not told apart).
+    "cuda": bucket_tables(tuned.load("fp8"), ("linear",))["linear"],
 }
 
 PREFILL_ROWS = 128
@@ -125,23 +84,10 @@ HIP_LINEAR_BUCKETS: dict[int, LinearEntry] = {
 FP8_LINEAR_TILES["hip"] = {shape: HIP_LINEAR_BUCKETS for shape in M3_LINEAR_SHAPES}
 
 FP8_MOE_TILES: dict[str, dict[tuple[int, int, int], dict[int, MoEEntry]]] = {
-    # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}. "cuda": m3-slice's experts
-    # (top-4 + the folded shared expert) on an H200, the same two runs; the 1- and 4-token entries from
-    # `scripts/tune_fp8.py --rows 1,4 --skip linear --variants gemv,bcast,acc,swap,scaled` (2026-12-04, commit
-    # f11b946): "gemv" 0.155 ms against "bcast" 0.180 ms at one token; at four tokens "bcast" (0.420 ms) beats
-    # the best "gemv" (0.496 ms).
-    "cuda": {
-        (6144, 3072, 128): {
-            1: ('gemv', 16, 8, (8, 512, 4, 1), (8, 512, 4, 1)),
-            4: ('bcast', 16, 8, (32, 256, 4, 4), (64, 256, 4, 3)),
-            8: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
-            32: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
-            64: ('bcast', 16, 8, (64, 256, 4, 3), (128, 128, 4, 3)),
-            128: ('bcast', 16, 8, (64, 128, 4, 4), (64, 128, 4, 4)),
-            512: ('bcast', 32, 8, (128, 128, 4, 3), (128, 128, 4, 3)),
-            4096: ('scaled', 128, 16, (128, 128, 8, 3), (128, 128, 8, 3)),
-        },
-    },
+    # backend -> (hidden, intermediate, routed experts) -> {token bucket: entry}. "cuda": tuned/fp8.json's "moe"
+    # table: m3-slice's experts (top-4 + the folded shared expert) on an H200 (the runs and times in its
+    # "provenance").
+    "cuda": bucket_tables(tuned.load("fp8"), ("moe",))["moe"],
 }
 
 HIP_MOE_BUCKETS: dict[int, MoEEntry] = {
@@ -156,18 +102,9 @@ HIP_MOE_BUCKETS: dict[int, MoEEntry] = {
 FP8_MOE_TILES["hip"] = {shape: HIP_MOE_BUCKETS for shape in M3_EXPERT_SHAPES}
 
 
-def _key(text: str) -> tuple[int, ...]:
-    return tuple(int(v) for v in text.split(","))
-
-
 def _parse_tuned_file(data: dict) -> dict:
     """{'linear': {...}, 'moe': {...}} from a tune_fp8.py JSON file (keys "N,K" / "H,I,E", buckets as strings)."""
-    out: dict = {"linear": {}, "moe": {}}
-    for kind in out:
-        for shape, buckets in data.get(kind, {}).items():
-            out[kind][_key(shape)] = {int(b): tuple(tuple(v) if isinstance(v, list) else v for v in e)
-                                      for b, e in buckets.items()}
-    return out
+    return bucket_tables(data, ("linear", "moe"))
 
 
 def tuned_tables() -> dict | None:

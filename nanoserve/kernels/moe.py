@@ -31,16 +31,16 @@ Expert parallel: `expert_map` [E_global] sends a global expert id to a local slo
 skipped, contributes 0). Tensor parallel experts just arrive with a smaller intermediate size. Both reuse the
 kernels unchanged; the caller's all-reduce sums the ranks.
 
-Tile configurations come from kernels/configs.py's MOE_TILES (H200, bf16), keyed by (hidden, intermediate, routed
-experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on another card), and for AMD GPUs
-MOE_TILES["hip"] (M3's shapes, by the rule stated in configs.py); other shapes get a portable heuristic
-(num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU interpreter gets a small fixed
-tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES,
-written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is dequantised (`fp8_variant`; the
-variants are those of fp8_linear.py, sharing the jitted K-tile helpers of fp8_tile.py); shapes missing from it fall back
-to the bf16 table's tiles with "auto". Its "gemv" entries (batches of up to MOE_GEMV_MAX_TOKENS tokens) multiply only
-the first next_pow2(tokens) rows of each tile, on CUDA cores: at one token the tensor-core variants dequantise every
-weight tile for an MMA that is 15/16 padding.
+Tile configurations come from kernels/configs.py's MOE_TILES (H200, bf16: the data file kernels/tuned/moe.json),
+keyed by (hidden, intermediate, routed experts) and a token bucket, written by `scripts/tune_moe.py` (re-runnable on
+another card), and for AMD GPUs MOE_TILES["hip"] (M3's shapes, by the rule stated in configs.py); other shapes get a
+portable heuristic (num_warps 4/8, 2 pipeline stages on ROCm, BLOCK sizes multiples of 16); the CPU interpreter
+gets a small fixed tile. MXFP8 experts have their own table (kernels/fp8_configs.py's FP8_MOE_TILES, its CUDA
+entries kernels/tuned/fp8.json, written by `scripts/tune_fp8.py`), whose entries also name how a weight tile is
+dequantised (`fp8_variant`; the variants are those of fp8_linear.py, sharing the jitted K-tile helpers of
+fp8_tile.py); shapes missing from it fall back to the bf16 table's tiles with "auto". Its "gemv" entries (batches of
+up to MOE_GEMV_MAX_TOKENS tokens) multiply only the first next_pow2(tokens) rows of each tile, on CUDA cores: at one
+token the tensor-core variants dequantise every weight tile for an MMA that is 15/16 padding.
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def _table_cfg(entry: tuple) -> MoEConfig:
 
 
 H200_CONFIGS: dict[tuple[int, int, int], dict[int, MoEConfig]] = {
-    # (hidden, intermediate, routed experts) -> {token bucket: config}; the numbers, and how they were measured,
-    # are in kernels/configs.py (MOE_TILES, written by scripts/tune_moe.py)
+    # (hidden, intermediate, routed experts) -> {token bucket: config}; the entries, and the runs that measured
+    # them, are in kernels/tuned/moe.json (configs.MOE_TILES["cuda"], written by scripts/tune_moe.py)
     shape: {bucket: _table_cfg(entry) for bucket, entry in buckets.items()}
     for shape, buckets in MOE_TILES["cuda"].items()
 }
