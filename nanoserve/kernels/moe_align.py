@@ -18,7 +18,8 @@ pad rows), so the launch grids depend on shapes only and a decode step can be ca
 past the real end are marked -1 in `block_expert` and the GEMM programs there exit at once.
 
 Two launches:
-  1. `_count_kernel`, one program per chunk of pairs (about ALIGN_PROGRAMS chunks): a histogram of the chunk's experts -> chunk_counts[c, e].
+  1. `_count_kernel`, one program per chunk of pairs (about ALIGN_PROGRAMS chunks): a histogram of the chunk's
+     experts -> chunk_counts[c, e].
   2. `_place_kernel`, one program per chunk again: from all chunk counts it derives every expert's padded run
      (an exclusive scan over experts) and the chunk's offset inside each run (the counts of earlier chunks),
      then writes each pair to run_start[e] + (earlier pairs of e). Program 0 also marks the pad rows; all
