@@ -281,5 +281,7 @@ def test_a_long_request_meets_no_graph_the_warm_up_left(mtp_dir, monkeypatch):
     labels = [s.label for s in report.built]
     assert {"decode batch 1 at context 1024", "decode batch 1 at context 2048"} <= set(labels) and not report.skipped
     assert after == captured, "the long request captured a graph the warm-up had not"
+    assert "one sequence at 2 longer context buckets (1024, 2048 tokens)" in report.summary()
+    assert report.summary().startswith("warm-up: built 1 decode batch sizes (1-1), 15 speculative verify")
     cold, _, cold_before, cold_after = run(warm=False)
     assert cold == out and cold_after > cold_before

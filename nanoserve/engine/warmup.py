@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 from nanoserve.batch import ModelInput
@@ -79,6 +79,8 @@ class Shape:
     context: int
     chunk: int
     label: str
+    bucket: bool = False
+    """Run for a longer context bucket's graphs (step 6), beside those of the decode context."""
 
     @property
     def steps(self) -> list[tuple[int, int]]:
@@ -131,10 +133,11 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
     for previous, bucket in zip(buckets, buckets[1:]):  # the context buckets past the decode context's
         if bucket <= first:
             continue
-        shapes.append(Shape("decode", 1, bucket, 1, f"decode batch 1 at context {bucket}"))
+        shapes.append(Shape("decode", 1, bucket, 1, f"decode batch 1 at context {bucket}", bucket=True))
         spec_at = bucket - spec_tokens  # + k - 1 draft positions end at the bucket's last position
         if spec_tokens and spec_at > previous:
-            shapes += _spec_shapes(1, spec_at, spec_tokens, draft_model, f" at context {spec_at}")
+            shapes += [replace(s, bucket=True) for s in
+                       _spec_shapes(1, spec_at, spec_tokens, draft_model, f" at context {spec_at}")]
     return shapes
 
 
@@ -166,14 +169,18 @@ class WarmupReport:
         if self.budget_s <= 0:
             return ("warm-up skipped (budget 0 s): kernels are built and decode graphs captured when first met "
                     f"({len(self.skipped)} shapes)")
-        decode = [s.batch for s in self.built if s.kind == "decode"]
+        decode = [s.batch for s in self.built if s.kind == "decode" and not s.bucket]
         spec = [s for s in self.built if s.kind in ("verify", "draft")]
         prefill = [s.context for s in self.built if s.kind in ("prefill", "chunk")]
+        buckets = [s.context for s in self.built if s.kind == "decode" and s.bucket]
         parts = [f"{len(decode)} decode batch sizes" + (f" ({min(decode)}-{max(decode)})" if decode else ""),
                  f"{len(prefill)} prefill shapes" + (f" ({min(prefill)}-{max(prefill)} tokens)" if prefill else ""),
                  f"{self.graphs} CUDA graphs captured"]
         if spec or any(s.kind in ("verify", "draft") for s in self.skipped):
             parts.insert(1, f"{len(spec)} speculative verify and draft shapes")
+        if buckets:
+            parts.insert(-1, f"one sequence at {len(buckets)} longer context bucket{'s' * (len(buckets) > 1)} "
+                             f"({', '.join(str(b) for b in buckets)} tokens)")
         line = f"warm-up: built {', '.join(parts)} in {self.seconds:.1f} s"
         if self.skipped:
             line += (f"; not built, the budget of {self.budget_s:g} s was spent: "
