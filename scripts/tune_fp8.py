@@ -396,7 +396,7 @@ def winners(rec: Recorder) -> dict:
     return best
 
 
-def tuned_json(best: dict) -> dict:
+def tuned_json(best: dict) -> tuple[dict, dict]:
     """The winners as tuned/fp8.json holds them, and each one's times (ms) for its provenance record."""
     out: dict = {"linear": {}, "moe": {}}
     times: dict = {"linear": {}, "moe": {}}
@@ -404,7 +404,7 @@ def tuned_json(best: dict) -> dict:
         key = f"{r['n']},{r['k']}" if kind == "linear" else f"{r['h']},{r['inter']},{r['experts']}"
         out[kind].setdefault(key, {})[str(rows)] = [list(v) if isinstance(v, tuple) else v for v in r["entry"]]
         times[kind].setdefault(key, {})[str(rows)] = {"ms": round(r["ms"], 5), "bf16_ms": round(r["bf16_ms"], 5)}
-    return {**out, "times": times}
+    return out, times
 
 
 def report(best: dict, ceil: dict) -> str:
@@ -480,8 +480,7 @@ def main() -> int:
         print(f"[{name}] {time.perf_counter() - t1:.1f} s", flush=True)
         torch.cuda.empty_cache()
     best = winners(rec)
-    table = tuned_json(best)
-    times = table.pop("times")
+    table, times = tuned_json(best)
     entries = {kind: {shape: [int(b) for b in buckets] for shape, buckets in table[kind].items()} for kind in table}
     record = tuned.run_record({kind: e for kind, e in entries.items() if e}, times=times, preset=args.preset)
     tuned_path = os.path.join(OUT, "fp8_tuned.json")

@@ -316,8 +316,8 @@ def test_tune_fp8_output_has_the_shipped_form():
                                       "bf16_ms": 0.03},
             ("moe", "moe", 4096): {"h": 6144, "inter": 3072, "experts": 128, "ms": 5.0, "bf16_ms": 6.0,
                                    "entry": ("scaled", 128, 16, (128, 128, 8, 3), (128, 128, 8, 3))}}
-    out = tune_fp8.tuned_json(best)
-    assert out.pop("times") == {"linear": {"6144,8192": {"8": {"ms": 0.02, "bf16_ms": 0.03}}},
+    out, times = tune_fp8.tuned_json(best)
+    assert times == {"linear": {"6144,8192": {"8": {"ms": 0.02, "bf16_ms": 0.03}}},
                                 "moe": {"6144,3072,128": {"4096": {"ms": 5.0, "bf16_ms": 6.0}}}}
     assert fp8_configs._parse_tuned_file(json.loads(json.dumps(out))) == {
         "linear": {(6144, 8192): {8: ("bcast", 16, 64, 128, 4, 4)}},

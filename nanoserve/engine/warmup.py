@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from nanoserve.batch import ModelInput
@@ -111,7 +111,7 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
     # a verify step's context and its drafts' positions stay within max_model_len (and the scratch blocks)
     spec_context = max(1, min(decode_context, max_model_len - spec_tokens))
     for b in reversed(batch_buckets(max_num_seqs)) if spec_tokens else ():
-        shapes += _spec_shapes(b, spec_context, spec_tokens, draft_model, "")
+        shapes += _spec_shapes(b, spec_context, spec_tokens, draft_model)
     top = min(max_num_batched_tokens, longest_prompt)
     counts, t = [], 1
     while t < top:
@@ -136,18 +136,19 @@ def plan(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, blo
         shapes.append(Shape("decode", 1, bucket, 1, f"decode batch 1 at context {bucket}", bucket=True))
         spec_at = bucket - spec_tokens  # + k - 1 draft positions end at the bucket's last position
         if spec_tokens and spec_at > previous:
-            shapes += [replace(s, bucket=True) for s in
-                       _spec_shapes(1, spec_at, spec_tokens, draft_model, f" at context {spec_at}")]
+            shapes += _spec_shapes(1, spec_at, spec_tokens, draft_model, bucket=True)
     return shapes
 
 
-def _spec_shapes(batch: int, context: int, k: int, draft_model: bool, where: str) -> list[Shape]:
+def _spec_shapes(batch: int, context: int, k: int, draft_model: bool, bucket: bool = False) -> list[Shape]:
     """A speculative batch's verify steps of every query length 2 .. k + 1 ending at `context`, and for a draft
-    model its draft steps from 1 .. k + 1 final positions (after the k + 1 one)."""
-    out = [Shape("verify", batch, context, q, f"verify batch {batch} x {q} tokens{where}")
+    model its draft steps from 1 .. k + 1 final positions (after the k + 1 one); `bucket`: for a longer context
+    bucket (step 6), whose labels name the context."""
+    where = f" at context {context}" if bucket else ""
+    out = [Shape("verify", batch, context, q, f"verify batch {batch} x {q} tokens{where}", bucket)
            for q in range(2, k + 2) if q <= context]
     if draft_model and k + 1 <= context:
-        out += [Shape("draft", batch, context, q, f"drafts batch {batch} from {q} positions{where}")
+        out += [Shape("draft", batch, context, q, f"drafts batch {batch} from {q} positions{where}", bucket)
                 for q in range(1, k + 2)]
     return out
 
