@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from nanoserve.bench.floor import H200, Ceilings
 from nanoserve.bench.report import table
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.mxfp8 import quantize_mxfp8
@@ -88,7 +87,7 @@ def _quantize_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilings = H200, seed: int = 0) -> dict:
+def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
     from nanoserve.kernels import reference
     from nanoserve.kernels.moe import fused_moe
 
@@ -122,7 +121,7 @@ def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, hw: Ceilin
                      entry["bf16"]["tflop_s"], entry["mxfp8"]["tflop_s"], entry["bf16"]["gb_s"], entry["mxfp8"]["gb_s"],
                      entry["speedup"]])
     title = (f"Fused MoE (top-{k} + folded shared expert, H {h}, I {inter}, {e} experts), bf16 vs MXFP8 weights "
-             f"(median us; GB/s of the weights read; ceilings {hw.name})")
+             f"(median us; GB/s of the weights read)")
     return {"rows": out, "table": table(("tokens", "experts", "timed", "bf16 us", "mxfp8 us", "bf16 TFLOP/s",
                                          "mxfp8 TFLOP/s", "bf16 GB/s", "mxfp8 GB/s", "speedup"), rows, title)}
 
