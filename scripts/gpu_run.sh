@@ -4,12 +4,17 @@
 # packed into $OUT/gpu_run.tgz after each step, so a run cut short still returns what it measured.
 #
 #   OUT=DIR [STEPS=tests,bench] [BUDGET=400] [BENCH_ARGS="--workloads W1,W2,W4 --w4-lens 131072"] \
-#       [TESTS="-m gpu"] [W3_ARGS="--concurrency 1,64"] bash scripts/gpu_run.sh
+#       [TESTS="-m gpu"] [W3_ARGS="--concurrency 1,64"] [BASE_DIR=DIR BASE_COMMIT=HASH] [WHEELS=.whl] \
+#       bash scripts/gpu_run.sh
 #
 # Steps (STEPS, a comma list, run in the order given):
 #   tests   python -m pytest $TESTS (default: -m gpu, every test marked gpu); log in tests.txt
 #   bench   python -m nanoserve.bench $BENCH_ARGS --time-budget $BUDGET --out $OUT/bench (default args: the
 #           offline workloads W1, W2, W4, W5, W6 on m3-slice); log in bench.txt
+#   baseline  the bench step's command again from BASE_DIR (a checkout of the baseline commit, e.g. made with
+#           `git worktree add /tmp/base <commit>`; BASE_COMMIT names it in its results), into $OUT/baseline, then
+#           python -m nanoserve.bench --compare $OUT/baseline $OUT/bench: NEW / BASE run by run on this one
+#           machine (compare.json and baseline.txt); run it beside bench, e.g. STEPS=bench,baseline
 #   w3      python -m nanoserve.server --model $MODEL (default m3-slice) on port 8123, then python -m
 #           nanoserve.bench --serve with $W3_ARGS (add --serve-logprobs 5 for logprobs on every request); logs in
 #           w3_server.txt and w3.txt
@@ -22,10 +27,13 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:?set OUT to a directory for the logs and results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || { echo "installing .whl/*.whl failed" >&2; exit 1; }
+WHEELS=${WHEELS:-.whl}  # the wheels' folder (an empty one: use the packages installed)
+SITE=
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "$WHEELS"/*.whl \
+    || { echo "installing $WHEELS/*.whl failed" >&2; exit 1; }
   export PYTHONPATH=/tmp/site:$PWD
+  SITE=/tmp/site
 fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 if [ -z "${NANOSERVE_GIT_COMMIT:-}" ] && git rev-parse HEAD >/dev/null 2>&1; then
@@ -50,6 +58,14 @@ for step in ${STEPS//,/ }; do
       timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
         --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
       echo "bench exit $?"; tail -c 6000 "$OUT/bench.txt";;
+    baseline)
+      base=${BASE_DIR:?set BASE_DIR to a checkout of the baseline commit}
+      # shellcheck disable=SC2086
+      (cd "$base" && PYTHONPATH=${SITE:+$SITE:}$base NANOSERVE_GIT_COMMIT=${BASE_COMMIT:-unknown} \
+        timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
+        --out "$OUT/baseline") > "$OUT/baseline.txt" 2>&1
+      echo "baseline exit $?"
+      python3 -m nanoserve.bench --compare "$OUT/baseline" "$OUT/bench" --out "$OUT" | tee -a "$OUT/baseline.txt";;
     w3)
       port=8123
       python3 -m nanoserve.server --model "${MODEL:-m3-slice}" --port $port --served-model-name bench --max-model-len 4096 \
@@ -65,7 +81,7 @@ for step in ${STEPS//,/ }; do
         --served-model-name bench --model "${MODEL:-m3-slice}" ${W3_ARGS:-} --out "$OUT/w3" > "$OUT/w3.txt" 2>&1
       echo "w3 exit $?"; grep -A8 "^W3 closed loop" "$OUT/w3.txt" | tail -9
       kill -TERM $server 2>/dev/null; wait $server 2>/dev/null;;
-    *) echo "unknown step $step (tests, bench, w3)" >&2;;
+    *) echo "unknown step $step (tests, bench, baseline, w3)" >&2;;
   esac
   pack
 done

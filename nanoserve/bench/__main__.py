@@ -20,6 +20,7 @@
     python -m nanoserve.bench --speculative [--spec-limit N]    # each drafter's acceptance and speed-up (m3-mini)
     python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
     python -m nanoserve.bench --speculative host                # where a speculative step's host time goes (m3-mini)
+    python -m nanoserve.bench --compare BASE NEW                # two runs' results side by side (NEW / BASE)
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -139,12 +140,23 @@ def parser() -> argparse.ArgumentParser:
                     "on a CPU)")
     ap.add_argument("--spec-eagle3", default=None, metavar="DIR", help="--speculative: an EAGLE-3 draft directory "
                     "for the model (without one eagle3 is skipped)")
+    ap.add_argument("--compare", nargs=2, default=None, metavar=("BASE", "NEW"),
+                    help="print two runs side by side, run by run (each a results.json or a bench --out directory; "
+                    "with --out, also compare.json) and exit")
+    ap.add_argument("--compare-tolerance", type=float, default=None, metavar="F",
+                    help="--compare: a NEW / BASE ratio within 1 +- F is level (default 0.03)")
     ap.add_argument("-v", "--verbose", action="store_true")
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.compare:
+        from nanoserve.bench.compare import DEFAULT_TOLERANCE
+        from nanoserve.bench.compare import run as run_compare
+
+        tolerance = DEFAULT_TOLERANCE if args.compare_tolerance is None else args.compare_tolerance
+        return run_compare(*args.compare, tolerance=tolerance, out=args.out)
     if args.memory_plan:
         from nanoserve.model.m3_config import M3Config
         from nanoserve.model.memory_plan import markdown_table
