@@ -11,6 +11,8 @@ import sys
 
 import pytest
 
+from nanoserve.bench import compare
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -57,19 +59,23 @@ def test_compare_gives_each_metric_ratio_and_the_verdict(w1_run, tmp_path):
     assert row["ttft_ms.p50"]["ratio"] == pytest.approx(1.0)
     assert not res["cards_differ"]
 
+    proc = _bench("--compare", w1_run, slower, "--compare-tolerance", "0.5")  # the flag reaches the comparison
+    assert proc.returncode == 0 and "level" in proc.stdout and "within 50%" in proc.stdout
+    proc = _bench("--compare", w1_run, str(tmp_path / "missing"))
+    assert proc.returncode == 2 and "no such file" in proc.stdout and "Traceback" not in proc.stderr
+
     faster = _altered(w1_run, str(tmp_path / "faster"), tpot_ms=0.8)
     res = _compare_json(w1_run, faster, tmp_path / "cmp2")
     assert res["rows"][0]["verdict"] == "faster"
     # within the tolerance: level; a tighter tolerance makes the same pair a change
     near = _altered(w1_run, str(tmp_path / "near"), output_tok_s=0.98)
     assert _compare_json(w1_run, near, tmp_path / "cmp3")["rows"][0]["verdict"] == "level"
-    assert _compare_json(w1_run, near, tmp_path / "cmp4", "--compare-tolerance", "0.01")["rows"][0]["verdict"] == \
-        "slower"
+    assert _compare_json(w1_run, near, tmp_path / "cmp4", tolerance=0.01)["rows"][0]["verdict"] == "slower"
 
 
-def _compare_json(base: str, new: str, out, *extra: str) -> dict:
-    proc = _bench("--compare", base, new, "--out", str(out), *extra)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+def _compare_json(base: str, new: str, out, tolerance: float = compare.DEFAULT_TOLERANCE) -> dict:
+    """The comparison as the CLI writes it, run in-process (the CLI itself: the first test)."""
+    assert compare.run(base, new, tolerance=tolerance, out=str(out)) == 0
     return json.load(open(os.path.join(out, "compare.json")))
 
 
@@ -84,20 +90,19 @@ def test_compare_pairs_runs_by_folder_and_names_the_unpaired(w1_run, tmp_path):
     assert verdicts == {"bf16/W1": "level", "mxfp8/W1": "only in base"}
 
 
-def test_compare_says_when_the_cards_differ(w1_run, tmp_path):
+def test_compare_says_when_the_cards_differ(w1_run, tmp_path, capsys):
     other = tmp_path / "other"
     shutil.copytree(w1_run, other)
     path = other / "results.json"
     data = json.load(open(path))
     data["meta"]["device"] = "NVIDIA H200"
     json.dump(data, open(path, "w"))
-    proc = _bench("--compare", w1_run, str(other))
-    assert proc.returncode == 0
-    assert "different cards" in proc.stdout
+    assert compare.run(w1_run, str(other)) == 0
+    assert "different cards" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("make", ["missing", "empty_dir", "not_json", "not_results"])
-def test_compare_refuses_a_path_without_results(w1_run, tmp_path, make):
+def test_compare_refuses_a_path_without_results(w1_run, tmp_path, make, capsys):
     bad = tmp_path / "bad"
     if make == "empty_dir":
         bad.mkdir()
@@ -105,10 +110,9 @@ def test_compare_refuses_a_path_without_results(w1_run, tmp_path, make):
         bad.write_text("{not json")
     elif make == "not_results":
         bad.write_text(json.dumps({"meta": {}}))
-    proc = _bench("--compare", w1_run, str(bad))
-    assert proc.returncode == 2
-    assert proc.stdout.startswith("--compare: ") and str(bad) in proc.stdout
-    assert "Traceback" not in proc.stdout + proc.stderr
+    assert compare.run(w1_run, str(bad)) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("--compare: ") and str(bad) in out
 
 
 def test_gpu_run_baseline_step_runs_the_bench_in_the_baseline_checkout_and_compares(tmp_path):
