@@ -45,6 +45,13 @@ pack() { tar czf /tmp/gpu_run.tgz -C "$OUT" --exclude gpu_run.tgz . 2>/dev/null 
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "commit ${NANOSERVE_GIT_COMMIT:-unknown}"; } | tee "$OUT/gpu.txt"
 
+# the bench step's command, run in the current directory with the current environment: its results go to $1
+timed_bench() {
+  # shellcheck disable=SC2086
+  timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
+    --out "$1"
+}
+
 STEPS=${STEPS:-tests,bench}
 for step in ${STEPS//,/ }; do
   case $step in
@@ -54,16 +61,12 @@ for step in ${STEPS//,/ }; do
         > "$OUT/tests.txt" 2>&1
       echo "tests exit $?"; tail -5 "$OUT/tests.txt";;
     bench)
-      # shellcheck disable=SC2086
-      timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
-        --out "$OUT/bench" > "$OUT/bench.txt" 2>&1
+      timed_bench "$OUT/bench" > "$OUT/bench.txt" 2>&1
       echo "bench exit $?"; tail -c 6000 "$OUT/bench.txt";;
     baseline)
       base=${BASE_DIR:?set BASE_DIR to a checkout of the baseline commit}
-      # shellcheck disable=SC2086
-      (cd "$base" && PYTHONPATH=${SITE:+$SITE:}$base NANOSERVE_GIT_COMMIT=${BASE_COMMIT:-unknown} \
-        timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
-        --out "$OUT/baseline") > "$OUT/baseline.txt" 2>&1
+      (cd "$base" && export PYTHONPATH=${SITE:+$SITE:}$base NANOSERVE_GIT_COMMIT=${BASE_COMMIT:-unknown} \
+        && timed_bench "$OUT/baseline") > "$OUT/baseline.txt" 2>&1
       echo "baseline exit $?"
       python3 -m nanoserve.bench --compare "$OUT/baseline" "$OUT/bench" --out "$OUT" | tee -a "$OUT/baseline.txt";;
     w3)
