@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nanoserve.bench.env import git_commit, tuning_record  # noqa: E402
 from nanoserve.kernels import tuned  # noqa: E402
 from nanoserve.kernels.fp8_configs import FP8_LINEAR_TILES, FP8_MOE_TILES, FP8_VARIANTS, bucket_entry  # noqa: E402
 from nanoserve.kernels.moe import MOE_GEMV_MAX_TOKENS  # noqa: E402
@@ -448,7 +449,7 @@ def main() -> int:
     skip = set(args.skip.split(","))
     dev = torch.device("cuda")
     meta = {"device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
-            "triton": __import__("triton").__version__, "commit": os.environ.get("NANOSERVE_GIT_COMMIT", "unknown"),
+            "triton": __import__("triton").__version__, "commit": git_commit(),
             "preset": args.preset, "rows": rows_list}
     shapes, _ = model_shapes(args.preset)
     jobs = []
@@ -482,7 +483,7 @@ def main() -> int:
     best = winners(rec)
     table, times = tuned_json(best)
     entries = {kind: {shape: [int(b) for b in buckets] for shape, buckets in table[kind].items()} for kind in table}
-    record = tuned.run_record({kind: e for kind, e in entries.items() if e}, times=times, preset=args.preset)
+    record = tuning_record({kind: e for kind, e in entries.items() if e}, times=times, preset=args.preset)
     tuned_path = os.path.join(OUT, "fp8_tuned.json")
     tuned.write(tuned_path, {**table, "meta": meta, "provenance": [record]})
     text = report(best, ceil)

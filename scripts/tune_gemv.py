@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoserve.bench import micro
+from nanoserve.bench.env import tuning_record
 from nanoserve.kernels import configs, tuned
 from nanoserve.kernels.fp8_linear import fp8_linear
 from nanoserve.kernels.gemv import gemv, gemv_mxfp8
@@ -99,7 +100,7 @@ def main() -> None:
     for (n, k), t in winners.items():
         print(f'    "{n},{k}": {list(t)},', flush=True)
     if args.write:
-        record = tuned.run_record({fmt: list(times)}, times={fmt: times}, dtype=args.dtype)
+        record = tuning_record({fmt: list(times)}, times={fmt: times}, dtype=args.dtype)
         write_tuned(args.write, fmt, winners, record)
     if args.then_bench:
         from nanoserve.bench.__main__ import main as bench_main
@@ -111,7 +112,7 @@ def main() -> None:
 
 def write_tuned(path: str, fmt: str, winners: dict, record: dict) -> None:
     """Merge `winners` into the JSON file at `path` under `fmt` ("16bit" / "mxfp8"), keeping its other entries;
-    `record` (tuned.run_record) becomes the provenance of the shapes written."""
+    `record` (bench.env.tuning_record) becomes the provenance of the shapes written."""
     data = {}
     if os.path.exists(path):
         with open(path) as f:

@@ -36,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from nanoserve.bench.env import tuning_record  # noqa: E402
 from nanoserve.bench.floor import H200  # noqa: E402
 from nanoserve.bench.moe_problem import BF16_REL_TOL, rel_err  # noqa: E402
 from nanoserve.bench.moe_problem import MoEProblem as Problem  # noqa: E402
@@ -144,7 +145,7 @@ def bucket_times(rows: list[dict]) -> dict[str, dict]:
 
 def write_configs(shape: tuple[int, int, int], rows: list[dict], record: dict, path=None) -> None:
     """Write the tuned buckets of `shape` into tuned/moe.json (or `path`): tuned buckets replaced or added, the
-    others kept, in bucket order; `record` (tuned.run_record) becomes their provenance."""
+    others kept, in bucket order; `record` (bench.env.tuning_record) becomes their provenance."""
     path = path or tuned.path("moe")
     with open(path) as f:
         data = json.load(f)
@@ -182,7 +183,7 @@ def main() -> int:
                       indent=1)
     key = ",".join(str(v) for v in shape)
     if args.write_configs:
-        record = tuned.run_record({"moe": {key: [r["bucket"] for r in rows]}},
+        record = tuning_record({"moe": {key: [r["bucket"] for r in rows]}},
                                   times={"moe": {key: bucket_times(rows)}},
                                   problem=f"top-{args.top_k}, the shared expert folded in, uniform random routing")
         write_configs(shape, rows, record)

@@ -6,6 +6,7 @@ import datetime
 import os
 import platform
 import subprocess
+import sys
 
 import torch
 
@@ -58,3 +59,14 @@ def environment(device: torch.device) -> dict:
         info["hip"] = getattr(torch.version, "hip", None)
         info["num_gpus"] = torch.cuda.device_count()
     return info
+
+
+def tuning_record(entries: dict, **recorded) -> dict:
+    """A provenance record of a tuned tile table (kernels/tuned) for entries chosen by this process on the current
+    CUDA device: card, versions, the command line, the commit (`git_commit`; null where it is unknown), today's
+    date (UTC), then `recorded` (times, notes)."""
+    commit = git_commit()
+    return {"entries": entries, "card": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": _version("triton"), "command": " ".join(["python", *sys.argv]),
+            "commit": None if commit == "unknown" else commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"), **recorded}

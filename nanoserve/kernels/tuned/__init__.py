@@ -24,9 +24,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 FOLDER = Path(__file__).resolve().parent
@@ -72,25 +69,6 @@ def add_record(data: dict, record: dict) -> dict:
         if entries:
             kept.append({**old, "entries": entries})
     return {**data, "provenance": [*kept, record]}
-
-
-def run_record(entries: dict, **recorded) -> dict:
-    """A provenance record for entries chosen by this process on the current CUDA device: card, versions, the
-    command line, the commit ($NANOSERVE_GIT_COMMIT, else the checkout's HEAD, else null), today's date (UTC),
-    then `recorded` (times, notes)."""
-    import torch
-    import triton
-
-    commit = os.environ.get("NANOSERVE_GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=FOLDER, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or None
-        except (OSError, subprocess.SubprocessError):
-            commit = None
-    return {"entries": entries, "card": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "command": " ".join(["python", *sys.argv]), "commit": commit,
-            "date": time.strftime("%Y-%m-%d", time.gmtime()), **recorded}
 
 
 def write(file: str | os.PathLike, data: dict) -> None:
