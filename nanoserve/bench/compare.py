@@ -94,8 +94,9 @@ def compare(base: Side, new: Side, tolerance: float = DEFAULT_TOLERANCE) -> dict
             name += f" [{engine}]"
         b, n = base.runs.get(key), new.runs.get(key)
         if b is None or n is None:
-            rows.append([name] + ["-"] * (3 * len(METRICS)) + ["only in " + ("new" if b is None else "base")])
-            out.append({"run": name, "verdict": "only in " + ("new" if b is None else "base")})
+            verdict = "only in " + ("new" if b is None else "base")
+            rows.append([name] + ["-"] * (3 * len(METRICS)) + [verdict])
+            out.append({"run": name, "verdict": verdict})
             continue
         entry, cells, worst = {"run": name}, [name], 0.0
         for _label, field, higher_better, form in METRICS:
@@ -113,15 +114,17 @@ def compare(base: Side, new: Side, tolerance: float = DEFAULT_TOLERANCE) -> dict
         rows.append(cells)
         out.append(entry)
     header = ["run"] + [h for label, *_ in METRICS for h in (f"{label}: base", "new", "x")]
-    lines = [f"base: {_describe(base)}", f"new:  {_describe(new)}"]
+    described = {"base": _describe(base), "new": _describe(new)}
+    lines = [f"base: {described['base']}", f"new:  {described['new']}"]
     devices = {m.get("device") for s in (base, new) for m in s.metas.values()}
-    if len(devices) > 1:
+    cards_differ = len(devices) > 1
+    if cards_differ:
         lines.append(f"different cards ({', '.join(sorted(str(d) for d in devices))}): the ratios compare the "
                      "cards too; rerun the baseline on the new run's machine")
     lines.append(table(header + ["verdict"], rows, f"NEW / BASE per run (level: every ratio within "
                                                    f"{tolerance:.0%})"))
-    return {"base": _describe(base), "new": _describe(new), "tolerance": tolerance, "rows": out,
-            "cards_differ": len(devices) > 1, "table": "\n".join(lines)}
+    return {**described, "tolerance": tolerance, "rows": out, "cards_differ": cards_differ,
+            "table": "\n".join(lines)}
 
 
 def run(base_path: str, new_path: str, tolerance: float = DEFAULT_TOLERANCE, out: str | None = None) -> int:
