@@ -184,8 +184,8 @@ def main() -> int:
     key = ",".join(str(v) for v in shape)
     if args.write_configs:
         record = tuning_record({"moe": {key: [r["bucket"] for r in rows]}},
-                                  times={"moe": {key: bucket_times(rows)}},
-                                  problem=f"top-{args.top_k}, the shared expert folded in, uniform random routing")
+                               times={"moe": {key: bucket_times(rows)}},
+                               problem=f"top-{args.top_k}, the shared expert folded in, uniform random routing")
         write_configs(shape, rows, record)
     print(f"tuned/moe.json entries of {key} ({torch.cuda.get_device_name()}):")
     for bucket, e in table_entries(rows).items():
