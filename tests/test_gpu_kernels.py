@@ -4,7 +4,7 @@ computes bf16 wrongly).
 
 Attention: 64 query heads and 4 KV heads of 128, MSA's 4 index heads of 128 over 128-token blocks, top-16 blocks
 with the local one; a mixed batch (decodes at short and long contexts, a whole prefill, a chunk starting mid-block),
-and a chunk at the end of a 32,768-token context (the long-context tiles).
+and a chunk at the end of a 32,768-token context (the long-context tiles), over a bf16 and over an fp8 KV pool.
 The MoE: hidden 6144, 128 experts of 3072, top-4 and the folded shared expert. Every output tensor a kernel
 allocates starts as NaN (so an element it forgot to write shows), and the decode paths are captured in a CUDA graph
 and replayed on new inputs, as the engine runs them.
@@ -119,6 +119,24 @@ def test_long_context_prefill_bf16(cfg, by_block):
         sparse = sparse_attention(b.q, b.kv, b.meta, ref_sel, b.scale, by_block=by_block)
     assert not sparse.isnan().any()
     assert rel_norm_err(sparse, reference.sparse_attention(b.q, b.kv, b.meta, ref_sel, b.scale)) < BF16_REL_TOL
+
+
+def test_long_context_prefill_over_an_fp8_pool(cfg):
+    """The same chunk over an fp8 e4m3 pool with scales: `paged_prefill_fp8_long`'s tile (fp8 K/V tiles through
+    TMA, widened in registers) against the reference reading the same fp8 values."""
+    from nanoserve.kernels import configs, reference
+    from nanoserve.kernels.attention import paged_attention
+    from tests.test_kernel_attention import poisoned_outputs
+
+    b = batch(cfg, [256], [configs.LONG_PREFILL_CONTEXT], seed=6)
+    fp8 = reference.FP8_KV_DTYPE
+    pool = torch.empty_like(b.kv, dtype=fp8)
+    pool[:, 0], pool[:, 1] = reference.to_cache(b.kv[:, 0], fp8, 0.5), reference.to_cache(b.kv[:, 1], fp8, 2.0)
+    with poisoned_outputs():
+        out = paged_attention(b.q, pool, b.meta, b.scale, k_scale=0.5, v_scale=2.0)
+    assert not out.isnan().any()
+    ref = reference.paged_attention(b.q, pool, b.meta, b.scale, k_scale=0.5, v_scale=2.0)
+    assert rel_norm_err(out, ref) < BF16_REL_TOL
 
 
 def test_qk_norm_rope_insert_bf16(cfg):

@@ -9,6 +9,9 @@
   attention with random index queries (the worst case for its query tiles: neighbours select different blocks)
   and with slowly drifting ones (closer to a trained indexer), each as TFLOP/s of its causal matmuls
   (`triton.testing.do_bench` medians: it clears L2 before each call).
+- Long prefill: one chunk of 8,192 queries at the end of a 131,072-token context (the last chunk of W4's 128k
+  prompt), dense causal attention over a bf16 pool and over an fp8 e4m3 pool (`--kv-cache-dtype fp8`), each with
+  its table tiles (`paged_prefill_long`, `paged_prefill_fp8_long`).
 
 The KV blocks of a batch are shuffled in the pool (a real block table, not a contiguous one) and filled with
 random bf16 values. The largest case (batch 64 at 128k context) holds 16 GiB of KV.
@@ -25,6 +28,8 @@ from nanoserve.model.m3_config import M3Config
 DECODE_CONTEXTS = (1024, 8192, 32768, 131072)
 DECODE_BATCHES = (1, 64)
 PREFILL_LENS = (8192, 32768)
+LONG_PREFILL = (8192, 131072)
+"""(queries, context) of the long-prefill rows."""
 L2_FLUSH_BYTES = 256 * 2**20
 """Larger than any GPU's L2: zeroing it before a replay evicts what the last replay left there."""
 REPLAYS = 30
@@ -165,6 +170,23 @@ def prefill_row(cfg: M3Config, n: int, device: torch.device) -> dict:
     return row
 
 
+def long_prefill_rows(cfg: M3Config, device: torch.device, chunk: int = LONG_PREFILL[0],
+                      context: int = LONG_PREFILL[1]) -> list[dict]:
+    """Dense attention of one chunk at the end of a long context, over a bf16 and an fp8 KV pool (same values,
+    rounded to e4m3 for the fp8 pool)."""
+    from nanoserve.kernels.attention import paged_attention
+
+    b = Batch(cfg, [chunk], [context], device)
+    keys = sum(context - chunk + i + 1 for i in range(chunk))
+    flops = 4.0 * cfg.num_attention_heads * cfg.head_dim * keys
+    rows = []
+    for pool, kv in (("bf16", b.kv), ("fp8", b.kv.to(torch.float8_e4m3fn))):
+        ms = eager_ms(lambda kv=kv: paged_attention(b.q, kv, b.meta, b.scale))
+        rows.append({"queries": chunk, "context": context, "kv_pool": pool, "dense_ms": ms,
+                     "dense_tflop_s": flops / ms / 1e9})
+    return rows
+
+
 def attention_micro(cfg: M3Config, tokens: list[int] | None, device: torch.device,
                     contexts: tuple[int, ...] = DECODE_CONTEXTS, batches: tuple[int, ...] = DECODE_BATCHES,
                     prefill_lens: tuple[int, ...] = PREFILL_LENS) -> dict:
@@ -177,6 +199,7 @@ def attention_micro(cfg: M3Config, tokens: list[int] | None, device: torch.devic
     for n in prefill_lens:
         prefill.append(prefill_row(cfg, n, device))
         torch.cuda.empty_cache()
+    long = long_prefill_rows(cfg, device)
     text = table(("context", "batch", "dense us", "dense GB/s", "MSA us", "select us", "sparse us", "MSA GB/s"),
                  [[r["context"], r["batch"], r["dense_ms"] * 1e3, r["dense_gb_s"], r["msa_ms"] * 1e3,
                    r["msa_select_ms"] * 1e3, r["msa_sparse_ms"] * 1e3, r["msa_gb_s"]] for r in decode],
@@ -187,4 +210,8 @@ def attention_micro(cfg: M3Config, tokens: list[int] | None, device: torch.devic
                              r["sparse_random_ms"], r["sparse_random_tflop_s"], r["sparse_smooth_ms"],
                              r["sparse_smooth_tflop_s"]] for r in prefill],
                            "Prefill attention of one sequence (do_bench median; TFLOP/s of the causal matmuls)")
-    return {"rows": {"decode": decode, "prefill": prefill}, "table": text}
+    text += "\n\n" + table(("queries", "context", "KV pool", "dense ms", "dense TFLOP/s"),
+                           [[r["queries"], r["context"], r["kv_pool"], r["dense_ms"], r["dense_tflop_s"]]
+                            for r in long],
+                           "Long prefill: one chunk at the end of a long context, dense attention (do_bench median)")
+    return {"rows": {"decode": decode, "prefill": prefill, "long_prefill": long}, "table": text}

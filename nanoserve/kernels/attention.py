@@ -25,7 +25,8 @@ An fp8 pool (`kv_cache_dtype="fp8"`, e4m3): K and V tiles are widened to the que
 (exact: every e4m3 value is a bf16 / fp16 / fp32 value), the K scale is folded into the score scale and the V
 scale into the epilogue (softmax weights sum to 1, so scaling the output is scaling V). With the scales at 1.0
 (a 16/32-bit pool) both multiplications are exact, and the widening is a no-op. An fp8 prefill takes its own
-tiles (`paged_prefill_fp8`, at every context length: no TMA; kernels/configs.py says why).
+tiles (`paged_prefill_fp8`, and `paged_prefill_fp8_long` from LONG_PREFILL_CONTEXT on: fp8 tiles loaded through
+TMA and widened in registers need fewer warps and stages than the bf16 pool's; kernels/configs.py says why).
 
 Scores are kept in log2 units (scale * log2(e) folded into one multiply, exp2 instead of exp). Masked scores are
 a large finite negative number rather than -inf, so a tile whose keys are all masked for some row never computes
@@ -342,8 +343,8 @@ def _prefill(q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata, s
     num_kv = kv_cache.shape[3]
     first = meta.num_decode_seqs
     max_q = max(meta.query_lens_cpu[first:])
-    name = "paged_prefill_fp8" if kv_cache.dtype == FP8_KV_DTYPE else \
-        prefill_kernel("paged_prefill", max(meta.seq_lens_cpu[first:]))
+    name = prefill_kernel("paged_prefill_fp8" if kv_cache.dtype == FP8_KV_DTYPE else "paged_prefill",
+                          max(meta.seq_lens_cpu[first:]))
     cfg = tiles(name, q.device)
     block_d = triton.next_power_of_2(head_dim)
     desc = _kv_descriptors(kv_cache, cfg.block_n, block_d) if cfg.tma else None

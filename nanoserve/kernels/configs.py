@@ -79,9 +79,10 @@ _RULE_TABLES: dict[str, dict[str, Tiles]] = {
     "paged_decode": {"hip": Tiles(0, 64, 4, 2), "interpret": Tiles(0, 32, 1, 1)},
     # Dense prefill, one program per (sequence, query tile, query head).
     "paged_prefill": {"hip": Tiles(128, 32, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
-    # The same over an fp8 KV pool (kv_cache_dtype fp8) at every context length: K is widened in registers, so
-    # the long-context TMA tile needs 255 registers and spills on sm_90 (Triton 3.9), and AMD's 4-wave tile drops
-    # to one wave per SIMD (302 registers on gfx942); 8 waves keep two (178 registers; gfx950 three). Compile gate.
+    # The same over an fp8 KV pool (kv_cache_dtype fp8): K is widened in registers, so the bf16 pool's
+    # long-context TMA tile needs 255 registers and spills on sm_90 (Triton 3.9), and AMD's 4-wave tile drops to
+    # one wave per SIMD (302 registers on gfx942); 8 waves keep two (178 registers; gfx950 three). Compile gate.
+    # Its long-context entry (below) loads the fp8 tiles through TMA with 4 warps and 2 stages on CUDA.
     "paged_prefill_fp8": {"hip": Tiles(128, 32, 8, 2), "interpret": Tiles(32, 32, 1, 1)},
     # Merge of flash-decoding splits, one program per (token, query head); block_n = splits read per step.
     "split_combine": {"hip": Tiles(0, 16, 4, 2), "interpret": Tiles(0, 64, 1, 1)},
@@ -107,6 +108,7 @@ _RULE_TABLES: dict[str, dict[str, Tiles]] = {
     # Long-context prefill (a sequence of >= LONG_PREFILL_CONTEXT tokens in the step). "cuda": measured on one
     # chunk of 8,192 queries at the end of a 131,072-token context, each against the short-context entry above.
     "paged_prefill_long": {"hip": Tiles(128, 32, 4, 2), "interpret": Tiles(32, 32, 1, 1)},
+    "paged_prefill_fp8_long": {"hip": Tiles(128, 32, 8, 2), "interpret": Tiles(32, 32, 1, 1)},
     "msa_score_prefill_long": {"hip": Tiles(64, 0, 4, 2), "interpret": Tiles(64, 0, 1, 1)},
     "sparse_prefill_long": {"hip": Tiles(4, 64, 4, 2), "interpret": Tiles(1, 64, 1, 1)},
     "sparse_by_block_long": {"hip": Tiles(4, 64, 4, 2), "interpret": Tiles(4, 64, 1, 1)},
