@@ -58,3 +58,17 @@ def test_micro_refuses_an_unknown_kind():
 
     with pytest.raises(SystemExit, match="--micro: unknown nope; choose from .*route.*attention"):
         main(["--micro", "route,nope", "--device", "cpu"])
+
+
+def test_long_prefill_rows_time_both_pools(monkeypatch):
+    """The long-prefill case: one chunk at the end of a longer context, over a bf16 pool and an fp8 pool, each row
+    with the causal FLOPs of that chunk (keys 1 .. context for its last query)."""
+    from nanoserve.bench import micro_attention
+
+    calls = []
+    monkeypatch.setattr(micro_attention, "eager_ms", lambda fn: calls.append(fn()) or 2.0)
+    rows = micro_attention.long_prefill_rows(CFG, torch.device("cpu"), chunk=20, context=150)
+    assert [r["kv_pool"] for r in rows] == ["bf16", "fp8"] and len(calls) == 2
+    assert all(out.shape == (20, CFG.num_attention_heads, CFG.head_dim) for out in calls)
+    keys = sum(range(131, 151))
+    assert rows[1]["dense_tflop_s"] == 4.0 * CFG.num_attention_heads * CFG.head_dim * keys / 2.0 / 1e9
