@@ -14,7 +14,10 @@
 #   baseline  the bench step's command again from BASE_DIR (a checkout of the baseline commit, e.g. made with
 #           `git worktree add /tmp/base <commit>`; BASE_COMMIT names it in its results), into $OUT/baseline, then
 #           python -m nanoserve.bench --compare $OUT/baseline $OUT/bench: NEW / BASE run by run on this one
-#           machine (compare.json and baseline.txt); run it beside bench, e.g. STEPS=bench,baseline
+#           machine (compare.json and baseline.txt); run it beside bench, e.g. STEPS=bench,baseline. With
+#           `--quantization a,b` the baseline runs one process per format (into $OUT/baseline/a, /b, the folders
+#           the bench step writes), each under the whole BUDGET: older commits keep every format's model resident
+#           and run out of memory on an 80 GB card when they build the second
 #   w3      python -m nanoserve.server --model $MODEL (default m3-slice) on port 8123, then python -m
 #           nanoserve.bench --serve with $W3_ARGS (add --serve-logprobs 5 for logprobs on every request); logs in
 #           w3_server.txt and w3.txt
@@ -45,11 +48,26 @@ pack() { tar czf /tmp/gpu_run.tgz -C "$OUT" --exclude gpu_run.tgz . 2>/dev/null 
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   echo "commit ${NANOSERVE_GIT_COMMIT:-unknown}"; } | tee "$OUT/gpu.txt"
 
-# the bench step's command, run in the current directory with the current environment: its results go to $1
+# the bench step's command, run in the current directory with the current environment: its results go to $1; $2
+# replaces BENCH_ARGS where given
 timed_bench() {
   # shellcheck disable=SC2086
-  timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${BENCH_ARGS:-} --time-budget "${BUDGET:-400}" \
-    --out "$1"
+  timeout "$(( ${BUDGET:-400} + 120 ))" python3 -m nanoserve.bench ${2-${BENCH_ARGS:-}} \
+    --time-budget "${BUDGET:-400}" --out "$1"
+}
+
+# BENCH_ARGS split into the --quantization value (QUANT) and the other arguments (OTHER_ARGS)
+split_quantization() {
+  QUANT= OTHER_ARGS=
+  # shellcheck disable=SC2086
+  set -- ${BENCH_ARGS:-}
+  while [ $# -gt 0 ]; do
+    case $1 in
+      --quantization) QUANT=${2:-}; shift 2 || shift;;
+      --quantization=*) QUANT=${1#*=}; shift;;
+      *) OTHER_ARGS="$OTHER_ARGS $1"; shift;;
+    esac
+  done
 }
 
 STEPS=${STEPS:-tests,bench}
@@ -65,8 +83,13 @@ for step in ${STEPS//,/ }; do
       echo "bench exit $?"; tail -c 6000 "$OUT/bench.txt";;
     baseline)
       base=${BASE_DIR:?set BASE_DIR to a checkout of the baseline commit}
+      split_quantization
       (cd "$base" && export PYTHONPATH=${SITE:+$SITE:}$base NANOSERVE_GIT_COMMIT=${BASE_COMMIT:-unknown} \
-        && timed_bench "$OUT/baseline") > "$OUT/baseline.txt" 2>&1
+        && if [ "${QUANT#*,}" = "$QUANT" ]; then timed_bench "$OUT/baseline"
+           else rc=0
+             for fmt in ${QUANT//,/ }; do timed_bench "$OUT/baseline/$fmt" "$OTHER_ARGS --quantization $fmt" || rc=$?; done
+             exit $rc
+           fi) > "$OUT/baseline.txt" 2>&1
       echo "baseline exit $?"
       python3 -m nanoserve.bench --compare "$OUT/baseline" "$OUT/bench" --out "$OUT" | tee -a "$OUT/baseline.txt";;
     w3)
