@@ -116,24 +116,10 @@ def test_compare_refuses_a_path_without_results(w1_run, tmp_path, make, capsys):
 
 
 def test_gpu_run_baseline_step_runs_the_bench_in_the_baseline_checkout_and_compares(tmp_path):
-    # The repository itself stands in for the baseline checkout; on the CPU the bench runs m3-tiny.
-    out, empty = tmp_path / "out", tmp_path / "no_wheels"
-    empty.mkdir()
-    env = dict(os.environ, OUT=str(out), STEPS="bench,baseline", BUDGET="60", BENCH_ARGS="--workloads W1",
-               BASE_DIR=REPO, BASE_COMMIT="base0000", WHEELS=str(empty), NANOSERVE_GIT_COMMIT="new0000")
-    proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_run.sh")], env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "baseline exit 0" in proc.stdout, proc.stdout
-    res = json.load(open(out / "compare.json"))
-    assert [r["run"] for r in res["rows"]] == ["W1"]
-    assert "base0000" in res["base"] and "new0000" in res["new"]
-    assert json.load(open(out / "baseline" / "results.json"))["meta"]["commit"] == "base0000"
-
-
-def test_gpu_run_baseline_runs_one_process_per_weight_format(tmp_path):
-    """With `--quantization a,b` the baseline side builds one format per process (an older commit would hold both
-    models at once), into the per-format folders the bench step writes, so the formats still pair up."""
+    """The bench step, then the same command from the baseline checkout (the repository itself stands in for it;
+    on the CPU the bench runs m3-tiny), then the comparison. With `--quantization a,b` the baseline side builds
+    one format per process (an older commit would hold both models at once), into the per-format folders the
+    bench step writes, so the formats still pair up."""
     out, empty = tmp_path / "out", tmp_path / "no_wheels"
     empty.mkdir()
     env = dict(os.environ, OUT=str(out), STEPS="bench,baseline", BUDGET="200",
@@ -142,7 +128,9 @@ def test_gpu_run_baseline_runs_one_process_per_weight_format(tmp_path):
     proc = subprocess.run(["bash", os.path.join(REPO, "scripts", "gpu_run.sh")], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and "baseline exit 0" in proc.stdout, proc.stdout + proc.stderr
-    assert sorted(r["run"] for r in json.load(open(out / "compare.json"))["rows"]) == ["bf16/W1", "mxfp8/W1"]
+    res = json.load(open(out / "compare.json"))
+    assert sorted(r["run"] for r in res["rows"]) == ["bf16/W1", "mxfp8/W1"]
+    assert "base0000" in res["base"] and "new0000" in res["new"]
     log = (out / "baseline.txt").read_text()
     assert log.count("nanoserve bench | m3-tiny") >= 2 and "Weight formats side by side" not in log
     for fmt in ("bf16", "mxfp8"):
