@@ -127,11 +127,10 @@ def test_long_context_prefill_over_an_fp8_pool(cfg):
     from nanoserve.kernels import configs, reference
     from nanoserve.kernels.attention import paged_attention
     from tests.test_kernel_attention import poisoned_outputs
+    from tests.test_kv_fp8 import fp8_pool_pair
 
     b = batch(cfg, [256], [configs.LONG_PREFILL_CONTEXT], seed=6)
-    fp8 = reference.FP8_KV_DTYPE
-    pool = torch.empty_like(b.kv, dtype=fp8)
-    pool[:, 0], pool[:, 1] = reference.to_cache(b.kv[:, 0], fp8, 0.5), reference.to_cache(b.kv[:, 1], fp8, 2.0)
+    pool, _ = fp8_pool_pair(b.kv, 0.5, 2.0)
     with poisoned_outputs():
         out = paged_attention(b.q, pool, b.meta, b.scale, k_scale=0.5, v_scale=2.0)
     assert not out.isnan().any()

@@ -177,8 +177,8 @@ def long_prefill_rows(cfg: M3Config, device: torch.device, chunk: int = LONG_PRE
     from nanoserve.kernels.attention import paged_attention
 
     b = Batch(cfg, [chunk], [context], device)
-    keys = sum(context - chunk + i + 1 for i in range(chunk))
-    flops = 4.0 * cfg.num_attention_heads * cfg.head_dim * keys
+    heads = cfg.num_attention_heads
+    flops = causal_flops(cfg, context, heads) - causal_flops(cfg, context - chunk, heads)  # the chunk's queries
     rows = []
     for pool, kv in (("bf16", b.kv), ("fp8", b.kv.to(torch.float8_e4m3fn))):
         ms = eager_ms(lambda kv=kv: paged_attention(b.q, kv, b.meta, b.scale))
