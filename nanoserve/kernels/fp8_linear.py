@@ -49,6 +49,7 @@ from nanoserve.kernels.fp8_tile import (
     dequant_rows,
     mx_tile_dot,
     mx_tile_gemv,
+    scale_word_ptrs,
     scaled_block_dot,
     tile_coords,
 )
@@ -186,11 +187,11 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         w_ptrs = w_ptr + w_rows[:, None] * stride_wn + ks[None, :]
+        # k0 is a whole number of K tiles (split_plan): told so, the compiler can load a row's scales as vectors
+        kb = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         if SCALE_WORDS:  # k0 is a whole number of K tiles (split_plan), so it starts a word
-            kw = k0 // 128 + tl.arange(0, BLOCK_K // 128)
-            s_ptrs = (s_ptr + w_rows[:, None] * stride_sn).to(tl.pointer_type(tl.int32)) + kw[None, :]
+            s_ptrs = scale_word_ptrs(s_ptr + w_rows[:, None] * stride_sn, kb)
         else:
-            kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
             s_ptrs = s_ptr + w_rows[:, None] * stride_sn + kb[None, :]
         for k in range(k0, k_end, BLOCK_K):
             if EVEN_K:
@@ -295,12 +296,15 @@ def split_plan(m: int, n: int, k: int, t: LinearTiles, split_k: int | None,
     return split, k_per_split, k % t.block_k == 0 and k_per_split % t.block_k == 0, out
 
 
-def scale_words_fit(tiles: LinearTiles, k: int, scale: torch.Tensor, variant: int) -> bool:
-    """Whether a launch can read its scales as 32-bit words (`fp8_tile.load_scale_words`): a variant that loads
-    [BLOCK_N, BLOCK_K / 32] scale tiles (not "acc" or "gather"), K tiles and K whole words (multiples of 128
-    columns), and 4-byte aligned scale rows."""
-    return (FP8_VARIANTS[variant] in ("bcast", "swap", "scaled", "gemv") and tiles.block_k % SCALE_WORD == 0
-            and k % SCALE_WORD == 0 and scale.data_ptr() % 4 == 0)
+def scale_words_fit(block_n: int, block_k: int, num_warps: int, k: int, scale: torch.Tensor, variant: int) -> bool:
+    """Whether a launch reads its scales as 32-bit words (`fp8_tile.load_scale_words`): where its byte loads would
+    bring each thread fewer than 4 bytes of a [BLOCK_N, BLOCK_K / 32] scale tile (loads the compiler does not
+    pipeline; 4 or more it does, in a quarter of the shared memory), for a tensor-core variant that loads such
+    tiles ("bcast", "swap", "scaled"; `variant` a variant_code), with K tiles and K whole words (multiples of 128
+    columns) and 4-byte aligned scale rows."""
+    bytes_per_thread = block_n * (block_k // MXFP8_BLOCK) // (32 * num_warps)
+    return (FP8_VARIANTS[variant] in ("bcast", "swap", "scaled") and bytes_per_thread < 4
+            and block_k % SCALE_WORD == 0 and k % SCALE_WORD == 0 and scale.data_ptr() % 4 == 0)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
@@ -328,7 +332,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         x2, weight, scale, out, m, n, k, k_per_split,
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k, VARIANT=variant,
-        SCALE_WORDS=scale_words and scale_words_fit(t, k, scale, variant), num_warps=t.num_warps,
-        num_stages=t.num_stages)
+        SCALE_WORDS=scale_words and scale_words_fit(t.block_n, t.block_k, t.num_warps, k, scale, variant),
+        num_warps=t.num_warps, num_stages=t.num_stages)
     y = out[0] if split == 1 else sum_splits(out, x.dtype)
     return y.reshape(*lead, n)

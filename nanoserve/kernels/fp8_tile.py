@@ -93,29 +93,37 @@ SCALE_WORD = 128
 
 @triton.jit
 def load_scale_words(s_ptrs, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The scales of a [BLOCK_N, BLOCK_K] tile read as 32-bit words: `s_ptrs` [BLOCK_N, BLOCK_K // 128] int32
-    pointers, each word four consecutive E8M0 bytes (little-endian: scale 4w + j is byte j), returned as [BLOCK_N,
-    BLOCK_K // 32] uint8. Unless EVEN_K only the words of the first `k_left` columns are read (the rest: 2^0).
+    """The [BLOCK_N, BLOCK_K // 32] E8M0 scales of a tile whose K range starts a 128-column word, read as 32-bit
+    words: `s_ptrs` [BLOCK_N, BLOCK_K // 32] int32 pointers, column j at the word holding scale j (the word of its
+    four, `scale_word_ptrs`), and scale j is byte j % 4 of it (little-endian). Returned as uint8; unless EVEN_K
+    only the scales of the first `k_left` columns are read (the rest: 2^0).
 
     Why words: a load of fewer than 4 bytes per thread is one the compiler will not pipeline (it needs a cp.async of
-    at least 4 bytes), so byte-wise scale loads stay synchronous inside the K loop and every step waits out a memory
-    round trip for them; 4-byte words are pipelined with the weight tile."""
+    at least 4 bytes), so byte-wise scale loads of a tile with few scales per thread stay synchronous inside the K
+    loop, and every step waits out a memory round trip for them. A word per scale (each word read by four columns,
+    from the same cache line) is pipelined with the weight tile, and the unpacking is element-wise, so the
+    compiler still dequantises in the layout the MMA wants."""
+    j = tl.arange(0, BLOCK_K // 32)
     if EVEN_K:
         words = tl.load(s_ptrs)
     else:
-        in_w = tl.arange(0, BLOCK_K // 128) * 128 < k_left
-        words = tl.load(s_ptrs, mask=in_w[None, :], other=0x7F7F7F7F)
-    shifts = tl.arange(0, 4) * 8
-    s = (words[:, :, None] >> shifts[None, None, :]) & 0xFF
-    return tl.reshape(s, (s.shape[0], BLOCK_K // 32)).to(tl.uint8)
+        words = tl.load(s_ptrs, mask=(j * 32 < k_left)[None, :], other=127)
+    return ((words >> ((j % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
+
+
+@triton.jit
+def scale_word_ptrs(s_row_ptrs, kb):
+    """[BLOCK_N, len(kb)] int32 pointers for `load_scale_words`: `s_row_ptrs` [BLOCK_N, 1] point at each weight
+    row's first scale byte (4-byte aligned), `kb` are scale (32-column block) indices."""
+    return s_row_ptrs.to(tl.pointer_type(tl.int32)) + (kb // 4)[None, :]
 
 
 @triton.jit
 def load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
                  SCALE_WORDS: tl.constexpr = False):
     """The fp8 tile at `w_ptrs` [BLOCK_N, BLOCK_K] and its scales at `s_ptrs` [BLOCK_N, BLOCK_K // 32] (SCALE_WORDS:
-    [BLOCK_N, BLOCK_K // 128] int32 words, `load_scale_words`); unless EVEN_K, only the first `k_left` columns are
-    read (the rest: weight 0, scale 2^0)."""
+    int32 word pointers, `load_scale_words`); unless EVEN_K, only the first `k_left` columns are read (the rest:
+    weight 0, scale 2^0)."""
     if EVEN_K:
         w = tl.load(w_ptrs)
     else:
