@@ -149,11 +149,6 @@ class Optimizations:
     triton_fp8_linear: bool = switch(
         True, KERNEL, "kernels/fp8_linear.py", "the Triton GEMM for MXFP8 weights (dequantised in registers) in every "
         "quantized linear", "kernels/reference.py fp8_linear, dequantise then F.linear", entry_points=("fp8_linear",))
-    fp8_scale_words: bool = switch(
-        True, KERNEL, "kernels/fp8_linear.py", "with triton_fp8_linear, the fp8 GEMM reads its E8M0 scales four to a "
-        "32-bit word, which the compiler pipelines (cp.async) with the weight tiles", "one byte per scale, loads "
-        "the compiler cannot pipeline: each K step waits for its scales (fp8_linear(..., scale_words=False))",
-        entry_points=("fp8_linear",))
     rope_table: bool = switch(
         True, MODEL, "model/m3.py", "RoPE cos/sin gathered from a table computed once per context length (one "
         "launch per step)", "kernels/reference.py rope_cos_sin from the positions, four launches")

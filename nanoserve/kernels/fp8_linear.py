@@ -44,12 +44,10 @@ from nanoserve.kernels.configs import backend, sm_count
 from nanoserve.kernels.fp8_configs import FP8_VARIANTS, PREFILL_ROWS, linear_entry
 from nanoserve.kernels.fp8_tile import (
     MXFP8_BLOCK,
-    SCALE_WORD,
     dequant_fp8_tile,
     dequant_rows,
     mx_tile_dot,
     mx_tile_gemv,
-    scale_word_ptrs,
     scaled_block_dot,
     tile_coords,
 )
@@ -138,11 +136,9 @@ def variant_code(variant: str, block_m: int, even_k: bool, dtype: torch.dtype) -
 def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
                        stride_xm, stride_wn, stride_sn, stride_os, stride_om,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, VARIANT: tl.constexpr,
-                       SCALE_WORDS: tl.constexpr):
+                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, VARIANT: tl.constexpr):
     """out[split, m, n] = sum over this split's K range of x[m, k] * W[n, k]. VARIANT: 0 acc, 1 gather,
-    2 bcast, 3 swap, 4 scaled, 6 gemv (fp8_configs.FP8_VARIANTS). SCALE_WORDS (variants 2, 3, 4, 6): read the
-    scales four to a 32-bit word (fp8_tile.load_scale_words; BLOCK_K and K multiples of 128)."""
+    2 bcast, 3 swap, 4 scaled, 6 gemv (fp8_configs.FP8_VARIANTS)."""
     pid = tl.program_id(0)
     split = tl.program_id(1)
     pid_m, pid_n = tile_coords(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
@@ -186,28 +182,21 @@ def _fp8_linear_kernel(x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, k_per_split,
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K // 32), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        kb = k0 // 32 + tl.arange(0, BLOCK_K // 32)
         w_ptrs = w_ptr + w_rows[:, None] * stride_wn + ks[None, :]
-        # k0 is a whole number of K tiles (split_plan): told so, the compiler can load a row's scales as vectors
-        kb = tl.multiple_of(k0 // 32, BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
-        if SCALE_WORDS:  # k0 is a whole number of K tiles (split_plan), so it starts a word
-            s_ptrs = scale_word_ptrs(s_ptr + w_rows[:, None] * stride_sn, kb)
-        else:
-            s_ptrs = s_ptr + w_rows[:, None] * stride_sn + kb[None, :]
+        s_ptrs = s_ptr + w_rows[:, None] * stride_sn + kb[None, :]
         for k in range(k0, k_end, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs)
             else:
                 a = tl.load(x_ptrs, mask=(k + tl.arange(0, BLOCK_K))[None, :] < k_end, other=0.0)
             if VARIANT == 6:
-                acc = mx_tile_gemv(acc, a, w_ptrs, s_ptrs, k_end - k, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, SCALE_WORDS)
+                acc = mx_tile_gemv(acc, a, w_ptrs, s_ptrs, k_end - k, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K)
             else:
-                acc = mx_tile_dot(acc, a, w_ptrs, s_ptrs, k_end - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT, SCALE_WORDS)
+                acc = mx_tile_dot(acc, a, w_ptrs, s_ptrs, k_end - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-            if SCALE_WORDS:
-                s_ptrs += BLOCK_K // 128
-            else:
-                s_ptrs += BLOCK_K // 32
+            s_ptrs += BLOCK_K // 32
         if VARIANT == 6:
             acc = tl.sum(acc, axis=2)
     out_base = out_ptr + split.to(tl.int64) * stride_os
@@ -296,23 +285,10 @@ def split_plan(m: int, n: int, k: int, t: LinearTiles, split_k: int | None,
     return split, k_per_split, k % t.block_k == 0 and k_per_split % t.block_k == 0, out
 
 
-def scale_words_fit(block_n: int, block_k: int, num_warps: int, k: int, scale: torch.Tensor, variant: int) -> bool:
-    """Whether a launch reads its scales as 32-bit words (`fp8_tile.load_scale_words`): where its byte loads would
-    bring each thread fewer than 4 bytes of a [BLOCK_N, BLOCK_K / 32] scale tile (loads the compiler does not
-    pipeline; 4 or more it does, in a quarter of the shared memory), for a tensor-core variant that loads such
-    tiles ("bcast", "swap", "scaled"; `variant` a variant_code), with K tiles and K whole words (multiples of 128
-    columns) and 4-byte aligned scale rows."""
-    bytes_per_thread = block_n * (block_k // MXFP8_BLOCK) // (32 * num_warps)
-    return (FP8_VARIANTS[variant] in ("bcast", "swap", "scaled") and bytes_per_thread < 4
-            and block_k % SCALE_WORD == 0 and k % SCALE_WORD == 0 and scale.data_ptr() % 4 == 0)
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               tiles: LinearTiles | None = None, split_k: int | None = None,
-               scale_words: bool = True) -> torch.Tensor:
+               tiles: LinearTiles | None = None, split_k: int | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] fp8 e4m3, scale [N, K/32] uint8 E8M0)^T -> [..., N]
-    in x's dtype. `tiles` / `split_k` override the heuristics (benchmarks, tests). scale_words=False (switch
-    fp8_scale_words off) reads the scales byte by byte where the words would fit."""
+    in x's dtype. `tiles` / `split_k` override the heuristics (benchmarks, tests)."""
     x2 = linear_rows("fp8_linear", x, weight, scale)
     (m, k), n, lead = x2.shape, weight.shape[0], x.shape[:-1]
     if m == 0:
@@ -327,12 +303,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         t = LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, "bcast")
     split, k_per_split, even_k, out = split_plan(m, n, k, t, split_k, x)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-    variant = variant_code(t.variant, t.block_m, even_k, x.dtype)
     _fp8_linear_kernel[grid](
         x2, weight, scale, out, m, n, k, k_per_split,
         x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k, VARIANT=variant,
-        SCALE_WORDS=scale_words and scale_words_fit(t.block_n, t.block_k, t.num_warps, k, scale, variant),
-        num_warps=t.num_warps, num_stages=t.num_stages)
+        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k,
+        VARIANT=variant_code(t.variant, t.block_m, even_k, x.dtype), num_warps=t.num_warps,
+        num_stages=t.num_stages)
     y = out[0] if split == 1 else sum_splits(out, x.dtype)
     return y.reshape(*lead, n)

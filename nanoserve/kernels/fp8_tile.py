@@ -87,71 +87,34 @@ def mx_dot(acc, a, w, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, VARIANT: 
     return out
 
 
-SCALE_WORD = 128
-"""Input columns whose four E8M0 scales make one 32-bit word (the `SCALE_WORDS` loads below)."""
-
-
 @triton.jit
-def load_scale_words(s_ptrs, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
-    """The [BLOCK_N, BLOCK_K // 32] E8M0 scales of a tile whose K range starts a 128-column word, read as 32-bit
-    words: `s_ptrs` [BLOCK_N, BLOCK_K // 32] int32 pointers, column j at the word holding scale j (the word of its
-    four, `scale_word_ptrs`), and scale j is byte j % 4 of it (little-endian). Returned as uint8; unless EVEN_K
-    only the scales of the first `k_left` columns are read (the rest: 2^0).
-
-    Why words: a load of fewer than 4 bytes per thread is one the compiler will not pipeline (it needs a cp.async of
-    at least 4 bytes), so byte-wise scale loads of a tile with few scales per thread stay synchronous inside the K
-    loop, and every step waits out a memory round trip for them. A word per scale (each word read by four columns,
-    from the same cache line) is pipelined with the weight tile, and the unpacking is element-wise, so the
-    compiler still dequantises in the layout the MMA wants."""
-    j = tl.arange(0, BLOCK_K // 32)
-    if EVEN_K:
-        words = tl.load(s_ptrs)
-    else:
-        words = tl.load(s_ptrs, mask=(j * 32 < k_left)[None, :], other=127)
-    return ((words >> ((j % 4) * 8)[None, :]) & 0xFF).to(tl.uint8)
-
-
-@triton.jit
-def scale_word_ptrs(s_row_ptrs, kb):
-    """[BLOCK_N, len(kb)] int32 pointers for `load_scale_words`: `s_row_ptrs` [BLOCK_N, 1] point at each weight
-    row's first scale byte (4-byte aligned), `kb` are scale (32-column block) indices."""
-    return s_row_ptrs.to(tl.pointer_type(tl.int32)) + (kb // 4)[None, :]
-
-
-@triton.jit
-def load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                 SCALE_WORDS: tl.constexpr = False):
-    """The fp8 tile at `w_ptrs` [BLOCK_N, BLOCK_K] and its scales at `s_ptrs` [BLOCK_N, BLOCK_K // 32] (SCALE_WORDS:
-    int32 word pointers, `load_scale_words`); unless EVEN_K, only the first `k_left` columns are read (the rest:
-    weight 0, scale 2^0)."""
+def load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The fp8 tile at `w_ptrs` [BLOCK_N, BLOCK_K] and its scales at `s_ptrs` [BLOCK_N, BLOCK_K // 32]; unless
+    EVEN_K, only the first `k_left` columns are read (the rest: weight 0, scale 2^0)."""
     if EVEN_K:
         w = tl.load(w_ptrs)
-    else:
-        in_k = tl.arange(0, BLOCK_K) < k_left
-        w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
-    if SCALE_WORDS:
-        s = load_scale_words(s_ptrs, k_left, BLOCK_K, EVEN_K)
-    elif EVEN_K:
         s = tl.load(s_ptrs)
     else:
+        in_k = tl.arange(0, BLOCK_K) < k_left
         in_kb = tl.arange(0, BLOCK_K // 32) < tl.cdiv(k_left, 32)
+        w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
         s = tl.load(s_ptrs, mask=in_kb[None, :], other=127)
     return w, s
 
 
 @triton.jit
 def mx_tile_dot(acc, a, w_ptrs, s_ptrs, k_left, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                EVEN_K: tl.constexpr, VARIANT: tl.constexpr, SCALE_WORDS: tl.constexpr = False):
+                EVEN_K: tl.constexpr, VARIANT: tl.constexpr):
     """One K step of the "bcast" / "swap" / "scaled" variants: load the MXFP8 weight tile and its scales
     (`load_mx_tile`), return acc + a @ W^T (`mx_dot`; "swap": acc + W @ a^T). `a` [BLOCK_M, BLOCK_K] is the
     caller's activation tile, zero past `k_left` unless EVEN_K."""
-    w, s = load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K, EVEN_K, SCALE_WORDS)
+    w, s = load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K, EVEN_K)
     return mx_dot(acc, a, w, s, BLOCK_N, BLOCK_K, VARIANT)
 
 
 @triton.jit
 def mx_tile_gemv(acc, a, w_ptrs, s_ptrs, k_left, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SCALE_WORDS: tl.constexpr = False):
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     """One K step of the "gemv" variant, on CUDA cores: acc [BLOCK_M, BLOCK_N, BLOCK_K // 32] fp32 gets, per
     32-column block, 2^(S - 127) * sum_j a[m, j] * fp8[n, j]; the caller sums acc over its last axis once, after
     the K loop (so the loop does no cross-lane reduction over K).
@@ -159,7 +122,7 @@ def mx_tile_gemv(acc, a, w_ptrs, s_ptrs, k_left, BLOCK_M: tl.constexpr, BLOCK_N:
     The fp8 tile is widened to fp32 (exact) and each 32-column block is summed before its scale is applied: one
     scale multiply per 32 weights and row, and the products (e4m3 x bf16/fp16: at most 15 significant bits) are
     exact in fp32, as in the reference. For a few rows: BLOCK_M x BLOCK_N x BLOCK_K products sit in registers."""
-    w, s = load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K, EVEN_K, SCALE_WORDS)
+    w, s = load_mx_tile(w_ptrs, s_ptrs, k_left, BLOCK_K, EVEN_K)
     w4 = tl.reshape(w.to(tl.float32), (1, BLOCK_N, BLOCK_K // 32, 32))
     a4 = tl.reshape(a.to(tl.float32), (BLOCK_M, 1, BLOCK_K // 32, 32))
     blocks = tl.sum(w4 * a4, axis=3)  # [BLOCK_M, BLOCK_N, BLOCK_K // 32]

@@ -53,15 +53,8 @@ import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
-from nanoserve.kernels.fp8_linear import scale_words_fit, variant_code
-from nanoserve.kernels.fp8_tile import (
-    dequant_fp8_tile,
-    mx_tile_dot,
-    mx_tile_gemv,
-    scale_word_ptrs,
-    scaled_block_dot,
-    tile_coords,
-)
+from nanoserve.kernels.fp8_linear import variant_code
+from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot, tile_coords
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align
 
@@ -216,12 +209,11 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
                       alpha, limit, s13_ptr, stride_se, stride_sn, w13_desc,
                       KP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                       GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                      VARIANT: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr, SCALE_WORDS: tl.constexpr):
+                      VARIANT: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr):
     """act[row, n] = swiglu_oai(x[token(row)] . w13[e, n], x[token(row)] . w13[e, inter + n]) for one tile.
     MXFP8 weights (W_FP8) are dequantised as VARIANT says (fp8_linear.py: 0 acc, 1 gather, 2 bcast, 3 swap,
-    4 scaled, 6 gemv: only the tile's first ROWS rows, on CUDA cores); SCALE_WORDS (variants 2-4): their scales
-    read four to a 32-bit word (fp8_tile.load_scale_words). TMA: 16-bit weight tiles through w13_desc, a
-    descriptor over w13 viewed as [S * 2I, H]."""
+    4 scaled, 6 gemv: only the tile's first ROWS rows, on CUDA cores). TMA: 16-bit weight tiles through w13_desc,
+    a descriptor over w13 viewed as [S * 2I, H]."""
     pid_m, pid_n = tile_coords(tl.program_id(0), num_blocks, tl.cdiv(inter, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -266,31 +258,20 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
         if VARIANT == 3:
             acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        kb = tl.arange(0, BLOCK_K // 32)
         g_rows = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + ks[None, :]
-        gs_base = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn
-        if SCALE_WORDS:
-            gs_rows = scale_word_ptrs(gs_base, tl.arange(0, BLOCK_K // 32))
-            us_rows = scale_word_ptrs(gs_base + inter * stride_sn, tl.arange(0, BLOCK_K // 32))
-        else:
-            gs_rows = gs_base + tl.arange(0, BLOCK_K // 32)[None, :]
-            us_rows = gs_rows + inter * stride_sn
+        gs_rows = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn + kb[None, :]
         for k in range(0, hidden, BLOCK_K):
             if EVEN_K:
                 a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
             else:
                 a = tl.load(x_ptrs, mask=real[:, None] & (ks < hidden - k)[None, :], other=0.0)
-            acc_gate = mx_tile_dot(acc_gate, a, g_rows, gs_rows, hidden - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT,
-                                   SCALE_WORDS)
-            acc_up = mx_tile_dot(acc_up, a, g_rows + inter * stride_wn, us_rows, hidden - k,
-                                 BLOCK_N, BLOCK_K, EVEN_K, VARIANT, SCALE_WORDS)
+            acc_gate = mx_tile_dot(acc_gate, a, g_rows, gs_rows, hidden - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
+            acc_up = mx_tile_dot(acc_up, a, g_rows + inter * stride_wn, gs_rows + inter * stride_sn, hidden - k,
+                                 BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
             x_ptrs += BLOCK_K
             g_rows += BLOCK_K
-            if SCALE_WORDS:
-                gs_rows += BLOCK_K // 128
-                us_rows += BLOCK_K // 128
-            else:
-                gs_rows += BLOCK_K // 32
-                us_rows += BLOCK_K // 32
+            gs_rows += BLOCK_K // 32
         if VARIANT == 3:
             acc_gate = tl.trans(acc_gate)
             acc_up = tl.trans(acc_up)
@@ -359,11 +340,10 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
                           routed_scale, s2_ptr, stride_se, stride_sn, act_desc, w2_desc,
                           TOPK: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, EVEN_K: tl.constexpr, W_FP8: tl.constexpr,
-                          VARIANT: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr,
-                          SCALE_WORDS: tl.constexpr):
+                          VARIANT: tl.constexpr, TMA: tl.constexpr, ROWS: tl.constexpr):
     """copies[pair, n] = weight(pair) * act[row] . w2[e, n] for one tile; weight = scale * w (routed) or 1 (shared).
     TMA: 16-bit tiles through act_desc (over act [rows, I]) and w2_desc (over w2 viewed as [S * H, I]). VARIANT 6
-    (MXFP8 "gemv"): only the tile's first ROWS rows, on CUDA cores, as in GEMM 1; SCALE_WORDS as in GEMM 1."""
+    (MXFP8 "gemv"): only the tile's first ROWS rows, on CUDA cores, as in GEMM 1."""
     pid_m, pid_n = tile_coords(tl.program_id(0), num_blocks, tl.cdiv(hidden, BLOCK_N), GROUP_M)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
@@ -396,25 +376,18 @@ def _down_weighted_kernel(act_ptr, w2_ptr, copies_ptr, sorted_ids_ptr, block_exp
     if VARIANT >= 2:
         if VARIANT == 3:
             acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        kb = tl.arange(0, BLOCK_K // 32)
         w_rows_ptrs = w2_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + ks[None, :]
-        s_base = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn
-        if SCALE_WORDS:
-            s_rows_ptrs = scale_word_ptrs(s_base, tl.arange(0, BLOCK_K // 32))
-        else:
-            s_rows_ptrs = s_base + tl.arange(0, BLOCK_K // 32)[None, :]
+        s_rows_ptrs = s2_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn + kb[None, :]
         for k in range(0, inter, BLOCK_K):
             if EVEN_K:
                 a = tl.load(a_ptrs)
             else:
                 a = tl.load(a_ptrs, mask=(ks < inter - k)[None, :], other=0.0)
-            acc = mx_tile_dot(acc, a, w_rows_ptrs, s_rows_ptrs, inter - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT,
-                              SCALE_WORDS)
+            acc = mx_tile_dot(acc, a, w_rows_ptrs, s_rows_ptrs, inter - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
             a_ptrs += BLOCK_K
             w_rows_ptrs += BLOCK_K
-            if SCALE_WORDS:
-                s_rows_ptrs += BLOCK_K // 128
-            else:
-                s_rows_ptrs += BLOCK_K // 32
+            s_rows_ptrs += BLOCK_K // 32
         if VARIANT == 3:
             acc = tl.trans(acc)
         k_end = 0
@@ -516,7 +489,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               routed_scaling_factor: float = 1.0, fold_shared: bool = False,
               config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, tma: bool = True,
-              alignment: MoEAlignment | None = None, scale_words: bool = True) -> torch.Tensor:
+              alignment: MoEAlignment | None = None) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
@@ -526,8 +499,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     w2_scale [S, H, I/32] (uint8 E8M0, one per 32 input columns), dequantised in registers (fp8_linear.py);
     x stays in its dtype. tma=False (switch moe_tma off): pointer loads even where the tile entry asks for TMA
     descriptors. `alignment`: the pairs already aligned (by moe_route.py's route_and_align, with the config's
-    block_m), instead of running moe_align here. scale_words=False (switch fp8_scale_words off): MXFP8 scales
-    read byte by byte where 32-bit words would fit. Returns [T, H] in x's dtype."""
+    block_m), instead of running moe_align here. Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -564,7 +536,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             out[part] = fused_moe(x[part], w13, w2, topk_weights[part], topk_ids[part], alpha=alpha, limit=limit,
                                   expert_map=expert_map, routed_scaling_factor=routed_scaling_factor,
                                   fold_shared=fold_shared, config=config, w13_scale=w13_scale,
-                                  w2_scale=w2_scale, tma=tma, scale_words=scale_words)
+                                  w2_scale=w2_scale, tma=tma)
         return out
 
     x = x.contiguous()
@@ -594,17 +566,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     w13_desc = _descriptor(w13.view(slots * two_inter, hidden), up.block_n, up.block_k) if use_tma else w13
     w2_desc = _descriptor(w2.view(slots * hidden, inter), down.block_n, down.block_k) if use_tma else w2
     act_desc = _descriptor(act, cfg.block_m, down.block_k) if use_tma else act
-    up_variant = variant_code(fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype) if w_fp8 else 1
-    down_variant = variant_code(fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype) if w_fp8 else 1
     _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
         x, w13, act, align.sorted_pair_ids, align.block_expert,
         align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         float(alpha), float(limit), s13, s13.stride(0), s13.stride(1), w13_desc,
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8, VARIANT=up_variant, TMA=use_tma, ROWS=rows,
-        SCALE_WORDS=w_fp8 and scale_words and up_variant != 6
-        and scale_words_fit(up.block_n, up.block_k, up.num_warps, hidden, s13, up_variant),
-        num_warps=up.num_warps, num_stages=up.num_stages)
+        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
+        VARIANT=variant_code(fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype)
+        if w_fp8 else 1,
+        TMA=use_tma, ROWS=rows, num_warps=up.num_warps, num_stages=up.num_stages)
 
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
     _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
@@ -612,10 +582,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
         copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1), act_desc, w2_desc,
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8, VARIANT=down_variant, TMA=use_tma,
-        ROWS=rows, SCALE_WORDS=w_fp8 and scale_words and down_variant != 6
-        and scale_words_fit(down.block_n, down.block_k, down.num_warps, inter, s2, down_variant),
-        num_warps=down.num_warps, num_stages=down.num_stages)
+        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
+        VARIANT=variant_code(fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype)
+        if w_fp8 else 1,
+        TMA=use_tma, ROWS=rows, num_warps=down.num_warps, num_stages=down.num_stages)
 
     out = torch.empty_like(x)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
@@ -629,8 +599,8 @@ def fused_route_moe(x: torch.Tensor, router_logits: torch.Tensor, correction_bia
                     w2: torch.Tensor, *, top_k: int, alpha: float, limit: float,
                     expert_map: torch.Tensor | None = None, routed_scaling_factor: float = 1.0,
                     fold_shared: bool = False, w13_scale: torch.Tensor | None = None,
-                    w2_scale: torch.Tensor | None = None, tma: bool = True,
-                    scale_words: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    w2_scale: torch.Tensor | None = None,
+                    tma: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Route and align in one launch (moe_route.py), then the fused MoE on that alignment: the same result as
     `reference.route` followed by `fused_moe`, for the batches moe_route.route_align_fits admits.
     router_logits [T, E] fp32 and correction_bias [E] fp32; the rest as in fused_moe. Returns
@@ -643,5 +613,5 @@ def fused_route_moe(x: torch.Tensor, router_logits: torch.Tensor, correction_bia
                                           expert_map=expert_map, fold_shared=fold)
     out = fused_moe(x, w13, w2, weights, ids, alpha=alpha, limit=limit, expert_map=expert_map,
                     routed_scaling_factor=routed_scaling_factor, fold_shared=fold, config=cfg,
-                    w13_scale=w13_scale, w2_scale=w2_scale, tma=tma, alignment=align, scale_words=scale_words)
+                    w13_scale=w13_scale, w2_scale=w2_scale, tma=tma, alignment=align)
     return out, weights, ids

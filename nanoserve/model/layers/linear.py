@@ -82,7 +82,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
         from nanoserve.kernels.fp8_linear import fp8_linear
 
         y = one_row_gemv(x, weight, scale, opts)
-        return fp8_linear(x, weight, scale, scale_words=opts is None or opts.fp8_scale_words) if y is None else y
+        return fp8_linear(x, weight, scale) if y is None else y
     return reference.mx_linear(x, weight, scale) if mx else reference.fp8_linear(x, weight, scale)
 
 

@@ -110,8 +110,7 @@ class M3MoE(nn.Module):
             used = slice(None) if fold else slice(0, n)
             kernel_args = dict(alpha=alpha, limit=limit, expert_map=self.expert_map, routed_scaling_factor=scale,
                                fold_shared=fold, w13_scale=None if s13 is None else s13[used],
-                               w2_scale=None if s2 is None else s2[used], tma=self.opts.moe_tma,
-                               scale_words=self.opts.fp8_scale_words)
+                               w2_scale=None if s2 is None else s2[used], tma=self.opts.moe_tma)
             if self.opts.fused_routing and route_align_fits(x.shape[0], self.top_k + int(fold)):
                 out, topk_weights, topk_ids = fused_route_moe(
                     x, self.router_logits(x), self.e_score_correction_bias, self.w13[used], self.w2[used],
