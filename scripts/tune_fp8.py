@@ -101,11 +101,6 @@ def _linear_candidates(m: int) -> list[tuple]:
                 out += [(v, small, 64, 256, 4, 3, w) for v in ("bcast", "scaled") for w in (2, 4)]
             # the split-K width of the 64-row tiles (the table's entries use 8 programs per multiprocessor)
             out += [(v, 64, 64, bk, 4, 4, w) for v, bk in (("bcast", 128), ("swap", 256)) for w in (1, 2, 4, 16)]
-            # wider weight tiles: every program reads the batch's activations (64 rows x 2 bytes per K column) for
-            # its BLOCK_N weight rows (1 byte each), so 64-wide weight tiles move twice the weight bytes again as
-            # activations out of L2; 256-wide ones half of them ("swap": two warpgroups of 128 weight rows)
-            out += [(v, 64, 256, 128, 8, st, w) for v in ("swap", "bcast") for st in (3, 4) for w in (2, 4, 8)]
-            out += [("swap", 64, 128, 256, 4, 3, w) for w in (2, 4, 8)]
     else:
         bm_small = 64 if m <= 128 else 128
         out.append(("gather", bm_small, 128, 64, 8 if bm_small == 128 else 4, 3))  # the old large-M path
