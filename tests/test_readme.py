@@ -78,7 +78,8 @@ def test_ci_verdict_follows_pytest_exit_code(tmp_path, pytest_rc, ci_rc, verdict
 
 
 def test_test_extra_provides_what_the_suite_needs():
-    """`pip install -e ".[test]"` must bring pytest and pytest-timeout (pyproject's addopts use --timeout)."""
+    """`pip install -e ".[test]"` must bring pytest, pytest-timeout (pyproject's addopts use --timeout) and, when
+    the README's test command spreads the tests over processes (`-n`), pytest-xdist."""
     pyproject = _read("pyproject.toml")
     test_extra = re.search(r"^test = \[(.*?)\]", pyproject, flags=re.M | re.S)
     assert test_extra, "pyproject.toml has no [project.optional-dependencies] test extra"
@@ -86,6 +87,8 @@ def test_test_extra_provides_what_the_suite_needs():
     assert "pytest" in names
     if "--timeout" in pyproject:
         assert "pytest-timeout" in names
+    if " -n " in readme_commands()[1]:
+        assert "pytest-xdist" in names
 
 
 MEASURED_NUMBER = re.compile(r"(?<![\w.,])\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\w])|(?<![\w.,])\d+(?:\.\d+)?(?![\w.,])")
