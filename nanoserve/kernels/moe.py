@@ -53,7 +53,7 @@ import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
-from nanoserve.kernels.fp8_linear import variant_code
+from nanoserve.kernels.fp8_linear import dequantize, variant_code
 from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot, tile_coords
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align
@@ -62,6 +62,11 @@ MAX_TOKENS_PER_CALL = 16384
 """Larger batches run in chunks of this many tokens, bounding the per-call scratch (activations and copies)."""
 REDUCE_BLOCK_H = 512
 """Hidden columns per program of the top-k reduction."""
+MOE_DEQUANT_MIN_TOKENS = 16384
+"""With `dequant_min_tokens` (switch moe_dequant_prefill), MXFP8 experts called with at least this many tokens are
+dequantised to the activations' dtype first and run the 16-bit kernels: on one H100 (m3-slice's 129 slots) the
+dequantisation of both stacks takes 8.5 ms and the bf16 kernels 16.9 ms where the MXFP8 ones take 30.3 ms at
+16,384 tokens; at 8,192 tokens the sum is 0.85x the MXFP8 kernels' speed, at 4,096 0.60x (docs/optimizations.md)."""
 MOE_GEMV_MAX_TOKENS = 4
 """Largest batch the MXFP8 "gemv" variant takes (it multiplies a tile's first next_pow2(tokens) rows on CUDA
 cores, the weight tile streamed once); larger batches run "bcast"."""
@@ -489,7 +494,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               routed_scaling_factor: float = 1.0, fold_shared: bool = False,
               config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, tma: bool = True,
-              alignment: MoEAlignment | None = None) -> torch.Tensor:
+              alignment: MoEAlignment | None = None, dequant_min_tokens: int | None = None) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
@@ -499,7 +504,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     w2_scale [S, H, I/32] (uint8 E8M0, one per 32 input columns), dequantised in registers (fp8_linear.py);
     x stays in its dtype. tma=False (switch moe_tma off): pointer loads even where the tile entry asks for TMA
     descriptors. `alignment`: the pairs already aligned (by moe_route.py's route_and_align, with the config's
-    block_m), instead of running moe_align here. Returns [T, H] in x's dtype."""
+    block_m), instead of running moe_align here. dequant_min_tokens (switch moe_dequant_prefill): MXFP8 experts
+    called with at least this many tokens are dequantised to x's dtype once (a transient copy of both stacks, 2
+    bytes per weight) and run the 16-bit kernels. Returns [T, H] in x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -525,6 +532,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         raise ValueError(f"x, w13, w2 must share a dtype, got {x.dtype}, {w13.dtype}, {w2.dtype}")
     if tokens == 0:
         return x.new_empty((0, hidden))
+    if w_fp8 and dequant_min_tokens is not None and tokens >= dequant_min_tokens and alignment is None:
+        # the library-free analogue of the linears' "dequant" variant: the 16-bit kernels multiply the same values
+        w13 = dequantize(w13.reshape(slots * two_inter, hidden), w13_scale.reshape(slots * two_inter, -1),
+                         x.dtype).view(slots, two_inter, hidden)
+        w2 = dequantize(w2.reshape(slots * hidden, inter), w2_scale.reshape(slots * hidden, -1),
+                        x.dtype).view(slots, hidden, inter)
+        return fused_moe(x, w13, w2, topk_weights, topk_ids, alpha=alpha, limit=limit, expert_map=expert_map,
+                         routed_scaling_factor=routed_scaling_factor, fold_shared=fold_shared, tma=tma)
     if alignment is not None and (tokens > MAX_TOKENS_PER_CALL
                                   or alignment.num_pairs != tokens * (top_k + int(fold_shared))):
         raise ValueError(f"alignment holds {alignment.num_pairs} pairs; {tokens} tokens x {top_k} experts "
