@@ -211,16 +211,51 @@ def test_fused_moe_fp8_experts_match_reference(variant, dtype, tokens, fold, use
     got = fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, expert_map=emap,
                     routed_scaling_factor=SCALE, fold_shared=fold, w13_scale=s13, w2_scale=s2,
                     config=MoEConfig(block_m, 1, GemmTiles(32, 32, 4, 1), GemmTiles(32, 64, 4, 1), variant))
-    routed_w13 = w13[:experts] if not fold else w13[:-1]
-    want = reference.moe_experts(x, routed_w13, w2[: routed_w13.shape[0]], ids, weights, ALPHA, LIMIT, emap,
-                                 s13[: routed_w13.shape[0]], s2[: routed_w13.shape[0]]).float() * SCALE
+    close(got, mx_moe_reference(x, w13, s13, w2, s2, weights, ids, fold, emap), x.dtype)
+
+
+def mx_moe_reference(x, w13, s13, w2, s2, weights, ids, fold, emap=None) -> torch.Tensor:
+    """reference.moe_experts on MXFP8 stacks (the last slot the shared expert when `fold`), scaled by SCALE, in
+    fp32."""
+    routed = w13.shape[0] - int(fold)
+    inter = w2.shape[-1]
+    want = reference.moe_experts(x, w13[:routed], w2[:routed], ids, weights, ALPHA, LIMIT, emap, s13[:routed],
+                                 s2[:routed]).float() * SCALE
     if fold:
-        up = reference.weight(w13[-1], s13[-1], dtype)
-        down = reference.weight(w2[-1], s2[-1], dtype)
+        up = reference.weight(w13[-1], s13[-1], x.dtype)
+        down = reference.weight(w2[-1], s2[-1], x.dtype)
         gate_up = torch.nn.functional.linear(x, up)
-        act = reference.swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], ALPHA, LIMIT).to(dtype)
+        act = reference.swiglu_oai(gate_up[:, :inter], gate_up[:, inter:], ALPHA, LIMIT).to(x.dtype)
         want = want + torch.nn.functional.linear(act, down).float()
-    close(got, want, dtype)
+    return want
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("fold", [False, True])
+def test_fused_moe_dequantises_long_batches(dtype, fold):
+    """Switch moe_dequant_prefill: a batch of at least `dequant_min_tokens` tokens dequantises the MXFP8 stacks and
+    runs the 16-bit kernels - equal to those kernels on the stacks dequantised by the reference, bit for bit,
+    whether the stacks are dequantised whole or one slot at a time (`dequant_group_bytes` below one slot) - and a
+    shorter one keeps the MXFP8 kernels; both against the reference (fp32 1e-5 / fp16 1e-2)."""
+    experts, top_k, hidden, inter = 6, 2, 64, 96
+    gen = torch.Generator().manual_seed(11 + fold)
+    w13, s13, w2, s2 = make_mx_experts(experts + int(fold), hidden, inter, gen)
+    x = torch.randn(9, hidden, generator=gen).to(DEVICE, dtype)
+    weights, ids = reference.route(torch.randn(9, experts, generator=gen).to(DEVICE),
+                                   torch.zeros(experts, device=DEVICE), top_k)
+    args = dict(alpha=ALPHA, limit=LIMIT, routed_scaling_factor=SCALE, fold_shared=fold)
+    long = fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, dequant_min_tokens=9, **args)
+    by_slot = fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, dequant_min_tokens=9,
+                        dequant_group_bytes=1, **args)
+    short = fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, dequant_min_tokens=10, **args)
+    mxfp8 = fused_moe(x, w13, w2, weights, ids, w13_scale=s13, w2_scale=s2, **args)
+    sixteen = fused_moe(x, reference.weight(w13, s13, dtype), reference.weight(w2, s2, dtype), weights, ids, **args)
+    assert torch.equal(long, sixteen)
+    assert torch.equal(by_slot, sixteen)
+    assert torch.equal(short, mxfp8)
+    want = mx_moe_reference(x, w13, s13, w2, s2, weights, ids, fold)
+    close(long, want, dtype)
+    close(short, want, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -242,3 +242,28 @@ def test_accuracy_report_on_a_preset_and_an_mxfp8_checkpoint(mxfp8_dir, tmp_path
     assert stored["pairs"]["native vs dequantised"]["max_abs_logprob_diff"] == 0.0
     with pytest.raises(ValueError, match="prompt_len=0"):
         mxfp8_accuracy("m3-tiny", CPU_REFERENCE, torch.float32, torch.device("cpu"), prompt_len=0)
+
+
+def test_moe_dequant_prefill_switch_runs_the_16_bit_kernels_on_long_batches(mxfp8_dir, monkeypatch):
+    """Switch moe_dequant_prefill: a prefill of at least MOE_DEQUANT_MIN_TOKENS tokens (lowered here to the prompt's
+    length) dequantises each MoE layer's MXFP8 experts and runs the fused MoE's 16-bit kernels; the logits equal the
+    reference path's (the MoE as a loop over experts on the MXFP8 weights) within fp32 1e-5 of the largest."""
+    from nanoserve.kernels import moe as moe_kernels
+
+    calls = []
+    real = moe_kernels.dequantize
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(moe_kernels, "MOE_DEQUANT_MIN_TOKENS", len(PROMPT))
+    monkeypatch.setattr(moe_kernels, "dequantize", counting)
+    reference, _ = load_model(mxfp8_dir, NATIVE, torch.float32)
+    on, _ = load_model(mxfp8_dir, NATIVE.replace(fused_moe=True, moe_dequant_prefill=True), torch.float32)
+    want = full_forward(reference, PROMPT)
+    assert not calls
+    got = full_forward(on, PROMPT)
+    moe_layers = sum(t == "sparse" for t in on.cfg.mlp_layer_types)
+    assert len(calls) == 2 * moe_layers  # both stacks of every MoE layer
+    assert (got - want).abs().max().item() <= 1e-5 * want.abs().max().item()

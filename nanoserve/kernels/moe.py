@@ -53,7 +53,7 @@ import triton.language as tl
 
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
-from nanoserve.kernels.fp8_linear import variant_code
+from nanoserve.kernels.fp8_linear import dequantize, variant_code
 from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot, tile_coords
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align
@@ -62,6 +62,15 @@ MAX_TOKENS_PER_CALL = 16384
 """Larger batches run in chunks of this many tokens, bounding the per-call scratch (activations and copies)."""
 REDUCE_BLOCK_H = 512
 """Hidden columns per program of the top-k reduction."""
+MOE_DEQUANT_MIN_TOKENS = 16384
+"""With `dequant_min_tokens` (switch moe_dequant_prefill), MXFP8 experts called with at least this many tokens are
+dequantised to the activations' dtype and run the 16-bit kernels: on one H100 (m3-slice's 129 slots) the
+dequantisation of both stacks takes 8.5 ms and the bf16 kernels 16.9 ms where the MXFP8 ones take 30.3 ms at
+16,384 tokens; at 8,192 tokens the sum is 0.85x the MXFP8 kernels' speed, at 4,096 0.60x (docs/optimizations.md)."""
+MOE_DEQUANT_GROUP_BYTES = 1 << 30
+"""The dequantised copy is made a group of expert slots at a time, each group at most this many bytes in 16 bits
+(at least one slot), so the transient stays near 1 GiB however many experts a rank holds: m3-slice's 129 slots
+(113 MB each in bf16) go in groups of 9; one rank of M3 at tensor parallel 8 (14 MB a slot) in groups of 75."""
 MOE_GEMV_MAX_TOKENS = 4
 """Largest batch the MXFP8 "gemv" variant takes (it multiplies a tile's first next_pow2(tokens) rows on CUDA
 cores, the weight tile streamed once); larger batches run "bcast"."""
@@ -484,12 +493,75 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
 
 
 
+def _gemms(x, w13, w2, s13, s2, block_expert, align, topk_weights, act, copies, cfg, w_fp8, fp8_variant, tma, *,
+           alpha, limit, routed_scaling_factor, fold) -> None:
+    """GEMM 1 (gate/up + SwiGLU into `act`) and GEMM 2 (down, weighted, into `copies`) over the aligned blocks,
+    each block's slot read from `block_expert` (-1: the block is skipped)."""
+    tokens, hidden = x.shape
+    slots, two_inter, _ = w13.shape
+    inter = two_inter // 2
+    top_k = topk_weights.shape[-1]
+    rows = triton.next_power_of_2(min(tokens, MOE_GEMV_MAX_TOKENS))
+    up, down = cfg.up, cfg.down
+    use_tma = tma and cfg.tma and _tma_fits(w13, w2, act)
+    w13_desc = _descriptor(w13.view(slots * two_inter, hidden), up.block_n, up.block_k) if use_tma else w13
+    w2_desc = _descriptor(w2.view(slots * hidden, inter), down.block_n, down.block_k) if use_tma else w2
+    act_desc = _descriptor(act, cfg.block_m, down.block_k) if use_tma else act
+    _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
+        x, w13, act, align.sorted_pair_ids, block_expert,
+        align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+        float(alpha), float(limit), s13, s13.stride(0), s13.stride(1), w13_desc,
+        KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
+        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
+        VARIANT=variant_code(fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype)
+        if w_fp8 else 1,
+        TMA=use_tma, ROWS=rows, num_warps=up.num_warps, num_stages=up.num_stages)
+
+    _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
+        act, w2, copies, align.sorted_pair_ids, block_expert, topk_weights,
+        align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+        copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1), act_desc, w2_desc,
+        TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
+        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
+        VARIANT=variant_code(fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype)
+        if w_fp8 else 1,
+        TMA=use_tma, ROWS=rows, num_warps=down.num_warps, num_stages=down.num_stages)
+
+
+def _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, copies, cfg, tma, group_bytes, *,
+                               alpha, limit, routed_scaling_factor, fold) -> None:
+    """The GEMMs of a long call with MXFP8 experts (switch moe_dequant_prefill): a group of slots at a time, both
+    stacks of the group dequantised to x's dtype (`fp8_linear.dequantize`: the values the MXFP8 kernels multiply)
+    and the 16-bit kernels run on the blocks of that group's slots, renumbered from 0; the other blocks skip. The
+    copy of one group is freed before the next is made."""
+    slots, two_inter, hidden = w13.shape
+    inter = two_inter // 2
+    per_slot = 3 * inter * hidden * x.element_size()
+    group = max(1, min(slots, group_bytes // per_slot))
+    for first in range(0, slots, group):
+        last = min(slots, first + group)
+        n = last - first
+        g13 = dequantize(w13[first:last].reshape(n * two_inter, hidden), s13[first:last].reshape(n * two_inter, -1),
+                         x.dtype).view(n, two_inter, hidden)
+        g2 = dequantize(w2[first:last].reshape(n * hidden, inter), s2[first:last].reshape(n * hidden, -1),
+                        x.dtype).view(n, hidden, inter)
+        if n == slots:
+            block_expert = align.block_expert
+        else:
+            in_group = (align.block_expert >= first) & (align.block_expert < last)
+            block_expert = torch.where(in_group, align.block_expert - first, -1).to(torch.int32)
+        _gemms(x, g13, g2, g13, g2, block_expert, align, topk_weights, act, copies, cfg, False, "auto", tma,
+               alpha=alpha, limit=limit, routed_scaling_factor=routed_scaling_factor, fold=fold)
+        del g13, g2
+
+
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, *, alpha: float, limit: float, expert_map: torch.Tensor | None = None,
               routed_scaling_factor: float = 1.0, fold_shared: bool = False,
               config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, tma: bool = True,
-              alignment: MoEAlignment | None = None) -> torch.Tensor:
+              alignment: MoEAlignment | None = None, dequant_min_tokens: int | None = None,
+              dequant_group_bytes: int = MOE_DEQUANT_GROUP_BYTES) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
@@ -499,7 +571,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     w2_scale [S, H, I/32] (uint8 E8M0, one per 32 input columns), dequantised in registers (fp8_linear.py);
     x stays in its dtype. tma=False (switch moe_tma off): pointer loads even where the tile entry asks for TMA
     descriptors. `alignment`: the pairs already aligned (by moe_route.py's route_and_align, with the config's
-    block_m), instead of running moe_align here. Returns [T, H] in x's dtype."""
+    block_m), instead of running moe_align here. dequant_min_tokens (switch moe_dequant_prefill): MXFP8 experts
+    called with at least this many tokens are dequantised to x's dtype and run the 16-bit kernels, a group of
+    slots of at most `dequant_group_bytes` (in 16 bits) at a time (`_fused_moe_dequantised`). Returns [T, H] in
+    x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -536,7 +611,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             out[part] = fused_moe(x[part], w13, w2, topk_weights[part], topk_ids[part], alpha=alpha, limit=limit,
                                   expert_map=expert_map, routed_scaling_factor=routed_scaling_factor,
                                   fold_shared=fold_shared, config=config, w13_scale=w13_scale,
-                                  w2_scale=w2_scale, tma=tma)
+                                  w2_scale=w2_scale, tma=tma, dequant_min_tokens=dequant_min_tokens,
+                                  dequant_group_bytes=dequant_group_bytes)
         return out
 
     x = x.contiguous()
@@ -549,7 +625,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if expert_map is not None:
         expert_map = expert_map.to(torch.int32).contiguous()
     fold = bool(fold_shared)
-    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype, w_fp8)
+    dequant = w_fp8 and dequant_min_tokens is not None and tokens >= dequant_min_tokens
+    # a call that dequantises first runs the 16-bit kernels, with the 16-bit table's tiles
+    cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype,
+                                  w_fp8 and not dequant)
 
     if alignment is not None and alignment.block_m != cfg.block_m:
         raise ValueError(f"alignment has block_m {alignment.block_m}; this call's tiles use {cfg.block_m}")
@@ -559,33 +638,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     fp8_variant = cfg.fp8_variant
     if fp8_variant == "gemv" and tokens > MOE_GEMV_MAX_TOKENS:
         fp8_variant = "bcast"
-    rows = triton.next_power_of_2(min(tokens, MOE_GEMV_MAX_TOKENS))
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
-    up, down = cfg.up, cfg.down
-    use_tma = tma and cfg.tma and _tma_fits(w13, w2, act)
-    w13_desc = _descriptor(w13.view(slots * two_inter, hidden), up.block_n, up.block_k) if use_tma else w13
-    w2_desc = _descriptor(w2.view(slots * hidden, inter), down.block_n, down.block_k) if use_tma else w2
-    act_desc = _descriptor(act, cfg.block_m, down.block_k) if use_tma else act
-    _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
-        x, w13, act, align.sorted_pair_ids, align.block_expert,
-        align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-        float(alpha), float(limit), s13, s13.stride(0), s13.stride(1), w13_desc,
-        KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
-        EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
-        VARIANT=variant_code(fp8_variant, cfg.block_m, hidden % up.block_k == 0, x.dtype)
-        if w_fp8 else 1,
-        TMA=use_tma, ROWS=rows, num_warps=up.num_warps, num_stages=up.num_stages)
-
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
-    _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
-        act, w2, copies, align.sorted_pair_ids, align.block_expert, topk_weights,
-        align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
-        copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1), act_desc, w2_desc,
-        TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
-        GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
-        VARIANT=variant_code(fp8_variant, cfg.block_m, inter % down.block_k == 0, x.dtype)
-        if w_fp8 else 1,
-        TMA=use_tma, ROWS=rows, num_warps=down.num_warps, num_stages=down.num_stages)
+    if dequant:
+        _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, copies, cfg, tma,
+                                   dequant_group_bytes, alpha=alpha, limit=limit,
+                                   routed_scaling_factor=routed_scaling_factor, fold=fold)
+    else:
+        _gemms(x, w13, w2, s13, s2, align.block_expert, align, topk_weights, act, copies, cfg, w_fp8, fp8_variant,
+               tma, alpha=alpha, limit=limit, routed_scaling_factor=routed_scaling_factor, fold=fold)
 
     out = torch.empty_like(x)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map

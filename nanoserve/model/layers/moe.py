@@ -103,7 +103,7 @@ class M3MoE(nn.Module):
         n = self.num_local
         s13, s2 = self.w13_scale, self.w2_scale
         if self.opts.fused_moe and triton_usable(x):
-            from nanoserve.kernels.moe import fused_moe, fused_route_moe
+            from nanoserve.kernels.moe import MOE_DEQUANT_MIN_TOKENS, fused_moe, fused_route_moe
             from nanoserve.kernels.moe_route import route_align_fits
 
             fold = self.opts.fold_shared_expert and self.shared_in_stack
@@ -117,7 +117,9 @@ class M3MoE(nn.Module):
                     top_k=self.top_k, **kernel_args)
             else:
                 topk_weights, topk_ids = self.route(x)
-                out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, **kernel_args)
+                dequant = MOE_DEQUANT_MIN_TOKENS if self.opts.moe_dequant_prefill else None
+                out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, **kernel_args,
+                                dequant_min_tokens=dequant)
             if not fold:
                 out = out + self._shared(x)
         else:
