@@ -493,10 +493,11 @@ def _descriptor(t: torch.Tensor, block_rows: int, block_cols: int):
 
 
 
-def _gemms(x, w13, w2, s13, s2, block_expert, align, topk_weights, act, copies, cfg, w_fp8, fp8_variant, tma, *,
-           alpha, limit, routed_scaling_factor, fold) -> None:
-    """GEMM 1 (gate/up + SwiGLU into `act`) and GEMM 2 (down, weighted, into `copies`) over the aligned blocks,
-    each block's slot read from `block_expert` (-1: the block is skipped)."""
+def _gemms(x, w13, w2, s13, s2, sorted_ids, block_expert, num_blocks, num_pairs, topk_weights, act, copies, cfg,
+           w_fp8, fp8_variant, tma, *, alpha, limit, routed_scaling_factor, fold) -> None:
+    """GEMM 1 (gate/up + SwiGLU into `act`) and GEMM 2 (down, weighted, into `copies`) over `num_blocks` aligned
+    blocks: block b holds the pairs sorted_ids[b * BLOCK_M:][:BLOCK_M] (pad rows: num_pairs) of slot
+    block_expert[b] (-1: skipped), its SwiGLU rows at act[b * BLOCK_M:]."""
     tokens, hidden = x.shape
     slots, two_inter, _ = w13.shape
     inter = two_inter // 2
@@ -507,9 +508,9 @@ def _gemms(x, w13, w2, s13, s2, block_expert, align, topk_weights, act, copies, 
     w13_desc = _descriptor(w13.view(slots * two_inter, hidden), up.block_n, up.block_k) if use_tma else w13
     w2_desc = _descriptor(w2.view(slots * hidden, inter), down.block_n, down.block_k) if use_tma else w2
     act_desc = _descriptor(act, cfg.block_m, down.block_k) if use_tma else act
-    _up_swiglu_kernel[(align.max_blocks * triton.cdiv(inter, up.block_n),)](
-        x, w13, act, align.sorted_pair_ids, block_expert,
-        align.num_pairs, align.max_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+    _up_swiglu_kernel[(num_blocks * triton.cdiv(inter, up.block_n),)](
+        x, w13, act, sorted_ids, block_expert,
+        num_pairs, num_blocks, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
         float(alpha), float(limit), s13, s13.stride(0), s13.stride(1), w13_desc,
         KP=top_k + int(fold), BLOCK_M=cfg.block_m, BLOCK_N=up.block_n, BLOCK_K=up.block_k, GROUP_M=cfg.group_m,
         EVEN_K=hidden % up.block_k == 0, W_FP8=w_fp8,
@@ -517,9 +518,9 @@ def _gemms(x, w13, w2, s13, s2, block_expert, align, topk_weights, act, copies, 
         if w_fp8 else 1,
         TMA=use_tma, ROWS=rows, num_warps=up.num_warps, num_stages=up.num_stages)
 
-    _down_weighted_kernel[(align.max_blocks * triton.cdiv(hidden, down.block_n),)](
-        act, w2, copies, align.sorted_pair_ids, block_expert, topk_weights,
-        align.num_pairs, align.max_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
+    _down_weighted_kernel[(num_blocks * triton.cdiv(hidden, down.block_n),)](
+        act, w2, copies, sorted_ids, block_expert, topk_weights,
+        num_pairs, num_blocks, hidden, inter, act.stride(0), w2.stride(0), w2.stride(1),
         copies.stride(0), float(routed_scaling_factor), s2, s2.stride(0), s2.stride(1), act_desc, w2_desc,
         TOPK=top_k, FOLD=fold, BLOCK_M=cfg.block_m, BLOCK_N=down.block_n, BLOCK_K=down.block_k,
         GROUP_M=cfg.group_m, EVEN_K=inter % down.block_k == 0, W_FP8=w_fp8,
@@ -532,25 +533,37 @@ def _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, co
                                alpha, limit, routed_scaling_factor, fold) -> None:
     """The GEMMs of a long call with MXFP8 experts (switch moe_dequant_prefill): a group of slots at a time, both
     stacks of the group dequantised to x's dtype (`fp8_linear.dequantize`: the values the MXFP8 kernels multiply)
-    and the 16-bit kernels run on the blocks of that group's slots, renumbered from 0; the other blocks skip. The
-    copy of one group is freed before the next is made."""
+    and the 16-bit kernels run on that group's blocks only, its slots renumbered from 0. Blocks are sorted by slot,
+    so a group's blocks are one contiguous range; finding the ranges reads them back to the host once per call
+    (only when there is more than one group). A group without blocks is not dequantised. The copy of one group is
+    freed before the next is made, so the transient is one group's."""
     slots, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    per_slot = 3 * inter * hidden * x.element_size()
-    group = max(1, min(slots, group_bytes // per_slot))
-    for first in range(0, slots, group):
+    block_m = cfg.block_m
+    group = max(1, min(slots, group_bytes // (3 * inter * hidden * x.element_size())))
+    firsts = list(range(0, slots, group))
+    if len(firsts) == 1:
+        ranges = [(0, align.max_blocks)]
+    else:
+        # block_expert is ascending with -1 after the last run: count those as slot `slots`
+        key = torch.where(align.block_expert < 0, slots, align.block_expert)
+        edges = torch.tensor(firsts + [slots], dtype=key.dtype, device=key.device)
+        bounds = torch.searchsorted(key, edges).tolist()
+        ranges = list(zip(bounds[:-1], bounds[1:]))
+    for first, (b0, b1) in zip(firsts, ranges):
+        if b1 == b0:
+            continue
         last = min(slots, first + group)
         n = last - first
         g13 = dequantize(w13[first:last].reshape(n * two_inter, hidden), s13[first:last].reshape(n * two_inter, -1),
                          x.dtype).view(n, two_inter, hidden)
         g2 = dequantize(w2[first:last].reshape(n * hidden, inter), s2[first:last].reshape(n * hidden, -1),
                         x.dtype).view(n, hidden, inter)
-        if n == slots:
-            block_expert = align.block_expert
-        else:
-            in_group = (align.block_expert >= first) & (align.block_expert < last)
-            block_expert = torch.where(in_group, align.block_expert - first, -1).to(torch.int32)
-        _gemms(x, g13, g2, g13, g2, block_expert, align, topk_weights, act, copies, cfg, False, "auto", tma,
+        block_expert = align.block_expert[b0:b1]
+        if first:
+            block_expert = torch.where(block_expert < 0, -1, block_expert - first).to(torch.int32)
+        _gemms(x, g13, g2, g13, g2, align.sorted_pair_ids[b0 * block_m:b1 * block_m], block_expert, b1 - b0,
+               align.num_pairs, topk_weights, act[b0 * block_m:b1 * block_m], copies, cfg, False, "auto", tma,
                alpha=alpha, limit=limit, routed_scaling_factor=routed_scaling_factor, fold=fold)
         del g13, g2
 
@@ -645,8 +658,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                    dequant_group_bytes, alpha=alpha, limit=limit,
                                    routed_scaling_factor=routed_scaling_factor, fold=fold)
     else:
-        _gemms(x, w13, w2, s13, s2, align.block_expert, align, topk_weights, act, copies, cfg, w_fp8, fp8_variant,
-               tma, alpha=alpha, limit=limit, routed_scaling_factor=routed_scaling_factor, fold=fold)
+        _gemms(x, w13, w2, s13, s2, align.sorted_pair_ids, align.block_expert, align.max_blocks, align.num_pairs,
+               topk_weights, act, copies, cfg, w_fp8, fp8_variant, tma, alpha=alpha, limit=limit,
+               routed_scaling_factor=routed_scaling_factor, fold=fold)
 
     out = torch.empty_like(x)
     emap = expert_map if expert_map is not None else topk_ids  # a placeholder pointer when there is no map
