@@ -119,8 +119,8 @@ class Optimizations:
     moe_dequant_prefill: bool = switch(
         True, KERNEL, "kernels/moe.py", "MXFP8 experts in a fused MoE call of at least moe.MOE_DEQUANT_MIN_TOKENS "
         "tokens (a long prompt's prefill chunk) are dequantised to the model dtype, a group of expert slots of at "
-        "most moe.MOE_DEQUANT_GROUP_BYTES (1 GiB) at a time, and run the 16-bit kernels: faster there, for a "
-        "transient of up to 1 GiB that the KV cache is sized with", "the MXFP8 kernels, which dequantise each "
+        "most moe.MOE_DEQUANT_GROUP_BYTES (2 GiB) at a time, and run the 16-bit kernels: faster there, for a "
+        "transient of up to 2 GiB that the KV cache is sized with", "the MXFP8 kernels, which dequantise each "
         "tile in registers", entry_points=("fused_moe",))
     triton_gemv: bool = switch(
         True, KERNEL, "kernels/gemv.py", "one-row (decode) products with a weight of a tuned shape run a Triton "

@@ -67,10 +67,11 @@ MOE_DEQUANT_MIN_TOKENS = 16384
 dequantised to the activations' dtype and run the 16-bit kernels: on one H100 (m3-slice's 129 slots) the
 dequantisation of both stacks takes 8.5 ms and the bf16 kernels 16.9 ms where the MXFP8 ones take 30.3 ms at
 16,384 tokens; at 8,192 tokens the sum is 0.85x the MXFP8 kernels' speed, at 4,096 0.60x (docs/optimizations.md)."""
-MOE_DEQUANT_GROUP_BYTES = 1 << 30
+MOE_DEQUANT_GROUP_BYTES = 2 << 30
 """The dequantised copy is made a group of expert slots at a time, each group at most this many bytes in 16 bits
-(at least one slot), so the transient stays near 1 GiB however many experts a rank holds: m3-slice's 129 slots
-(113 MB each in bf16) go in groups of 9; one rank of M3 at tensor parallel 8 (14 MB a slot) in groups of 75."""
+(at least one slot), so the transient stays near 2 GiB however many experts a rank holds: one rank of M3 at
+tensor parallel 8 (129 slots of 14 MB in bf16) takes one group; m3-slice on one GPU (113 MB a slot) groups of 18.
+Each further group costs its GEMMs a whole grid of programs that exit (`_grouped_dequantised_gemms`)."""
 MOE_GEMV_MAX_TOKENS = 4
 """Largest batch the MXFP8 "gemv" variant takes (it multiplies a tile's first next_pow2(tokens) rows on CUDA
 cores, the weight tile streamed once); larger batches run "bcast"."""
@@ -533,38 +534,29 @@ def _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, co
                                alpha, limit, routed_scaling_factor, fold) -> None:
     """The GEMMs of a long call with MXFP8 experts (switch moe_dequant_prefill): a group of slots at a time, both
     stacks of the group dequantised to x's dtype (`fp8_linear.dequantize`: the values the MXFP8 kernels multiply)
-    and the 16-bit kernels run on that group's blocks only, its slots renumbered from 0. Blocks are sorted by slot,
-    so a group's blocks are one contiguous range; finding the ranges reads them back to the host once per call
-    (only when there is more than one group). A group without blocks is not dequantised. The copy of one group is
-    freed before the next is made, so the transient is one group's."""
+    and the 16-bit kernels run with the group's slots renumbered from 0 and every other block marked -1, so its
+    programs exit at once. The copy of one group is freed before the next is made: the transient is one group's.
+
+    The grids stay whole because which blocks a group owns is known on the device only; reading their ranges back
+    to size the grids would stall the host once per MoE layer, and with async scheduling that cost more (W2's TTFT
+    p50 on one H100: 502 ms against 419 ms with whole grids, groups of 2 GiB) than the exiting programs do."""
     slots, two_inter, hidden = w13.shape
     inter = two_inter // 2
-    block_m = cfg.block_m
     group = max(1, min(slots, group_bytes // (3 * inter * hidden * x.element_size())))
-    firsts = list(range(0, slots, group))
-    if len(firsts) == 1:
-        ranges = [(0, align.max_blocks)]
-    else:
-        # block_expert is ascending with -1 after the last run: count those as slot `slots`
-        key = torch.where(align.block_expert < 0, slots, align.block_expert)
-        edges = torch.tensor(firsts + [slots], dtype=key.dtype, device=key.device)
-        bounds = torch.searchsorted(key, edges).tolist()
-        ranges = list(zip(bounds[:-1], bounds[1:]))
-    for first, (b0, b1) in zip(firsts, ranges):
-        if b1 == b0:
-            continue
+    for first in range(0, slots, group):
         last = min(slots, first + group)
         n = last - first
         g13 = dequantize(w13[first:last].reshape(n * two_inter, hidden), s13[first:last].reshape(n * two_inter, -1),
                          x.dtype).view(n, two_inter, hidden)
         g2 = dequantize(w2[first:last].reshape(n * hidden, inter), s2[first:last].reshape(n * hidden, -1),
                         x.dtype).view(n, hidden, inter)
-        block_expert = align.block_expert[b0:b1]
-        if first:
-            block_expert = torch.where(block_expert < 0, -1, block_expert - first).to(torch.int32)
-        _gemms(x, g13, g2, g13, g2, align.sorted_pair_ids[b0 * block_m:b1 * block_m], block_expert, b1 - b0,
-               align.num_pairs, topk_weights, act[b0 * block_m:b1 * block_m], copies, cfg, False, "auto", tma,
-               alpha=alpha, limit=limit, routed_scaling_factor=routed_scaling_factor, fold=fold)
+        block_expert = align.block_expert
+        if n != slots:
+            in_group = (block_expert >= first) & (block_expert < last)
+            block_expert = torch.where(in_group, block_expert - first, -1).to(torch.int32)
+        _gemms(x, g13, g2, g13, g2, align.sorted_pair_ids, block_expert, align.max_blocks, align.num_pairs,
+               topk_weights, act, copies, cfg, False, "auto", tma, alpha=alpha, limit=limit,
+               routed_scaling_factor=routed_scaling_factor, fold=fold)
         del g13, g2
 
 
