@@ -107,6 +107,25 @@ def test_fused_moe_with_fp8_experts_matches_the_reference(experts, tokens):
     assert rel_err(experts.fused(x, weights, ids), experts.reference(x, weights, ids)) <= RTOL
 
 
+def test_long_calls_dequantise_the_experts_in_groups_bit_for_bit(experts):
+    """Switch moe_dequant_prefill at the engine's threshold (16,384 tokens): the MXFP8 experts dequantised a group
+    of slots at a time (groups of about a quarter of the stacks here; whole stacks) equal the 16-bit kernels on the
+    dequantised stacks bit for bit, and the MXFP8 kernels within the bf16 tolerance."""
+    from nanoserve.kernels import reference
+    from nanoserve.kernels.moe import MOE_DEQUANT_MIN_TOKENS, fused_moe
+
+    x, weights, ids = experts.inputs(MOE_DEQUANT_MIN_TOKENS)
+    args = dict(alpha=ALPHA, limit=LIMIT, routed_scaling_factor=SCALE, fold_shared=True)
+    sixteen = fused_moe(x, reference.weight(experts.q13, experts.s13, x.dtype),
+                        reference.weight(experts.q2, experts.s2, x.dtype), weights, ids, **args)
+    slot_bytes = 3 * experts.inter * experts.h * x.element_size()
+    for group_bytes in (slot_bytes * (experts.e + 1) // 4, 1 << 40):
+        got = fused_moe(x, experts.q13, experts.q2, weights, ids, w13_scale=experts.s13, w2_scale=experts.s2,
+                        dequant_min_tokens=MOE_DEQUANT_MIN_TOKENS, dequant_group_bytes=group_bytes, **args)
+        assert torch.equal(got, sixteen)
+    assert rel_err(experts.fused(x, weights, ids), sixteen) <= RTOL
+
+
 def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
     """A decode step's fp8 launches (the split-K / GEMV linear of one row, the fused MoE of four tokens)."""
     from nanoserve.kernels.fp8_linear import fp8_linear

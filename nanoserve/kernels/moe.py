@@ -543,18 +543,20 @@ def _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, co
     slots, two_inter, hidden = w13.shape
     inter = two_inter // 2
     group = max(1, min(slots, group_bytes // (3 * inter * hidden * x.element_size())))
-    for first in range(0, slots, group):
+    firsts = range(0, slots, group)
+    if len(firsts) == 1:
+        local = align.block_expert[None]
+    else:  # every group's renumbered block table at once: [groups, max_blocks], -1 outside the group
+        local = align.block_expert[None] - torch.tensor(firsts, dtype=torch.int32, device=x.device)[:, None]
+        local = torch.where((local >= 0) & (local < group), local, -1).to(torch.int32)
+    for i, first in enumerate(firsts):
         last = min(slots, first + group)
         n = last - first
         g13 = dequantize(w13[first:last].reshape(n * two_inter, hidden), s13[first:last].reshape(n * two_inter, -1),
                          x.dtype).view(n, two_inter, hidden)
         g2 = dequantize(w2[first:last].reshape(n * hidden, inter), s2[first:last].reshape(n * hidden, -1),
                         x.dtype).view(n, hidden, inter)
-        block_expert = align.block_expert
-        if n != slots:
-            in_group = (block_expert >= first) & (block_expert < last)
-            block_expert = torch.where(in_group, block_expert - first, -1).to(torch.int32)
-        _gemms(x, g13, g2, g13, g2, align.sorted_pair_ids, block_expert, align.max_blocks, align.num_pairs,
+        _gemms(x, g13, g2, g13, g2, align.sorted_pair_ids, local[i], align.max_blocks, align.num_pairs,
                topk_weights, act, copies, cfg, False, "auto", tma, alpha=alpha, limit=limit,
                routed_scaling_factor=routed_scaling_factor, fold=fold)
         del g13, g2
