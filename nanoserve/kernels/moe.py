@@ -547,7 +547,9 @@ def _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, co
     if len(firsts) == 1:
         local = align.block_expert[None]
     else:  # every group's renumbered block table at once: [groups, max_blocks], -1 outside the group
-        local = align.block_expert[None] - torch.tensor(firsts, dtype=torch.int32, device=x.device)[:, None]
+        # (made on the device: a tensor copied from the host would wait for the GPU, stalling async scheduling)
+        starts = torch.arange(0, slots, group, dtype=torch.int32, device=x.device)
+        local = align.block_expert[None] - starts[:, None]
         local = torch.where((local >= 0) & (local < group), local, -1).to(torch.int32)
     for i, first in enumerate(firsts):
         last = min(slots, first + group)
