@@ -110,7 +110,8 @@ def test_fused_moe_with_fp8_experts_matches_the_reference(experts, tokens):
 def test_long_calls_dequantise_the_experts_in_groups_bit_for_bit(experts):
     """Switch moe_dequant_prefill at the engine's threshold (16,384 tokens): the MXFP8 experts dequantised a group
     of slots at a time (groups of about a quarter of the stacks here; whole stacks) equal the 16-bit kernels on the
-    dequantised stacks bit for bit, and the MXFP8 kernels within the bf16 tolerance."""
+    dequantised stacks bit for bit, without an operation that waits for the GPU (torch's sync debug mode), and the
+    MXFP8 kernels within the bf16 tolerance."""
     from nanoserve.kernels import reference
     from nanoserve.kernels.moe import MOE_DEQUANT_MIN_TOKENS, fused_moe
 
@@ -123,6 +124,13 @@ def test_long_calls_dequantise_the_experts_in_groups_bit_for_bit(experts):
         got = fused_moe(x, experts.q13, experts.q2, weights, ids, w13_scale=experts.s13, w2_scale=experts.s2,
                         dequant_min_tokens=MOE_DEQUANT_MIN_TOKENS, dequant_group_bytes=group_bytes, **args)
         assert torch.equal(got, sixteen)
+        # the engine launches a step while the GPU runs the previous one: nothing here may wait for the GPU
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            fused_moe(x, experts.q13, experts.q2, weights, ids, w13_scale=experts.s13, w2_scale=experts.s2,
+                      dequant_min_tokens=MOE_DEQUANT_MIN_TOKENS, dequant_group_bytes=group_bytes, **args)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
     assert rel_err(experts.fused(x, weights, ids), sixteen) <= RTOL
 
 
