@@ -64,9 +64,9 @@ REDUCE_BLOCK_H = 512
 """Hidden columns per program of the top-k reduction."""
 MOE_DEQUANT_MIN_TOKENS = 16384
 """With `dequant_min_tokens` (switch moe_dequant_prefill), MXFP8 experts called with at least this many tokens are
-dequantised to the activations' dtype and run the 16-bit kernels: on one H100 (m3-slice's 129 slots) the
-dequantisation of both stacks takes 8.5 ms and the bf16 kernels 16.9 ms where the MXFP8 ones take 30.3 ms at
-16,384 tokens; at 8,192 tokens the sum is 0.85x the MXFP8 kernels' speed, at 4,096 0.60x (docs/optimizations.md)."""
+dequantised to the activations' dtype and run the 16-bit kernels: on one H100 (m3-slice's 129 slots) that is
+1.09x the MXFP8 kernels' speed at 16,384 tokens in 2 GiB groups (1.25x in one group) and 0.88x at 8,192
+(docs/optimizations.md)."""
 MOE_DEQUANT_GROUP_BYTES = 2 << 30
 """The dequantised copy is made a group of expert slots at a time, each group at most this many bytes in 16 bits
 (at least one slot), so the transient stays near 2 GiB however many experts a rank holds: one rank of M3 at
@@ -582,7 +582,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     descriptors. `alignment`: the pairs already aligned (by moe_route.py's route_and_align, with the config's
     block_m), instead of running moe_align here. dequant_min_tokens (switch moe_dequant_prefill): MXFP8 experts
     called with at least this many tokens are dequantised to x's dtype and run the 16-bit kernels, a group of
-    slots of at most `dequant_group_bytes` (in 16 bits) at a time (`_fused_moe_dequantised`). Returns [T, H] in
+    slots of at most `dequant_group_bytes` (in 16 bits) at a time (`_grouped_dequantised_gemms`). Returns [T, H] in
     x's dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
