@@ -134,6 +134,33 @@ def test_long_calls_dequantise_the_experts_in_groups_bit_for_bit(experts):
     assert rel_err(experts.fused(x, weights, ids), sixteen) <= RTOL
 
 
+@pytest.mark.parametrize("tokens", [256, 1024, 4096])
+def test_gluon_moe_equals_the_16_bit_kernels_on_the_dequantised_stacks(experts, tokens, monkeypatch):
+    """Switch moe_wgmma on Hopper: from MOE_WGMMA_MIN_TOKENS tokens the MXFP8 experts run the Gluon kernels
+    (kernels/moe_wgmma.py), whose outputs equal the 16-bit kernels on the dequantised stacks bit for bit, without an
+    operation that waits for the GPU."""
+    from nanoserve.kernels import moe_wgmma, reference
+    from nanoserve.kernels.moe import MOE_WGMMA_MIN_TOKENS, fused_moe
+
+    x, weights, ids = experts.inputs(tokens)
+    if not moe_wgmma.supported(x, experts.q13, experts.q2, experts.s13, experts.s2):
+        pytest.skip("the Gluon MoE kernels are for CUDA sm_90 with Triton's Gluon")
+    calls = []
+    gluon_gemms = moe_wgmma.gemms
+    monkeypatch.setattr(moe_wgmma, "gemms", lambda *a, **k: calls.append(1) or gluon_gemms(*a, **k))
+    args = dict(alpha=ALPHA, limit=LIMIT, routed_scaling_factor=SCALE, fold_shared=True)
+    sixteen = fused_moe(x, reference.weight(experts.q13, experts.s13, x.dtype),
+                        reference.weight(experts.q2, experts.s2, x.dtype), weights, ids, **args)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fused_moe(x, experts.q13, experts.q2, weights, ids, w13_scale=experts.s13, w2_scale=experts.s2,
+                        wgmma_min_tokens=MOE_WGMMA_MIN_TOKENS, **args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert calls == [1]
+    assert torch.equal(got, sixteen)
+
+
 def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
     """A decode step's fp8 launches (the split-K / GEMV linear of one row, the fused MoE of four tokens)."""
     from nanoserve.kernels.fp8_linear import fp8_linear

@@ -1,7 +1,9 @@
 """Kernel micro-benchmarks in bf16 and MXFP8 weights side by side, at the model's widths (GPU only).
 
 - `moe_micro`: the fused MoE as the model runs it (routed top-k + the folded shared expert) over token counts, with
-  bf16 weights and with the same weights quantized to MXFP8 (fp8 + E8M0 scales, dequantised in registers).
+  bf16 weights and with the same weights quantized to MXFP8 (fp8 + E8M0 scales), each call taking the path the
+  default switches give it in the model (MXFP8: `moe_wgmma`'s Gluon kernels on Hopper from 256 tokens,
+  `moe_dequant_prefill` at 16,384 tokens elsewhere, the Triton kernels otherwise).
 - `linear_micro`: the attention / dense-MLP projections, bf16 F.linear (cuBLAS / hipBLASLt) against the Triton
   fp8-weight GEMM.
 - `ceilings_micro`: the card's copy bandwidth and its bf16 and fp8 matmul rates, the roofs the other two are read
@@ -88,9 +90,13 @@ def _quantize_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
+    from nanoserve.config import Optimizations
     from nanoserve.kernels import reference
-    from nanoserve.kernels.moe import fused_moe
+    from nanoserve.kernels.moe import MOE_DEQUANT_MIN_TOKENS, MOE_WGMMA_MIN_TOKENS, fused_moe
 
+    opts = Optimizations()  # the thresholds the model layer passes with the default switches
+    paths = dict(dequant_min_tokens=MOE_DEQUANT_MIN_TOKENS if opts.moe_dequant_prefill else None,
+                 wgmma_min_tokens=MOE_WGMMA_MIN_TOKENS if opts.moe_wgmma else None)
     h, inter, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
     gen = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.empty(e + 1, 2 * inter, h, dtype=torch.bfloat16, device=device).normal_(0, WEIGHT_STD, generator=gen)
@@ -111,7 +117,7 @@ def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int 
             if fmt == "bf16":
                 def fn(): return fused_moe(x, w13, w2, weights, ids, **args)
             else:
-                def fn(): return fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, **args)
+                def fn(): return fused_moe(x, q13, q2, weights, ids, w13_scale=s13, w2_scale=s2, **args, **paths)
             ms = batch_ms([fn], t)  # one copy: the experts a call reads (>= 5 x 3 x H x I) outgrow L2
             nbytes = touched * 3 * h * inter * _bytes_per_weight(fmt)
             entry[fmt] = {"ms": ms, "tflop_s": flops / ms / 1e9, "gb_s": nbytes / ms / 1e6}

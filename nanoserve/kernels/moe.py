@@ -45,7 +45,7 @@ token the tensor-core variants dequantise every weight tile for an MMA that is 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -54,6 +54,7 @@ import triton.language as tl
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
 from nanoserve.kernels.fp8_linear import dequantize, variant_code
+from nanoserve.kernels import moe_wgmma
 from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot, tile_coords
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align
@@ -72,6 +73,11 @@ MOE_DEQUANT_GROUP_BYTES = 2 << 30
 (at least one slot), so the transient stays near 2 GiB however many experts a rank holds: one rank of M3 at
 tensor parallel 8 (129 slots of 14 MB in bf16) takes one group; m3-slice on one GPU (113 MB a slot) groups of 18.
 Each further group costs its GEMMs a whole grid of programs that exit (`_grouped_dequantised_gemms`)."""
+MOE_WGMMA_MIN_TOKENS = 256
+"""With `wgmma_min_tokens` (switch moe_wgmma), MXFP8 experts called with at least this many tokens run the Gluon
+kernels of moe_wgmma.py where they apply (Hopper): on one H100 (m3-slice's 129 slots) 1.00-1.06x the Triton MXFP8
+kernels at 256 tokens, 1.4-1.7x from 1,024 to 16,384 (docs/optimizations.md); decode-sized batches keep the
+Triton kernels' small tiles."""
 MOE_GEMV_MAX_TOKENS = 4
 """Largest batch the MXFP8 "gemv" variant takes (it multiplies a tile's first next_pow2(tokens) rows on CUDA
 cores, the weight tile streamed once); larger batches run "bcast"."""
@@ -570,7 +576,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
               config: MoEConfig | None = None, w13_scale: torch.Tensor | None = None,
               w2_scale: torch.Tensor | None = None, tma: bool = True,
               alignment: MoEAlignment | None = None, dequant_min_tokens: int | None = None,
-              dequant_group_bytes: int = MOE_DEQUANT_GROUP_BYTES) -> torch.Tensor:
+              dequant_group_bytes: int = MOE_DEQUANT_GROUP_BYTES,
+              wgmma_min_tokens: int | None = None) -> torch.Tensor:
     """routed_scaling_factor * sum_k topk_weights[t, k] * Expert_{topk_ids[t, k]}(x[t])  (+ shared expert).
 
     x [T, H]; w13 [S, 2I, H] (per slot: I gate rows, then I up rows); w2 [S, H, I]; topk_ids [T, k] int32 global
@@ -582,8 +589,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     descriptors. `alignment`: the pairs already aligned (by moe_route.py's route_and_align, with the config's
     block_m), instead of running moe_align here. dequant_min_tokens (switch moe_dequant_prefill): MXFP8 experts
     called with at least this many tokens are dequantised to x's dtype and run the 16-bit kernels, a group of
-    slots of at most `dequant_group_bytes` (in 16 bits) at a time (`_grouped_dequantised_gemms`). Returns [T, H] in
-    x's dtype."""
+    slots of at most `dequant_group_bytes` (in 16 bits) at a time (`_grouped_dequantised_gemms`). wgmma_min_tokens
+    (switch moe_wgmma): MXFP8 experts called with at least this many tokens run moe_wgmma.py's Gluon kernels where
+    `moe_wgmma.supported` says they apply (before dequant_min_tokens is considered). Returns [T, H] in x's
+    dtype."""
     tokens, hidden = x.shape
     slots, two_inter, w13_hidden = w13.shape
     inter = two_inter // 2
@@ -621,7 +630,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
                                   expert_map=expert_map, routed_scaling_factor=routed_scaling_factor,
                                   fold_shared=fold_shared, config=config, w13_scale=w13_scale,
                                   w2_scale=w2_scale, tma=tma, dequant_min_tokens=dequant_min_tokens,
-                                  dequant_group_bytes=dequant_group_bytes)
+                                  dequant_group_bytes=dequant_group_bytes, wgmma_min_tokens=wgmma_min_tokens)
         return out
 
     x = x.contiguous()
@@ -634,10 +643,15 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if expert_map is not None:
         expert_map = expert_map.to(torch.int32).contiguous()
     fold = bool(fold_shared)
-    dequant = w_fp8 and dequant_min_tokens is not None and tokens >= dequant_min_tokens
+    wgmma = (w_fp8 and wgmma_min_tokens is not None and tokens >= wgmma_min_tokens
+             and (alignment is None or alignment.block_m == moe_wgmma.BLOCK_M)
+             and moe_wgmma.supported(x, w13, w2, s13, s2))
+    dequant = w_fp8 and not wgmma and dequant_min_tokens is not None and tokens >= dequant_min_tokens
     # a call that dequantises first runs the 16-bit kernels, with the 16-bit table's tiles
     cfg = config or select_config(tokens, hidden, inter, slots - int(fold), top_k, x.device, x.dtype,
                                   w_fp8 and not dequant)
+    if wgmma:  # the Gluon kernels' row tiles set the alignment's padding unit
+        cfg = replace(cfg, block_m=moe_wgmma.BLOCK_M)
 
     if alignment is not None and alignment.block_m != cfg.block_m:
         raise ValueError(f"alignment has block_m {alignment.block_m}; this call's tiles use {cfg.block_m}")
@@ -649,7 +663,11 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         fp8_variant = "bcast"
     act = torch.empty(align.max_blocks * cfg.block_m, inter, dtype=x.dtype, device=x.device)
     copies = torch.empty(align.num_pairs, hidden, dtype=x.dtype, device=x.device)
-    if dequant:
+    if wgmma:
+        moe_wgmma.gemms(x, w13, w2, s13, s2, align.sorted_pair_ids, align.block_expert, align.max_blocks,
+                        align.num_pairs, topk_weights, act, copies, alpha=alpha, limit=limit,
+                        routed_scaling_factor=routed_scaling_factor, fold=fold)
+    elif dequant:
         _grouped_dequantised_gemms(x, w13, w2, s13, s2, align, topk_weights, act, copies, cfg, tma,
                                    dequant_group_bytes, alpha=alpha, limit=limit,
                                    routed_scaling_factor=routed_scaling_factor, fold=fold)
