@@ -127,7 +127,7 @@ class Optimizations:
         "moe.MOE_WGMMA_MIN_TOKENS tokens run Gluon kernels that dequantise the weights straight into the warpgroup "
         "MMA's register operand in two warpgroups taking turns, fed by a TMA / cp.async loader warpgroup; takes "
         "precedence over moe_dequant_prefill", "the Triton MXFP8 kernels of kernels/moe.py (and, for a call of at "
-        "least moe.MOE_DEQUANT_MIN_TOKENS tokens, moe_dequant_prefill)", entry_points=("fused_moe",))
+        "least moe.MOE_DEQUANT_MIN_TOKENS tokens, moe_dequant_prefill)", entry_points=("supported", "gemms"))
     triton_gemv: bool = switch(
         True, KERNEL, "kernels/gemv.py", "one-row (decode) products with a weight of a tuned shape run a Triton "
         "GEMV that streams the weight once (kernels/configs.py GEMV_TILES for 16-bit weights, GEMV_MXFP8_TILES for "
