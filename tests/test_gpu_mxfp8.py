@@ -186,6 +186,39 @@ def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
     assert all(torch.equal(a, b) for a, b in zip(outs, eager))
 
 
+def test_gluon_moe_replays_from_a_cuda_graph_bit_for_bit(experts):
+    """Decode batches of 256 to 512 tokens are captured in CUDA graphs (runner/cuda_graphs.py BATCH_BUCKETS) and
+    take the Gluon kernels from MOE_WGMMA_MIN_TOKENS on: a replay equals the eager call bit for bit, also after
+    the inputs are overwritten in place."""
+    from nanoserve.kernels import moe_wgmma
+    from nanoserve.kernels.moe import MOE_WGMMA_MIN_TOKENS, fused_moe
+
+    x, weights, ids = experts.inputs(MOE_WGMMA_MIN_TOKENS)
+    if not moe_wgmma.supported(x, experts.q13, experts.q2, experts.s13, experts.s2):
+        pytest.skip("the Gluon MoE kernels are for CUDA sm_90 with Triton's Gluon")
+
+    def step():
+        return fused_moe(x, experts.q13, experts.q2, weights, ids, alpha=ALPHA, limit=LIMIT,
+                         routed_scaling_factor=SCALE, fold_shared=True, w13_scale=experts.s13, w2_scale=experts.s2,
+                         wgmma_min_tokens=MOE_WGMMA_MIN_TOKENS)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(2):  # the second round with new inputs written into the captured buffers
+        eager = step()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+        x2, w2_, ids2 = experts.inputs(MOE_WGMMA_MIN_TOKENS)
+        x.copy_(x2), weights.copy_(w2_), ids.copy_(ids2)
+
+
 def test_native_mxfp8_logprobs_match_the_dequantised_weights():
     """m3-slice, two 256-token prompts, every position over the whole vocabulary, bf16. The first prompt's forward
     is recorded module by module in both builds (`locate`): every projection is equal bit for bit (at prefill sizes
