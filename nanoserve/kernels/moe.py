@@ -51,10 +51,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.kernels import moe_wgmma
 from nanoserve.kernels.configs import MOE_TILES, backend
 from nanoserve.kernels.fp8_configs import moe_entry
 from nanoserve.kernels.fp8_linear import dequantize, variant_code
-from nanoserve.kernels import moe_wgmma
 from nanoserve.kernels.fp8_tile import dequant_fp8_tile, mx_tile_dot, mx_tile_gemv, scaled_block_dot, tile_coords
 from nanoserve.kernels.moe_align import MoEAlignment, moe_align, pair_expert
 from nanoserve.kernels.moe_route import route_and_align

@@ -39,8 +39,13 @@ import triton
 try:  # Gluon ships with Triton >= 3.5; without it (or on another backend) the Triton kernels run
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (async_copy, mbarrier, tma, warpgroup_mma,
-                                                                 warpgroup_mma_wait)
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
     # Triton 3.7 renamed the copies (the old names raise); both spellings take the same arguments
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
