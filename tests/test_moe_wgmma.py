@@ -74,3 +74,22 @@ def test_a_call_the_kernels_do_not_take_runs_the_triton_kernels(monkeypatch):
     plain = fused_moe(x, q13, q2, weights, ids, **args)
     switched = fused_moe(x, q13, q2, weights, ids, wgmma_min_tokens=1, **args)
     assert torch.equal(plain, switched)
+
+
+def test_a_triton_older_than_the_gluon_api_keeps_the_triton_kernels(monkeypatch):
+    """Triton releases before 3.6 spell Gluon's warp_specialize differently: there the kernels are not offered (no
+    compile error in a forward) and `supported` is false."""
+    import importlib
+
+    import triton
+
+    monkeypatch.setattr(triton, "__version__", "3.5.1")
+    try:
+        old = importlib.reload(moe_wgmma)
+        assert not old.HAVE_GLUON
+        x = torch.empty(256, 6144, dtype=torch.bfloat16)
+        assert not old.supported(x, x, x, x, x)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(moe_wgmma)
+    assert moe_wgmma.HAVE_GLUON == (tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 6))

@@ -24,9 +24,9 @@ reference holds), each output adds its K steps in increasing order, 16 columns p
 epilogues are moe.py's. On one H100 the outputs equal the bf16 kernels' on the dequantised stacks bit for bit
 (tests/test_gpu_mxfp8.py).
 
-Only for CUDA sm_90 with Triton's Gluon, bf16 activations, fp8 e4m3 experts whose hidden and intermediate sizes
-are multiples of 128 (M3's are, also at tensor parallel 8), contiguous stacks; `supported` says whether a call
-qualifies and moe.py's `fused_moe` falls back to its Triton kernels otherwise.
+Only for CUDA sm_90 with Triton >= 3.6 (its Gluon), bf16 activations, fp8 e4m3 experts whose hidden and
+intermediate sizes are multiples of 128 (M3's are, also at tensor parallel 8), contiguous stacks; `supported` says
+whether a call qualifies and moe.py's `fused_moe` falls back to its Triton kernels otherwise.
 """
 
 from __future__ import annotations
@@ -36,7 +36,13 @@ import functools
 import torch
 import triton
 
-try:  # Gluon ships with Triton >= 3.5; without it (or on another backend) the Triton kernels run
+# The Gluon API these kernels use is that of Triton 3.6 (run on the GPU) and 3.9 (compiled in the tests); earlier
+# releases spell warp_specialize differently, so they keep moe.py's Triton kernels.
+GLUON_MIN_TRITON = (3, 6)
+
+try:  # without Gluon (or on another backend) the Triton kernels run
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) < GLUON_MIN_TRITON:
+        raise ImportError(f"Triton {triton.__version__} predates the Gluon API used here")
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -289,8 +295,8 @@ def _sm90(index: int) -> bool:
 
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
               w2_scale: torch.Tensor) -> bool:
-    """Whether these kernels take a fused-MoE call: Gluon present, a CUDA sm_90 device, bf16 x, fp8 e4m3 experts
-    with contiguous stacks, hidden and intermediate sizes multiples of 128."""
+    """Whether these kernels take a fused-MoE call: Triton >= 3.6's Gluon, a CUDA sm_90 device, bf16 x, fp8 e4m3
+    experts with contiguous stacks, hidden and intermediate sizes multiples of 128."""
     if not HAVE_GLUON or x.device.type != "cuda" or torch.version.hip or x.dtype != torch.bfloat16:
         return False
     if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
