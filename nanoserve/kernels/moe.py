@@ -41,6 +41,10 @@ dequantised (`fp8_variant`; the variants are those of fp8_linear.py, sharing the
 fp8_tile.py); shapes missing from it fall back to the bf16 table's tiles with "auto". Its "gemv" entries (batches of
 up to MOE_GEMV_MAX_TOKENS tokens) multiply only the first next_pow2(tokens) rows of each tile, on CUDA cores: at one
 token the tensor-core variants dequantise every weight tile for an MMA that is 15/16 padding.
+
+On Hopper, MXFP8 calls of at least MOE_WGMMA_MIN_TOKENS tokens replace steps 3-4 with moe_wgmma.py's Gluon kernels
+(switch moe_wgmma: warp-specialised, the weights dequantised straight into the warpgroup MMA's register operand);
+alignment and reduction stay the ones here, with 128-row blocks.
 """
 
 from __future__ import annotations
