@@ -92,11 +92,9 @@ def _quantize_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
     from nanoserve.config import Optimizations
     from nanoserve.kernels import reference
-    from nanoserve.kernels.moe import MOE_DEQUANT_MIN_TOKENS, MOE_WGMMA_MIN_TOKENS, fused_moe
+    from nanoserve.kernels.moe import fused_moe, mxfp8_thresholds
 
-    opts = Optimizations()  # the thresholds the model layer passes with the default switches
-    paths = dict(dequant_min_tokens=MOE_DEQUANT_MIN_TOKENS if opts.moe_dequant_prefill else None,
-                 wgmma_min_tokens=MOE_WGMMA_MIN_TOKENS if opts.moe_wgmma else None)
+    paths = mxfp8_thresholds(Optimizations())  # what the model layer passes with the default switches
     h, inter, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
     gen = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.empty(e + 1, 2 * inter, h, dtype=torch.bfloat16, device=device).normal_(0, WEIGHT_STD, generator=gen)

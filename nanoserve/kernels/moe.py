@@ -87,6 +87,13 @@ MOE_GEMV_MAX_TOKENS = 4
 cores, the weight tile streamed once); larger batches run "bcast"."""
 
 
+def mxfp8_thresholds(opts) -> dict[str, int | None]:
+    """`fused_moe`'s dequant_min_tokens and wgmma_min_tokens as the switches moe_dequant_prefill and moe_wgmma of
+    `opts` (an Optimizations) set them: what the model layer passes and what the micro-benchmark times."""
+    return dict(dequant_min_tokens=MOE_DEQUANT_MIN_TOKENS if opts.moe_dequant_prefill else None,
+                wgmma_min_tokens=MOE_WGMMA_MIN_TOKENS if opts.moe_wgmma else None)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Tile configurations
 # --------------------------------------------------------------------------------------------------------------

@@ -103,7 +103,7 @@ class M3MoE(nn.Module):
         n = self.num_local
         s13, s2 = self.w13_scale, self.w2_scale
         if self.opts.fused_moe and triton_usable(x):
-            from nanoserve.kernels.moe import MOE_DEQUANT_MIN_TOKENS, MOE_WGMMA_MIN_TOKENS, fused_moe, fused_route_moe
+            from nanoserve.kernels.moe import fused_moe, fused_route_moe, mxfp8_thresholds
             from nanoserve.kernels.moe_route import route_align_fits
 
             fold = self.opts.fold_shared_expert and self.shared_in_stack
@@ -117,10 +117,8 @@ class M3MoE(nn.Module):
                     top_k=self.top_k, **kernel_args)
             else:
                 topk_weights, topk_ids = self.route(x)
-                dequant = MOE_DEQUANT_MIN_TOKENS if self.opts.moe_dequant_prefill else None
-                wgmma = MOE_WGMMA_MIN_TOKENS if self.opts.moe_wgmma else None
                 out = fused_moe(x, self.w13[used], self.w2[used], topk_weights, topk_ids, **kernel_args,
-                                dequant_min_tokens=dequant, wgmma_min_tokens=wgmma)
+                                **mxfp8_thresholds(self.opts))
             if not fold:
                 out = out + self._shared(x)
         else:
