@@ -36,6 +36,8 @@ import functools
 import torch
 import triton
 
+from nanoserve.kernels.fp8_tile import tile_coords
+
 # The Gluon API these kernels use is that of Triton 3.6 (run on the GPU) and 3.9 (compiled in the tests); earlier
 # releases spell warp_specialize differently, so they keep moe.py's Triton kernels.
 GLUON_MIN_TRITON = (3, 6)
@@ -210,19 +212,23 @@ if HAVE_GLUON:
                  (acc * weight[None, :]).to(gl.bfloat16), mask=real[None, :] & (cols[:, None] < hidden))
 
     @gluon.jit
-    def _tile(pid, num_blocks, n_total, BN: gl.constexpr, GROUP: gl.constexpr):
-        num_pid_n = gl.cdiv(n_total, BN)
-        per_group = GROUP * num_pid_n
-        first_m = (pid // per_group) * GROUP
-        group_rows = gl.minimum(num_blocks - first_m, GROUP)
-        return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
-
-    @gluon.jit
     def _barriers(n: gl.constexpr, count: gl.constexpr):
         bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n):
             mbarrier.init(bars.index(i), count=count)
         return bars
+
+    @gluon.jit
+    def _ring(BM: gl.constexpr, W_ROWS: gl.constexpr, STAGES: gl.constexpr):
+        """The loader's ring of STAGES slots - token rows [BM, 128] as two 64-column halves, fp8 weight rows
+        [W_ROWS, 128], their scale words - and its barriers: ready (TMA bytes + 128 loader threads' cp.async
+        arrivals) and free (one arrival per MMA warpgroup)."""
+        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BM, 64],
+                                           gl.NVMMASharedLayout.get_default_for([BM, 64], gl.bfloat16))
+        w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, W_ROWS, _BK],
+                                           gl.NVMMASharedLayout.get_default_for([W_ROWS, _BK], gl.float8e4nv))
+        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, W_ROWS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        return x_smem, w_smem, s_smem, _barriers(STAGES, 129), _barriers(STAGES, 2)
 
     @gluon.jit(do_not_specialize=["num_pairs", "num_blocks"])
     def _up_swiglu_kernel(x_ptr, w13_desc, act_ptr, sorted_ids_ptr, block_expert_ptr,
@@ -231,17 +237,11 @@ if HAVE_GLUON:
                           KP: gl.constexpr, BM: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                           MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """GEMM 1 + SwiGLU-OAI for BM token rows x 128 gate (and 128 up) columns of one expert."""
-        pid_m, pid_n = _tile(gl.program_id(0), num_blocks, inter, 128, GROUP)
+        pid_m, pid_n = tile_coords(gl.program_id(0), num_blocks, gl.cdiv(inter, 128), GROUP)
         expert = gl.load(block_expert_ptr + pid_m)
         if expert < 0:
             return
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BM, 64],
-                                           gl.NVMMASharedLayout.get_default_for([BM, 64], gl.bfloat16))
-        w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 256, _BK],
-                                           gl.NVMMASharedLayout.get_default_for([256, _BK], gl.float8e4nv))
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 256], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ready = _barriers(STAGES, 129)
-        free = _barriers(STAGES, 2)
+        x_smem, w_smem, s_smem, ready, free = _ring(BM, 256, STAGES)
         s_base = s13_ptr + expert.to(gl.int64) * stride_se
         row0 = pid_m * BM
         col0 = pid_n * 128
@@ -263,17 +263,11 @@ if HAVE_GLUON:
                               STAGES: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                               num_warps: gl.constexpr):
         """GEMM 2 with the routing-weight epilogue for BM rows x 128 hidden columns of one expert."""
-        pid_m, pid_n = _tile(gl.program_id(0), num_blocks, hidden, 128, GROUP)
+        pid_m, pid_n = tile_coords(gl.program_id(0), num_blocks, gl.cdiv(hidden, 128), GROUP)
         expert = gl.load(block_expert_ptr + pid_m)
         if expert < 0:
             return
-        x_smem = gl.allocate_shared_memory(gl.bfloat16, [STAGES * 2, BM, 64],
-                                           gl.NVMMASharedLayout.get_default_for([BM, 64], gl.bfloat16))
-        w_smem = gl.allocate_shared_memory(gl.float8e4nv, [STAGES, 128, _BK],
-                                           gl.NVMMASharedLayout.get_default_for([128, _BK], gl.float8e4nv))
-        s_smem = gl.allocate_shared_memory(gl.int32, [STAGES, 128], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        ready = _barriers(STAGES, 129)
-        free = _barriers(STAGES, 2)
+        x_smem, w_smem, s_smem, ready, free = _ring(BM, 128, STAGES)
         s_base = s2_ptr + expert.to(gl.int64) * stride_se
         row0 = pid_m * BM
         col0 = pid_n * 128
