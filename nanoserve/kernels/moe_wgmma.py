@@ -36,8 +36,6 @@ import functools
 import torch
 import triton
 
-from nanoserve.kernels.fp8_tile import tile_coords
-
 # The Gluon API these kernels use is that of Triton 3.6 (run on the GPU) and 3.9 (compiled in the tests); earlier
 # releases spell warp_specialize differently, so they keep moe.py's Triton kernels.
 GLUON_MIN_TRITON = (3, 6)
@@ -212,6 +210,17 @@ if HAVE_GLUON:
                  (acc * weight[None, :]).to(gl.bfloat16), mask=real[None, :] & (cols[:, None] < hidden))
 
     @gluon.jit
+    def _tile(pid, num_blocks, n_total, BN: gl.constexpr, GROUP: gl.constexpr):
+        """fp8_tile.tile_coords, spelled in Gluon: that @triton.jit helper compiles into these kernels to the same
+        PTX, but under TRITON_INTERPRET (the CPU tests) it becomes an interpreted function a Gluon kernel cannot
+        call."""
+        num_pid_n = gl.cdiv(n_total, BN)
+        per_group = GROUP * num_pid_n
+        first_m = (pid // per_group) * GROUP
+        group_rows = gl.minimum(num_blocks - first_m, GROUP)
+        return first_m + (pid % per_group) % group_rows, (pid % per_group) // group_rows
+
+    @gluon.jit
     def _barriers(n: gl.constexpr, count: gl.constexpr):
         bars = gl.allocate_shared_memory(gl.int64, [n, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(n):
@@ -237,7 +246,7 @@ if HAVE_GLUON:
                           KP: gl.constexpr, BM: gl.constexpr, GROUP: gl.constexpr, STAGES: gl.constexpr,
                           MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, num_warps: gl.constexpr):
         """GEMM 1 + SwiGLU-OAI for BM token rows x 128 gate (and 128 up) columns of one expert."""
-        pid_m, pid_n = tile_coords(gl.program_id(0), num_blocks, gl.cdiv(inter, 128), GROUP)
+        pid_m, pid_n = _tile(gl.program_id(0), num_blocks, inter, 128, GROUP)
         expert = gl.load(block_expert_ptr + pid_m)
         if expert < 0:
             return
@@ -263,7 +272,7 @@ if HAVE_GLUON:
                               STAGES: gl.constexpr, MMA_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                               num_warps: gl.constexpr):
         """GEMM 2 with the routing-weight epilogue for BM rows x 128 hidden columns of one expert."""
-        pid_m, pid_n = tile_coords(gl.program_id(0), num_blocks, gl.cdiv(hidden, 128), GROUP)
+        pid_m, pid_n = _tile(gl.program_id(0), num_blocks, hidden, 128, GROUP)
         expert = gl.load(block_expert_ptr + pid_m)
         if expert < 0:
             return
