@@ -161,6 +161,20 @@ def test_gluon_moe_equals_the_16_bit_kernels_on_the_dequantised_stacks(experts, 
     assert torch.equal(got, sixteen)
 
 
+def captured(step):
+    """`step` run once on a side stream (its kernels compiled, its allocations made), then captured: the graph and
+    the outputs its replays write."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    return graph, outs
+
+
 def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
     """A decode step's fp8 launches (the split-K / GEMV linear of one row, the fused MoE of four tokens)."""
     from nanoserve.kernels.fp8_linear import fp8_linear
@@ -173,14 +187,7 @@ def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
         return fp8_linear(x1, q, s), experts.fused(x4, weights, ids)
 
     eager = step()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = step()
+    graph, outs = captured(step)
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(outs, eager))
@@ -202,14 +209,7 @@ def test_gluon_moe_replays_from_a_cuda_graph_bit_for_bit(experts):
                          routed_scaling_factor=SCALE, fold_shared=True, w13_scale=experts.s13, w2_scale=experts.s2,
                          wgmma_min_tokens=MOE_WGMMA_MIN_TOKENS)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = captured(step)
     for _ in range(2):  # the second round with new inputs written into the captured buffers
         eager = step()
         graph.replay()
