@@ -82,7 +82,8 @@ if HAVE_GLUON:
     def _loader(x_ptr, x_desc, w_desc, s_base, sorted_ids_ptr, num_pairs, k_total, stride_xt, stride_sn,
                 row0, w_row0, n_total, x_smem, w_smem, s_smem, ready, free,
                 UP: gl.constexpr, KP: gl.constexpr, BM: gl.constexpr, W_ROWS: gl.constexpr, STAGES: gl.constexpr):
-        """Fill ring slot i % STAGES with step i once the MMA warps have freed it."""
+        """Fill ring slot i % STAGES with step i once the MMA warps have freed it. GEMM 1 (UP) gathers its token
+        rows from x_ptr and ignores x_desc; GEMM 2 loads them through x_desc and ignores x_ptr's gather."""
         a_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
         s_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         half: gl.constexpr = W_ROWS // 2
