@@ -161,6 +161,12 @@ class Optimizations:
     triton_fp8_linear: bool = switch(
         True, KERNEL, "kernels/fp8_linear.py", "the Triton GEMM for MXFP8 weights (dequantised in registers) in every "
         "quantized linear", "kernels/reference.py fp8_linear, dequantise then F.linear", entry_points=("fp8_linear",))
+    fp8_linear_wgmma: bool = switch(
+        True, KERNEL, "kernels/fp8_linear_wgmma.py", "on Hopper (sm_90), an MXFP8 linear of at most "
+        "fp8_linear.FP8_WGMMA_MAX_ROWS rows (a decode step) runs a Gluon kernel that streams the weights by TMA "
+        "and dequantises them straight into the warpgroup MMA's register operand, K split across programs",
+        "the Triton fp8 GEMM of kernels/fp8_linear.py (tiles from its table)",
+        entry_points=("supported", "partial_sums"))
     rope_table: bool = switch(
         True, MODEL, "model/m3.py", "RoPE cos/sin gathered from a table computed once per context length (one "
         "launch per step)", "kernels/reference.py rope_cos_sin from the positions, four launches")

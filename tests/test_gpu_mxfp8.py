@@ -51,6 +51,39 @@ def test_fp8_linear_matches_the_reference_bf16(m, n, k):
     assert rel_err(fp8_linear(x, q, s), reference.fp8_linear(x, q, s)) <= RTOL
 
 
+def gluon_linear_or_skip(x, q, s, monkeypatch) -> list:
+    """Skip where fp8_linear_wgmma's kernel does not apply; else a list that gets an entry per call to it."""
+    from nanoserve.kernels import fp8_linear_wgmma
+
+    if not fp8_linear_wgmma.supported(x, q, s):
+        pytest.skip("the Gluon fp8 linear is for CUDA sm_90 with Triton's Gluon")
+    calls, kernel = [], fp8_linear_wgmma.partial_sums
+    monkeypatch.setattr(fp8_linear_wgmma, "partial_sums", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("n,k", [(9856, 6144), (6144, 12288), (24576, 6144), (1000, 640)])
+@pytest.mark.parametrize("m", [1, 5, 64, 128])
+def test_gluon_fp8_linear_matches_the_reference_bf16(m, n, k, monkeypatch):
+    """Switch fp8_linear_wgmma on Hopper: decode-sized calls run the Gluon kernel (kernels/fp8_linear_wgmma.py,
+    split over K or not, a ragged last column tile at N = 1,000) within the kernels' tolerance of the reference,
+    without an operation that waits for the GPU."""
+    from nanoserve.kernels import reference
+    from nanoserve.kernels.fp8_linear import FP8_WGMMA_MAX_ROWS, fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(m * 7 + n)
+    q, s = quantized(n, k, gen)
+    x = torch.empty(m, k, device="cuda").normal_(0, 1, generator=gen).bfloat16()
+    calls = gluon_linear_or_skip(x, q, s, monkeypatch)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = fp8_linear(x, q, s, wgmma_max_rows=FP8_WGMMA_MAX_ROWS)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert calls == [1]
+    assert rel_err(got, reference.fp8_linear(x, q, s)) <= RTOL
+
+
 class FP8Experts:
     """16 fp8 experts of M3's widths plus the shared one as the last slot."""
 
@@ -191,6 +224,36 @@ def test_fp8_launches_replay_from_a_cuda_graph_bit_for_bit(experts):
     graph.replay()
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(outs, eager))
+
+
+@pytest.mark.parametrize("m", [64, 256])
+def test_gluon_fp8_linear_replays_from_a_cuda_graph_bit_for_bit(m, monkeypatch):
+    """A decode step's projection on the Gluon kernel, captured (64 rows; 256 rows, which eagerly would take the
+    transient bf16 copy): a replay equals the eager call bit for bit, also after the input is overwritten."""
+    from nanoserve.kernels.fp8_linear import FP8_WGMMA_MAX_ROWS, fp8_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    q, s = quantized(6144, 8192, gen)
+    x = torch.empty(m, 8192, device="cuda").normal_(0, 1, generator=gen).bfloat16()
+    calls = gluon_linear_or_skip(x, q, s, monkeypatch)
+
+    def step():
+        return fp8_linear(x, q, s, wgmma_max_rows=FP8_WGMMA_MAX_ROWS)
+
+    graph, out = captured(step)
+    assert calls  # the captured call took the Gluon kernel
+    for _ in range(2):  # the second round with a new input written into the captured buffer
+        calls.clear()
+        eager = step() if m <= 128 else None
+        graph.replay()
+        torch.cuda.synchronize()
+        if eager is not None:
+            assert calls == [1] and torch.equal(out, eager)
+        x.copy_(torch.empty_like(x).normal_(0, 1, generator=gen))
+    from nanoserve.kernels import reference
+
+    graph.replay()
+    assert rel_err(out, reference.fp8_linear(x, q, s)) <= RTOL
 
 
 def test_gluon_moe_replays_from_a_cuda_graph_bit_for_bit(experts):

@@ -4,8 +4,10 @@
   bf16 weights and with the same weights quantized to MXFP8 (fp8 + E8M0 scales), each call taking the path the
   default switches give it in the model (MXFP8: `moe_wgmma`'s Gluon kernels on Hopper from 256 tokens,
   `moe_dequant_prefill` at 16,384 tokens elsewhere, the Triton kernels otherwise).
-- `linear_micro`: the attention / dense-MLP projections, bf16 F.linear (cuBLAS / hipBLASLt) against the Triton
-  fp8-weight GEMM.
+- `linear_micro`: the attention / dense-MLP projections, bf16 F.linear (cuBLAS / hipBLASLt) against the MXFP8
+  weights on the path the default switches give in the model (one row: the GEMV; on Hopper up to
+  fp8_linear.FP8_WGMMA_MAX_ROWS rows: `fp8_linear_wgmma`'s Gluon kernel; else the Triton fp8 GEMM, or at prefill
+  sizes its transient bf16 copy).
 - `ceilings_micro`: the card's copy bandwidth and its bf16 and fp8 matmul rates, the roofs the other two are read
   against.
 - `route_micro`: the decode routing, torch + moe_align against the one-launch kernel (switch fused_routing).
@@ -167,8 +169,10 @@ def linear_shapes(cfg: M3Config, tp_size: int = 1, expert_parallel: bool = False
 
 
 def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
-    from nanoserve.kernels.fp8_linear import fp8_linear
+    from nanoserve.config import Optimizations
+    from nanoserve.model.layers.linear import linear
 
+    opts = Optimizations()  # the path the model's layers take with the default switches
     gen = torch.Generator(device=device).manual_seed(seed)
     rows, out = [], []
     for name, (n, k) in linear_shapes(cfg).items():
@@ -178,7 +182,7 @@ def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: i
         for t in tokens:
             x = torch.empty(t, k, dtype=torch.bfloat16, device=device).normal_(0, 1, generator=gen)
             bf = batch_ms([lambda w=w: F.linear(x, w) for w in ws], t)
-            mx = batch_ms([lambda q=q, s=s: fp8_linear(x, q, s) for q, s in qs], t)
+            mx = batch_ms([lambda q=q, s=s: linear(x, q, s, opts) for q, s in qs], t)
             flops = 2 * t * n * k
             entry = {"shape": name, "n": n, "k": k, "tokens": t, "bf16_ms": bf, "mxfp8_ms": mx,
                      "timed": timed_as(t),
@@ -190,7 +194,7 @@ def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: i
         del ws, qs
     return {"rows": out, "table": table(("projection", "tokens", "timed", "bf16 us", "mxfp8 us", "bf16 GB/s",
                                          "mxfp8 GB/s", "bf16 TFLOP/s", "mxfp8 TFLOP/s", "speedup"), rows,
-                                        "Projections: bf16 F.linear vs the Triton MXFP8-weight GEMM (median)")}
+                                        "Projections: bf16 F.linear vs the MXFP8 weights on the default path (median)")}
 
 
 ROUTE_WARPS = (1, 2, 4, 8)

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from nanoserve.kernels import fp8_linear_wgmma
 from nanoserve.kernels.configs import backend, sm_count
 from nanoserve.kernels.fp8_configs import FP8_VARIANTS, PREFILL_ROWS, linear_entry
 from nanoserve.kernels.fp8_tile import (
@@ -56,6 +57,12 @@ SCALE_ACC_MAX_M = 32
 """Row tiles up to this size scale the accumulator per 32-column block (few rows: the extra multiplies are cheap
 and the scale loads shrink 32x); larger ones dequantise the weight tile before one dot (the multiplies amortise
 over the rows)."""
+
+
+FP8_WGMMA_MAX_ROWS = 256
+"""With the switch fp8_linear_wgmma, calls of up to this many rows that dequantise in registers (decode steps: up to
+fp8_configs.PREFILL_ROWS rows, or any captured batch) run fp8_linear_wgmma.py's Gluon kernel where it applies
+(Hopper)."""
 
 
 @dataclass(frozen=True)
@@ -286,9 +293,13 @@ def split_plan(m: int, n: int, k: int, t: LinearTiles, split_k: int | None,
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               tiles: LinearTiles | None = None, split_k: int | None = None) -> torch.Tensor:
+               tiles: LinearTiles | None = None, split_k: int | None = None,
+               wgmma_max_rows: int | None = None) -> torch.Tensor:
     """x [..., K] (bf16/fp16/fp32) @ dequant(weight [N, K] fp8 e4m3, scale [N, K/32] uint8 E8M0)^T -> [..., N]
-    in x's dtype. `tiles` / `split_k` override the heuristics (benchmarks, tests)."""
+    in x's dtype. `tiles` / `split_k` override the heuristics (benchmarks, tests). With `wgmma_max_rows` (switch
+    fp8_linear_wgmma), a call of at most that many rows that would dequantise in registers (decode sizes, or any
+    size in a captured graph) runs fp8_linear_wgmma.py's Gluon kernel where `fp8_linear_wgmma.supported` says it
+    applies (Hopper); an eager prefill keeps the dequantised model's F.linear call."""
     x2 = linear_rows("fp8_linear", x, weight, scale)
     (m, k), n, lead = x2.shape, weight.shape[0], x.shape[:-1]
     if m == 0:
@@ -301,6 +312,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         # A captured decode graph would keep that copy in its memory pool, which the KV-cache plan does not
         # count (it measures an eager step): dequantise in registers there.
         t = LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, "bcast")
+    if (wgmma_max_rows is not None and tiles is None and split_k is None and m <= wgmma_max_rows
+            and fp8_linear_wgmma.supported(x2, weight, scale)):
+        part = fp8_linear_wgmma.partial_sums(x2, weight, scale)
+        return (part[0] if part.shape[0] == 1 else sum_splits(part, x.dtype)).reshape(*lead, n)
     split, k_per_split, even_k, out = split_plan(m, n, k, t, split_k, x)
     grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
     _fp8_linear_kernel[grid](

@@ -67,7 +67,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
     """x @ W^T for a 16/32-bit weight (scale None) or an MXFP8 one (fp8 weight + E8M0 scale): the Triton
     fp8-weight GEMM under the `triton_fp8_linear` switch (opts None: on), else its reference. A single row with a
     weight of a tuned shape takes the Triton GEMV under the `triton_gemv` switch (16-bit: instead of F.linear;
-    MXFP8: instead of the fp8 GEMM). Under the `mx_activations` switch (an approximation, off by default) an
+    MXFP8: instead of the fp8 GEMM); on Hopper a few rows (a decode step) take the Gluon fp8 GEMM under the
+    `fp8_linear_wgmma` switch. Under the `mx_activations` switch (an approximation, off by default) an
     MXFP8 weight multiplies activations quantized to MXFP8 too: kernels/mx_linear.py (no GEMV), or its
     reference."""
     if scale is None:
@@ -79,10 +80,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None,
             from nanoserve.kernels.mx_linear import mx_linear
 
             return mx_linear(x, weight, scale)
-        from nanoserve.kernels.fp8_linear import fp8_linear
+        from nanoserve.kernels.fp8_linear import FP8_WGMMA_MAX_ROWS, fp8_linear
 
         y = one_row_gemv(x, weight, scale, opts)
-        return fp8_linear(x, weight, scale) if y is None else y
+        if y is not None:
+            return y
+        wgmma = opts is None or opts.fp8_linear_wgmma
+        return fp8_linear(x, weight, scale, wgmma_max_rows=FP8_WGMMA_MAX_ROWS if wgmma else None)
     return reference.mx_linear(x, weight, scale) if mx else reference.fp8_linear(x, weight, scale)
 
 

@@ -1,0 +1,91 @@
+"""Switch fp8_linear_wgmma on the CPU: the Gluon MXFP8 linear (kernels/fp8_linear_wgmma.py) compiles for Hopper
+ahead of time with the installed Triton at every token-tile height it launches and fits an H100's shared memory,
+its K splits cover K exactly, and a call it does not take (here: a CPU tensor) runs the Triton GEMM unchanged.
+Its results are checked on the GPU (tests/test_gpu_mxfp8.py, marked gpu)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import triton
+
+from nanoserve.kernels import fp8_linear_wgmma as wg
+
+HOPPER_SHARED_BYTES = 232_448
+"""Shared memory one H100/H200 block may use (227 KB)."""
+
+
+@pytest.mark.skipif(not wg.HAVE_GLUON, reason="this Triton has no Gluon")
+@pytest.mark.parametrize("bm", [16, 64, wg.MAX_BM])
+def test_kernel_compiles_for_hopper_and_fits_its_shared_memory(bm):
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    def descriptor(dtype: str, gl_dtype, shape: list[int]) -> str:
+        return f"tensordesc<{dtype}{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl_dtype)!r}>"
+
+    rows = wg.W_ROWS
+    fn = wg._fp8_linear_wgmma_kernel
+    constexprs = dict(BM=bm, ROWS=rows, GROUP=8, STAGES=wg.stages_for(bm, rows), MMA_REGS=wg.moe_wgmma.MMA_REGS,
+                      LOADER_REGS=wg.moe_wgmma.LOADER_REGS, num_warps=4)
+    types = dict(x_desc=descriptor("bf16", gl.bfloat16, [bm, 64]),
+                 w_desc=descriptor("fp8e4nv", gl.float8e4nv, [rows, wg.BLOCK_K]), s_ptr="*i32", out_ptr="*fp32")
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+               if n.endswith("_ptr") or n in ("stride_sn", "stride_os", "stride_om")}
+    compiled = triton.compile(
+        GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, aligned),
+        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    assert compiled.asm["cubin"]
+    assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    # the batch is the MMA's N; the dequantised weights its register operand A
+    assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16" in compiled.asm["ptx"]
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 256, 6144), (64, 6144, 8192), (64, 9856, 6144), (64, 24576, 6144),
+                                   (256, 24576, 6144), (16, 6144, 12288), (1, 128, 128)])
+def test_the_k_splits_cover_k_once(m, n, k):
+    """Every K step belongs to exactly one split and no split is empty; a grid of fewer output tiles than
+    multiprocessors is split, one that fills them is not."""
+    sms = 132
+    split = wg.split_for(m, n, k, sms, wg.block_m(m))
+    k_steps = k // wg.BLOCK_K
+    steps = triton.cdiv(k_steps, split)
+    assert 1 <= split <= k_steps
+    assert (split - 1) * steps < k_steps <= split * steps
+    tiles = triton.cdiv(m, wg.block_m(m)) * triton.cdiv(n, wg.W_ROWS)
+    if tiles * 2 <= sms and k_steps >= 8:
+        assert split > 1
+    if tiles >= sms:
+        assert split == 1
+
+
+def test_token_tiles_and_ring():
+    assert [wg.block_m(m) for m in (1, 16, 17, 64, 65, 128, 256)] == [16, 16, 32, 64, 128, 128, 128]
+    for bm in (16, 32, 64, 128):
+        per_slot = wg.W_ROWS * wg.BLOCK_K + wg.W_ROWS * 4 + bm * wg.BLOCK_K * 2
+        assert wg.stages_for(bm, wg.W_ROWS) >= 3
+        assert wg.stages_for(bm, wg.W_ROWS) * per_slot <= HOPPER_SHARED_BYTES
+
+
+def test_a_call_the_kernel_does_not_take_runs_the_triton_gemm(monkeypatch):
+    """On the CPU `supported` is false: the switch's row limit changes nothing, bit for bit, and the Gluon entry
+    point is never reached - neither by fp8_linear nor by the model's linear layer with the switch on."""
+    from nanoserve.config import Optimizations
+    from nanoserve.kernels.fp8_linear import fp8_linear
+    from nanoserve.model.layers.linear import linear
+    from nanoserve.model.mxfp8 import quantize_mxfp8
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(wg, "partial_sums", lambda *a, **k: pytest.fail("the Gluon kernel ran on the CPU"))
+    gen = torch.Generator().manual_seed(0)
+    q, s = quantize_mxfp8(torch.randn(96, 256, generator=gen) * 0.05)
+    x = torch.randn(5, 256, generator=gen)
+    assert not wg.supported(x.to(torch.bfloat16), q, s)
+    plain = fp8_linear(x, q, s)
+    assert torch.equal(fp8_linear(x, q, s, wgmma_max_rows=256), plain)
+    on, off = Optimizations(), Optimizations(fp8_linear_wgmma=False)
+    assert on.fp8_linear_wgmma
+    assert torch.equal(linear(x, q, s, on), linear(x, q, s, off))
