@@ -52,7 +52,7 @@ BYTE_GROUPS = [
     # MLPs, and the shared expert when it is not folded into the fused MoE) run in the fp8 linear kernels with
     # MXFP8 weights and in the library GEMMs / the GEMV with 16-bit ones; the LM head (16-bit) and the router
     # (fp32) always run in the latter.
-    ("cuda", "linears (fp8)", r"_fp8_linear_kernel|_gemv_mxfp8_kernel|_mx_linear_kernel", (FP8_PROJECTIONS,)),
+    ("cuda", "linears (fp8)", r"_fp8_linear(_wgmma)?_kernel|_gemv_mxfp8_kernel|_mx_linear_kernel", (FP8_PROJECTIONS,)),
     ("cuda", "linears (fp8)", r"_sum_splits_kernel|_mx_quantize_kernel|_dequant_kernel", ()),
     ("cuda", "GEMMs (cuBLAS / GEMV)", r"gemv|gemm|cutlass|sm90|nvjet|cublas|xmma|ampere|hopper|splitk|cijk",
      (BF16_PROJECTIONS, "LM head", "router")),
