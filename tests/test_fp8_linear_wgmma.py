@@ -1,6 +1,7 @@
 """Switch fp8_linear_wgmma on the CPU: the Gluon MXFP8 linear (kernels/fp8_linear_wgmma.py) compiles for Hopper
-ahead of time with the installed Triton at every token-tile height it launches and fits an H100's shared memory,
-its K splits cover K exactly, and a call it does not take (here: a CPU tensor) runs the Triton GEMM unchanged.
+ahead of time with the installed Triton for the tiles it launches and fits an H100's shared memory, its launch plan
+covers K exactly in one wave of programs, and a call it does not take (here: a CPU tensor) runs the Triton GEMM
+unchanged.
 Its results are checked on the GPU (tests/test_gpu_mxfp8.py, marked gpu)."""
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ HOPPER_SHARED_BYTES = 232_448
 
 
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="this Triton has no Gluon")
-@pytest.mark.parametrize("bm", [16, 64, wg.MAX_BM])
-def test_kernel_compiles_for_hopper_and_fits_its_shared_memory(bm):
+@pytest.mark.parametrize("bm,rows", [(16, 128), (64, 128), (64, 256), (wg.MAX_BM, 256)])
+def test_kernel_compiles_for_hopper_and_fits_its_shared_memory(bm, rows):
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -25,7 +26,6 @@ def test_kernel_compiles_for_hopper_and_fits_its_shared_memory(bm):
     def descriptor(dtype: str, gl_dtype, shape: list[int]) -> str:
         return f"tensordesc<{dtype}{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl_dtype)!r}>"
 
-    rows = wg.W_ROWS
     fn = wg._fp8_linear_wgmma_kernel
     constexprs = dict(BM=bm, ROWS=rows, GROUP=8, STAGES=wg.stages_for(bm, rows), MMA_REGS=wg.moe_wgmma.MMA_REGS,
                       LOADER_REGS=wg.moe_wgmma.LOADER_REGS, num_warps=4)
@@ -45,29 +45,37 @@ def test_kernel_compiles_for_hopper_and_fits_its_shared_memory(bm):
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 256, 6144), (64, 6144, 8192), (64, 9856, 6144), (64, 24576, 6144),
-                                   (256, 24576, 6144), (16, 6144, 12288), (1, 128, 128)])
-def test_the_k_splits_cover_k_once(m, n, k):
-    """Every K step belongs to exactly one split and no split is empty; a grid of fewer output tiles than
-    multiprocessors is split, one that fills them is not."""
+                                   (256, 24576, 6144), (16, 6144, 12288), (1, 128, 128), (200, 1232, 6144)])
+def test_the_plan_fills_one_wave_and_covers_k_once(m, n, k):
+    """Every K step belongs to exactly one split and no split is empty; the grid fits in one wave of programs
+    unless its output tiles alone exceed it (then K is not split); the token tile covers the batch (or MAX_BM)."""
     sms = 132
-    split = wg.split_for(m, n, k, sms, wg.block_m(m))
+    bm, rows, split = wg.plan(m, n, k, sms)
+    assert bm >= min(m, wg.MAX_BM) and bm in (16, 32, 64, 128) and rows in wg.ROW_CHOICES
     k_steps = k // wg.BLOCK_K
     steps = triton.cdiv(k_steps, split)
     assert 1 <= split <= k_steps
     assert (split - 1) * steps < k_steps <= split * steps
-    tiles = triton.cdiv(m, wg.block_m(m)) * triton.cdiv(n, wg.W_ROWS)
-    if tiles * 2 <= sms and k_steps >= 8:
+    tiles = triton.cdiv(m, bm) * triton.cdiv(n, rows)
+    assert tiles * split <= sms or split == 1
+    if tiles * 2 <= sms and k_steps >= 2:
         assert split > 1
-    if tiles >= sms:
-        assert split == 1
 
 
-def test_token_tiles_and_ring():
-    assert [wg.block_m(m) for m in (1, 16, 17, 64, 65, 128, 256)] == [16, 16, 32, 64, 128, 128, 128]
+def test_the_plan_picks_the_measured_fastest_tiles_for_m3_projections():
+    """At 64 rows on an H100 (132 multiprocessors): the (rows, split) that timed fastest for each projection."""
+    shapes = {"qkv + index": (9856, 6144), "o_proj": (6144, 8192), "dense gate/up": (24576, 6144),
+              "dense down": (6144, 12288)}
+    fastest = {"qkv + index": (128, 1), "o_proj": (128, 2), "dense gate/up": (256, 1), "dense down": (128, 2)}
+    assert {name: wg.plan(64, n, k, 132)[1:] for name, (n, k) in shapes.items()} == fastest
+
+
+def test_the_ring_fits_hopper_shared_memory():
     for bm in (16, 32, 64, 128):
-        per_slot = wg.W_ROWS * wg.BLOCK_K + wg.W_ROWS * 4 + bm * wg.BLOCK_K * 2
-        assert wg.stages_for(bm, wg.W_ROWS) >= 3
-        assert wg.stages_for(bm, wg.W_ROWS) * per_slot <= HOPPER_SHARED_BYTES
+        for rows in wg.ROW_CHOICES:
+            per_slot = rows * wg.BLOCK_K + rows * 4 + bm * wg.BLOCK_K * 2
+            assert wg.stages_for(bm, rows) >= 3
+            assert wg.stages_for(bm, rows) * per_slot <= HOPPER_SHARED_BYTES
 
 
 def test_a_call_the_kernel_does_not_take_runs_the_triton_gemm(monkeypatch):

@@ -6,9 +6,9 @@ copy ceiling there: each program loads a tile, turns it into bf16 and then multi
 (docs/mxfp8.md). This kernel uses the layout of moe_wgmma.py's GEMM 2 - the same ring, pieces and MMA loop - with
 the roles it needs for a dense weight:
 
-    loader (4 warps)       TMA: W_ROWS fp8 weight rows x 128 K columns a step, and the BM token rows of x for
+    loader (4 warps)       TMA: ROWS fp8 weight rows x 128 K columns a step, and the BM token rows of x for
                            those columns (rows past the batch read as zeros); cp.async: the rows' scale words.
-    2 x MMA (4 warps each) each owns half of the slot's weight rows (W_ROWS = 256: two 64-row accumulators), and
+    2 x MMA (4 warps each) each owns half of the slot's weight rows (ROWS = 256: two 64-row accumulators), and
                            dequantises them 32 columns at a time into the register operand A of the warpgroup
                            MMA (weights x tokens^T, so the batch is the MMA's N: 16 to 128 tokens).
 
@@ -34,14 +34,13 @@ from nanoserve.kernels.configs import sm_count
 
 HAVE_GLUON = moe_wgmma.HAVE_GLUON
 BLOCK_K = moe_wgmma.BLOCK_K
-W_ROWS = 256
-"""Weight rows (output columns) per program: each MMA warpgroup multiplies 128 of them, as two 64-row MMAs."""
-SHARED_BYTES = 232_448
-"""Shared memory an H100/H200 block may use (227 KB): the ring takes as many slots as fit (`stages_for`)."""
+ROW_CHOICES = (128, 256)
+"""Weight rows (output columns) per program: each MMA warpgroup multiplies half of them (256: as two 64-row MMAs).
+`plan` takes the narrower tile when the grid still fits in one wave."""
 MAX_BM = 128
 """Token rows per program at most; a larger batch takes several row tiles, which share each weight tile in L2."""
-FILL_STEPS = 2
-"""What starting a program costs, in K steps of streaming (its first loads' latency), for the split choice."""
+SHARED_BYTES = 232_448
+"""Shared memory an H100/H200 block may use (227 KB): the ring takes as many slots as fit (`stages_for`)."""
 
 if HAVE_GLUON:
     from triton.experimental import gluon
@@ -130,48 +129,37 @@ def supported(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bo
             and (x2.stride(0) * 2) % 16 == 0 and x2.data_ptr() % 16 == 0 and weight.data_ptr() % 16 == 0)
 
 
-def block_m(m: int) -> int:
-    """Token rows per program: the batch rounded up to a power of two from 16 (the MMA's N), at most MAX_BM."""
-    return min(MAX_BM, max(16, triton.next_power_of_2(m)))
-
-
 def stages_for(bm: int, rows: int) -> int:
     """Ring slots that fit the shared memory: a slot holds `rows` x 128 fp8 weights, their scale words and `bm` x
     128 bf16 token rows (plus 1 KB for the barriers and the compiler's scratch)."""
     return min(8, (SHARED_BYTES - 1024) // (rows * BLOCK_K + rows * 4 + bm * BLOCK_K * 2))
 
 
-def split_for(m: int, n: int, k: int, sms: int, bm: int, rows: int = W_ROWS) -> int:
-    """K splits for an [m, k] x [n, k]^T call: the fewest that minimise the modelled time, in K steps of one
-    program: waves x (steps per program + FILL_STEPS), one program per multiprocessor at a time (the ring takes
-    most of its shared memory), plus writing and summing the fp32 partial sums at the same bytes per step."""
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, rows)
+def plan(m: int, n: int, k: int, sms: int) -> tuple[int, int, int]:
+    """(token rows, weight rows, K splits) per program for an [m, k] x [n, k]^T call. One program runs per
+    multiprocessor at a time (the ring takes most of its shared memory), and a second wave of programs costs more
+    than the multiprocessors it would add: so 128 weight rows where their tiles fit in one wave, else 256, and K
+    split as many ways as still fits in that wave. The token rows are the batch rounded up to a power of two from
+    16 (the MMA's N), at most MAX_BM. On one H100 this picks the fastest of ten (rows, split) candidates for each
+    of m3-slice's four projections at 64 rows (docs/optimizations.md)."""
+    bm = min(MAX_BM, max(16, triton.next_power_of_2(m)))
+    row_tiles = triton.cdiv(m, bm)
+    rows = next((r for r in ROW_CHOICES if row_tiles * triton.cdiv(n, r) <= sms), ROW_CHOICES[-1])
+    tiles = row_tiles * triton.cdiv(n, rows)
     k_steps = k // BLOCK_K
-    step_bytes = sms * rows * (BLOCK_K + 4)  # what the grid streams in one K step
-    best, best_cost = 1, None
-    for split in range(1, k_steps + 1):
-        steps = triton.cdiv(k_steps, split)
-        if triton.cdiv(k_steps, steps) != split:
-            continue  # the same programs as a smaller split
-        partials = 0 if split == 1 else split * m * n * 8 / step_bytes
-        cost = triton.cdiv(tiles * split, sms) * (steps + FILL_STEPS) + partials
-        if best_cost is None or cost < best_cost:
-            best, best_cost = split, cost
-    return best
+    split = max(1, min(k_steps, sms // tiles))
+    return bm, rows, triton.cdiv(k_steps, triton.cdiv(k_steps, split))  # no empty split
 
 
 def partial_sums(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *, split: int | None = None,
-           bm: int | None = None, rows: int = W_ROWS, stages: int | None = None) -> torch.Tensor:
+                 rows: int | None = None) -> torch.Tensor:
     """x2 [M, K] bf16 @ dequant(weight [N, K], scale [N, K/32])^T -> fp32 partial sums [split, M, N] (bf16 [1, M,
-    N] when one split covers K), for a call `supported` accepts; `split`, `bm`, `rows`, `stages` override the
-    choices (benchmarks)."""
+    N] when one split covers K), for a call `supported` accepts; `split` and `rows` override `plan` (benchmarks)."""
     m, k = x2.shape
     n = weight.shape[0]
-    bm = bm or block_m(m)
-    stages = stages or stages_for(bm, rows)
+    bm, planned_rows, planned_split = plan(m, n, k, sm_count(x2.device))
+    rows, split = rows or planned_rows, split or planned_split
     k_steps = k // BLOCK_K
-    tiles = triton.cdiv(m, bm) * triton.cdiv(n, rows)
-    split = split or split_for(m, n, k, sm_count(x2.device), bm, rows)
     steps = triton.cdiv(k_steps, split)
     split = triton.cdiv(k_steps, steps)
     out = torch.empty((split, m, n), dtype=torch.bfloat16 if split == 1 else torch.float32, device=x2.device)
@@ -179,8 +167,8 @@ def partial_sums(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, *,
     w_desc = TensorDescriptor.from_tensor(weight, [rows, BLOCK_K],
                                           gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.float8e4nv))
     words = scale.view(torch.int32)  # four E8M0 exponents of a row per 128 columns, one cp.async each
-    _fp8_linear_wgmma_kernel[(tiles, split)](
+    _fp8_linear_wgmma_kernel[(triton.cdiv(m, bm) * triton.cdiv(n, rows), split)](
         x_desc, w_desc, words, out, m, n, k_steps, steps, words.stride(0), out.stride(0), out.stride(1),
-        BM=bm, ROWS=rows, GROUP=moe_wgmma.GROUP_M, STAGES=stages, MMA_REGS=moe_wgmma.MMA_REGS,
+        BM=bm, ROWS=rows, GROUP=moe_wgmma.GROUP_M, STAGES=stages_for(bm, rows), MMA_REGS=moe_wgmma.MMA_REGS,
         LOADER_REGS=moe_wgmma.LOADER_REGS, num_warps=4)
     return out
