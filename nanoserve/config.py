@@ -163,8 +163,9 @@ class Optimizations:
         "quantized linear", "kernels/reference.py fp8_linear, dequantise then F.linear", entry_points=("fp8_linear",))
     fp8_linear_wgmma: bool = switch(
         True, KERNEL, "kernels/fp8_linear_wgmma.py", "on Hopper (sm_90), an MXFP8 linear of at most "
-        "fp8_linear.FP8_WGMMA_MAX_ROWS rows (a decode step) runs a Gluon kernel that streams the weights by TMA "
-        "and dequantises them straight into the warpgroup MMA's register operand, K split across programs",
+        "fp8_linear.FP8_WGMMA_MAX_ROWS rows that would dequantise in registers (a decode step, or a captured "
+        "batch) runs a Gluon kernel that streams the weights by TMA and dequantises them straight into the "
+        "warpgroup MMA's register operand, K split across programs to fill one wave",
         "the Triton fp8 GEMM of kernels/fp8_linear.py (tiles from its table)",
         entry_points=("supported", "partial_sums"))
     rope_table: bool = switch(

@@ -3,6 +3,8 @@ and paths at small widths on the CPU, where Triton's interpreter cannot compute 
 
 - The Triton fp8-weight GEMM against `reference.fp8_linear` at M3's projection widths and at a ragged K, for
   decode-sized (split-K, GEMV) and prefill-sized row counts, in bf16.
+- On Hopper, the Gluon fp8 linear (`fp8_linear_wgmma`) against the same reference at decode sizes, and its
+  captured replay bit for bit.
 - The fused MoE with fp8 experts and the folded shared expert against `reference.moe_experts` on the same fp8
   weights, plus the shared expert through F.linear.
 - Both replayed from a CUDA graph equal their eager call bit for bit.

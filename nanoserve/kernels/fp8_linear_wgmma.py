@@ -12,11 +12,12 @@ the roles it needs for a dense weight:
                            dequantises them 32 columns at a time into the register operand A of the warpgroup
                            MMA (weights x tokens^T, so the batch is the MMA's N: 16 to 128 tokens).
 
-The weights go straight from memory to the tensor cores through one shared-memory slot, the loader stays STAGES
-steps ahead, and the two MMA warpgroups take turns, so the kernel streams at the rate the memory gives. A batch's
-column tiles are few (a 6,144-wide projection has 24 of 256 rows), so K is split across programs until the grid
-covers the multiprocessors, each split writing fp32 partial sums that fp8_linear.py's `sum_splits` adds in split
-order (deterministic).
+The weights go from memory to the tensor cores through one shared-memory slot, the loader stays STAGES steps
+ahead, and the two MMA warpgroups take turns. A batch's column tiles are few (a 6,144-wide projection has 48 of
+128 rows), so K is split as many ways as one wave of programs allows (`plan`), each split writing fp32 partial
+sums that fp8_linear.py's `sum_splits` adds in split order (deterministic). On one H100 the kernel reads its
+weights at about half the copy ceiling, 1.4-2.2x the Triton kernels at 64 rows: the dequantisation in the MMA
+warps bounds it (docs/optimizations.md).
 
 Exact per product (each weight is fp8 x 2^(S - 127) rounded to bf16, which is the dequantised weight itself); the
 sums are in fp32 in K order within a split, so results differ from fp8_linear.py's only by accumulation order.
@@ -48,6 +49,7 @@ if HAVE_GLUON:
     from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    # moe_wgmma's building blocks: the TMA / cp.async copies, the ring, the MMA loop and the tile order
     from nanoserve.kernels.moe_wgmma import _cp_async, _mma, _ring, _tile, _tma_load
 
     _BK = gl.constexpr(BLOCK_K)
