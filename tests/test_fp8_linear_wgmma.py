@@ -11,6 +11,7 @@ import torch
 import triton
 
 from nanoserve.kernels import fp8_linear_wgmma as wg
+from tests.gluon_compile import compile_for_hopper
 
 HOPPER_SHARED_BYTES = 232_448
 """Shared memory one H100/H200 block may use (227 KB)."""
@@ -19,29 +20,14 @@ HOPPER_SHARED_BYTES = 232_448
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("bm,rows", [(16, 128), (64, 128), (64, 256), (wg.MAX_BM, 256)])
 def test_kernel_compiles_for_hopper_and_fits_its_shared_memory(bm, rows):
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    def descriptor(dtype: str, gl_dtype, shape: list[int]) -> str:
-        return f"tensordesc<{dtype}{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl_dtype)!r}>"
-
-    fn = wg._fp8_linear_wgmma_kernel
     constexprs = dict(BM=bm, ROWS=rows, GROUP=8, STAGES=wg.stages_for(bm, rows), MMA_REGS=wg.moe_wgmma.MMA_REGS,
                       LOADER_REGS=wg.moe_wgmma.LOADER_REGS, num_warps=4)
-    types = dict(x_desc=descriptor("bf16", gl.bfloat16, [bm, 64]),
-                 w_desc=descriptor("fp8e4nv", gl.float8e4nv, [rows, wg.BLOCK_K]), s_ptr="*i32", out_ptr="*fp32")
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n.endswith("_ptr") or n in ("stride_sn", "stride_os", "stride_om")}
-    compiled = triton.compile(
-        GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, aligned),
-        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    assert compiled.asm["cubin"]
-    assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES
+    types = dict(x_desc=["bf16", [bm, 64]], w_desc=["fp8e4nv", [rows, wg.BLOCK_K]], s_ptr="*i32", out_ptr="*fp32")
+    compiled = compile_for_hopper("nanoserve.kernels.fp8_linear_wgmma", "_fp8_linear_wgmma_kernel", constexprs,
+                                  types, aligned=("stride_sn", "stride_os", "stride_om"))
+    assert 0 < compiled["shared"] <= HOPPER_SHARED_BYTES
     # the batch is the MMA's N; the dequantised weights its register operand A
-    assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16" in compiled.asm["ptx"]
+    assert f"wgmma.mma_async.sync.aligned.m64n{bm}k16.f32.bf16.bf16" in compiled["ptx"]
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 256, 6144), (64, 6144, 8192), (64, 9856, 6144), (64, 24576, 6144),

@@ -8,49 +8,31 @@ import pytest
 import torch
 
 from nanoserve.kernels import moe_wgmma
+from tests.gluon_compile import compile_for_hopper
 
 HOPPER_SHARED_BYTES = 232_448
 """Shared memory one H100/H200 block may use (227 KB)."""
 
 
-def _descriptor_type(dtype: str, gl_dtype, shape: list[int]) -> str:
-    from triton.experimental.gluon import language as gl
-
-    return f"tensordesc<{dtype}{shape},{gl.NVMMASharedLayout.get_default_for(shape, gl_dtype)!r}>"
-
-
 @pytest.mark.skipif(not moe_wgmma.HAVE_GLUON, reason="this Triton has no Gluon")
 @pytest.mark.parametrize("kernel", ["up", "down"])
 def test_kernels_compile_for_hopper_and_fit_its_shared_memory(kernel):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon._runtime import GluonASTSource
-
     types = dict(x_ptr="*bf16", act_ptr="*bf16", copies_ptr="*bf16", sorted_ids_ptr="*i32",
                  block_expert_ptr="*i32", topk_weights_ptr="*fp32", s13_ptr="*i32", s2_ptr="*i32", alpha="fp32",
-                 limit="fp32", routed_scale="fp32",
-                 w13_desc=_descriptor_type("fp8e4nv", gl.float8e4nv, [64, moe_wgmma.BLOCK_K]),
-                 w2_desc=_descriptor_type("fp8e4nv", gl.float8e4nv, [moe_wgmma.BLOCK_N, moe_wgmma.BLOCK_K]),
-                 act_desc=_descriptor_type("bf16", gl.bfloat16, [moe_wgmma.BLOCK_M, 64]))
+                 limit="fp32", routed_scale="fp32", w13_desc=["fp8e4nv", [64, moe_wgmma.BLOCK_K]],
+                 w2_desc=["fp8e4nv", [moe_wgmma.BLOCK_N, moe_wgmma.BLOCK_K]],
+                 act_desc=["bf16", [moe_wgmma.BLOCK_M, 64]])
     common = dict(BM=moe_wgmma.BLOCK_M, GROUP=moe_wgmma.GROUP_M, MMA_REGS=moe_wgmma.MMA_REGS,
                   LOADER_REGS=moe_wgmma.LOADER_REGS, num_warps=4)
     if kernel == "up":  # M3: top-8 plus the folded shared expert
-        fn, constexprs = moe_wgmma._up_swiglu_kernel, dict(KP=9, STAGES=moe_wgmma.UP_STAGES, **common)
+        name, constexprs = "_up_swiglu_kernel", dict(KP=9, STAGES=moe_wgmma.UP_STAGES, **common)
     else:
-        fn, constexprs = moe_wgmma._down_weighted_kernel, dict(TOPK=8, FOLD=True, STAGES=moe_wgmma.DOWN_STAGES,
-                                                                **common)
-    names = fn.arg_names
-    signature = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
-    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-               if n.endswith("_ptr") or n in ("stride_xt", "stride_ar", "stride_ct", "hidden", "inter")}
-    compiled = triton.compile(
-        GluonASTSource(fn, signature, {(names.index(k),): v for k, v in constexprs.items()}, aligned),
-        target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
-    assert compiled.asm["cubin"]
-    assert 0 < compiled.metadata.shared <= HOPPER_SHARED_BYTES
+        name, constexprs = "_down_weighted_kernel", dict(TOPK=8, FOLD=True, STAGES=moe_wgmma.DOWN_STAGES, **common)
+    compiled = compile_for_hopper("nanoserve.kernels.moe_wgmma", name, constexprs, types,
+                                  aligned=("stride_xt", "stride_ar", "stride_ct", "hidden", "inter"))
+    assert 0 < compiled["shared"] <= HOPPER_SHARED_BYTES
     # the MMA warps' wgmmas take their A operand from registers (the dequantised weights)
-    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in compiled.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16" in compiled["ptx"]
 
 
 def test_a_call_the_kernels_do_not_take_runs_the_triton_kernels(monkeypatch):
