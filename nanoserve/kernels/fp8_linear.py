@@ -314,15 +314,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
         t = LinearTiles(t.block_m, t.block_n, t.block_k, t.num_warps, t.num_stages, "bcast")
     if (wgmma_max_rows is not None and tiles is None and split_k is None and m <= wgmma_max_rows
             and fp8_linear_wgmma.supported(x2, weight, scale)):
-        part = fp8_linear_wgmma.partial_sums(x2, weight, scale)
-        return (part[0] if part.shape[0] == 1 else sum_splits(part, x.dtype)).reshape(*lead, n)
-    split, k_per_split, even_k, out = split_plan(m, n, k, t, split_k, x)
-    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
-    _fp8_linear_kernel[grid](
-        x2, weight, scale, out, m, n, k, k_per_split,
-        x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
-        BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k,
-        VARIANT=variant_code(t.variant, t.block_m, even_k, x.dtype), num_warps=t.num_warps,
-        num_stages=t.num_stages)
-    y = out[0] if split == 1 else sum_splits(out, x.dtype)
+        out = fp8_linear_wgmma.partial_sums(x2, weight, scale)
+    else:
+        split, k_per_split, even_k, out = split_plan(m, n, k, t, split_k, x)
+        grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n), split)
+        _fp8_linear_kernel[grid](
+            x2, weight, scale, out, m, n, k, k_per_split,
+            x2.stride(0), weight.stride(0), scale.stride(0), out.stride(0), out.stride(1),
+            BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=8, EVEN_K=even_k,
+            VARIANT=variant_code(t.variant, t.block_m, even_k, x.dtype), num_warps=t.num_warps,
+            num_stages=t.num_stages)
+    # out: [split, M, N] partial sums (fp32), or the result itself in x's dtype when one split covers K
+    y = out[0] if out.shape[0] == 1 else sum_splits(out, x.dtype)
     return y.reshape(*lead, n)
