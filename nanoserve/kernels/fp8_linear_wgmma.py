@@ -121,9 +121,7 @@ def supported(x2: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> bo
     """Whether this kernel takes a linear: Triton >= 3.6's Gluon on a CUDA sm_90 device, bf16 rows x [M, K] with
     16-byte aligned rows (TMA), fp8 e4m3 weights [N, K] with K a multiple of 128, contiguous, and scales whose
     rows can be read as 32-bit words."""
-    if not HAVE_GLUON or x2.device.type != "cuda" or torch.version.hip or x2.dtype != torch.bfloat16:
-        return False
-    if not moe_wgmma._sm90(x2.device.index if x2.device.index is not None else torch.cuda.current_device()):
+    if not moe_wgmma.hopper_gluon(x2):
         return False
     k = weight.shape[1]
     return (weight.dtype == torch.float8_e4m3fn and k % BLOCK_K == 0 and weight.is_contiguous()

@@ -297,13 +297,19 @@ def _sm90(index: int) -> bool:
     return torch.cuda.get_device_capability(index) == (9, 0)
 
 
+def hopper_gluon(x: torch.Tensor) -> bool:
+    """Whether Gluon kernels of this kind can run on x: Triton >= 3.6's Gluon, bf16 x on a CUDA sm_90 device (the
+    device check every `supported` here and in fp8_linear_wgmma.py starts with)."""
+    if not HAVE_GLUON or x.device.type != "cuda" or torch.version.hip or x.dtype != torch.bfloat16:
+        return False
+    return _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device())
+
+
 def supported(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor,
               w2_scale: torch.Tensor) -> bool:
     """Whether these kernels take a fused-MoE call: Triton >= 3.6's Gluon, a CUDA sm_90 device, bf16 x, fp8 e4m3
     experts with contiguous stacks, hidden and intermediate sizes multiples of 128."""
-    if not HAVE_GLUON or x.device.type != "cuda" or torch.version.hip or x.dtype != torch.bfloat16:
-        return False
-    if not _sm90(x.device.index if x.device.index is not None else torch.cuda.current_device()):
+    if not hopper_gluon(x):
         return False
     hidden, inter = w13.shape[2], w2.shape[2]
     return (w13.dtype == w2.dtype == torch.float8_e4m3fn and hidden % BLOCK_K == 0 and inter % BLOCK_K == 0
