@@ -15,6 +15,9 @@ import os
 import subprocess
 import sys
 
+HOPPER_SHARED_BYTES = 232_448
+"""Shared memory one H100/H200 block may use (227 KB): what a compiled kernel must fit."""
+
 _SCRIPT = r"""
 import importlib, json, sys
 import triton

@@ -11,10 +11,7 @@ import torch
 import triton
 
 from nanoserve.kernels import fp8_linear_wgmma as wg
-from tests.gluon_compile import compile_for_hopper
-
-HOPPER_SHARED_BYTES = 232_448
-"""Shared memory one H100/H200 block may use (227 KB)."""
+from tests.gluon_compile import HOPPER_SHARED_BYTES, compile_for_hopper
 
 
 @pytest.mark.skipif(not wg.HAVE_GLUON, reason="this Triton has no Gluon")

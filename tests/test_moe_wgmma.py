@@ -8,10 +8,7 @@ import pytest
 import torch
 
 from nanoserve.kernels import moe_wgmma
-from tests.gluon_compile import compile_for_hopper
-
-HOPPER_SHARED_BYTES = 232_448
-"""Shared memory one H100/H200 block may use (227 KB)."""
+from tests.gluon_compile import HOPPER_SHARED_BYTES, compile_for_hopper
 
 
 @pytest.mark.skipif(not moe_wgmma.HAVE_GLUON, reason="this Triton has no Gluon")
