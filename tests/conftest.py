@@ -61,7 +61,7 @@ def mtp_dir(tiny_dir, tmp_path_factory) -> str:
 
     from safetensors.torch import save_file
 
-    from tests.test_spec_decode import mtp_tensors
+    from tests.engine.test_spec_decode import mtp_tensors
 
     path = tmp_path_factory.mktemp("m3-tiny-mtp")
     shutil.copytree(tiny_dir, path, dirs_exist_ok=True)
@@ -73,8 +73,8 @@ def mtp_dir(tiny_dir, tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_dir):
     """transformers' MiniMaxM3VLForCausalLM holding the `tiny_dir` weights (fp32, eval): the parity oracle.
-    Shared by the whole session; do not modify it. See tests/hf_oracle.py to load other directories."""
-    from tests.hf_oracle import load_hf_oracle
+    Shared by the whole session; do not modify it. See tests/helpers/hf_oracle.py to load other directories."""
+    from tests.helpers.hf_oracle import load_hf_oracle
 
     return load_hf_oracle(tiny_dir)
 
@@ -104,7 +104,7 @@ def engine(tiny_dir):
     """An AsyncLLMEngine on the m3-tiny checkpoint with the server tests' fast CPU setup
     (tests/server_utils.engine_config)."""
     from nanoserve.entrypoints.async_engine import AsyncLLMEngine
-    from tests.server_utils import engine_config
+    from tests.helpers.server_utils import engine_config
 
     return AsyncLLMEngine.from_config(engine_config(tiny_dir))
 
@@ -113,7 +113,7 @@ def engine(tiny_dir):
 def app(engine):
     """The server's app around `engine`, serving it as tests/server_utils.SERVED_MODEL."""
     from nanoserve.server import build_app
-    from tests.server_utils import SERVED_MODEL
+    from tests.helpers.server_utils import SERVED_MODEL
 
     return build_app(engine, SERVED_MODEL)
 
@@ -121,7 +121,7 @@ def app(engine):
 @pytest.fixture(scope="module")
 def server(app):
     """`app` on a real uvicorn server on a loopback port (tests/server_utils.ServerThread)."""
-    from tests.server_utils import ServerThread
+    from tests.helpers.server_utils import ServerThread
 
     with ServerThread(app) as srv:
         yield srv

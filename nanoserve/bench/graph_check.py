@@ -1,5 +1,5 @@
-"""Decode-graph replay against the eager forward, on a live ModelRunner (used by tests/test_cuda_graphs.py on
-m3-tiny and by tests/test_gpu_engine.py on m3-slice).
+"""Decode-graph replay against the eager forward, on a live ModelRunner (used by tests/engine/test_cuda_graphs.py on
+m3-tiny and by tests/engine/test_gpu_engine.py on m3-slice).
 
 For each batch size: prefill that many random prompts into fresh blocks of the runner's pool, then run two decode
 steps, each once through the graph path and once eagerly, and compare the logits. The second step replays a graph

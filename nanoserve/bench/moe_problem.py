@@ -1,5 +1,5 @@
 """One fused-MoE problem at a model's widths, for the tuner (scripts/tune_moe.py) and the GPU checks
-(tests/test_gpu_kernels.py): expert weights, inputs with a uniform random routing, the fused kernel as the model
+(tests/kernels/test_gpu_kernels.py): expert weights, inputs with a uniform random routing, the fused kernel as the model
 calls it, and an fp32 per-expert computation to hold it against.
 
 The weights are the routed experts plus the shared expert as the last slot (M3 folds it into the fused kernel),

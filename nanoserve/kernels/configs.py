@@ -10,7 +10,7 @@ One table per kernel, keyed by backend:
   form), read once at import by `tuned.load`. Decode kernels stream the KV cache: many programs, a few pipeline
   stages. Prefill tiles are the usual flash-attention shapes for head_dim 128.
 - "hip": the same kernels on AMD Instinct (MI300X = gfx942, MI355X = gfx950). No entry has run on an AMD card:
-  each follows one rule, and the compile gate (tests/compile_gate.py, docs/rocm.md) compiles every launch of the
+  each follows one rule, and the compile gate (scripts/compile_gate.py, docs/rocm.md) compiles every launch of the
   engine for gfx942 and gfx950 and fails on a compile error, LDS over budget or a register spill. The rule (for
   the tables here and in fp8_configs.py):
   1. wave-64: `num_warps` counts 64-lane wavefronts (4 waves = 256 lanes: as many threads as 8 CUDA warps);
@@ -197,7 +197,7 @@ GEMV_TILES: dict[str, dict[tuple[int, int], tuple[int, int, int, int]]] = {
     # One-row GEMV for 16-bit weights (kernels/gemv.py): backend -> (N, K) of the weight -> (block_n, block_k,
     # warps, stages). Only shapes where `scripts/tune_gemv.py` measured the kernel faster than F.linear on the
     # card are listed; every other shape keeps F.linear. The interpreter lists none: the model's CPU runs keep
-    # F.linear, and tests/test_kernel_gemv.py calls the kernel with GEMV_INTERPRETER_TILES.
+    # F.linear, and tests/kernels/test_kernel_gemv.py calls the kernel with GEMV_INTERPRETER_TILES.
     # cuda: tuned/gemv.json's "16bit" table (H200; the QKV, o_proj and dense down projections, the MoE router's
     # fp32 weight and the bf16 LM head), each shape with its run and its time against F.linear in "provenance".
     "cuda": gemv_tables(tuned.load("gemv"))["16bit"],

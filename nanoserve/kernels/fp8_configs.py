@@ -29,7 +29,7 @@ file of the same form (fp8_tuned.json, which can replace tuned/fp8.json as it is
 `NANOSERVE_FP8_TUNED_CONFIG=<that file>` makes the kernels use its entries over the built-in ones (for another
 card, without editing anything). Built-in "hip" entries stay here in Python: M3's shapes at tensor parallel 1-8
 and expert parallel 4 and 8, one bucket table per kind chosen by the rule stated in configs.py's docstring (never
-timed on an AMD card; the compile gate, tests/compile_gate.py, checks that they compile and fit gfx942 and gfx950).
+timed on an AMD card; the compile gate, scripts/compile_gate.py, checks that they compile and fit gfx942 and gfx950).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ tile's columns once at the end. The weight loads are marked evict-first: W is re
 
 It runs only for the shapes in `GEMV_TILES` (kernels/configs.py), the ones where `scripts/tune_gemv.py` measured
 it faster than F.linear on the card, with the tile it found; other shapes, and M > 1, keep F.linear. The reference
-is F.linear: both accumulate in fp32 and round once, in a different order (tests/test_kernel_gemv.py states the
+is F.linear: both accumulate in fp32 and round once, in a different order (tests/kernels/test_kernel_gemv.py states the
 tolerances).
 
 `gemv_mxfp8` is the same stream for MXFP8 weights, one byte per weight: the fp8 tile is widened to fp32 (exact),

@@ -16,7 +16,7 @@ each of the MoE layers of every step. Here one program does all of it for up to 
 
 The reference is `reference.route` followed by `moe_align` (switch `fused_routing` off): the ids and the layout
 are identical; the weights agree to within fp32 rounding (sigmoid's exp and the k-term sum may round differently:
-tests/test_kernel_moe_route.py allows 1e-6). Larger batches keep the torch routing and moe_align.
+tests/kernels/test_kernel_moe_route.py allows 1e-6). Larger batches keep the torch routing and moe_align.
 """
 
 from __future__ import annotations

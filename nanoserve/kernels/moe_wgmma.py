@@ -22,7 +22,7 @@ keeps ptxas from serialising the wgmmas (docs/mxfp8.md says what did not work).
 Exact: each weight is fp8 x 2^(S - 127) computed in fp32 and rounded to bf16 (exact: the value the dequantised
 reference holds), each output adds its K steps in increasing order, 16 columns per MMA instruction, and the
 epilogues are moe.py's. On one H100 the outputs equal the bf16 kernels' on the dequantised stacks bit for bit
-(tests/test_gpu_mxfp8.py).
+(tests/model/test_gpu_mxfp8.py).
 
 Only for CUDA sm_90 with Triton >= 3.6 (its Gluon), bf16 activations, fp8 e4m3 experts whose hidden and
 intermediate sizes are multiples of 128 (M3's are, also at tensor parallel 8), contiguous stacks; `supported` says
