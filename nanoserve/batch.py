@@ -1,6 +1,5 @@
 """The types that describe one step's batch, shared by every layer that touches it.
 
-    ModelInput          the engine -> runner description: plain lists (picklable, broadcast to tensor-parallel ranks)
     TokenFeed           input ids taken from the previous step's sampled tokens on the device (async scheduling)
     AttentionMetadata   what the attention layers and kernels need about the flat batch, as device tensors
 
@@ -15,24 +14,9 @@ in block `block_table[p // block_size]` at offset `p % block_size`, i.e. at "slo
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-
-
-@dataclass
-class ModelInput:
-    """One step's batch, as plain lists (picklable, cheap to broadcast under tensor parallelism)."""
-
-    input_ids: list[int]  # the new tokens of every sequence, concatenated
-    query_lens: list[int]  # new tokens per sequence
-    seq_lens: list[int]  # context length per sequence after this step
-    block_tables: list[list[int]]
-    sample_rows: list[int]  # sequences (by batch index) whose last token's logits are wanted
-    prompt_rows: list[int] = field(default_factory=list)
-    """Tokens (by index into input_ids) whose logits are wanted too: the prompt positions of the requests that
-    asked for prompt logprobs, then the positions of a speculative verify step (engine/speculative.py). Their
-    logits follow the sample rows' in what the runner returns."""
 
 
 @dataclass

@@ -193,11 +193,10 @@ class Optimizations:
     overlap_grammar: bool = switch(
         True, ENGINE, "engine/structured_output.py", "structured outputs' host work runs while the forward runs: "
         "the grammars accept the previous step's tokens in one batched call after the forward is launched (EOS, "
-        "which may end a format, at once), and the masks are filled into two pinned buffers that are copied up "
-        "directly", "each token is accepted by its grammar as it is received, before the next step is scheduled, "
-        "and the mask is filled into a pageable buffer and staged through a fresh pinned copy")
+        "which may end a format, at once), and the step's masks are filled while the forward runs", "each token is "
+        "accepted by its grammar as it is received, before the next step is scheduled")
     speculative_decoding: bool = switch(
-        True, ENGINE, "engine/speculative.py", "with a speculative_config (--speculative-config): each decoding "
+        True, ENGINE, "spec_decode/proposer.py", "with a speculative_config (--speculative-config): each decoding "
         "sequence drafts up to k tokens (ngram prompt lookup, the checkpoint's MTP module or an EAGLE-3 draft) and "
         "one target pass verifies them, keeping the longest accepted prefix plus one token (greedy: token for token "
         "the same output; sampling: rejection sampling, the same distribution); without a speculative_config "
@@ -210,18 +209,19 @@ class Optimizations:
         "what it reads into a static buffer), and the draft model's passes (mtp, eagle3) replay graphs of their own",
         "verify steps run eagerly; with an mtp or eagle3 drafter every step and draft pass runs eagerly")
     spec_greedy_accept: bool = switch(
-        True, ENGINE, "engine/speculative.py", "a verify step whose sequences are all plain greedy (temperature 0, no "
+        True, ENGINE, "spec_decode/verify.py", "a verify step whose sequences are all plain greedy (temperature 0, no "
         "logprobs, no logit processing, no structured output) queues one argmax over its rows and copies it to the "
         "host, where each draft is compared with it (the longest matching prefix, then the argmax)",
         "every verify step runs the rejection sampler on the device over the target distributions (one-hot at the "
         "argmax for a greedy row)")
     spec_draft_chain: bool = switch(
-        True, ENGINE, "runner/draft_chain.py", "with a draft model (mtp, eagle3), spec_cuda_graphs and "
+        True, ENGINE, "spec_decode/draft_chain.py", "with a draft model (mtp, eagle3), spec_cuda_graphs and "
         "spec_greedy_accept: after a verify graph whose sequences are all plain greedy with k drafts, one more graph "
         "accepts on the device and runs the draft passes of the next step's drafts (the first over the verified "
         "positions, each reading its argmax as the token after it), so they arrive with this step's tokens: one "
         "host-device synchronisation per step instead of two",
-        "each step's drafts are proposed at its start from the tokens the host accepted (runner/drafter.py)")
+        "each step's drafts are proposed once its tokens reach the host, from the tokens accepted there "
+        "(spec_decode/proposer.py, spec_decode/drafter.py)")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.batch import ModelInput
 from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.step import ModelInput
 
 
 def compare_decode_logits(runner: ModelRunner, batch_sizes: tuple[int, ...] = (1, 3, 8), prompt_len: int = 40,

@@ -60,7 +60,7 @@ PUBLISHED_EAGLE3_ACCEPTANCE = (2.7, 3.5)
 def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
              ) -> list[tuple[str, dict | None, str | None]]:
     """(name, speculative_config, why it is skipped or None) for every drafter this model can be measured with."""
-    from nanoserve.model.mtp import has_mtp
+    from nanoserve.spec_decode.mtp import has_mtp
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
     no_eagle = None if eagle3_dir else "no EAGLE-3 draft directory given (--spec-eagle3 DIR)"

@@ -30,9 +30,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from nanoserve.batch import ModelInput
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.spec_decode.ngram import NgramProposer
+from nanoserve.step import ModelInput
 
 ACCEPTANCE_AT = {1: (1.5, 2.0), 3: (2.7, 3.5)}
 """Mean accepted lengths the speed-up is computed at, per k: for k = 3 EAGLE-3's published ones."""
@@ -53,9 +53,9 @@ def _timer(device: torch.device, fn: Callable[[], Any], repeats: int, warmup: in
 
 def random_drafter(method: str, runner):
     """A DraftRunner with random weights at the target's widths, its K/V pool under the runner's block ids."""
-    from nanoserve.model.eagle3 import Eagle3Config, Eagle3Drafter
-    from nanoserve.model.mtp import M3MTP
-    from nanoserve.runner.drafter import DraftRunner
+    from nanoserve.spec_decode.drafter import DraftRunner
+    from nanoserve.spec_decode.eagle3 import Eagle3Config, Eagle3Drafter
+    from nanoserve.spec_decode.mtp import M3MTP
 
     cfg, opts = runner.cfg, runner.config.optimizations
     if method == "mtp":

@@ -12,16 +12,17 @@ arith, tool, no_tool) greedily, one at a time (batch 1, where speculation pays).
 wrappers, installed on the engine's objects (the engine's code is not changed), time each phase of every engine
 step:
 
-    propose         engine.speculator.propose: the drafts for the next step (ngram: the lookup on the host)
-      propose_drafts  inside it, engine.executor.propose_drafts: a draft model's passes (mtp; its graph replays)
-    schedule        engine.scheduler.schedule
-    execute_model   engine.executor.execute_model: stage the inputs and launch (or replay) the target's forward
-    sample          engine.sampler.sample: queue the draw of the rows that do not verify drafts
-    verify          engine.speculator.verify: queue the acceptance of the drafts (target distributions, rejection)
-    receive         engine._receive: wait for the step's tokens (the host-device sync), append them, stop checks
-    process         engine._process: detokenise, stop strings, logprobs, the outputs
-    other           the rest of engine.step (building the model input, bookkeeping): step - the phases above
-                    that step calls directly (propose_drafts runs inside propose and is not subtracted again)
+    launch          engine.launch: schedule the step and hand it to the executor, made of
+      schedule        engine.scheduler.schedule
+      execute_model   engine.executor.execute_model: stage the inputs and launch (or replay) the target's forward
+      masks           engine._grammar_masks: the structured-output masks, on the host while the forward runs
+      sample_tokens   engine.executor.sample_tokens: queue the draw, the verification of drafts, the draft chain
+    update          engine.update: the step's tokens appended, stop checks; inside it
+      result          the step future's result(): wait for the tokens (the host-device sync), then
+        propose         the runner's Proposer.propose: the next step's drafts (ngram: the lookup on the host)
+          propose_drafts  a draft model's passes (mtp; its graph replays)
+    outputs         engine.outputs: detokenise, stop strings, logprobs, the outputs
+    other           the rest of engine.step: step - launch, update and outputs
     step            the whole engine.step
     outside step    generate()'s time outside engine.step (add_request, the generate loop), per step
 
@@ -60,18 +61,20 @@ TASKS = ("arith", "tool", "no_tool")
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 MTP_K3 = {"method": "mtp", "num_speculative_tokens": 3}
 
-PHASES = ("propose", "propose_drafts", "schedule", "execute_model", "sample", "verify", "receive", "process")
-"""The timed phases of a step, in the order the plain step runs them (the overlapped step receives first)."""
+PHASES = ("launch", "schedule", "execute_model", "masks", "sample_tokens", "update", "result", "propose",
+          "propose_drafts", "outputs")
+"""The timed phases of a step, in the order the plain step runs them (the overlapped step updates first)."""
 
-PHASE_SOURCES = {"propose": "engine.speculator.propose", "propose_drafts": "engine.executor.propose_drafts",
-                 "schedule": "engine.scheduler.schedule", "execute_model": "engine.executor.execute_model",
-                 "sample": "engine.sampler.sample", "verify": "engine.speculator.verify",
-                 "receive": "engine._receive", "process": "engine._process"}
+PHASE_SOURCES = {"launch": "engine.launch", "schedule": "engine.scheduler.schedule",
+                 "execute_model": "engine.executor.execute_model", "masks": "engine._grammar_masks",
+                 "sample_tokens": "engine.executor.sample_tokens", "update": "engine.update",
+                 "result": "the step's future, result()", "propose": "the runner's Proposer.propose",
+                 "propose_drafts": "the runner's propose_drafts", "outputs": "engine.outputs"}
 
 
 def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict | None, str | None]]:
     """(name, speculative_config, why it is skipped or None) for every configuration measured."""
-    from nanoserve.model.mtp import has_mtp
+    from nanoserve.spec_decode.mtp import has_mtp
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
     return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp),
@@ -110,26 +113,38 @@ class PhaseTimer:
 
 def install_timers(engine, timer: PhaseTimer) -> list[str]:
     """Wrap the engine's phases on its instances (see the module docstring); returns the phases wrapped. The
-    overlapped step holds the engine's `_receive` and `_process` as bound methods taken when it was built: it
-    gets the wrapped ones."""
+    overlapped step holds the engine's `launch`, `update` and `outputs` as bound methods taken when it was built:
+    it gets the wrapped ones."""
     wrapped = []
 
     def put(obj, attr: str, name: str) -> None:
         setattr(obj, attr, timer.wrap(name, getattr(obj, attr)))
         wrapped.append(name)
 
-    if engine.speculator is not None:
-        put(engine.speculator, "propose", "propose")
-        if engine.speculator.proposer is None:  # a draft model: the executor runs its passes
-            put(engine.executor, "propose_drafts", "propose_drafts")
-        put(engine.speculator, "verify", "verify")
+    runner = engine.executor.runner
+    proposer = runner.sampling.proposer
+    if proposer is not None:
+        put(proposer, "propose", "propose")
+        if proposer.by_model is not None:  # a draft model: the runner runs its passes
+            put(runner, "propose_drafts", "propose_drafts")
+    sample_tokens = engine.executor.sample_tokens
+
+    def sample_and_time_its_result(masks=None):
+        future = sample_tokens(masks)
+        future.result = timer.wrap("result", future.result)
+        return future
+
+    engine.executor.sample_tokens = timer.wrap("sample_tokens", sample_and_time_its_result)
+    wrapped += ["sample_tokens", "result"]
     put(engine.scheduler, "schedule", "schedule")
     put(engine.executor, "execute_model", "execute_model")
-    put(engine.sampler, "sample", "sample")
-    put(engine, "_receive", "receive")
-    put(engine, "_process", "process")
+    put(engine, "_grammar_masks", "masks")
+    put(engine, "launch", "launch")
+    put(engine, "update", "update")
+    put(engine, "outputs", "outputs")
     if engine.overlapped is not None:
-        engine.overlapped.receive, engine.overlapped.process = engine._receive, engine._process
+        overlapped = engine.overlapped
+        overlapped.launch, overlapped.receive, overlapped.process = engine.launch, engine.update, engine.outputs
     put(engine, "step", "step")
     return wrapped
 
@@ -238,7 +253,7 @@ def host_table(report: dict[str, Any]) -> str:
         label = f"{p} ({PHASE_SOURCES[p]}" + (f", within {within})" if within not in (None, "step") else ")")
         cells = [_f(c["phases"][p]["ms_per_step"]) if p in c["phases"] else "-" for c in configs.values()]
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    for label, key, fmt in (("other (step - the phases step calls)", "other_ms_per_step", ".3f"),
+    for label, key, fmt in (("other (step - launch, update and outputs)", "other_ms_per_step", ".3f"),
                             ("**step** (engine.step)", "step_ms_per_step", ".3f"),
                             ("outside step (generate loop, add_request)", "outside_step_ms_per_step", ".3f"),
                             ("steps", "steps", "d"), ("output tokens", "output_tokens", "d"),

@@ -7,8 +7,8 @@ from __future__ import annotations
 from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS
 
 NO_CHAIN = "mtp k=3, no draft chain"
-"""MTP k=3 with switch spec_draft_chain off, its reference (runner/draft_chain.py): the chain replays CUDA graphs, so
-the two differ on a GPU only."""
+"""MTP k=3 with switch spec_draft_chain off, its reference (spec_decode/draft_chain.py): the chain replays CUDA
+graphs, so the two differ on a GPU only."""
 
 
 def no_chain_skip(no_mtp: str | None, device: str) -> str | None:

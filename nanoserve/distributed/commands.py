@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
+from nanoserve.step import ModelInput
 
 
 @dataclass(frozen=True)

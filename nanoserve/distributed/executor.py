@@ -1,10 +1,12 @@
 """MultiprocExecutor: tensor parallelism as the engine sees it, from rank 0.
 
-The engine's process is rank 0: it holds a ModelRunner with shard 0 and is where the logits come back for
-sampling (the LM head already all-gathers the vocabulary). Ranks 1..N-1 are worker processes - spawned here with
-torch.multiprocessing (a fresh interpreter each, which inherits this process's environment: TRITON_INTERPRET,
-NANOSERVE_CACHE, ...), or started by torchrun on other hosts (distributed/launch.py). Each step rank 0 broadcasts
-the ModelInput over the control group and every rank runs `runner.execute` on its shard (distributed/worker.py).
+The engine's process is rank 0: it holds a ModelRunner with shard 0 and is where the logits come back to be turned
+into tokens (the LM head already all-gathers the vocabulary): sampling, prompt logprobs and speculative verification
+run on rank 0 only, and only the forward's ModelInput travels to the other ranks. Ranks 1..N-1 are worker processes -
+spawned here with torch.multiprocessing (a fresh interpreter each, which inherits this process's environment:
+TRITON_INTERPRET, NANOSERVE_CACHE, ...), or started by torchrun on other hosts (distributed/launch.py). Each step rank
+0 broadcasts the ModelInput over the control group and every rank runs `runner.execute` on its shard
+(distributed/worker.py).
 
 Rendezvous: EngineConfig.distributed_init_method (tcp://host:port or env://), by default a free loopback port;
 under torchrun always env://.
@@ -32,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as torch_mp
 
-from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.commands import Configure, InitCache, Step, Stop
 from nanoserve.distributed.launch import check_world_size, run_worker_if_torchrun, torchrun_rank
@@ -54,9 +55,10 @@ from nanoserve.distributed.worker import (
     rank_device,
     run_worker,
 )
-from nanoserve.executor.base import Executor
+from nanoserve.executor.base import Executor, StepFuture
 from nanoserve.parallel_state import get_tp, set_tp
 from nanoserve.runner.model_runner import ModelRunner
+from nanoserve.step import GrammarMasks, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -156,23 +158,25 @@ class MultiprocExecutor(Executor):
         self.watchdog.bound_steps([dist.group.WORLD, self.channel.group])  # warmed up: steps are bounded now
         return self.num_blocks
 
-    def execute_model(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
-        if feed is not None:  # the workers get plain lists: a token still on rank 0's device cannot reach them
-            raise ValueError("a tensor-parallel executor takes no TokenFeed (supports_token_feed is False)")
+    def execute_model(self, step: StepInput) -> None:
+        if step.fed:  # the workers get plain lists: a token still on rank 0's device cannot reach them
+            raise ValueError("a tensor-parallel executor takes no tokens on the device (supports_token_feed is False)")
 
-        def step() -> torch.Tensor:
+        def forward() -> None:
             switches = self.runner.config.optimizations.as_dict()
             changed = switches if switches != self._sent_switches else None
-            self.channel.send(Step(inp, changed))
+            self.channel.send(Step(step.model, changed))
             self._sent_switches = switches
-            logits = self.runner.execute(inp)
+            self.runner.execute_model(step)
             if self.device.type == "cuda":
                 done = torch.cuda.Event()
                 done.record()
                 self.watchdog.wait_for_event(done)
-            return logits
 
-        return self.watchdog.guarded(step)
+        self.watchdog.guarded(forward)
+
+    def sample_tokens(self, masks: GrammarMasks | None = None) -> StepFuture:
+        return self.watchdog.guarded(lambda: self.runner.sample_tokens(masks))
 
     def check_health(self) -> None:
         self.watchdog.raise_if_failed()

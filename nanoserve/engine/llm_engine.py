@@ -1,24 +1,25 @@
 """LLMEngine: requests in, tokens out, one `step()` at a time.
 
     add_request(id, prompt, params)   tokenise, validate, queue n sequences
-    step()                            schedule -> run the model -> sample -> detokenise -> check stops
+    step()                            schedule -> run the model (token ids come back) -> update -> outputs
     abort_request(id)                 drop a request wherever it is, returning its KV blocks
 
 The offline `LLM` class (entrypoints/llm.py) and the async server bridge (entrypoints/async_engine.py) both drive
-this loop.
+this loop. The engine deals in plain lists and token ids: the executor (executor/, distributed/) runs the forward
+and returns each sequence's new tokens - sampled, verified and drafted behind it, in runner/ and spec_decode/ - so
+nothing here touches a tensor.
 
-The plain step is `step()` below: schedule -> run the model -> sample (`_launch`), then the host work on the
-step's tokens, in two parts: (a) `_receive`, what the next schedule depends on (wait for the tokens, append them,
-end the sequences that EOS, a stop token id or a length limit ends), and (b) `_process`, the rest (incremental
-detokenisation, stop strings, logprobs, the RequestOutputs). With switch `overlap_scheduling` on (and
+The plain step is `step()` below, in three parts: `launch` (schedule, hand the step to the executor: the forward,
+then the sampling, queued on the device), `update` (wait for the tokens; append them to their sequences and end
+the sequences that EOS, a stop token id or a length limit ends: what the next schedule depends on) and `outputs`
+(incremental detokenisation, stop strings, logprobs, the RequestOutputs). With switch `overlap_scheduling` on (and
 `async_scheduling` on top of it) the engine runs engine/overlap.py's `OverlappedStep` instead, chosen when the
 engine is built: the same three parts in another order, so the host work of one step runs while the device
 computes the next.
 
-Speculative decoding (switch `speculative_decoding`, with a `speculative_config`; engine/speculative.py): before
-each schedule the decoding sequences draft tokens, a step verifies them with their newest token, and `_receive`
-appends the accepted ones plus one, each through the usual stop checks - the stop strings too, at once, so a stop
-inside the accepted run cuts it there. Async scheduling is off while speculating.
+Speculative decoding (a `speculative_config`) changes nothing here but the count: a step's output carries each
+sequence's next draft tokens, which the scheduler schedules after its newest token, and a verifying sequence gets
+its accepted drafts plus one token, appended through the same stop checks (`append_tokens`).
 """
 
 from __future__ import annotations
@@ -29,25 +30,23 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
-from nanoserve.engine import prompt_logprobs as prompt_lp
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
-from nanoserve.engine.launched_step import LaunchedStep, Received
+from nanoserve.engine.launched_step import Appended, LaunchedStep
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
-from nanoserve.engine.outputs import RequestOutput
+from nanoserve.engine.outputs import Logprob, RequestOutput
 from nanoserve.engine.overlap import OverlappedStep
-from nanoserve.engine.sampler import DeviceSample, Sampler
-from nanoserve.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from nanoserve.engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from nanoserve.engine.sequence import FinishReason, Sequence
-from nanoserve.engine.speculative import DeviceVerify, Speculator, StepRows
+from nanoserve.engine.step_input import build_step_input
 from nanoserve.engine.stop_checker import Stop, StopChecker
 from nanoserve.engine.structured_output import StructuredOutputManager
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.step import GrammarMasks, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +54,7 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLMEngine:
-    """The engine loop around a scheduler, a block manager, an executor (the model) and a sampler."""
+    """The engine loop around a scheduler, a block manager and an executor (the model, which returns tokens)."""
 
     def __init__(self, config: EngineConfig, executor: Executor | None = None):
         """`executor`: reuse an already built model and KV pool (the benchmark's ablation builds one engine per
@@ -70,7 +69,7 @@ class LLMEngine:
             raise
 
     def _build(self, config: EngineConfig, reuse_pool: bool) -> None:
-        """Everything around the executor: limits, the KV pool, block manager, scheduler, tokenizer, sampler."""
+        """Everything around the executor: limits, the KV pool, block manager, scheduler, tokenizer."""
         self.model_config = self.executor.model_config
         limits = resolve_limits(config, self.model_config)
         self.block_size, self.max_model_len = limits.block_size, limits.max_model_len
@@ -79,29 +78,29 @@ class LLMEngine:
             self.executor.initialize_cache(self.max_model_len, budget, config.max_num_seqs)
         check_kv_capacity(num_blocks, limits)
         opts = config.optimizations
+        self.spec_config = self._speculative_config(config)
+        k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.observers: list[Callable[..., None]] = []
         self.block_manager = BlockManager(num_blocks, self.block_size, opts.prefix_caching, self._emit)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, budget, self.max_model_len, opts,
-                                                   config.scheduling_policy),
-                                   self.block_manager, self._emit)
+        self.scheduler = Scheduler(SchedulerConfig(
+            config.max_num_seqs, budget, self.max_model_len, opts, config.scheduling_policy, k,
+            draft_writes_kv=self.spec_config is not None and self.spec_config.method != "ngram"),
+            self.block_manager, self._emit)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
         self._token_texts: dict[int, str] = {}
         self.eos_token_id = self.model_config.eos_token_id
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_id, self.max_model_len)
-        self.sampler = Sampler(self.executor.device, config.seed, self.eos_token_id, config.logprobs_mode)
         self.structured_output = StructuredOutputManager(config.tokenizer or self.executor.model_dir,
                                                          self.model_config.vocab_size, [self.eos_token_id],
                                                          max_batch=config.max_num_seqs)
         self.requests: dict[str, RequestState] = {}
         self.overlap_grammar = opts.overlap_grammar
-        self.pinned_masks = opts.overlap_grammar and self.executor.device.type == "cuda"
-        self.speculator = self._speculator(config)
-        self._last_rows: list[StepRows] = []  # the last received step's final positions (a draft model's input)
+        self._finished_ids: list[int] = []  # sequences ended since the last step (the runner forgets them)
         # the step loop, chosen once: a step in flight must be finished by the loop that launched it. Async
-        # scheduling needs an executor that takes tokens on the device, and no drafts (a draft is made from the
-        # previous step's tokens, on the host)
-        launch_ahead = opts.async_scheduling and self.executor.supports_token_feed and self.speculator is None
-        self.overlapped = OverlappedStep(self._launch, self._receive, self._process, launch_ahead) \
+        # scheduling needs an executor that takes tokens on the device, and no drafts (a sequence's next drafts
+        # come with its tokens)
+        launch_ahead = opts.async_scheduling and self.executor.supports_token_feed and self.spec_config is None
+        self.overlapped = OverlappedStep(self.launch, self.update, self.outputs, launch_ahead) \
             if opts.overlap_scheduling else None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -109,8 +108,8 @@ class LLMEngine:
                     "max_num_batched_tokens=%d, max_num_seqs=%d; switches %s", config.model, self.executor.device,
                     num_blocks, self.block_size, self.max_model_len, budget, config.max_num_seqs, opts.describe())
 
-    def _speculator(self, config: EngineConfig) -> Speculator | None:
-        """The drafter and verifier of config.speculative_config (checked even when the switch is off)."""
+    def _speculative_config(self, config: EngineConfig) -> SpeculativeConfig | None:
+        """config.speculative_config, checked (also when the switch is off), or None when not used."""
         if config.speculative_config is None:
             return None
         spec = SpeculativeConfig.from_dict(config.speculative_config)
@@ -119,154 +118,135 @@ class LLMEngine:
             return None
         if spec.method != "ngram" and config.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1 only")
-        opts = config.optimizations
         logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
-                    "replay CUDA graphs where they apply" if opts.spec_cuda_graphs
+                    "replay CUDA graphs where they apply" if config.optimizations.spec_cuda_graphs
                     else "run eagerly (switch spec_cuda_graphs off)")
-        return Speculator(spec, self.max_model_len, self.executor, self.block_manager.allocate,
-                          opts.spec_greedy_accept, opts.spec_draft_chain and opts.spec_cuda_graphs)
+        return spec
 
     # -- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """One engine iteration: schedule -> run the model -> sample -> process the outputs. Returns an output for
+        """One engine iteration: schedule -> run the model -> update the sequences -> outputs. Returns an output for
         every request that produced tokens or finished. With overlap_scheduling on, engine/overlap.py's
         iteration runs instead, and returns the previous call's step's outputs."""
         if self.overlapped is not None:
             return self.overlapped.step()
-        launched = self._launch()  # schedule, run the model, queue the sampling
+        launched = self.launch()  # schedule; the forward and the sampling, queued on the device
         if launched is None:  # nothing to run
             return []
-        received = self._receive(launched)  # (a) the tokens on the host: append, EOS / stop ids / length
-        return self._process(received)  # (b) detokenise, stop strings, logprobs: the outputs
+        # (a) the tokens: append, EOS / stop ids / length; (b) detokenise, stop strings, logprobs: the outputs
+        return self.outputs(self.update(launched))
 
-    def _launch(self, previous: LaunchedStep | None = None) -> LaunchedStep | None:
-        """Schedule a step, run the model and queue the sampling; on a GPU this returns while the device works.
-        `previous`: the step still in flight whose tokens this one may take on the device (async scheduling)."""
-        if self.speculator is not None:
-            if self.overlap_grammar:  # a structured output's drafts are checked against its current grammar
-                self.structured_output.catch_up([s for s in self.scheduler.running if s.grammar is not None])
-            self.speculator.propose(self.scheduler.running, self._last_rows)
-            self._last_rows = []
+    def launch(self) -> LaunchedStep | None:
+        """Schedule a step and start it; on a GPU this returns while the device works."""
         sched = self.scheduler.schedule()
-        self.stats.num_preemptions += len(sched.preempted)
+        self._count_step(sched)
         if sched.is_empty:
             return None
-        self._count_step(sched)
-        # (before the staging: a draft chain's passes write past the verified positions)
-        chain = self.speculator is not None and self.speculator.prepare_chain(sched.scheduled)
-        inp, prompt_rows, targets, fed = model_input(sched, self.model_config.vocab_size)
-        feed = token_feed(fed, previous)
-        self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=inp)
-        logits = self.executor.execute_model(inp, feed) if feed is not None else self.executor.execute_model(inp)
-        sampled = [s.seq for s in sched.scheduled if s.samples and not s.num_draft]
-        verifying = [s for s in sched.scheduled if s.num_draft]
-        # structured outputs, on the host while the forward runs: the grammars catch up on the last tokens
-        # (overlap_grammar; else _receive accepted them) and the constrained rows' token masks are filled
-        grammar = None
-        if sampled:
-            if self.overlap_grammar:
-                self.structured_output.catch_up(sampled)
-            grammar = self.structured_output.bitmask(sampled, pinned=self.pinned_masks)
-        # sampled at once: with CUDA graphs `logits` is a view of a static buffer that the next replay overwrites
-        sample = self.sampler.sample(logits[: len(sampled)], sampled, grammar, self.executor.last_argmax()) \
-            if sampled else None
-        launched = LaunchedStep(sampled, sample)
-        num_prompt_rows = len(targets)
-        if prompt_rows:  # the prompt positions' logits follow the sample rows'
-            launched.prompt_logprobs = prompt_lp.compute(logits[len(sampled): len(sampled) + num_prompt_rows],
-                                                         prompt_rows, targets,
-                                                         as_logits=self.config.logprobs_mode.endswith("logits"))
-            launched.prompt_seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
-        if verifying:  # then the k + 1 positions of each sequence that verifies drafts
-            launched.verify = self.speculator.verify(logits[len(sampled) + num_prompt_rows:], verifying,
-                                                     self.sampler)
-            drafts = self.executor.draft_chain() if chain and launched.verify.drafts is not None else None
-            if drafts is not None:  # the next step's drafts, copied back beside this step's tokens
-                # (one copy out of the static buffer, which the next replay overwrites; dense, so it flattens)
-                launched.chain = DeviceSample(drafts.clone().view(-1), [None] * drafts.numel(), None, None,
-                                              None).start_host_copy()
-        for seq in sampled + [s.seq for s in verifying]:  # its token is on the device until _receive takes it
-            seq.num_pending += 1
-        if self.speculator is not None:
-            offset = 0
-            for s in sched.scheduled:
-                launched.rows.append((s.seq, s.seq.num_computed_tokens, offset, s.num_new_tokens - s.num_draft))
-                offset += s.num_new_tokens
-        self.scheduler.update_after_step(sched)
-        return launched
+        step = build_step_input(sched, self.model_config.vocab_size, self._take_finished())
+        self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=step.model)
+        self.executor.execute_model(step)  # the forward, queued
+        future = self.executor.sample_tokens(self._grammar_masks(sched))  # (the masks filled while it runs)
+        sampled = self.scheduler.update_after_step(sched)  # their new tokens are pending until update
+        return LaunchedStep(sched, step, future, sampled)
 
-    def _receive(self, launched: LaunchedStep) -> list[Received]:
+    def update(self, launched: LaunchedStep) -> list[Appended]:
         """(a): wait for a step's tokens; append them and end the sequences that EOS, a stop id or a length limit
         ends. A sequence finished since the step was launched (aborted, or ended by a stop string) gets nothing."""
-        if launched.prompt_logprobs is not None:  # before the next schedule, which reads how many there are
-            for seq_id, entries in prompt_lp.to_host(launched.prompt_logprobs, self._token_text).items():
-                launched.prompt_seqs[seq_id].prompt_logprobs.extend(d for _, d in entries)
-        received: list[Received] = []
-        accepted: dict[int, int] = {}
-        if launched.verify is not None:
-            accepted = self._receive_verified(launched.verify, received)
-            if launched.chain is not None:
-                self.speculator.keep_chain(launched.verify, self.sampler.to_host(launched.chain), accepted)
-        if self.speculator is not None:  # the positions made final: the drafter reads them (unfinished sequences)
-            self._last_rows = [(seq, start, offset, n + accepted.get(seq.seq_id, 0))
-                               for seq, start, offset, n in launched.rows]
-        if launched.sample is None:
-            return received
-        result = self.sampler.to_host(launched.sample)
-        for i, seq in enumerate(launched.seqs):
+        output = launched.future.result()
+        self._take_prompt_logprobs(launched.sched, output)
+        appended: list[Appended] = []
+        for s, out in zip(launched.sampled, output.seqs, strict=True):  # (the same sequences, in order)
+            seq = s.seq
             if seq.is_finished:  # (finishing dropped its pending tokens)
                 continue
             seq.num_pending -= 1
-            if seq.grammar is not None and seq.grammar.failed:  # rejected its previous token at catch-up
-                self._finish(seq, FinishReason.ERROR, None)  # this step's (unmasked) token is dropped
-                received.append((seq, None, i, False))
-                continue
-            token = result.token_ids[i]
-            seq.output_token_ids.append(token)
-            self.stats.num_generation_tokens += 1
-            if not self._grammar_accepts(seq, token):  # rejected (the mask should prevent it)
-                self._finish(seq, FinishReason.ERROR, None)
-            else:
-                self._finish_if(seq, self.stop_checker.check_token(seq))  # a sequence it ends has its text done
-            received.append((seq, result, i, False))
-        return received
+            if s.num_draft:
+                self.stats.record_acceptance(s.num_draft, len(out.token_ids) - 1)
+            appended += self.append_tokens(seq, out.token_ids, out.logprobs)
+            if s.max_drafts and not seq.is_finished:  # speculative decoding: keep the accepted K/V, take drafts
+                self._speculated(s, len(out.token_ids) - 1, output.drafts.get(seq.seq_id, []))
+        return appended
 
-    def _receive_verified(self, verify: DeviceVerify, received: list[Received]) -> dict[int, int]:
-        """The tokens of the sequences that verified drafts: the accepted drafts and the drawn token, appended one
-        at a time through every stop check (stop strings included: a stop ends the run there); then the K/V of
-        the accepted positions is kept and the blocks of the rejected ones given back. Returns each unfinished
-        sequence's accepted drafts (by seq_id)."""
-        result = self.speculator.to_host(verify)
-        accepted: dict[int, int] = {}
-        for r, seq in enumerate(verify.seqs):
-            if seq.is_finished:  # aborted, or ended by a stop string, since the step was launched
-                continue
-            seq.num_pending -= 1
-            row = r * verify.width
-            tokens = [t for t in result.token_ids[row: row + verify.width] if t >= 0]
-            self.stats.record_acceptance(verify.num_draft[r], len(tokens) - 1)
-            for j, token in enumerate(tokens):
-                seq.output_token_ids.append(token)
-                self.stats.num_generation_tokens += 1
-                received.append((seq, result, row + j, True))
-                if not self._grammar_accepts(seq, token):  # rejected (the masks should prevent it)
-                    self._finish(seq, FinishReason.ERROR, None)
-                    break
-                stop = self.stop_checker.check_token(seq)
-                if stop is None:
-                    stop = self.stop_checker.check_text(seq)
-                if stop is not None:
-                    self._finish(seq, stop.reason, stop.stop_reason)
-                    break
-            if not seq.is_finished:
-                self.scheduler.accept_drafts(seq, len(tokens) - 1)
-                accepted[seq.seq_id] = len(tokens) - 1
-        return accepted
+    def append_tokens(self, seq: Sequence, tokens: list[int], logprobs: list[dict[int, float]] | None = None
+                      ) -> list[Appended]:
+        """Append a step's tokens to seq, one at a time through the stop checks (its grammar, EOS, stop ids, a
+        finished format, length); several tokens (accepted drafts) have their stop strings checked at once too, so a
+        stop inside the run cuts it there."""
+        if seq.grammar is not None and seq.grammar.failed:  # rejected its previous token at catch-up
+            self._finish(seq, FinishReason.ERROR, None)  # this step's (unmasked) token is dropped
+            return [Appended(seq, None, has_token=False)]
+        appended = []
+        for j, token in enumerate(tokens):
+            seq.output_token_ids.append(token)
+            appended.append(Appended(seq, logprobs[j] if logprobs else None, text_done=len(tokens) > 1))
+            if self._ends(seq, token, check_text=len(tokens) > 1):
+                break
+        self.stats.num_generation_tokens += len(appended)
+        return appended
+
+    def outputs(self, appended: list[Appended]) -> list[RequestOutput]:
+        """(b): logprobs, detokenisation and stop strings for the tokens `update` appended; the outputs."""
+        now = time.monotonic()
+        touched: dict[str, RequestState] = {}
+        gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
+        for a in appended:
+            touched[a.seq.request_id] = self.requests[a.seq.request_id]
+            if a.has_token:  # (not: it ended without a token, its grammar failed at catch-up)
+                gaps += record_token(a.seq, a.logprobs, now)
+                if not a.seq.is_finished and not a.text_done:
+                    self._finish_if(a.seq, self.stop_checker.check_text(a.seq))
+        if gaps:
+            self._emit("inter_token_latencies", values=gaps)
+        return [self._output(state) for state in touched.values()]
+
+    # -- the loop's helpers ---------------------------------------------------------------------------------
+    def _grammar_masks(self, sched: SchedulerOutput) -> GrammarMasks | None:
+        """Structured outputs: the grammars catch up on the last tokens (overlap_grammar; otherwise `update`
+        accepted them) and the constrained rows' token masks are filled - for the sampled rows, and each verified
+        position."""
+        constrained = [s for s in sched.scheduled if s.seq.grammar is not None and s.samples]
+        if not constrained:
+            return None
+        if self.overlap_grammar:
+            self.structured_output.catch_up([s.seq for s in constrained])
+        sampled = [s.seq for s in sched.scheduled if s.samples and not s.num_draft]
+        verifying = [(s.seq, s.draft) for s in sched.scheduled if s.num_draft]
+        return GrammarMasks(self.structured_output.bitmask(sampled) if sampled else None,
+                            self.structured_output.verify_masks(verifying) if verifying else None)
+
+    def _speculated(self, s: ScheduledSeq, num_accepted: int, drafts: list[int]) -> None:
+        """After a speculative sequence's tokens are appended: the K/V of its accepted drafts is kept and the blocks of
+        rejected or lookahead positions go back (`Scheduler.accept_drafts`); its next drafts - a structured output's
+        cut where its grammar forbids one - wait for its next step."""
+        seq = s.seq
+        self.scheduler.accept_drafts(seq, num_accepted)
+        if drafts and seq.grammar is not None:
+            if self.overlap_grammar:  # the grammar first takes the tokens just appended
+                self.structured_output.catch_up([seq])
+            drafts = self.structured_output.cut_drafts(seq, drafts)
+        seq.spec_token_ids = drafts
+
+    def _ends(self, seq: Sequence, token: int, check_text: bool) -> bool:
+        """Does seq's newest token end it? Its grammar rejecting it (an error), then EOS, a stop id, a finished format
+        or a length limit, and with `check_text` a stop string. Finishes it if so."""
+        if not self._grammar_accepts(seq, token):  # (the masks should prevent it)
+            self._finish(seq, FinishReason.ERROR, None)
+            return True
+        stop = self.stop_checker.check_token(seq)  # a sequence it ends has its text done
+        if stop is None and check_text:
+            stop = self.stop_checker.check_text(seq)
+        self._finish_if(seq, stop)
+        return stop is not None
+
+    def _take_finished(self) -> list[int]:
+        """The sequences ended since the last step (the runner forgets what it keeps for them)."""
+        finished, self._finished_ids = self._finished_ids, []
+        return finished
 
     def _grammar_accepts(self, seq: Sequence, token: int) -> bool:
         """The grammar takes the token now - always with overlap_grammar off; with it on only EOS, which may end
         the format (and so the sequence, even under ignore_eos) before the next schedule. The other tokens wait for
-        the catch-up after the next forward is launched (_launch)."""
+        the catch-up after the next forward is launched (`launch`)."""
         if seq.grammar is None:
             return True
         if not self.overlap_grammar:
@@ -276,26 +256,17 @@ class LLMEngine:
             return not seq.grammar.failed
         return True
 
-    def _process(self, received: list[Received]) -> list[RequestOutput]:
-        """(b): logprobs, detokenisation and stop strings for the tokens `_receive` appended; the outputs."""
-        now = time.monotonic()
-        touched: dict[str, RequestState] = {}
-        gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
-        for seq, result, i, text_done in received:
-            if result is None:  # ended without a token (its grammar failed at catch-up)
-                touched[seq.request_id] = self.requests[seq.request_id]
-                continue
-            if seq.first_token_time is not None:
-                gaps.append(now - seq.last_token_time)
-            record_token(seq, result, i, now)
-            if not seq.is_finished and not text_done:
-                self._finish_if(seq, self.stop_checker.check_text(seq))
-            touched[seq.request_id] = self.requests[seq.request_id]
-        if gaps:
-            self._emit("inter_token_latencies", values=gaps)
-        return [self._output(state) for state in touched.values()]
+    def _take_prompt_logprobs(self, sched: SchedulerOutput, output: StepOutput) -> None:
+        """A step's prompt logprobs onto their sequences (before the next schedule, which reads how many there are)."""
+        if not output.prompt_logprobs:
+            return
+        seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
+        for seq_id, entries in output.prompt_logprobs.items():
+            seqs[seq_id].prompt_logprobs.extend(self._logprob_dict(ranked) for _, ranked in entries)
 
-    # -- the loop's helpers ---------------------------------------------------------------------------------
+    def _logprob_dict(self, ranked: list[tuple[int, float, int]]) -> dict[int, Logprob]:
+        return {token: Logprob(logprob, rank, self._token_text(token)) for token, logprob, rank in ranked}
+
     def _finish_if(self, seq: Sequence, stop: Stop | None) -> None:
         if stop is not None:
             self._finish(seq, stop.reason, stop.stop_reason)
@@ -304,7 +275,7 @@ class LLMEngine:
         seq.stop_reason = stop_reason
         seq.grammar = None
         self.scheduler.finish(seq, reason)
-        self.sampler.forget(seq.seq_id)
+        self._finished_ids.append(seq.seq_id)
         self.stats.finished[reason.value] = self.stats.finished.get(reason.value, 0) + 1
 
     def _output(self, state: RequestState) -> RequestOutput:
@@ -321,6 +292,9 @@ class LLMEngine:
         return text
 
     def _count_step(self, sched: SchedulerOutput) -> None:
+        self.stats.num_preemptions += len(sched.preempted)
+        if sched.is_empty:
+            return
         self.stats.num_steps += 1
         for seq in sched.admitted:
             self.stats.prefix_cache_queries += seq.num_tokens
@@ -408,7 +382,7 @@ class LLMEngine:
             for seq in state.seqs:
                 if not seq.is_finished:
                     self.scheduler.finish(seq, FinishReason.ABORT)
-                self.sampler.forget(seq.seq_id)
+                self._finished_ids.append(seq.seq_id)
             self.stats.num_aborted += 1
 
     def has_unfinished_requests(self) -> bool:
@@ -466,64 +440,3 @@ class EngineStats:
         self.spec_decode_accepted_per_pos = tuple(per_pos)
 
 
-def token_feed(fed: list[tuple[int, Sequence]], previous: LaunchedStep | None) -> TokenFeed | None:
-    """The TokenFeed for the input positions `fed` (index into input_ids, the sequence whose pending token goes
-    there): each pending token is the one `previous` sampled for that sequence."""
-    if not fed:
-        return None
-    if previous is None or previous.sample is None:
-        raise RuntimeError("a scheduled token is still on the device, but no step in flight sampled it")
-    rows = {seq.seq_id: i for i, seq in enumerate(previous.seqs)}
-    return TokenFeed([dst for dst, _ in fed], [rows[seq.seq_id] for _, seq in fed], previous.sample.token_ids)
-
-
-def model_input(sched: SchedulerOutput, vocab_size: int
-                ) -> tuple[ModelInput, list[prompt_lp.PromptLogprobRows], list[int], list[tuple[int, Sequence]]]:
-    """The schedule as the runner's plain lists: each sequence's new tokens, lengths and block table; for the
-    sequences that need prompt logprobs, which extra logits rows give them and the prompt tokens those score; and
-    the input positions whose token is still pending on the device (a placeholder 0 in the list, with its
-    sequence: async scheduling feeds it). The positions of the sequences that verify drafts ask for their logits
-    after the prompt rows' (ModelInput.prompt_rows holds both: the runner returns the logits of any row listed)."""
-    ids: list[int] = []
-    verify_rows: list[int] = []
-    fed: list[tuple[int, Sequence]] = []
-    query_lens, seq_lens, tables, sample_rows = [], [], [], []
-    prompt_token_rows: list[int] = []
-    prompt_rows: list[prompt_lp.PromptLogprobRows] = []
-    targets: list[int] = []
-    for row, s in enumerate(sched.scheduled):
-        seq, start = s.seq, s.seq.num_computed_tokens
-        end, prompt_len = start + s.num_new_tokens, seq.num_prompt_tokens
-        if seq.needs_prompt_logprobs:
-            # position p's logits score prompt token p + 1; skip the ones already had (a recompute)
-            if seq.prompt_logprobs is None:
-                seq.prompt_logprobs = [None]  # nothing predicts the first token
-            first, last = max(start, len(seq.prompt_logprobs) - 1), min(end, prompt_len - 1)
-            if last > first:
-                prompt_token_rows.extend(range(len(ids) + first - start, len(ids) + last - start))
-                num = seq.params.prompt_logprobs
-                prompt_rows.append(prompt_lp.PromptLogprobRows(seq.seq_id, first + 1, last - first,
-                                                               vocab_size if num == -1 else num,
-                                                               seq.params.prompt_logprobs_temperature))
-                targets.extend(seq.prompt_token_ids[first + 1: last + 1])
-        # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
-        known = min(end - s.num_draft, seq.num_known_tokens)
-        if start >= prompt_len:
-            ids.extend(seq.output_token_ids[start - prompt_len: known - prompt_len])
-        elif known <= prompt_len:
-            ids.extend(seq.prompt_token_ids[start:known])
-        else:
-            ids.extend(seq.token_ids[start:known])
-        for _ in range(max(start, known), end - s.num_draft):  # pending tokens: filled in on the device
-            fed.append((len(ids), seq))
-            ids.append(0)
-        if s.num_draft:  # speculative decoding: every position's logits, after the prompt rows
-            verify_rows.extend(range(len(ids) - 1, len(ids) + s.num_draft))
-            ids.extend(s.draft)
-        query_lens.append(s.num_new_tokens)
-        seq_lens.append(start + s.num_new_tokens)
-        tables.append(list(seq.block_table))
-        if s.samples and not s.num_draft:
-            sample_rows.append(row)
-    inp = ModelInput(ids, query_lens, seq_lens, tables, sample_rows, prompt_token_rows + verify_rows)
-    return inp, prompt_rows, targets, fed

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nanoserve.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from nanoserve.engine.sampler import SampleResult
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling import SamplingParams
 
@@ -31,15 +30,17 @@ class RequestState:
         return all(s.is_finished for s in self.seqs)
 
 
-def record_token(seq: Sequence, result: SampleResult, row: int, now: float) -> None:
-    """Row `row` of a step's draw is seq's newest token: keep its logprobs (when asked for) and the times."""
-    logprobs = result.logprobs(row)
+def record_token(seq: Sequence, logprobs: dict[int, float] | None, now: float) -> list[float]:
+    """seq's newest token was appended: keep its logprobs (when asked for: the chosen token's first) and the times.
+    Returns the time since its previous token ([] for its first: the inter-token latency metric's sample)."""
     if logprobs is not None:
         seq.logprobs.append(logprobs)
-        seq.cumulative_logprob += result.chosen_logprob[row]
+        seq.cumulative_logprob += next(iter(logprobs.values()))
+    gap = [] if seq.first_token_time is None else [now - seq.last_token_time]
     if seq.first_token_time is None:
         seq.first_token_time = now
     seq.last_token_time = now
+    return gap
 
 
 def make_output(state: RequestState) -> RequestOutput:

@@ -5,10 +5,10 @@ step waiting for its own tokens, with the device idle while the host works.
 Why: the host's turn between two forwards - receive the tokens, detokenise, check stops, build the outputs,
 schedule, stage the inputs - takes a real share of a decode step on a GPU, during which the device idles. This
 loop runs that host work while the device computes the next step. It reuses the plain step's three parts:
-`_launch` (schedule, run the model, queue the sampling: no host sync), and the host work on a step's tokens,
-split in two: (a) `_receive`, what the next schedule depends on - wait for the tokens, append them, end the
-sequences that EOS, a stop token id or a length limit ends; (b) `_process`, the rest - incremental
-detokenisation, stop strings, logprobs, the RequestOutputs.
+`launch` (schedule, hand the step to the executor: the forward and the sampling are queued, no host sync), and
+the host work on a step's tokens, split in two: (a) `update`, what the next schedule depends on - wait for the
+tokens, append them, end the sequences that EOS, a stop token id or a length limit ends; (b) `outputs`, the rest -
+incremental detokenisation, stop strings, logprobs, the RequestOutputs.
 
 Overlap scheduling. Call N+1 runs (a) for step N's tokens, schedules and launches step N+1 (forward and
 device-side sampling, no host sync), and does (b) for step N's tokens while the device computes step N+1 - so
@@ -17,37 +17,35 @@ ones. A sequence that a stop string ends in (b) is already in step N+1: it is fi
 later steps are queued behind N+1 on the device) and its N+1 token is dropped when it arrives, as an aborted
 sequence's is.
 
-Async scheduling (launch ahead; reference: overlap alone). Overlap still waits for step N's tokens before it
-schedules step N+1, so the device idles through the host's receive, schedule and input staging. Launching ahead,
-step N+1 is scheduled and launched first: each token sampled in step N counts as pending in its sequence
-(`Sequence.num_pending`: its KV position is held, its value is not known), a decode's input id at that position
-comes from step N's sampled tokens on the device (`TokenFeed`), and only then (a) receives step N's tokens, while
-the device runs N+1. A sequence that step N's token ends (EOS, a stop id) is already in N+1 and is handled as one
-a stop string ends; one whose last allowed token is pending is not scheduled again. A step waits for the tokens
-first, as overlap alone does, when a running sequence's sampling reads its own output on the host (structured
-outputs, bad_words, penalties: `reads_own_output`), when the step in flight computes prompt logprobs, or when the
-engine turned launching ahead off (the executor cannot feed tokens - tensor parallelism - or speculative decoding
-drafts from the previous step's tokens on the host).
+Async scheduling (launch ahead; reference: overlap alone). Overlap still waits for step N's tokens before it schedules
+step N+1, so the device idles through the host's receive, schedule and input staging. Launching ahead, step N+1 is
+scheduled and launched first: each token sampled in step N counts as pending in its sequence (`Sequence.num_pending`:
+its KV position is held, its value is not known), a decode's input id at that position comes from step N's sampled
+tokens on the device (`StepInput.fed`: the runner copies them in), and only then (a) receives step N's tokens, while
+the device runs N+1. A sequence that step N's token ends (EOS, a stop id) is already in N+1 and is handled as one a
+stop string ends; one whose last allowed token is pending is not scheduled again. A step waits for the tokens first,
+as overlap alone does, when a running sequence's sampling reads its own output on the host (structured outputs,
+bad_words, penalties: `reads_own_output`), when the step in flight computes prompt logprobs, or when the engine turned
+launching ahead off (the executor cannot feed tokens - tensor parallelism - or speculative decoding, whose next drafts
+come with the previous step's tokens).
 """
 
 from __future__ import annotations
 
 from typing import Callable
 
-from nanoserve.engine.launched_step import LaunchedStep, Received
+from nanoserve.engine.launched_step import Appended, LaunchedStep
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.engine.sequence import Sequence
 
 
 class OverlappedStep:
-    """The engine iteration that keeps one step in flight. `launch(previous)`, `receive(step)` and
-    `process(received)` are the engine's `_launch`, `_receive` and `_process`; `launch_ahead` turns on async
-    scheduling. Chosen once, when the engine is built: a step in flight must be finished by the loop that
-    launched it."""
+    """The engine iteration that keeps one step in flight. `launch()`, `receive(step)` and `process(appended)` are
+    the engine's `launch`, `update` and `outputs`; `launch_ahead` turns on async scheduling. Chosen once, when the
+    engine is built: a step in flight must be finished by the loop that launched it."""
 
-    def __init__(self, launch: Callable[[LaunchedStep | None], LaunchedStep | None],
-                 receive: Callable[[LaunchedStep], list[Received]],
-                 process: Callable[[list[Received]], list[RequestOutput]], launch_ahead: bool):
+    def __init__(self, launch: Callable[[], LaunchedStep | None], receive: Callable[[LaunchedStep], list[Appended]],
+                 process: Callable[[list[Appended]], list[RequestOutput]], launch_ahead: bool):
         self.launch, self.receive, self.process = launch, receive, process
         self.launch_ahead = launch_ahead
         self.in_flight: LaunchedStep | None = None  # step N, queued on the device, its tokens not yet received
@@ -57,14 +55,14 @@ class OverlappedStep:
         previous, self.in_flight = self.in_flight, None
         ahead = previous is not None and self._can_launch_ahead(previous)
         received = self.receive(previous) if previous is not None and not ahead else []  # (a) first: plain overlap
-        self.in_flight = self.launch(previous if ahead else None)
+        self.in_flight = self.launch()
         if ahead:  # (a) for step N's tokens, while the device computes step N+1
             received = self.receive(previous)
         return self.process(received)  # (b) for step N, while the device computes step N+1
 
     def _can_launch_ahead(self, previous: LaunchedStep) -> bool:
         """May the next step be launched before `previous`'s tokens are received (async scheduling)?"""
-        if not self.launch_ahead or previous.prompt_logprobs is not None:
+        if not self.launch_ahead or previous.step.prompt_logprobs:
             return False  # prompt logprobs: the next schedule reads how many a sequence has
         return not any(reads_own_output(seq) for seq in previous.seqs if not seq.is_finished)
 

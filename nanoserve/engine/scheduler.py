@@ -44,6 +44,11 @@ class SchedulerConfig:
     max_model_len: int
     opts: Optimizations
     policy: str = "fcfs"
+    num_speculative_tokens: int = 0
+    """Speculative decoding: k, the most drafts a sequence verifies per step (0: no speculative decoding)."""
+    draft_writes_kv: bool = False
+    """The drafter is a model with a KV cache of its own (mtp, eagle3): its later drafts are computed one position
+    further each, so a sampling sequence needs blocks up to k - 1 positions past its step (lookahead)."""
 
 
 @dataclass
@@ -53,6 +58,8 @@ class ScheduledSeq:
     num_draft: int = 0
     """Speculative decoding: the last num_draft of those tokens are seq.spec_token_ids[:num_draft], verified by
     this step (a decode of 1 + num_draft positions)."""
+    max_drafts: int = 0
+    """Speculative decoding: how many drafts the step may propose for this sequence's next one (StepSeq)."""
 
     @property
     def draft(self) -> list[int]:
@@ -194,7 +201,23 @@ class Scheduler:
         # decodes (one new token) first: the attention kernels take the batch in that order (a decode that
         # verifies drafts has several and runs with the prefills)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
+        if self.config.num_speculative_tokens:
+            for s in out.scheduled:
+                if s.samples:
+                    s.max_drafts = self._lookahead(s)
         return out
+
+    def _lookahead(self, s: ScheduledSeq) -> int:
+        """How many drafts the step may make for s's next step: k; with a draft model only as many as the blocks
+        for their positions allow - the i-th draft is computed at up to i - 1 positions past the step's last,
+        within max_model_len - taken here, after everything else was scheduled, and given back when the tokens
+        arrive (`accept_drafts`); 1 (no extra position) when the pool has no block for them."""
+        k = self.config.num_speculative_tokens
+        if not self.config.draft_writes_kv:
+            return k
+        end = s.seq.num_computed_tokens + s.num_new_tokens
+        k = max(1, min(k, self.config.max_model_len - end + 1))
+        return k if k == 1 or self.bm.allocate(s.seq, end + k - 1) else 1
 
     @staticmethod
     def _chunk(seq: Sequence, remaining: int, budget: int, chunked: bool) -> int:
@@ -222,17 +245,23 @@ class Scheduler:
         self.on_event("preempt", seq=seq, needed_by=needed_by or seq)
 
     # -- after the step -----------------------------------------------------------------------------------
-    def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed-token counts and register newly full blocks in the prefix cache. Draft tokens are not
-        counted: the ones accepted are added when the step's tokens arrive (accept_drafts)."""
+    def update_after_step(self, out: SchedulerOutput) -> list[ScheduledSeq]:
+        """The step is launched: advance computed-token counts and register newly full blocks in the prefix cache.
+        Draft tokens are not counted: the ones accepted are added when the step's tokens arrive (accept_drafts).
+        Returns the sequences that get a token from it, each now holding one pending (`Sequence.num_pending`: its
+        value is on the device until the engine receives it)."""
+        sampled = [s for s in out.scheduled if s.samples]
+        for s in sampled:
+            s.seq.num_pending += 1
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
             self.bm.cache_full_blocks(s.seq)
+        return sampled
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
-        """A verify step's result: its first num_accepted drafts were right, so their K/V (written by the step)
-        is kept; the blocks that only the rejected ones needed go back to the pool. Call after their tokens are
-        appended."""
+        """A speculative step's result: its first num_accepted drafts were right, so their K/V (written by the step)
+        is kept; the blocks that only the rejected ones (or the drafter's lookahead) needed go back to the pool.
+        Call after their tokens are appended."""
         seq.num_computed_tokens += num_accepted
         if self.opts.paged_kv:  # (off, the sequence keeps the max_model_len of blocks it reserved)
             self.bm.trim(seq, seq.num_computed_tokens)

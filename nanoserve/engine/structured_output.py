@@ -3,21 +3,23 @@ or a structural tag, with xgrammar (the grammar engine vLLM and SGLang use).
 
     StructuredOutputManager.compile(params)   spec -> CompiledGrammar (cached per spec; raises ValueError)
     StructuredOutputManager.new_grammar(cg)   one SequenceGrammar (an xgrammar GrammarMatcher) per sequence
-    StructuredOutputManager.bitmask(seqs)     the step's token bitmask, filled for the constrained rows only
-    GrammarBitmask.apply(logits)              forbidden tokens -> -inf (the sampler's first step)
+    StructuredOutputManager.bitmask(seqs)     the step's token bitmask, filled for the constrained rows only (the
+                                              runner applies it: runner/grammar_mask.py, the sampler's first step)
+    StructuredOutputManager.verify_masks(...) a verify step's masks, one per verified position
+    StructuredOutputManager.cut_drafts(...)   the longest prefix of a draft the grammar allows
     StructuredOutputManager.accept(seq)       the newest appended token advances seq's matcher (overlap_grammar off)
     StructuredOutputManager.catch_up(seqs)    every unseen token advances its matcher, batched (overlap_grammar on)
 
 The life of a constrained request: `LLMEngine.add_request` compiles its spec (in the caller's thread; the server
-compiles it earlier, while converting the request, so that a schema xgrammar rejects is an HTTP 400) and gives each
-of its n sequences its own matcher. Each step, after the forward is queued, the engine fills one bitmask row per
-constrained sequence (on the host, while the device computes) and the sampler applies it to the logits before
-anything else, so penalties, temperature, top-k/p and the logprobs all see the masked logits (vLLM's order);
-unconstrained rows of the same batch are left alone. The matcher accepts each appended token: at once (switch
-overlap_grammar off), or, with it on, in one batched catch-up after the next forward is launched, so that this
-host work too runs while the device computes (an EOS, which can end the format, is still accepted at once); a matcher
-that reaches its end (it accepts EOS only where the grammar may end) finishes the sequence with "stop". max_tokens
-ends a constrained sequence like any other, so nothing waits for a token the mask forbids.
+compiles it earlier, while converting the request, so that a schema xgrammar rejects is an HTTP 400) and gives each of
+its n sequences its own matcher. Each step, after the forward is queued, the engine fills one bitmask row per
+constrained sequence (on the host, while the device computes the forward) and the runner's sampler applies it to the
+logits before anything else, so penalties, temperature, top-k/p and the logprobs all see the masked logits (vLLM's
+order); unconstrained rows of the same batch are left alone. The matcher accepts each appended token: at once (switch
+overlap_grammar off), or, with it on, in one batched catch-up after the next forward is launched, so that this host
+work too runs while the device computes (an EOS, which can end the format, is still accepted at once); a matcher that
+reaches its end (it accepts EOS only where the grammar may end) finishes the sequence with "stop". max_tokens ends a
+constrained sequence like any other, so nothing waits for a token the mask forbids.
 
 Overlap scheduling needs no special case: step N+1 is scheduled after step N's tokens were appended (and accepted
 by the matchers), so the N+1 mask is filled from the current state. `bitmask` checks that every matcher has
@@ -38,9 +40,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-import torch
-
 from nanoserve.sampling import StructuredOutputsParams
+from nanoserve.step import GrammarMask
 
 
 class ConstrainedSeq(Protocol):
@@ -180,67 +181,6 @@ class SequenceGrammar:
         return self.active and self.matcher.is_terminated()
 
 
-@dataclass
-class GrammarBitmask:
-    """One step's token bitmask (int32 [S, ceil(V/32)] on the host, bit = token allowed) and the batch rows it
-    constrains; the other rows' bits are not filled and not applied. `buffer`: the PinnedMasks slot the mask lives
-    in (overlap_grammar), None for a pageable mask."""
-
-    bitmask: torch.Tensor
-    rows: list[int]
-    vocab_size: int
-    buffer: "PinnedMasks | None" = None
-    slot: int = 0
-
-    def apply(self, logits: torch.Tensor) -> None:
-        """Set the forbidden tokens of the constrained rows of `logits` [S, V] to -inf, in place. On a GPU the
-        mask goes up without waiting for the device (xgrammar's Triton kernel applies it to every constrained row
-        in one launch): from its pinned buffer, or staged through a fresh pinned copy."""
-        import xgrammar as xgr
-
-        vocab = min(self.vocab_size, logits.shape[-1])
-        if logits.device.type == "cpu":
-            xgr.apply_token_bitmask_inplace(logits, self.bitmask, vocab_size=vocab, indices=self.rows)
-            return
-        host = self.bitmask if self.buffer is not None else self.bitmask.pin_memory()
-        mask = host.to(logits.device, non_blocking=True)
-        if self.buffer is not None:
-            self.buffer.copied(self.slot)
-        rows = torch.tensor(self.rows, dtype=torch.int32).pin_memory().to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=vocab, indices=rows)
-
-
-class PinnedMasks:
-    """Two pinned host bitmasks used in turn (overlap_grammar), so a step's mask is copied to the device straight
-    from the buffer it was filled in. An event recorded after each copy guards its buffer: filling a buffer waits
-    for the copy queued from it two masks ago (long done in practice: the engine waited for a step in between)."""
-
-    def __init__(self, rows: int, vocab_size: int):
-        import xgrammar as xgr
-
-        shape = xgr.allocate_token_bitmask(1, vocab_size).shape[1]
-        self.buffers = [torch.full((rows, shape), -1, dtype=torch.int32, pin_memory=True) for _ in range(2)]
-        self.events: list[Any] = [None, None]
-        self.next = 0
-
-    @property
-    def rows(self) -> int:
-        return self.buffers[0].shape[0]
-
-    def take(self) -> tuple[torch.Tensor, int]:
-        """The next buffer to fill, once the copy from it has finished, and its slot."""
-        slot, self.next = self.next, 1 - self.next
-        if self.events[slot] is not None:
-            self.events[slot].synchronize()
-            self.events[slot] = None
-        return self.buffers[slot], slot
-
-    def copied(self, slot: int) -> None:
-        """A copy from buffer `slot` was just queued on the current stream."""
-        self.events[slot] = torch.cuda.Event()
-        self.events[slot].record()
-
-
 @functools.lru_cache(maxsize=8)
 def _grammar_compiler(tokenizer_path: str, vocab_size: int, stop_token_ids: tuple[int, ...], threads: int):
     """One xgrammar GrammarCompiler per vocabulary, shared by every engine of the process (a benchmark builds a
@@ -273,8 +213,7 @@ class StructuredOutputManager:
         self._compiler = None
         self._batch_matcher = None
         self._cache: OrderedDict[GrammarKey, Any] = OrderedDict()
-        self._bitmask: torch.Tensor | None = None
-        self._pinned: PinnedMasks | None = None
+        self._bitmask: Any = None  # xgrammar's int32 bitmask (a torch tensor on the host), reused step to step
         self._max_batch = max_batch
         self.num_compiled = 0  # compilations actually run (cache misses)
 
@@ -359,11 +298,11 @@ class StructuredOutputManager:
                                      s.request_id, token)
             pending = [s for s in pending if not s.grammar.failed and s.grammar.num_seen < len(s.output_token_ids)]
 
-    def bitmask(self, seqs: list[ConstrainedSeq], pinned: bool = False) -> GrammarBitmask | None:
+    def bitmask(self, seqs: list[ConstrainedSeq]) -> GrammarMask | None:
         """The token bitmask of one step whose sampled rows are `seqs` (in row order), or None when no row is
         constrained. Fills only the constrained rows, in one call (xgrammar fills them in parallel); a sequence
         still in its thinking (SequenceGrammar.active false) is not constrained yet, nor is one whose grammar
-        failed (it ends when this step's token comes). `pinned`: fill one of two pinned buffers (PinnedMasks)."""
+        failed (it ends when this step's token comes)."""
         rows = [i for i, s in enumerate(seqs) if s.grammar is not None and s.grammar.active and not s.grammar.failed]
         if not rows:
             return None
@@ -377,14 +316,54 @@ class StructuredOutputManager:
         if self._batch_matcher is None:
             self._batch_matcher = xgr.BatchGrammarMatcher()
         self._max_batch = max(self._max_batch, len(seqs))
-        if pinned:
-            if self._pinned is None or self._pinned.rows < len(seqs):
-                self._pinned = PinnedMasks(self._max_batch, self.vocab_size)
-            mask, slot = self._pinned.take()
-            self._batch_matcher.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], mask, rows)
-            return GrammarBitmask(mask[: len(seqs)], rows, self.vocab_size, self._pinned, slot)
         if self._bitmask is None or self._bitmask.shape[0] < len(seqs):
             self._bitmask = xgr.allocate_token_bitmask(self._max_batch, self.vocab_size)
         self._batch_matcher.batch_fill_next_token_bitmask([seqs[i].grammar.matcher for i in rows], self._bitmask,
                                                           rows)
-        return GrammarBitmask(self._bitmask[: len(seqs)], rows, self.vocab_size)
+        return GrammarMask(self._bitmask[: len(seqs)], rows, self.vocab_size)
+
+    # -- speculative decoding under a grammar ---------------------------------------------------------------------
+    @staticmethod
+    def cut_drafts(seq: ConstrainedSeq, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` that seq's grammar allows (ending at a token that terminates it); the
+        grammar is left as it was. A draft token the format forbids could never be accepted, and the masks of the
+        positions after it could not be computed. A sequence still in its thinking, or whose grammar failed, gets
+        no drafts: its next token is not under the format yet."""
+        g = seq.grammar
+        if not g.active or g.failed or g.num_seen != len(seq.output_token_ids):
+            return []
+        matcher = g.matcher
+        n = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            matcher.rollback(n)
+        return drafts[:n]
+
+    def verify_masks(self, verifying: list[tuple[ConstrainedSeq, list[int]]]) -> GrammarMask | None:
+        """The masks of a verify step's rows (each sequence's k + 1 positions in turn, given with its drafts):
+        position j's is the grammar's after the first j draft tokens, which it accepts one by one and then rolls
+        back. None when no verifying sequence is constrained."""
+        constrained = [i for i, (s, _) in enumerate(verifying) if s.grammar is not None]
+        if not constrained:
+            return None
+        import xgrammar as xgr
+
+        starts = [0]
+        for _, draft in verifying:
+            starts.append(starts[-1] + len(draft) + 1)
+        bitmask = xgr.allocate_token_bitmask(starts[-1], self.vocab_size)
+        rows = []
+        for i in constrained:
+            seq, draft = verifying[i]
+            matcher = seq.grammar.matcher
+            for j in range(len(draft) + 1):
+                matcher.fill_next_token_bitmask(bitmask, starts[i] + j)
+                rows.append(starts[i] + j)
+                if j < len(draft) and not matcher.accept_token(draft[j]):
+                    raise RuntimeError(f"sequence {seq.seq_id}: its grammar rejects draft token {draft[j]}, which "
+                                       f"cut_drafts let through")
+            matcher.rollback(len(draft))
+        return GrammarMask(bitmask, rows, self.vocab_size)

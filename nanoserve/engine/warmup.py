@@ -44,11 +44,11 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from nanoserve.batch import ModelInput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.cuda_graphs import batch_buckets, seq_len_buckets
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.draft_input import DraftInput
+from nanoserve.step import ModelInput, StepInput, StepSeq
 
 if TYPE_CHECKING:
     from nanoserve.engine.llm_engine import LLMEngine
@@ -193,10 +193,11 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
     """Run the engine's warm-up shapes until done or `budget_s` seconds have passed (0: none); log one line.
     Raises if the KV blocks did not all come back (a bug, not a condition to serve with)."""
     cfg = engine.model_config
-    spec = engine.speculator
+    spec = engine.spec_config
+    k = spec.num_speculative_tokens if spec is not None else 0
     shapes = plan(engine.config.max_num_seqs, engine.max_num_batched_tokens, engine.max_model_len,
                   engine.block_size, cfg.index_topk_blocks, cfg.num_sparse_attn_layers > 0,
-                  spec.k if spec is not None else 0, spec is not None and spec.proposer is None)
+                  k, spec is not None and spec.method != "ngram")
     report = WarmupReport(budget_s)
     start = clock()
     if budget_s <= 0:
@@ -208,7 +209,7 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
     scratch = Sequence(WARMUP_SEQ_ID, "warmup", 0, [], SamplingParams())
     # (a draft shape writes its drafts' K/V up to k - 1 positions past its context)
     longest = max([ctx for s in shapes for _, ctx in s.steps] +
-                  [s.context + engine.speculator.k - 1 for s in shapes if s.kind in ("draft", "verify")])
+                  [s.context + k - 1 for s in shapes if s.kind in ("draft", "verify")])
     if not bm.allocate(scratch, longest):
         raise RuntimeError(f"warm-up: the KV pool has no {bm.blocks_needed(longest)} free blocks for its "
                            f"scratch sequence")
@@ -231,44 +232,40 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
 
 
 def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
-    """One shape's steps through the executor, each sampled (a verify step's logits read back)."""
+    """One shape's steps through the executor, each waited for (the clock reads the time it took)."""
     vocab, bs = engine.model_config.vocab_size, engine.block_size
     if shape.kind == "draft":
         _draft(engine, shape, table)
         return
+    k = engine.spec_config.num_speculative_tokens if engine.spec_config is not None else 0
     for query, context in shape.steps:
         blocks = table[: -(-context // bs)]
         n = shape.batch
-        if shape.kind == "verify":  # as engine/llm_engine.py's model_input lays out a verify step
-            spec = engine.speculator
-            chain = spec.draft_chain and query == spec.k + 1
-            if chain:  # the blocks its draft chain writes to, as Speculator.prepare_chain allocates them
-                blocks = table[: -(-(context + spec.k - 1) // bs)]
+        if shape.kind == "verify":  # as engine/step_input.py lays out a verify step, every row plain greedy
+            chain = query == k + 1  # (with a draft model and spec_draft_chain: the chain's graph too)
+            if chain:  # the blocks its draft chain writes to, as the scheduler's lookahead allocates them
+                blocks = table[: -(-(context + k - 1) // bs)]
             ids = [(context + i) % vocab for i in range(n * query)]
+            seqs = [_row(WARMUP_SEQ_ID - i, GREEDY, context - query, query, ids[i * query + 1: (i + 1) * query],
+                         k if chain else 0) for i in range(n)]
             inp = ModelInput(ids, [query] * n, [context] * n, [blocks] * n, [], list(range(n * query)))
-            engine.executor.execute_model(inp).argmax(dim=-1).tolist()  # waits for the step
-            drafts = engine.executor.draft_chain() if chain else None  # (spec_draft_chain: captures its graph)
-            if drafts is not None:
-                drafts.tolist()
-            continue
-        if shape.kind == "decode":
+        elif shape.kind == "decode":
             inp = ModelInput([(context + i) % vocab for i in range(n)], [1] * n, [context] * n, [blocks] * n,
                              list(range(n)))
+            seqs = _sampled_rows(n, context)
         else:  # a prompt's chunk: positions context - query ... context - 1
             ids = [(context - query + i) % vocab for i in range(query)]
             inp = ModelInput(ids, [query], [context], [blocks], [0])
-        logits = engine.executor.execute_model(inp)
-        seqs = _sampled_rows(n)
-        sample = engine.sampler.sample(logits[:n], seqs, None, engine.executor.last_argmax())
-        engine.sampler.to_host(sample)  # waits for the step: the clock reads the time it took
-        for seq in seqs:
-            engine.sampler.forget(seq.seq_id)
+            seqs = _sampled_rows(1, context, query)
+        # (each dummy row's generator is dropped first: the seeded row always draws from a fresh one)
+        engine.executor.execute_model(StepInput(inp, seqs, finished=[s.seq_id for s in seqs], propose=False))
+        engine.executor.sample_tokens().result()  # waits for the step
 
 
 def _draft(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
     """A draft model's passes from the last `shape.chunk` positions of each sequence of the verify step of k + 1
     tokens that ran just before (the drafter reads its rows), k drafts each."""
-    n, q, k = shape.batch, shape.chunk, engine.speculator.k
+    n, q, k = shape.batch, shape.chunk, engine.spec_config.num_speculative_tokens
     verified = k + 1
     blocks = table[: -(-(shape.context + k - 1) // engine.block_size)]
     rows = [i * verified + verified - q + j for i in range(n) for j in range(q)]
@@ -277,12 +274,21 @@ def _draft(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
                                               [blocks] * n, [k] * n))
 
 
-def _sampled_rows(n: int) -> list[Sequence]:
+GREEDY = SamplingParams(temperature=0.0)
+DRAWN = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=0, logprobs=2)
+
+
+def _row(seq_id: int, params: SamplingParams, start: int, query: int, draft: list[int], max_drafts: int = 0
+         ) -> StepSeq:
+    """A dummy sequence as the runner sees it (nothing reads its tokens: it has no penalties, and the warm-up's
+    steps propose no drafts)."""
+    return StepSeq(seq_id, 0, params, [0], [], 0, start, query, samples=True, draft=draft, max_drafts=max_drafts)
+
+
+def _sampled_rows(n: int, context: int, query: int = 1) -> list[StepSeq]:
     """The sampler's dummy rows: one seeded draw with every filter and logprobs (its own generator, so the engine's
     shared one is not advanced), the rest greedy."""
-    drawn = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.01, seed=0, logprobs=2)
-    greedy = SamplingParams(temperature=0.0)
-    return [Sequence(WARMUP_SEQ_ID - i, "warmup", 0, [0], drawn if i == 0 else greedy) for i in range(n)]
+    return [_row(WARMUP_SEQ_ID - i, DRAWN if i == 0 else GREEDY, context - query, query, []) for i in range(n)]
 
 
 def _num_graphs(engine: "LLMEngine") -> int:

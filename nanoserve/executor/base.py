@@ -1,21 +1,31 @@
 """The executor interface: where the model runs, as the engine sees it.
 
-The engine talks to an executor only through `initialize_cache` and `execute_model(ModelInput) -> logits`, so
-tensor parallelism is a different executor (distributed/executor.py), not a different engine. Both executors
-build on this module; it imports neither.
+The engine talks to an executor through `initialize_cache` and one pair of calls per step, as vLLM's executors:
+`execute_model(StepInput)` queues the forward, and `sample_tokens(GrammarMasks)` - given the structured-output masks
+the engine filled on the host meanwhile - queues the sampling and returns a future whose `result()` is the step's
+`StepOutput`: token ids, never logits (nanoserve/step.py). Tensor parallelism is a different executor
+(distributed/executor.py), not a different engine. Both executors build on this module; it imports neither.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.model.m3_config import M3Config
 from nanoserve.spec_decode.draft_input import DraftInput
+from nanoserve.step import GrammarMasks, StepInput, StepOutput
+
+
+class StepFuture(Protocol):
+    """A step on its way: `result()` waits for its tokens (on a GPU the step runs meanwhile)."""
+
+    def result(self) -> StepOutput: ...
 
 
 class Executor:
-    """Interface: a model (config), a KV pool of `num_blocks`, and one forward step at a time."""
+    """Interface: a model (config), a KV pool of `num_blocks`, and one step at a time."""
 
     model_config: M3Config
     model_dir: str
@@ -28,28 +38,22 @@ class Executor:
         raise NotImplementedError
 
     supports_token_feed: bool = False
-    """Can execute_model take a TokenFeed (input ids from the previous step's tokens on the device)? Only where
-    the sampled tokens and the model share a process and device; async scheduling needs it."""
+    """Can a step take input tokens the previous step sampled, still on the device (StepInput.fed)? Only where the
+    sampled tokens and the model share a process and device; async scheduling needs it."""
 
-    def execute_model(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
-        """Run one step; fp32 logits [len(inp.sample_rows), vocab] on this process's device. `feed` only where
-        supports_token_feed."""
+    def execute_model(self, step: StepInput) -> None:
+        """Queue one step's forward. `sample_tokens` must follow before the next execute_model."""
         raise NotImplementedError
 
-    def last_argmax(self) -> torch.Tensor | None:
-        """The argmax of the last step's logits if the step computed it on the device (a decode graph under the
-        captured_argmax switch), valid until the next step; None otherwise."""
-        return None
+    def sample_tokens(self, masks: GrammarMasks | None = None) -> StepFuture:
+        """Queue the tokens of the step execute_model queued: sampling, prompt logprobs, the verification of drafts
+        and the next drafts (rank 0). Returns without waiting for the device."""
+        raise NotImplementedError
 
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
-        """Speculative decoding with a model-based drafter (the MTP module): its draft tokens per sequence, read
-        from the last step's hidden states (spec_decode/draft_input.py). Only where the runner loaded one."""
+        """A model-based drafter's passes alone (the warm-up builds their shapes with it): its draft tokens per
+        sequence, read from the last step's hidden states (spec_decode/draft_input.py)."""
         raise NotImplementedError(f"{type(self).__name__} runs no model-based drafter")
-
-    def draft_chain(self) -> torch.Tensor | None:
-        """Right after a verify step: the next step's MTP drafts made on the device (runner/draft_chain.py), or
-        None where this executor or the step has none."""
-        return None
 
     def check_health(self) -> None:
         """Raise if a worker is gone."""

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
-from nanoserve.batch import ModelInput, TokenFeed
 from nanoserve.config import EngineConfig
-from nanoserve.executor.base import Executor
+from nanoserve.executor.base import Executor, StepFuture
 from nanoserve.parallel_state import get_tp
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.spec_decode.draft_input import DraftInput
+from nanoserve.step import GrammarMasks, StepInput
 
 
 class LocalExecutor(Executor):
@@ -32,17 +30,14 @@ class LocalExecutor(Executor):
 
     supports_token_feed = True
 
-    def execute_model(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
-        return self.runner.execute(inp, feed)
+    def execute_model(self, step: StepInput) -> None:
+        self.runner.execute_model(step)
 
-    def last_argmax(self) -> torch.Tensor | None:
-        return self.runner.last_argmax
+    def sample_tokens(self, masks: GrammarMasks | None = None) -> StepFuture:
+        return self.runner.sample_tokens(masks)
 
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
         return self.runner.propose_drafts(inp)
-
-    def draft_chain(self) -> torch.Tensor | None:
-        return self.runner.draft_chain()
 
     def shutdown(self) -> None:
         self.runner.shutdown()

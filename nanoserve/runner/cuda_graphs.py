@@ -24,7 +24,7 @@ Each step copies its inputs into the static buffers (pinned host staging, one as
 block tables and slots are computed by the same functions as an eager step's, runner/input_prep.py),
 replays the graph, and returns a view of the static logits [n, vocab] (valid until the next replay). With
 `captured_argmax` the graph also writes each row's argmax into a static token buffer (`tokens`), so a batch of
-plain greedy rows needs no kernel after the replay but a copy of its tokens (engine/sampler.py). A graph is
+plain greedy rows needs no kernel after the replay but a copy of its tokens (runner/sampler.py). A graph is
 captured the first time its key is needed, after one eager warm-up run of the same padded batch (which compiles
 the Triton kernels outside the capture); `capture_all` captures every decode batch bucket ahead of time. All graphs
 share one memory pool. A failed decode capture turns every graph off (decode and verify run eagerly); a failed
@@ -66,7 +66,7 @@ SEQ_LEN_BUCKET_FIRST, SEQ_LEN_BUCKET_GROWTH = 4096, 4
 Replay = Callable[[], None]
 CaptureFn = Callable[[Callable[[], None]], Replay]
 Keep = Callable[[torch.Tensor], torch.Tensor]
-"""What a drafter reads of a forward: the model's final hidden states [T, H] -> [T, width] (runner/drafter.py)."""
+"""What a drafter reads of a forward: the model's final hidden states [T, H] -> [T, width] (spec_decode/drafter.py)."""
 VerifyKey = tuple[int, int, int]
 """A verify graph's key: (batch bucket, context bucket, query length per sequence); a decode graph's is the first
 two."""

@@ -17,7 +17,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nanoserve.batch import AttentionMetadata, ModelInput, TokenFeed
+from nanoserve.batch import AttentionMetadata, TokenFeed
+from nanoserve.step import ModelInput
 
 
 def reference_prepare(inp: ModelInput, block_size: int, device: torch.device

@@ -1,8 +1,11 @@
-"""Runs the model for one scheduled step: batch description -> tensors -> forward -> logits.
+"""Runs the model for one scheduled step: a StepInput -> tensors -> forward -> logits -> tokens.
 
 The runner owns the model and its KV cache on one device (one tensor-parallel rank). It knows nothing of
-scheduling: it receives a `ModelInput` - plain Python lists, so rank 0 can broadcast it to the other ranks - and
-returns the logits of the sequences that need a next token.
+scheduling: the engine hands it a `StepInput` (nanoserve/step.py: plain lists), and gets back the token ids each
+sequence emitted - sampled, verified and drafted here (runner/sample_step.py), not in the engine. A step is two
+calls, as in vLLM's model runner: `execute_model` queues the forward (every tensor-parallel rank runs `execute` on
+the step's `ModelInput`), then `sample_tokens` - given the structured-output masks the engine filled meanwhile -
+queues the sampling on rank 0 and returns a PendingStep whose `result()` is the step's StepOutput.
 """
 
 from __future__ import annotations
@@ -12,19 +15,22 @@ import logging
 
 import torch
 
-from nanoserve.batch import AttentionMetadata, ModelInput, TokenFeed
+from nanoserve.batch import AttentionMetadata, TokenFeed
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from nanoserve.kernels import check_tuned_files
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
-from nanoserve.runner.draft_chain import DraftChain
-from nanoserve.runner.drafter import DraftGraphs, DraftRunner
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
+from nanoserve.runner.sample_step import PendingStep, StepSampler
 from nanoserve.spec_decode.config import SpeculativeConfig
+from nanoserve.spec_decode.draft_chain import DraftChain
 from nanoserve.spec_decode.draft_input import DraftInput
+from nanoserve.spec_decode.drafter import DraftGraphs, DraftRunner
+from nanoserve.spec_decode.proposer import Proposer
+from nanoserve.step import GrammarMasks, ModelInput, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +93,12 @@ class ModelRunner:
         of the graph's static tokens, valid until the next step."""
         self.drafter = DraftRunner.build(config, self.model, self.model_dir, self.dtype, self.device,
                                          self.block_size)
-        """Speculative decoding's model-based drafter (MTP, EAGLE-3; runner/drafter.py), or None."""
+        """Speculative decoding's model-based drafter (MTP, EAGLE-3; spec_decode/drafter.py), or None."""
+        self.sampling = StepSampler(config, self.device, self.cfg.eos_token_id)
+        """Rank 0's second half of a step: logits -> tokens (runner/sample_step.py)."""
+        self._step: StepInput | None = None  # the step execute_model ran, until sample_tokens takes its logits
+        self.logits: torch.Tensor | None = None
+        """The logits of the step execute_model ran, until sample_tokens takes them (the parity tests read them)."""
 
     # -- KV cache -----------------------------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
@@ -95,6 +106,7 @@ class ModelRunner:
         memory left under gpu_memory_utilization after the weights and a worst-case warm-up step."""
         cfg = self.config
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.sampling.proposer = self._proposer()
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
         if self.device.type != "cuda":
@@ -157,6 +169,27 @@ class ModelRunner:
                                        inp.sample_rows, inp.prompt_rows)
         return reference_prepare(inp, self.block_size, self.device)
 
+    def execute_model(self, step: StepInput) -> None:
+        """Queue a step's forward (rank 0; the other ranks run `execute` on step.model). `sample_tokens` follows."""
+        self._step = step
+        self.logits = self.execute(step.model, self.sampling.feed(step))
+
+    def sample_tokens(self, masks: GrammarMasks | None = None) -> PendingStep:
+        """Queue the tokens of the step `execute_model` ran (its structured-output masks: `masks`); returns at once
+        on a GPU. PendingStep.result() waits for them."""
+        step, logits = self._step, self.logits
+        self._step = self.logits = None
+        return self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax, self.draft_chain)
+
+    def _proposer(self) -> Proposer | None:
+        """The drafter of speculative decoding, or None (no speculative_config, or the switch off)."""
+        spec = self.config.speculative_config
+        if spec is None or not self.config.optimizations.speculative_decoding:
+            return None
+        # (looked up at each call: the tests and the step-cost bench wrap the runner's method)
+        by_model = (lambda inp: self.propose_drafts(inp)) if self.drafter is not None else None
+        return Proposer(SpeculativeConfig.from_dict(spec), self.max_model_len, by_model)
+
     @torch.inference_mode()
     def execute(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(sample_rows) + len(prompt_rows), vocab]: the sample rows', then
@@ -183,14 +216,14 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_index])
 
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
-        """Speculative decoding: the model-based drafter's tokens per sequence (runner/drafter.py)."""
+        """Speculative decoding: the model-based drafter's tokens per sequence (spec_decode/drafter.py)."""
         assert self.drafter is not None, "no model-based drafter was loaded"
         return self.drafter.propose(inp, self.prepare, self.draft_pass_graphs())
 
     def draft_chain(self) -> torch.Tensor | None:
         """Right after a verify step replayed as a graph (switch spec_draft_chain, a draft model): the next
         step's drafts [n, k] of its sequences, made on the device from the greedy acceptance of its argmax
-        (runner/draft_chain.py); None where the last step was no such replay or no chain graph fits."""
+        (spec_decode/draft_chain.py); None where the last step was no such replay or no chain graph fits."""
         last, self._last_verify = self._last_verify, None
         if last is None or not self.config.optimizations.spec_draft_chain or self.draft_pass_graphs() is None:
             return None

@@ -115,7 +115,7 @@ class ServerMetrics:
         for reason in FINISH_REASONS:
             self.success.labels(*self.values, reason)
         self._cache_config_info(engine)
-        self.spec = SpecDecodeMetrics(r, labels, self.values) if engine.engine.speculator is not None else None
+        self.spec = SpecDecodeMetrics(r, labels, self.values) if engine.engine.spec_config is not None else None
         self._last = EngineStats()
         engine.finish_listeners.append(self.observe_finished)
         engine.engine.add_observer(self.on_engine_event)

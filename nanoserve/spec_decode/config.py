@@ -8,8 +8,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 METHODS = ("ngram", "mtp", "eagle3")
-"""The drafters this engine has: prompt lookup, the checkpoint's own MTP module (model/mtp.py), and an EAGLE-3
-draft directory (model/eagle3.py)."""
+"""The drafters this engine has: prompt lookup, the checkpoint's own MTP module (spec_decode/mtp.py), and an EAGLE-3
+draft directory (spec_decode/eagle3.py)."""
 
 
 @dataclass(frozen=True)

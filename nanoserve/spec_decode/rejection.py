@@ -11,7 +11,7 @@ target model alone would draw it. For a greedy row it reduces to "accept the lon
 equals the target's argmax, then the argmax", so greedy output with speculation equals greedy output without.
 
 The random numbers come in as tensors (uniforms for the tests, Exp(1) samples for the final draw, which is an
-exponential race as in engine/sampler.py), so a caller draws them from each request's own generator and a test
+exponential race as in runner/sampler.py), so a caller draws them from each request's own generator and a test
 from a fixed one.
 """
 

@@ -312,7 +312,7 @@ def test_hf_weights_map_to_the_same_model(bench):
     hf = HFBench(preset.config, preset, torch.device("cpu"), torch.float32)
     ids = torch.randint(0, 512, (100,), generator=torch.Generator().manual_seed(0)).tolist()  # > 3 MSA blocks x 16
     runner = bench.runner
-    from nanoserve.batch import ModelInput
+    from nanoserve.step import ModelInput
 
     bs = runner.block_size
     table = list(range(-(-len(ids) // bs)))

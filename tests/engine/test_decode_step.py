@@ -16,12 +16,12 @@ import torch
 
 from nanoserve import SamplingParams
 from nanoserve.config import Optimizations
-from nanoserve.engine.sampler import Sampler, plain_greedy
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kernels import reference
 from nanoserve.kernels.norm_rope import fused_rmsnorm
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.presets.catalog import get_preset
+from nanoserve.runner.sampler import Sampler, plain_greedy
 from tests.engine.test_overlap import drive, make_llm
 from tests.helpers.engine_utils import random_tokens
 

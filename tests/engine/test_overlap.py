@@ -21,12 +21,12 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import stop_checker
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
-from nanoserve.engine.sampler import Sampler, exponential_race
 from nanoserve.engine.sequence import Sequence
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.presets.tokenizer import EOS_ID
+from nanoserve.runner.sampler import Sampler, exponential_race
 from tests.engine.test_engine import MAX_MODEL_LEN, MIXED_PARAMS, SMALL_BUDGET, SMALL_POOL_BLOCKS, mixed_prompts
-from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, random_tokens
+from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, random_tokens, sampler_of
 
 LOGPROB_ATOL = 1e-5  # fp32: the same sequence's logits computed in differently composed batches
 
@@ -156,18 +156,22 @@ def test_async_steps_launch_before_the_tokens_arrive(llms, monkeypatch):
     for mode in OVERLAPPED:
         engine = llms[mode].engine
         events: list[str] = []
-        real_execute, real_to_host = engine.executor.execute_model, engine.sampler.to_host
+        real_execute, real_sample = engine.executor.execute_model, engine.executor.sample_tokens
 
-        def execute(inp, feed=None):
-            events.append("F" + ("+feed" if feed is not None else ""))
-            return real_execute(inp, feed) if feed is not None else real_execute(inp)
+        def execute(step):
+            events.append("F" + ("+feed" if step.fed else ""))
+            return real_execute(step)
 
-        def to_host(sample):
-            events.append("R")
-            return real_to_host(sample)
+        class Received:  # the step's future: "R" when the engine waits for its tokens
+            def __init__(self, future):
+                self.future = future
+
+            def result(self):
+                events.append("R")
+                return self.future.result()
 
         monkeypatch.setattr(engine.executor, "execute_model", execute)
-        monkeypatch.setattr(engine.sampler, "to_host", to_host)
+        monkeypatch.setattr(engine.executor, "sample_tokens", lambda masks=None: Received(real_sample(masks)))
         prompt = random_tokens(random.Random(5), 12)
         for penalised in (False, True):
             events.clear()
@@ -298,7 +302,7 @@ def test_seeded_n_completions_are_reproducible(llms):
     ]
     runs = {}
     for mode, llm in llms.items():
-        llm.engine.sampler.generator.manual_seed(0)  # the engine-wide generator the unseeded request draws from
+        sampler_of(llm).generator.manual_seed(0)  # the engine-wide generator the unseeded request draws from
         streams, _ = drive(llm.engine, requests)
         runs[mode] = streams
         assert_all_blocks_free(llm)

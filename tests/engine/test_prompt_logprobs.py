@@ -119,7 +119,8 @@ def test_reference_input_preparation_gives_the_same_rows():
 def test_prompt_logprob_chunks_and_row_slices_bound_memory(monkeypatch):
     """A prompt asking for prompt logprobs is prefilled PROMPT_LOGPROB_CHUNK tokens at a time even when the budget
     is larger, and its logits are reduced ROW_SLICE rows at a time; the values are those of a direct forward."""
-    from nanoserve.engine import prompt_logprobs, scheduler
+    from nanoserve.engine import scheduler
+    from nanoserve.runner import prompt_logprobs
 
     monkeypatch.setattr(scheduler, "PROMPT_LOGPROB_CHUNK", 24)
     monkeypatch.setattr(prompt_logprobs, "ROW_SLICE", 7)

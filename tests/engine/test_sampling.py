@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.detokenizer import detokenize_step
-from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.stop_checker import find_stop_string
 from nanoserve.presets.tokenizer import EOS_ID
+from nanoserve.runner.sampler import Sampler
 from tests.helpers.engine_utils import LOGPROB_ATOL, direct_logprobs, engine_opts, random_tokens
 
 DRAWS = 4000  # rows per distribution check; a frequency's std is <= 0.008, checked to FREQ_TOL

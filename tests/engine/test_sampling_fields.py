@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.presets.tokenizer import EOS_ID
+from nanoserve.runner.sampler import Sampler
 from tests.helpers.engine_utils import LOGPROB_ATOL, direct_logprobs
 from tests.helpers.server_utils import FAST_CPU
 

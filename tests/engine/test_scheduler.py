@@ -45,8 +45,9 @@ class Harness:
         out = self.sched.schedule()
         assert out.num_batched_tokens <= self.budget
         sampled = [s.seq for s in out.scheduled if s.samples]
-        self.sched.update_after_step(out)
+        assert [s.seq for s in self.sched.update_after_step(out)] == sampled
         for seq in sampled:
+            seq.num_pending -= 1  # the token arrives (the engine's update)
             seq.output_token_ids.append(SAMPLED_TOKEN)
             if len(seq.output_token_ids) >= seq.params.max_tokens:
                 self.sched.finish(seq, FinishReason.LENGTH)
@@ -358,6 +359,7 @@ def test_random_workloads_keep_every_promise(data):
         sampled = [s.seq for s in out.scheduled if s.samples]
         h.sched.update_after_step(out)
         for seq in sampled:
+            seq.num_pending -= 1  # the token arrives (the engine's update)
             assert [kv[seq.block_table[p // BS]][p % BS] for p in range(seq.num_tokens)] == seq.token_ids
             seq.output_token_ids.append(sampled_token(seq))
             if len(seq.output_token_ids) >= seq.params.max_tokens:

@@ -125,43 +125,35 @@ def test_greedy_rows_accept_the_longest_prefix_equal_to_the_argmax():
 def test_greedy_acceptance_on_the_host_equals_the_rejection_sampler(seed):
     """Switch spec_greedy_accept against its reference on fresh random logits (fp32, exact): plain greedy
     sequences with 1-4 drafts, each draft the argmax with some tokens changed, and logits with ties."""
-    from nanoserve.engine.sampler import Sampler
-    from nanoserve.engine.scheduler import ScheduledSeq
-    from nanoserve.engine.sequence import Sequence
-    from nanoserve.engine.speculative import Speculator
+    from nanoserve.runner.sampler import Sampler
+    from nanoserve.spec_decode import verify
+    from nanoserve.step import StepSeq
 
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     vocab, num_seqs = 50, 12
-    scheduled = []
-    for i in range(num_seqs):
-        seq = Sequence(i, f"r{i}", 0, [1, 2, 3], SamplingParams(temperature=0.0))
-        scheduled.append(ScheduledSeq(seq, 0, rng.randint(1, 4)))
-    rows = sum(s.num_draft + 1 for s in scheduled)
+    counts = [rng.randint(1, 4) for _ in range(num_seqs)]
+    rows = sum(n + 1 for n in counts)
     logits = torch.randint(0, 6, (rows, vocab), generator=gen).float()  # small integers: ties are common
     argmax = logits.argmax(dim=-1).tolist()
-    start = 0
-    for s in scheduled:
-        draft = argmax[start: start + s.num_draft]
-        for j in range(s.num_draft):
+    seqs, start = [], 0
+    for i, n in enumerate(counts):
+        draft = argmax[start: start + n]
+        for j in range(n):
             if rng.random() < 0.3:
                 draft[j] = (draft[j] + rng.randint(1, vocab - 1)) % vocab
-        s.seq.spec_token_ids = draft
-        s.num_new_tokens = s.num_draft + 1
-        start += s.num_draft + 1
+        seqs.append(StepSeq(i, 0, SamplingParams(temperature=0.0), [1, 2, 3], [], 0, 3, n + 1, True, draft))
+        start += n + 1
 
-    def accepted(greedy_accept: bool) -> list[int]:
-        spec = Speculator(SpeculativeConfig.from_dict(NGRAM), MAX_MODEL_LEN, None, lambda seq, n: True,
-                          greedy_accept)
-        verify = spec.verify(logits, scheduled, Sampler(torch.device("cpu"), seed, eos_token_id=None))
-        assert (verify.drafts is not None) == greedy_accept
-        return spec.to_host(verify).token_ids
+    def accepted(greedy_accept: bool) -> list[list[int]]:
+        device = verify.verify(logits, seqs, Sampler(torch.device("cpu"), seed, eos_token_id=None), None,
+                               greedy_accept)
+        assert device.greedy == greedy_accept
+        return verify.to_host(device)[0]
 
     on_host = accepted(True)
     assert on_host == accepted(False)
-    width = max(s.num_draft for s in scheduled) + 1
-    runs = [sum(t >= 0 for t in on_host[r * width: (r + 1) * width]) - 1 for r in range(num_seqs)]
-    full = [n == s.num_draft for n, s in zip(runs, scheduled)]
+    full = [len(tokens) - 1 == s.num_draft for tokens, s in zip(on_host, seqs)]
     assert any(full) and not all(full)  # both whole drafts and rejections were checked
 
 
@@ -232,7 +224,7 @@ def test_greedy_output_is_unchanged_under(setting, expected):
     assert tokens_of(run(llm, repetitive_prompts(), GREEDY)) == expected
     stats = llm.engine.stats
     if setting == "switch_off":
-        assert llm.engine.speculator is None and stats.spec_decode_num_drafts == 0
+        assert llm.engine.spec_config is None and stats.spec_decode_num_drafts == 0
     else:
         assert stats.spec_decode_num_accepted_tokens > 0
     if setting == "preemption":
@@ -414,9 +406,9 @@ def test_abort_while_a_verify_step_is_in_flight_frees_every_block(spec_llm, ref_
     prompts = repetitive_prompts()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", p, GREEDY)
-    inflight = step_until_in_flight(engine, lambda step: step.verify is not None, 30)
+    inflight = step_until_in_flight(engine, lambda step: step.step.verifying, 30)
     assert inflight is not None, "a verify step was meant to be in flight"
-    aborted = {s.request_id for s in inflight.verify.seqs}
+    aborted = {s.seq.request_id for s in inflight.sched.scheduled if s.num_draft}
     engine.abort_request(sorted(aborted))
     engine.block_manager.check_integrity()
     finished = finish_all(engine)
@@ -508,7 +500,7 @@ def test_mtp_loader_reads_every_key(mtp_dir, tmp_path):
     from safetensors.torch import save_file
 
     from nanoserve.model.loader import CheckpointError, load_model
-    from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp
+    from nanoserve.spec_decode.mtp import M3MTP, has_mtp, load_mtp
 
     model, _ = load_model(mtp_dir, FAST)  # the main loader skips the MTP tensors
     mtp = M3MTP(model.cfg, FAST, torch.float32, "cpu")
@@ -576,8 +568,8 @@ def reference_mtp_drafts(model, mtp, tokens: list[int], k: int) -> list[int]:
     """The MTP drafts for a sequence computed from scratch: one prefill of the main model over `tokens`, the MTP
     module over every position at once (h_p with x_{p+1}), then k - 1 further steps on its own output."""
     from nanoserve.batch import AttentionMetadata
-    from nanoserve.model.mtp import mtp_config
     from nanoserve.runner.kv_cache import allocate_kv_caches
+    from nanoserve.spec_decode.mtp import mtp_config
 
     bs, n = model.cfg.index_block_size, len(tokens)
     blocks = -(-(n + k) // bs)
@@ -602,7 +594,7 @@ def test_mtp_drafts_equal_a_from_scratch_computation(mtp_dir):
     """The MTP's K/V, written step by step (prefill chunks, verify steps with rejected positions, rollback), gives
     the drafts that one computation from scratch over the sequence's tokens gives."""
     from nanoserve.model.loader import load_model
-    from nanoserve.model.mtp import M3MTP, load_mtp
+    from nanoserve.spec_decode.mtp import M3MTP, load_mtp
 
     model, _ = load_model(mtp_dir, FAST)
     mtp = M3MTP(model.cfg, FAST, torch.float32, "cpu")
@@ -678,8 +670,8 @@ def test_eagle3_loader_reads_every_tensor_and_names_what_is_wrong(tiny_dir, eagl
 
     from safetensors.torch import save_file
 
-    from nanoserve.model.eagle3 import load_eagle3
     from nanoserve.model.loader import CheckpointError, load_model
+    from nanoserve.spec_decode.eagle3 import load_eagle3
 
     model, _ = load_model(tiny_dir, FAST)
     tensors = write_eagle3_dir(tmp_path / "again")
@@ -777,8 +769,8 @@ def reference_eagle3_drafts(model, drafter, tokens: list[int], k: int) -> list[i
 def test_eagle3_drafts_equal_a_from_scratch_computation(tiny_dir, eagle_dir):
     """The taps of every target step, the draft layer's K/V written step by step (prefill chunks, verify steps,
     rollback) and the draft vocabulary's map give the drafts one computation from scratch gives."""
-    from nanoserve.model.eagle3 import load_eagle3
     from nanoserve.model.loader import load_model
+    from nanoserve.spec_decode.eagle3 import load_eagle3
 
     model, _ = load_model(tiny_dir, FAST)
     drafter = load_eagle3(eagle_dir, model, FAST, torch.float32, "cpu")

@@ -64,14 +64,13 @@ def generate(model: str, batches: list[list[list[int]]], spec: dict | None, grap
         runner.graph_capture = counting
     drafts = record_drafts(llm)  # every draft a model-based drafter proposed, in order
     scheduled: list[list[list[int]]] = []  # the drafts each step's sequences got, however they were made
-    speculator = llm.engine.speculator
-    if speculator is not None:
-        propose = speculator.propose
+    if llm.engine.spec_config is not None:
+        schedule = llm.engine.scheduler.schedule
 
-        def recording(running, last_rows):
-            propose(running, last_rows)
-            scheduled.append([list(seq.spec_token_ids) for seq in running])
-        speculator.propose = recording
+        def recording():
+            scheduled.append([list(seq.spec_token_ids) for seq in llm.engine.scheduler.running])
+            return schedule()
+        llm.engine.scheduler.schedule = recording
     outs = []
     for batch in batches:
         outs += tokens_of(llm.generate([{"prompt_token_ids": p} for p in batch], GREEDY, use_tqdm=False))
@@ -190,7 +189,7 @@ def test_abort_while_a_draft_chain_is_in_flight(mtp_dir, expected):
         engine = llm.engine
         for i, p in enumerate(prompts()):
             engine.add_request(f"r{i}", p, GREEDY)
-        inflight = step_until_in_flight(engine, lambda step: step.chain is not None, 40)
+        inflight = step_until_in_flight(engine, lambda step: step.future.chain is not None, 40)
         assert inflight is not None, "a draft chain was meant to be in flight"
         engine.abort_request(["r1"])
         engine.block_manager.check_integrity()
@@ -345,8 +344,8 @@ def test_mtp_first_draft_pass_over_several_positions_replays_a_graph(mtp_dir, ba
     sequence's last row; its drafts (and the passes after it) equal the eager path's."""
     import torch
 
-    from nanoserve.batch import ModelInput
     from nanoserve.spec_decode.draft_input import DraftInput
+    from nanoserve.step import ModelInput
 
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True)
     with LLM(mtp_dir, optimizations=opts, max_model_len=64, max_num_seqs=4, num_gpu_blocks_override=12,

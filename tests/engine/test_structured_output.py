@@ -12,11 +12,12 @@ import re
 import pytest
 import torch
 
-from nanoserve.engine.sampler import Sampler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.structured_output import StructuredOutputManager, choice_grammar, format_element, grammar_key
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.presets.tokenizer import EOS_ID, VOCAB_SIZE
+from nanoserve.runner.grammar_mask import MaskUploader
+from nanoserve.runner.sampler import Sampler
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
 PADDED_VOCAB = VOCAB_SIZE + 24
@@ -136,8 +137,7 @@ def test_sampler_mask_allows_only_grammar_tokens_and_leaves_other_rows_alone(man
         logits[[0, 3], eos] = -1e4  # keep the constrained rows going
         mask = m.bitmask(seqs)
         assert mask.rows == [0, 3]
-        masked = logits.clone()
-        mask.apply(masked)
+        masked = MaskUploader(torch.device("cpu")).apply(logits.clone(), mask)
         assert torch.equal(masked[[1, 2]], logits[[1, 2]])  # unconstrained rows untouched
         allowed = {i for i in range(vocab) if masked[0, i] > float("-inf")}
         assert allowed == (digits if step == 0 else digits | {eos})  # EOS once the format may end

@@ -201,9 +201,9 @@ def test_a_rejected_token_ends_the_sequence_with_error_in_both_grammar_paths(mon
     likes), the sequence ends with finish_reason "error" and the rejected token last, whether the grammar accepts
     each token on receipt (overlap_grammar off) or in the batched catch-up after the next launch (on, where the
     next step's token is dropped). The other requests of the batch go on as alone."""
-    from nanoserve.engine import structured_output
+    from nanoserve.runner import grammar_mask
 
-    monkeypatch.setattr(structured_output.GrammarBitmask, "apply", lambda self, logits: None)
+    monkeypatch.setattr(grammar_mask.MaskUploader, "apply", lambda self, logits, mask: logits)
     prompts = ["Digits:", "A serving engine"]
     params = [sp(12, structured_outputs=so(regex="[0-9]{6}")), sp(8, ignore_eos=True)]
     outs = {}

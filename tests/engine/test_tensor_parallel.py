@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.batch import ModelInput
 from nanoserve.config import EngineConfig
 from nanoserve.distributed.executor import MultiprocExecutor, free_loopback_port
 from nanoserve.distributed.watchdog import WorkerFailure, WorkerWatchdog
@@ -53,6 +52,7 @@ from nanoserve.parallel_state import get_tp, kv_head_range, set_tp
 from nanoserve.presets.catalog import get_preset
 from nanoserve.presets.make_checkpoint import write_checkpoint
 from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block
+from nanoserve.step import ModelInput, StepInput
 from tests.helpers.tp_helpers import CPU_REFERENCE, channel_messages, channel_peer, stuck_peer
 
 TP_RTOL = 1e-5
@@ -110,6 +110,14 @@ def parity_steps() -> list[ModelInput]:
     ]
 
 
+def step_logits(executor: Executor, inp: ModelInput) -> torch.Tensor:
+    """One forward through the executor (every rank runs it) and rank 0's logits of the rows it asks for."""
+    executor.execute_model(StepInput(inp, []))
+    logits = executor.runner.logits.float().clone()
+    executor.sample_tokens().result()  # (the step's second half: no row to sample)
+    return logits
+
+
 def run_steps(executor: Executor, reuse_from: int | None = None) -> list[torch.Tensor]:
     """Every parity step's logits; with reuse_from, the msa_topk_reuse approximation is switched on in place (as
     the benchmark's ablation does) before that step."""
@@ -118,7 +126,7 @@ def run_steps(executor: Executor, reuse_from: int | None = None) -> list[torch.T
         for i, step in enumerate(parity_steps()):
             if i == reuse_from:
                 ex.runner.config.optimizations.msa_topk_reuse = True
-            out.append(ex.execute_model(step).float().clone())
+            out.append(step_logits(ex, step))
     return out
 
 
@@ -470,7 +478,7 @@ def test_worker_death_while_idle_is_reported(tiny_dir):
 
         wait_until(reported, 10, "check_health to report the dead worker")
         with pytest.raises(WorkerFailure, match=r"tensor-parallel worker 1 died \(exit code -9\)"):
-            executor.execute_model(parity_steps()[0])
+            step_logits(executor, parity_steps()[0])
     finally:
         executor.shutdown()
 
@@ -486,7 +494,7 @@ def test_stopped_worker_while_idle_fails_within_the_worker_timeout(tiny_dir):
     [pid] = executor.worker_pids
     try:
         executor.initialize_cache(MAX_MODEL_LEN, 8192, 16)
-        executor.execute_model(parity_steps()[0])
+        step_logits(executor, parity_steps()[0])
         os.kill(pid, signal.SIGSTOP)
         t0 = time.monotonic()
 
@@ -502,7 +510,7 @@ def test_stopped_worker_while_idle_fails_within_the_worker_timeout(tiny_dir):
         # silence counts from the last heartbeat, which came up to one interval (T/4) before the stop
         assert HANG_TIMEOUT_S * 0.75 <= elapsed < HANG_TIMEOUT_S + 2, elapsed
         with pytest.raises(WorkerFailure, match=r"^tensor-parallel worker 1 did not answer within 2 s$"):
-            executor.execute_model(parity_steps()[0])  # failed for good, at once
+            step_logits(executor, parity_steps()[0])  # failed for good, at once
     finally:
         executor.shutdown()  # kills the stopped worker
         assert not pid_alive(pid)

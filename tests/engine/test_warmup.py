@@ -39,9 +39,10 @@ def record_steps(engine, monkeypatch) -> list[tuple[int, int, int]]:
     seen: list[tuple[int, int, int]] = []
     execute = engine.executor.execute_model
 
-    def recording(inp, *args):
+    def recording(step):
+        inp = step.model
         seen.append((len(inp.query_lens), len(inp.input_ids), max(inp.seq_lens)))
-        return execute(inp, *args)
+        return execute(step)
 
     monkeypatch.setattr(engine.executor, "execute_model", recording)
     return seen

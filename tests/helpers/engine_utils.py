@@ -34,6 +34,11 @@ def assert_all_blocks_free(llm: LLM) -> None:
     assert not llm.engine.scheduler.running and not llm.engine.scheduler.waiting
 
 
+def sampler_of(llm: LLM):
+    """The engine's sampler: in the runner, behind the executor (runner/sampler.py)."""
+    return llm.engine.executor.runner.sampling.sampler
+
+
 def record_drafts(llm: LLM) -> list[list[list[int]]]:
     """Every draft the engine's model-based drafter (mtp, eagle3) proposes from now on, in order: one entry per
     draft step, one token list per sequence. Empty, and nothing wrapped, without such a drafter."""

@@ -8,7 +8,7 @@ Layers, bottom to top (a module may import its own layer and any lower one):
 The kernels know nothing of the model; the model loader reads directories and knows nothing of presets; the
 runner (one rank's model, KV pools and graphs) knows nothing of scheduling; the executors move a step to one or
 many runners; the engine core schedules; the front ends (LLM, AsyncLLMEngine) drive the core; the server, the
-bench and the walkthrough sit on top. Neutral top-level modules (config.py, sampling.py, batch.py,
+bench and the walkthrough sit on top. Neutral top-level modules (config.py, sampling.py, batch.py, step.py,
 parallel_state.py) hold what every layer shares; anyone may import them, and they import only each other.
 Every import counts, also the ones inside functions: a lazy import still ties the two modules together.
 
@@ -39,7 +39,7 @@ LAYER_OF = {  # by the package under nanoserve/
 }
 LAYER_NAMES = {0: "kernels", 1: "model", 2: "presets", 3: "runner", 4: "executor/distributed", 5: "engine",
                6: "entrypoints", 7: "server/bench/walkthrough"}
-NEUTRAL = {"nanoserve.config", "nanoserve.sampling", "nanoserve.batch", "nanoserve.parallel_state",
+NEUTRAL = {"nanoserve.config", "nanoserve.sampling", "nanoserve.batch", "nanoserve.step", "nanoserve.parallel_state",
            "nanoserve.cpu_threads"}
 
 # (importer, imported) -> why: an arrow from a lower layer to a higher one that exists today. None now.
@@ -208,3 +208,15 @@ def test_the_loader_does_not_import_the_presets():
             seen.add(m)
             todo.extend(graph.get(m, ()))
     assert not any(m.startswith("nanoserve.presets") for m in seen), sorted(m for m in seen if "presets" in m)
+
+
+def test_the_engine_core_imports_no_torch():
+    """The engine deals in plain lists and token ids: the runner turns logits into tokens behind the executor, so no
+    module under nanoserve/engine/ imports torch (nor does nanoserve/step.py, what crosses the boundary)."""
+    offenders = []
+    for path in [*sorted((PACKAGE / "engine").rglob("*.py")), PACKAGE / "step.py"]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            offenders += [f"{path.relative_to(ROOT)}: {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not offenders, offenders

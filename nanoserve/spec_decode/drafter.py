@@ -22,15 +22,16 @@ from typing import Callable
 
 import torch
 
-from nanoserve.batch import AttentionMetadata, ModelInput
+from nanoserve.batch import AttentionMetadata
 from nanoserve.config import EngineConfig
-from nanoserve.model.eagle3 import Eagle3Drafter, load_eagle3
 from nanoserve.model.m3 import M3ForCausalLM
-from nanoserve.model.mtp import M3MTP, has_mtp, load_mtp
 from nanoserve.parallel_state import get_tp
 from nanoserve.runner.cuda_graphs import GraphRunner
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_input import DraftInput
+from nanoserve.spec_decode.eagle3 import Eagle3Drafter, load_eagle3
+from nanoserve.spec_decode.mtp import M3MTP, has_mtp, load_mtp
+from nanoserve.step import ModelInput
 
 logger = logging.getLogger(__name__)
 

@@ -168,7 +168,7 @@ class Eagle3Drafter(nn.Module):
         v = F.linear(x, self.w("layers.0.self_attn.v_proj.weight")).view(t, -1, hd)
         cos, sin = reference.rope_cos_sin(positions, self.inv_freq)
         q, k = reference.apply_partial_rope(q, cos, sin), reference.apply_partial_rope(k, cos, sin)
-        # (no host synchronisation, so the draft passes replay as CUDA graphs: runner/drafter.py's DraftGraphs)
+        # (no host synchronisation, so the draft passes replay as CUDA graphs: spec_decode/drafter.py's DraftGraphs)
         reference.write_kv_padded(self.kv_cache, k, v, meta.slot_mapping)
         if self.opts.triton_attention and triton_usable(q):
             from nanoserve.kernels.attention import paged_attention

@@ -17,19 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoserve.engine.outputs import Logprob
-
-
-@dataclass
-class PromptLogprobRows:
-    """Which prompt positions of one sequence a step's extra logits rows belong to: rows [row, row + count) give
-    the logprobs of prompt tokens first_token .. first_token + count - 1."""
-
-    seq_id: int
-    first_token: int
-    count: int
-    num_top: int  # top alternatives wanted (prompt_logprobs; -1 resolved to the vocabulary size)
-    temperature: float | None = None  # prompt_logprobs_temperature: the logits are divided by it (None: 1)
+from nanoserve.step import PromptLogprobEntry, PromptLogprobRows
 
 
 @dataclass
@@ -78,24 +66,26 @@ def compute(logits: torch.Tensor, rows: list[PromptLogprobRows], targets: list[i
     return DevicePromptLogprobs(rows, targets, target, rank, top_vals, top_ids)
 
 
-def to_host(dev: DevicePromptLogprobs, decode) -> dict[int, list[tuple[int, dict[int, Logprob]]]]:
-    """Wait for `dev` and build, per sequence id, (prompt position, {token id: Logprob}) pairs: the prompt token
-    first, then its top-N alternatives. `decode(token_id) -> str` gives each Logprob's decoded_token."""
+def to_host(dev: DevicePromptLogprobs) -> dict[int, list[PromptLogprobEntry]]:
+    """Wait for `dev` and build, per sequence id, (prompt position, [(token id, logprob, rank)]) pairs: the prompt
+    token first, then its top-N alternatives (the engine adds each token's text)."""
     target_lp = dev.target_logprob.tolist()
     target_rank = dev.target_rank.tolist()
     top_vals = dev.top_logprobs.tolist() if dev.top_logprobs is not None else None
     top_ids = dev.top_ids.tolist() if dev.top_ids is not None else None
-    out: dict[int, list[tuple[int, dict[int, Logprob]]]] = {}
+    out: dict[int, list[PromptLogprobEntry]] = {}
     row = 0
     for r in dev.rows:
         entries = out.setdefault(r.seq_id, [])
         for j in range(r.count):
             token = dev.targets[row]
-            d = {token: Logprob(target_lp[row], target_rank[row], decode(token))}
+            ranked = [(token, target_lp[row], target_rank[row])]
+            seen = {token}
             for rank in range(r.num_top):
                 alt = top_ids[row][rank]
-                if alt not in d:
-                    d[alt] = Logprob(top_vals[row][rank], rank + 1, decode(alt))
-            entries.append((r.first_token + j, d))
+                if alt not in seen:
+                    seen.add(alt)
+                    ranked.append((alt, top_vals[row][rank], rank + 1))
+            entries.append((r.first_token + j, ranked))
             row += 1
     return out

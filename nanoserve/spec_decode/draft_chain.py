@@ -40,7 +40,7 @@ from nanoserve.batch import AttentionMetadata
 from nanoserve.runner.cuda_graphs import GraphRunner, Replay
 
 if TYPE_CHECKING:
-    from nanoserve.runner.drafter import DraftRunner
+    from nanoserve.spec_decode.drafter import DraftRunner
 
 logger = logging.getLogger(__name__)
 

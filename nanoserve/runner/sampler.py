@@ -1,15 +1,15 @@
 """Turn each sequence's next-token logits into a token, on the device, for a whole batch at once.
 
-Order of operations (as vLLM's sampler): a structured-output request's grammar bitmask comes first, setting the
-tokens its format forbids to -inf (its rows only; engine/structured_output.py), so everything after - the logprobs
-included - sees the masked logits. Then the logprobs of the raw logits are taken (logprobs_mode
-"raw_logprobs", the default); then each processing step, one method each, batched over the rows that use it:
-allowed_token_ids (everything else masked), bad_words, min_tokens suppression of EOS and stop ids, logit_bias,
+Order of operations (as vLLM's sampler): a structured-output request's grammar bitmask comes first, setting the tokens
+its format forbids to -inf (its rows only; the engine fills the mask, runner/grammar_mask.py applies it), so
+everything after - the logprobs included - sees the masked logits. Then the logprobs of the raw logits are taken
+(logprobs_mode "raw_logprobs", the default); then each processing step, one method each, batched over the rows that
+use it: allowed_token_ids (everything else masked), bad_words, min_tokens suppression of EOS and stop ids, logit_bias,
 repetition / presence / frequency penalties; then temperature, top-k, top-p, min-p and a draw. Greedy rows
 (temperature 0) take the argmax of the processed logits. With logprobs_mode "processed_logprobs" the logprobs are
-taken from the logits the draw used instead (after every step above, temperature and filters included). A request
-with a seed draws from its own generator, so its tokens do not depend on what else is in the batch; other
-requests share the engine's.
+taken from the logits the draw used instead (after every step above, temperature and filters included). A request with
+a seed draws from its own generator, so its tokens do not depend on what else is in the batch; other requests share
+the engine's.
 
 Two halves (for the engine's overlap_scheduling): `sample` queues all of this on the device and returns tensors -
 nothing in it waits for the device (no `.item()`, `.tolist()` or synchronous host-to-device copy), so on a GPU it
@@ -19,12 +19,12 @@ returns while the step's forward is still running; `to_host` then waits and copi
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from nanoserve.config import LOGPROBS_MODES
-from nanoserve.engine.sequence import Sequence
+from nanoserve.runner.grammar_mask import MaskUploader
+from nanoserve.step import GrammarMask, StepSeq
 
 MASK64 = 2**64 - 1
 
@@ -38,10 +38,6 @@ def generator_seed(seed: int, index: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
     return z ^ (z >> 31)
-
-
-if TYPE_CHECKING:
-    from nanoserve.engine.structured_output import GrammarBitmask
 
 
 @dataclass
@@ -101,7 +97,7 @@ def exponential_race(probs: torch.Tensor, generator: torch.Generator) -> torch.T
     return (probs / q).argmax(dim=-1)
 
 
-def plain_greedy(seq: Sequence) -> bool:
+def plain_greedy(seq: StepSeq) -> bool:
     """Is this row's token simply the argmax of its raw logits? (temperature 0, no logprobs, and no processing
     step that changes a logit: allowed_token_ids, bad_words, min_tokens still pending, logit_bias, penalties.)"""
     p = seq.params
@@ -119,12 +115,13 @@ class Sampler:
         self.eos_token_id = eos_token_id
         self.logprobs_mode = logprobs_mode
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.masks = MaskUploader(device)
         self._seq_generators: dict[int, torch.Generator] = {}
 
     def forget(self, seq_id: int) -> None:
         self._seq_generators.pop(seq_id, None)
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def _generator(self, seq: StepSeq) -> torch.Generator:
         g = self._seq_generators.get(seq.seq_id)
         if g is None:
             g = torch.Generator(device=self.device).manual_seed(generator_seed(seq.params.seed, seq.index))
@@ -138,13 +135,13 @@ class Sampler:
             return torch.tensor(values, dtype=dtype)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence],
-                 grammar: GrammarBitmask | None = None) -> SampleResult:
+    def __call__(self, logits: torch.Tensor, seqs: list[StepSeq],
+                 grammar: GrammarMask | None = None) -> SampleResult:
         """logits [S, V] (one row per sequence in `seqs`) -> one token per sequence, on the host."""
         return self.to_host(self.sample(logits, seqs, grammar))
 
     @torch.inference_mode()
-    def sample(self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarBitmask | None = None,
+    def sample(self, logits: torch.Tensor, seqs: list[StepSeq], grammar: GrammarMask | None = None,
                argmax: torch.Tensor | None = None) -> DeviceSample:
         """The device half: queue the draw and the logprobs. Reads `logits` only through work queued here, so a
         static CUDA-graph output may be overwritten by a later replay once this returns. `grammar`: the
@@ -208,14 +205,11 @@ class Sampler:
         return SampleResult(tokens, chosen, sample.num_logprobs, top_vals, top_ids)
 
     # -- logit processing (each step touches only the rows whose request uses it) ---------------------------
-    @staticmethod
-    def _apply_grammar(logits: torch.Tensor, grammar: GrammarBitmask | None) -> torch.Tensor:
+    def _apply_grammar(self, logits: torch.Tensor, grammar: GrammarMask | None) -> torch.Tensor:
         """Structured outputs: the tokens a constrained row's grammar forbids get -inf (other rows untouched)."""
-        if grammar is not None:
-            grammar.apply(logits)
-        return logits
+        return self.masks.apply(logits, grammar)
 
-    def _restrict_to_allowed(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _restrict_to_allowed(self, logits: torch.Tensor, seqs: list[StepSeq]) -> torch.Tensor:
         """allowed_token_ids: every other token of the row is masked out."""
         vocab = logits.shape[-1]
         rows, ids = [], []
@@ -231,7 +225,7 @@ class Sampler:
         restricted = torch.zeros(len(seqs), dtype=torch.bool, device=logits.device).index_fill_(0, r, True)
         return logits.masked_fill(restricted[:, None] & ~keep, float("-inf"))
 
-    def _ban_bad_words(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _ban_bad_words(self, logits: torch.Tensor, seqs: list[StepSeq]) -> torch.Tensor:
         """bad_words: a word's last token is banned where the output already ends with the tokens before it (a
         one-token word is always banned)."""
         rows, ids = [], []
@@ -244,7 +238,7 @@ class Sampler:
                     ids.append(word[-1])
         return self._fill(logits, rows, ids, float("-inf"))
 
-    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_logit_bias(self, logits: torch.Tensor, seqs: list[StepSeq]) -> torch.Tensor:
         """logit_bias: the request's value added to each named token's logit."""
         rows, ids, values = [], [], []
         for i, s in enumerate(seqs):
@@ -266,7 +260,7 @@ class Sampler:
                               torch.full((), value, dtype=logits.dtype, device=logits.device))
         return logits
 
-    def _apply_penalties(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _apply_penalties(self, logits: torch.Tensor, seqs: list[StepSeq]) -> torch.Tensor:
         rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0
                 or s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
         if not rows:
@@ -289,7 +283,7 @@ class Sampler:
             logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
         return logits
 
-    def _suppress_early_stop(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _suppress_early_stop(self, logits: torch.Tensor, seqs: list[StepSeq]) -> torch.Tensor:
         """min_tokens: EOS (unless ignored) and the stop token ids are masked until that many tokens exist."""
         rows, ids = [], []
         for i, s in enumerate(seqs):
@@ -302,7 +296,7 @@ class Sampler:
                 ids.extend(stop_ids)
         return self._fill(logits, rows, ids, float("-inf"))
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _draw(self, logits: torch.Tensor, seqs: list[StepSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Temperature, top-k, top-p, min-p, then one draw per row (all rows here have temperature > 0).
         Returns the tokens and the logits they were drawn from (filtered-out tokens at -inf)."""
         logits = self._filter(logits, seqs)
@@ -317,7 +311,7 @@ class Sampler:
             out[idx] = exponential_race(probs[idx], self.generator)
         return out, logits
 
-    def _filter(self, logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    def _filter(self, logits: torch.Tensor, seqs: list[StepSeq]) -> torch.Tensor:
         """Temperature, top-k, top-p and min-p (all rows here have temperature > 0): the logits a draw samples
         from, filtered-out tokens at -inf."""
         temps = self._tensor([s.params.temperature for s in seqs], torch.float32)
@@ -339,16 +333,16 @@ class Sampler:
             logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
         return logits
 
-    # -- speculative decoding (engine/speculative.py) -------------------------------------------------------
+    # -- speculative decoding (spec_decode/verify.py) -------------------------------------------------------
     @torch.inference_mode()
-    def target_distributions(self, logits: torch.Tensor, seqs: list[Sequence], grammar: GrammarBitmask | None = None
+    def target_distributions(self, logits: torch.Tensor, seqs: list[StepSeq], grammar: GrammarMask | None = None
                              ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """For the rows of a verify step (row i scores a position of seqs[i]; a sequence repeats for each of its
         positions): the distribution the draw would sample each row's token from - the structured-output mask of
         each constrained row at its position (`grammar`), allowed_token_ids and logit_bias applied, then
         temperature, top-k, top-p, min-p, softmax; a greedy row's is one-hot at its argmax - and the values its
         logprobs report (per logprobs_mode; None when no row asks). No other processing step reads the
-        sequences' own output (engine/speculative.py `speculable`)."""
+        sequences' own output (spec_decode/verify.py `speculable`)."""
         logits = self._apply_grammar(logits.to(torch.float32, copy=True), grammar)
         wanted = any(s.params.logprobs is not None for s in seqs)
         raw = self.logprobs_mode.startswith("raw")
@@ -367,6 +361,6 @@ class Sampler:
             source = self._logprob_values(logits)
         return probs, source
 
-    def generator_for(self, seq: Sequence) -> torch.Generator:
+    def generator_for(self, seq: StepSeq) -> torch.Generator:
         """The generator seq's random draws come from: its own when the request has a seed, else the engine's."""
         return self._generator(seq) if seq.params.seed is not None else self.generator
