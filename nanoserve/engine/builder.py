@@ -3,7 +3,7 @@
 Kept apart from the step loop (llm_engine.py) so that the loop reads without the set-up around it.
 
     make_executor(config)            LocalExecutor for one device, MultiprocExecutor for tensor parallelism
-    resolve_limits(config, model)    block size, max_model_len and the per-step token budget, checked
+    resolve_limits(config, model, block_size)   max_model_len and the per-step token budget, checked
     check_kv_capacity(blocks, ...)   the KV pool must hold at least one max_model_len sequence
 """
 
@@ -35,17 +35,14 @@ def make_executor(config: EngineConfig) -> Executor:
 class EngineLimits:
     """The sizes the engine runs under, resolved from the config and the model."""
 
-    block_size: int  # tokens per KV block = the model's MSA block size
+    block_size: int  # tokens per KV block = the model's MSA block size (the executor's)
     max_model_len: int  # prompt + output tokens of one sequence
     max_num_batched_tokens: int  # tokens per step
 
 
-def resolve_limits(config: EngineConfig, model_config: M3Config) -> EngineLimits:
-    """The engine's limits, or a ValueError naming the setting that cannot work with this model."""
-    msa_block = model_config.index_block_size
-    if config.block_size is not None and config.block_size != msa_block:
-        raise ValueError(f"block_size={config.block_size} is invalid: it must equal the model's MSA block "
-                         f"size ({msa_block}), since MSA selects KV blocks by block-table entry")
+def resolve_limits(config: EngineConfig, model_config: M3Config, block_size: int) -> EngineLimits:
+    """The engine's limits, or a ValueError naming the setting that cannot work with this model. `block_size`: the
+    executor's (derived once, by the runner: runner/kv_cache.py `kv_block_size`)."""
     max_model_len = config.max_model_len or model_config.max_position_embeddings
     if max_model_len > model_config.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
@@ -58,7 +55,7 @@ def resolve_limits(config: EngineConfig, model_config: M3Config) -> EngineLimits
                              f"without chunked prefill a whole prompt must fit one step")
     else:
         budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if chunked else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-    return EngineLimits(msa_block, max_model_len, budget)
+    return EngineLimits(block_size, max_model_len, budget)
 
 
 def check_kv_capacity(num_blocks: int, limits: EngineLimits) -> None:

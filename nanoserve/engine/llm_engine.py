@@ -71,7 +71,7 @@ class LLMEngine:
     def _build(self, config: EngineConfig, reuse_pool: bool) -> None:
         """Everything around the executor: limits, the KV pool, block manager, scheduler, tokenizer."""
         self.model_config = self.executor.model_config
-        limits = resolve_limits(config, self.model_config)
+        limits = resolve_limits(config, self.model_config, self.executor.block_size)
         self.block_size, self.max_model_len = limits.block_size, limits.max_model_len
         self.max_num_batched_tokens = budget = limits.max_num_batched_tokens
         num_blocks = self.executor.num_blocks if reuse_pool and self.executor.num_blocks else \

@@ -22,6 +22,16 @@ from nanoserve.model.memory_plan import kv_bytes_per_token
 from nanoserve.parallel_state import get_tp, kv_head_range
 
 
+def kv_block_size(cfg: M3Config, requested: int | None = None) -> int:
+    """Tokens per KV block: the model's MSA block size (MSA selects KV blocks by block-table entry), the one place
+    it is derived - the runner sizes its pools by it, the executor reports it, the engine's block manager and
+    limits take it from there. `requested`: EngineConfig.block_size, which may only name the same size."""
+    if requested is not None and requested != cfg.index_block_size:
+        raise ValueError(f"block_size={requested} is invalid: it must equal the model's MSA block size "
+                         f"({cfg.index_block_size}), since MSA selects KV blocks by block-table entry")
+    return cfg.index_block_size
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The pools' element type for `kv_cache_dtype` (EngineConfig): "auto" = the model dtype, "fp8" / "fp8_e4m3" =
     float8_e4m3fn (OCP e4m3 on every GPU, MI300X included: docs/rocm.md)."""

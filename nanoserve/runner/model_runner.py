@@ -23,7 +23,12 @@ from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
-from nanoserve.runner.kv_cache import allocate_kv_caches, kv_cache_bytes_per_block, kv_cache_torch_dtype
+from nanoserve.runner.kv_cache import (
+    allocate_kv_caches,
+    kv_block_size,
+    kv_cache_bytes_per_block,
+    kv_cache_torch_dtype,
+)
 from nanoserve.runner.sample_step import PendingStep, StepSampler
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_chain import DraftChain
@@ -73,7 +78,7 @@ class ModelRunner:
         self.model.eval()
         logger.info("weights: %s", self.model.weight_summary())
         self.cfg: M3Config = self.model.cfg
-        self.block_size = self.cfg.index_block_size
+        self.block_size = kv_block_size(self.cfg, config.block_size)
         self.num_blocks = 0
         self.inputs = InputPreparer(self.block_size, self.device)
         # decode graphs (runner/cuda_graphs.py): sized by the limits determine_num_blocks was given, rebuilt when

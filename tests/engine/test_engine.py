@@ -353,3 +353,12 @@ def test_failed_engine_construction_releases_its_executor(tiny_dir, monkeypatch)
         LLMEngine(EngineConfig.from_kwargs(model=tiny_dir, max_model_len=512, num_gpu_blocks_override=4,
                                            optimizations=engine_opts()))
     assert shut == [True]
+
+
+def test_block_size_is_the_models_msa_block_size():
+    """The KV block size is derived once (runner/kv_cache.py) and handed down: the block manager and the engine's
+    limits use the executor's; a block_size asking for another is refused, naming both."""
+    with LLM("m3-tiny", optimizations=engine_opts(), max_model_len=64, block_size=16) as llm:
+        assert llm.engine.block_size == llm.engine.block_manager.block_size == llm.engine.executor.block_size == 16
+    with pytest.raises(ValueError, match=r"block_size=32 is invalid: it must equal the model's MSA block size \(16\)"):
+        LLM("m3-tiny", optimizations=engine_opts(), max_model_len=64, block_size=32)
