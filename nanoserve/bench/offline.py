@@ -22,7 +22,7 @@ import torch
 from nanoserve.bench.compile_watch import CompileWatch
 from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
 from nanoserve.bench.workloads import Workload
-from nanoserve.config import KERNEL, EngineConfig, Optimizations
+from nanoserve.config import KERNEL, EngineConfig, Optimizations, Platform
 from nanoserve.engine.builder import DEFAULT_MAX_NUM_BATCHED_TOKENS, make_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
@@ -54,6 +54,18 @@ def unavailable_kernel_switches(opts_cls: type[Optimizations] = Optimizations) -
         except Exception as e:  # noqa: BLE001 - a kernel being written may not import yet
             out[s.name] = f"{module} does not import: {type(e).__name__}: {e}"
     return out
+
+
+def platform_of(device: torch.device, dtype: torch.dtype, mxfp8: bool, speculative: str | None = None,
+                tensor_parallel_size: int = 1) -> Platform:
+    """The Platform a model on `device` in `dtype` runs on (which switches can act there: Optimizations
+    .not_applicable), the device questions answered by the kernels' own checks."""
+    from nanoserve.kernels import triton_usable
+    from nanoserve.kernels.moe_wgmma import hopper_gluon
+
+    gluon = device.type == "cuda" and hopper_gluon(torch.empty(0, dtype=dtype, device=device))
+    return Platform(device=device.type, triton=triton_usable(device), hopper_gluon=gluon, mxfp8=mxfp8,
+                    speculative=speculative, tensor_parallel_size=tensor_parallel_size)
 
 
 def stats(values: list[float]) -> dict[str, float]:
@@ -191,6 +203,14 @@ class NanoBench:
         fmt = w.get("weight_format") or (str(self.runner.dtype).removeprefix("torch.") if self.runner else None)
         return {"weight_format": fmt, "parameter_bytes": w.get("parameter_bytes"),
                 "parameter_bytes_by_dtype": w.get("parameter_bytes_by_dtype")}
+
+    @property
+    def platform(self) -> Platform:
+        """What the switches run on here: the device, its kernels, whether the weights are MXFP8."""
+        dtype = self.runner.dtype if self.runner is not None else torch.bfloat16
+        mxfp8 = self.config.quantization == "mxfp8" or self.weight_memory.get("weight_format") == "mxfp8"
+        return platform_of(self.device, dtype, mxfp8, (self.config.speculative_config or {}).get("method"),
+                           self.config.tensor_parallel_size)
 
     def _weight_memory(self, allocated_before: int) -> dict:
         """What the model's weights take on this process's device: parameter bytes by dtype, and (GPU) the
