@@ -576,7 +576,7 @@ def test_fast_input_prep_switch_gives_same_tokens(bench):
 def test_decode_graph_plumbing_emulated(bench):
     """The graph path (static buffers, padding to the bucket, context buckets) with a capture that replays by
     re-running the function: same logits as the eager path."""
-    from nanoserve.bench.graph_check import compare_decode_logits
+    from tests.helpers.graph_check import compare_decode_logits
 
     runner = bench.runner
     runner.graph_capture = lambda fn: fn
