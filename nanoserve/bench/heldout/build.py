@@ -722,7 +722,7 @@ def tool_rows(rng: random.Random, per_tool: int) -> list[dict]:
     return rows
 
 
-NO_CALL = ("Thanks, that's all for now!", "Hi there, how's it going?", "What is 47 + 38?", "Tell me a fun fact.",
+NO_CALL = ("Thanks, that's all for now!", "Hi there, how's it going?", "47 and 38 added together?", "Tell me a fun fact.",
            "Who made you?", "Can you explain what you are able to do?", "What's 230 minus 75?",
            "ok never mind, forget it", "Good night!", "What does the word 'ephemeral' mean?",
            "How do you spell necessary?", "Which is bigger, 412 or 398?")
@@ -1022,6 +1022,13 @@ def retrieval_rows(rng: random.Random, tokens: int, n_docs: int, per_doc: int, c
     return rows, documents
 
 
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    """gzip without a timestamp: the same rows give the same bytes."""
+    with open(path, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", compresslevel=9, mtime=0) as gz:
+        for r in rows:
+            gz.write((json.dumps(r, ensure_ascii=False) + "\n").encode("utf-8"))
+
+
 def build(out: str) -> dict[str, int]:
     from tokenizers import Tokenizer
 
@@ -1044,15 +1051,21 @@ def build(out: str) -> dict[str, int]:
         r, d = retrieval_rows(rng, tokens, n_docs, per_doc, count_tokens)
         rows += r
         documents += d
+    # each task's requests in a shuffled order (a retrieval task's stay by document), so that the first N of a
+    # task (--quality-limit N) mix its apps, thinking modes and sources
+    by_task: dict[str, list[dict]] = {}
+    for r in rows:
+        by_task.setdefault(r["task"], []).append(r)
+    rows = []
+    for task, rs in by_task.items():
+        if not task.startswith("retrieval"):
+            rng.shuffle(rs)
+        rows += rs
     for i, r in enumerate(rows):
         r["id"] = i
     os.makedirs(out, exist_ok=True)
-    with gzip.open(os.path.join(out, "requests.jsonl.gz"), "wt", encoding="utf-8", compresslevel=9) as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    with gzip.open(os.path.join(out, "documents.jsonl.gz"), "wt", encoding="utf-8", compresslevel=9) as f:
-        for d in documents:
-            f.write(json.dumps(d, ensure_ascii=False) + "\n")
+    write_jsonl(os.path.join(out, "requests.jsonl.gz"), rows)
+    write_jsonl(os.path.join(out, "documents.jsonl.gz"), documents)
     counts: dict[str, int] = {}
     for r in rows:
         counts[r["task"]] = counts.get(r["task"], 0) + 1
