@@ -722,8 +722,8 @@ def tool_rows(rng: random.Random, per_tool: int) -> list[dict]:
     return rows
 
 
-NO_CALL = ("Thanks, that's all for now!", "Hi there, how's it going?", "47 and 38 added together?", "Tell me a fun fact.",
-           "Who made you?", "Can you explain what you are able to do?", "What's 230 minus 75?",
+NO_CALL = ("Thanks, that's all for now!", "Hi there, how's it going?", "47 and 38 added together?",
+           "Tell me a fun fact.", "Who made you?", "Can you explain what you are able to do?", "What's 230 minus 75?",
            "ok never mind, forget it", "Good night!", "What does the word 'ephemeral' mean?",
            "How do you spell necessary?", "Which is bigger, 412 or 398?")
 
