@@ -461,6 +461,14 @@ class EngineConfig:
     "prompt_lookup_max": n, "prompt_lookup_min": m}, {"method": "mtp", "num_speculative_tokens": k} or
     {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}; None = none. Checked when the engine is built
     (spec_decode/config.py); docs/speculative_decoding.md."""
+    kv_events_config: dict[str, Any] | None = None
+    """KV-cache events for KV-aware routers (vLLM's `--kv-events-config`): {"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ..., "buffer_steps": ...,
+    "hwm": ..., "max_queue_size": ...}; None = none. Checked by engine/kv_events.py; docs/scale_out.md."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (vLLM's `--kv-transfer-config`): {"kv_connector": "NixlConnector",
+    "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}; None = none. Checked by kv_transfer/config.py;
+    docs/scale_out.md."""
     optimizations: Optimizations = field(default_factory=Optimizations)
 
     def __post_init__(self) -> None:
@@ -534,3 +542,7 @@ class EngineConfig:
         need(isinstance(self.optimizations, Optimizations), "optimizations", "an Optimizations instance")
         need(self.speculative_config is None or isinstance(self.speculative_config, dict), "speculative_config",
              "a dict (method, num_speculative_tokens, ...) or None")
+        need(self.kv_events_config is None or isinstance(self.kv_events_config, dict), "kv_events_config",
+             "a dict (enable_kv_cache_events, publisher, endpoint, ...) or None")
+        need(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, dict), "kv_transfer_config",
+             "a dict (kv_connector, kv_role, ...) or None")
