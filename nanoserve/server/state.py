@@ -1,4 +1,4 @@
-"""OpenAIServer: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
+"""ServerState: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
 offload.py), the body parser (body_parser.py), the served model names, the per-request limits, the metrics, the
 API key, the count of requests in flight (/load), the Responses API's store and the chat options (ChatOptions:
 tool calling, reasoning, the chat template, the generation defaults). build_app makes one and keeps it in
@@ -42,7 +42,7 @@ class ChatOptions:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
-class OpenAIServer:
+class ServerState:
     """The server's shared state. Holds no per-request state: a request's data lives in its route call."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: str | list[str], api_key: str | None = None,

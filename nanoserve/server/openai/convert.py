@@ -14,11 +14,11 @@ from typing import Any
 from nanoserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.server.openai import schema as P
 from nanoserve.server.prepare import ChatSetup, Prepared
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.state import ServerState
 
 
 # -- whole responses ----------------------------------------------------------------------------------------
-def completion_response(server: OpenAIServer, request_id: str, req: P.CompletionRequest, prepared: Prepared,
+def completion_response(server: ServerState, request_id: str, req: P.CompletionRequest, prepared: Prepared,
                         outputs: list[RequestOutput]) -> P.CompletionResponse:
     choices = [completion_choice(server, req, prepared, i, out, c) for i, out in enumerate(outputs)
                for c in out.outputs]
@@ -26,7 +26,7 @@ def completion_response(server: OpenAIServer, request_id: str, req: P.Completion
                                 usage=usage(outputs, generated=not req.echo_only))
 
 
-def completion_choice(server: OpenAIServer, req: P.CompletionRequest, prepared: Prepared, i: int,
+def completion_choice(server: ServerState, req: P.CompletionRequest, prepared: Prepared, i: int,
                       out: RequestOutput, c: CompletionOutput) -> P.CompletionChoice:
     as_ids = server.tokens_as_ids(req)
     end = 0 if req.echo_only else len(c.token_ids)
@@ -45,7 +45,7 @@ def completion_choice(server: OpenAIServer, req: P.CompletionRequest, prepared: 
         prompt_logprobs=prompt_logprobs(out) if req.prompt_logprobs is not None else None)
 
 
-def chat_response(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
+def chat_response(server: ServerState, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
                   out: RequestOutput) -> P.ChatCompletionResponse:
     as_ids = server.tokens_as_ids(req)
     choices = []
@@ -95,7 +95,7 @@ def usage(outputs: list[RequestOutput], generated: bool = True) -> P.UsageInfo:
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
 
-def cache_write_tokens(server: OpenAIServer, out: RequestOutput) -> int:
+def cache_write_tokens(server: ServerState, out: RequestOutput) -> int:
     """The prompt's tokens in full KV blocks that were not cached and now are: the prefix cache registers every
     full block of a prompt once it is computed."""
     engine = server.engine.engine
@@ -116,7 +116,7 @@ def _finite(logprob: float) -> float:
 
 
 # -- logprobs ----------------------------------------------------------------------------------------------------
-def completion_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, text_offset: int,
+def completion_logprobs(server: ServerState, c: CompletionOutput, start: int, end: int, text_offset: int,
                         as_ids: bool = False) -> P.CompletionLogProbs | None:
     """Tokens [start, end) of a completion in the completions format; text_offset: where the first one starts in
     the choice's text."""
@@ -133,7 +133,7 @@ def completion_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, e
     return out
 
 
-def echo_logprobs(server: OpenAIServer, out: RequestOutput, as_ids: bool,
+def echo_logprobs(server: ServerState, out: RequestOutput, as_ids: bool,
                   generated: P.CompletionLogProbs | None) -> P.CompletionLogProbs:
     """The prompt's tokens and logprobs (the engine's prompt_logprobs; the first token's null), then the
     generated ones shifted past the prompt's text."""
@@ -154,7 +154,7 @@ def echo_logprobs(server: OpenAIServer, out: RequestOutput, as_ids: bool,
     return lp
 
 
-def chat_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, num: int, as_ids: bool = False
+def chat_logprobs(server: ServerState, c: CompletionOutput, start: int, end: int, num: int, as_ids: bool = False
                   ) -> P.ChatLogProbs | None:
     if c.logprobs is None:
         return None
@@ -167,7 +167,7 @@ def chat_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: in
     return P.ChatLogProbs(content=content)
 
 
-def _chat_token(server: OpenAIServer, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+def _chat_token(server: ServerState, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
     text = server.token_name(token_id, as_ids)
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 
