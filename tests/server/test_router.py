@@ -18,6 +18,7 @@ flight. docs/scale_out.md has the commands.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import subprocess
 import time
@@ -54,16 +55,19 @@ class RouterProcess:
     def __init__(self, log_path, workers: list[str], *args: str):
         binary = shutil.which("vllm-router")
         assert binary, "vllm-router is not installed (pip install -e '.[test]' installs it)"
-        self.port = free_port()
+        self.port, self.metrics_port = free_port(), free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         cmd = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
-               "--prometheus-port", str(free_port()), "--log-level", "info", *args]
+               "--prometheus-port", str(self.metrics_port), "--log-level", "info", *args]
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
     def log(self) -> str:
         return self.log_path.read_text()
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
 
     def ready(self) -> bool:
         assert self.proc.poll() is None, self.log()
@@ -92,9 +96,18 @@ class RouterProcess:
 
 @pytest.fixture(scope="module")
 def replicas(tmp_path_factory):
-    """Two m3-mini server processes, started together."""
+    """Two m3-mini server processes, started together, each publishing its KV events (PYTHONHASHSEED fixed, as
+    a KV-aware router needs) on its own port, with a replay port beside it."""
     logs = tmp_path_factory.mktemp("replicas")
-    servers = [ServerProcess(MODEL, logs / f"replica{i}.log", *SERVER_FLAGS, name=MODEL) for i in range(2)]
+    servers = []
+    for i in range(2):
+        events, replay = free_port(), free_port()
+        config = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{events}",
+                  "replay_endpoint": f"tcp://*:{replay}"}
+        server = ServerProcess(MODEL, logs / f"replica{i}.log", *SERVER_FLAGS, "--kv-events-config",
+                               json.dumps(config), name=MODEL, env={"PYTHONHASHSEED": "0"})
+        server.kv_events, server.kv_replay = f"tcp://127.0.0.1:{events}", f"tcp://127.0.0.1:{replay}"
+        servers.append(server)
     try:
         for s in servers:
             s.__enter__()
@@ -111,9 +124,10 @@ def counters(url: str) -> dict[str, float]:
             "hits": metric(text, "vllm:prefix_cache_hits_total")}
 
 
-def run(base_url: str, replicas: list[ServerProcess], salt: str) -> tuple[list[str], list[dict[str, float]]]:
-    """Send the workload to `base_url` (greedy, `salt` as every request's cache_salt so that each run starts from
-    cold caches); the answers in workload order and what each replica's counters moved by."""
+def run(base_url: str, replicas: list[ServerProcess], salt: str | None) -> tuple[list[str], list[dict[str, float]]]:
+    """Send the workload to `base_url` (greedy; `salt` as every request's cache_salt, so that each run starts from
+    cold caches: one run may go unsalted); the answers in workload order and what each replica's counters moved
+    by."""
     from openai import AsyncOpenAI
 
     before = [counters(r.url) for r in replicas]
@@ -125,7 +139,8 @@ def run(base_url: str, replicas: list[ServerProcess], salt: str) -> tuple[list[s
         async def one(messages: list[dict]) -> str:
             async with gate:
                 out = await client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
-                                                           temperature=0, extra_body={"cache_salt": salt})
+                                                           temperature=0,
+                                                           extra_body={"cache_salt": salt} if salt else None)
                 return out.choices[0].message.content
 
         try:
@@ -142,17 +157,31 @@ def hit_rate(moved: list[dict[str, float]]) -> float:
     return sum(m["hits"] for m in moved) / sum(m["queries"] for m in moved)
 
 
-def test_cache_aware_router_spreads_prompts_and_keeps_the_prefix_cache(replicas, tmp_path):
-    """Through the router with cache_aware: every request answered, each replica carries at least a quarter of
-    them, the replicas' summed prefix-cache hit rate is at least 90 % of one server's on the same requests, and
-    the greedy answers are one server's, token for token. round_robin, printed beside it, is the control."""
+def kv_aware_args(replicas: list[ServerProcess]) -> list[str]:
+    """vllm-router's kv_aware policy fed by the replicas' KV events (nanoserve's block size is 64, not 16)."""
+    args = ["--kv-event-block-size", "64", "--kv-event-model", MODEL]
+    for r in replicas:
+        args += ["--kv-event-source", f"{r.url}={r.kv_events}", "--kv-event-replay-source", f"{r.url}={r.kv_replay}"]
+    return args
+
+
+def test_routers_spread_prompts_and_keep_the_prefix_cache(replicas, tmp_path):
+    """Through the router with cache_aware (its own prefix tree of the texts it sent): every request answered, each
+    replica carries at least a quarter of them, the replicas' summed prefix-cache hit rate is at least 90 % of one
+    server's on the same requests, and the greedy answers are one server's, token for token. With kv_aware (an
+    index of the blocks the replicas' KV events say they hold) the same, but for the hit rate: the router found
+    the prompts in its index. round_robin, printed beside them, is the control."""
     single_answers, single = run(replicas[0].url, replicas[:1], salt="single")
-    results = {}
-    for policy in ("cache_aware", "round_robin"):
-        with RouterProcess(tmp_path / f"{policy}.log", [r.url for r in replicas], "--policy", policy) as router:
+    results, index_hits = {}, 0.0
+    for policy in ("cache_aware", "kv_aware", "round_robin"):
+        args = ["--policy", policy] + (kv_aware_args(replicas) if policy == "kv_aware" else [])
+        with RouterProcess(tmp_path / f"{policy}.log", [r.url for r in replicas], *args) as router:
             t0 = time.perf_counter()
-            answers, moved = run(router.url, replicas, salt=policy)
+            # kv_aware's index leaves requests with a cache_salt to load balancing: its run is the unsalted one
+            answers, moved = run(router.url, replicas, salt=None if policy == "kv_aware" else policy)
             results[policy] = (answers, moved, time.perf_counter() - t0)
+            if policy == "kv_aware":  # the router's own count of prompts it found in its index of our events
+                index_hits = metric(router.metrics(), "vllm_router_kv_placement_lookups_total", result="hit")
     total = NUM_PROMPTS * PER_PROMPT
     print(f"\n{'':<14}{'requests per replica':>22}{'prefix-cache hit rate':>24}")
     print(f"{'one server':<14}{int(single[0]['requests']):>22}{hit_rate(single):>24.1%}")
@@ -161,11 +190,16 @@ def test_cache_aware_router_spreads_prompts_and_keeps_the_prefix_cache(replicas,
         print(f"{policy:<14}{split:>22}{hit_rate(moved):>24.1%}   ({seconds:.1f} s)")
 
     assert single[0]["requests"] == total
-    answers, moved, _ = results["cache_aware"]
-    assert sum(m["requests"] for m in moved) == total  # every request answered, once
-    assert min(m["requests"] for m in moved) >= total / 4, moved
+    for policy in ("cache_aware", "kv_aware"):
+        answers, moved, _ = results[policy]
+        assert sum(m["requests"] for m in moved) == total, policy  # every request answered, once
+        assert min(m["requests"] for m in moved) >= total / 4, (policy, moved)
+        assert answers == single_answers, policy
+    moved = results["cache_aware"][1]
     assert hit_rate(moved) >= 0.9 * hit_rate(single), (hit_rate(moved), hit_rate(single))
-    assert answers == single_answers
+    # kv_aware found most prompts in its index of the blocks our events published (it weighs that against the
+    # replicas' load, so its hit rate is printed, not held to cache_aware's)
+    assert index_hits >= total / 2
     rr_answers, rr_moved, _ = results["round_robin"]
     assert rr_answers == single_answers
     assert [m["requests"] for m in rr_moved] == [total / 2, total / 2]
