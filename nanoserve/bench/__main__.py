@@ -22,6 +22,7 @@
     python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
     python -m nanoserve.bench --speculative host                # where a speculative step's host time goes (m3-mini)
     python -m nanoserve.bench --compare BASE NEW                # two runs' results side by side (NEW / BASE)
+    python -m nanoserve.bench --report results/ > docs/results.md   # the page of current numbers, from the records
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -149,6 +150,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare", nargs=2, default=None, metavar=("BASE", "NEW"),
                     help="print two runs side by side, run by run (each a results.json or a bench --out directory; "
                     "with --out, also compare.json) and exit")
+    ap.add_argument("--report", default=None, metavar="DIR",
+                    help="print the page of current numbers rendered from the runs of record in DIR (results/: "
+                         "python -m nanoserve.bench --report results/ > docs/results.md) and exit")
     ap.add_argument("--compare-tolerance", type=float, default=None, metavar="F",
                     help="--compare: a NEW / BASE ratio within 1 +- F is level (default 0.03)")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -157,6 +161,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.report:
+        from nanoserve.bench.results_page import run as run_report
+
+        return run_report(args.report)
     if args.compare:
         from nanoserve.bench.compare import DEFAULT_TOLERANCE
         from nanoserve.bench.compare import run as run_compare
