@@ -188,9 +188,10 @@ def bench_results(value: dict) -> list[str]:
     from nanoserve.bench.serve import sweep_table
 
     meta = value["meta"]
-    out = [f"{meta.get('model', '?')} on {meta.get('device', '?')}, {meta.get('date', '?')}, commit "
-           f"{str(meta.get('commit', '?'))[:12]}" + (f", {meta['quantization']}" if meta.get("quantization") else "")
-           + ":", ""]
+    commit = str(meta.get("commit", "?"))
+    commit = commit[:12] + ("-dirty" if commit.endswith("-dirty") else "")  # uncommitted changes in its tree
+    out = [f"{meta.get('model', '?')} on {meta.get('device', '?')}, {meta.get('date', '?')}, commit {commit}"
+           + (f", {meta['quantization']}" if meta.get("quantization") else "") + ":", ""]
     texts = []
     if value["runs"]:
         texts.append(runs_table(value["runs"]))
@@ -198,6 +199,8 @@ def bench_results(value: dict) -> list[str]:
     texts += [p["table"] for p in value.get("profiles", []) + value.get("prefill_profiles", []) if p.get("table")]
     texts += [sweep_table(s) for s in value.get("serve", []) if s.get("levels")]
     texts += [m["table"] for m in (value.get("micro") or {}).values() if isinstance(m, dict) and m.get("table")]
+    texts += [v["table"] for k, v in value.items() if k not in (*BENCH_PARTS, "micro") and isinstance(v, dict)
+              and isinstance(v.get("table"), str)]  # another part's printed table (--mxfp8-accuracy's)
     for text in texts:
         out += code(text) + [""]
     if value.get("errors"):
