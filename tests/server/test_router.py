@@ -187,7 +187,8 @@ def test_routers_spread_prompts_and_keep_the_prefix_cache(replicas, tmp_path):
     print(f"{'one server':<14}{int(single[0]['requests']):>22}{hit_rate(single):>24.1%}")
     for policy, (_, moved, seconds) in results.items():
         split = " / ".join(str(int(m["requests"])) for m in moved)
-        print(f"{policy:<14}{split:>22}{hit_rate(moved):>24.1%}   ({seconds:.1f} s)")
+        extra = f", router index hits {int(index_hits)}/{total}" if policy == "kv_aware" else ""
+        print(f"{policy:<14}{split:>22}{hit_rate(moved):>24.1%}   ({seconds:.1f} s{extra})")
 
     assert single[0]["requests"] == total
     for policy in ("cache_aware", "kv_aware"):
