@@ -52,12 +52,17 @@ def spread(values: list[float]) -> float | None:
 
 
 def not_applicable_here(opts, platform: Platform, wl: Workload) -> dict[str, str]:
-    """The switches that cannot act in this ablation (switch -> why): the platform's, and overlap_grammar on a
-    workload none of whose requests has a structured output (it moves only the grammars' host work)."""
+    """The switches that cannot act in this ablation (switch -> why): the platform's; a switch the server's request
+    preparation reads (declared in a server/ module), since the ablation drives the engine directly; and
+    overlap_grammar on a workload none of whose requests has a structured output (it moves only the grammars' host
+    work)."""
     out = opts.not_applicable(platform)
+    for sw in type(opts).switches():
+        if sw.module.startswith("server/"):
+            out.setdefault(sw.name, f"acts in the server ({sw.module}); the ablation drives the engine directly")
     if "overlap_grammar" in type(opts).names() and not any(r.json_schema for r in wl.requests):
         out.setdefault("overlap_grammar", f"no request of {wl.name} has a structured output")
-    return out
+    return {name: out[name] for name in type(opts).names() if name in out}
 
 
 def _median_of(results: list[RunResult], get) -> float | None:

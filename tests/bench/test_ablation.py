@@ -10,9 +10,10 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from nanoserve.bench.ablation import _row, spread, spread_warnings
+from nanoserve.bench import workloads as W
+from nanoserve.bench.ablation import _row, not_applicable_here, spread, spread_warnings
 from nanoserve.bench.offline import RunResult, platform_of
-from nanoserve.config import KERNEL, MODEL, REQUIREMENTS, SWITCH_NEEDS, Optimizations, Platform, switch
+from nanoserve.config import ENGINE, KERNEL, MODEL, REQUIREMENTS, SWITCH_NEEDS, Optimizations, Platform, switch
 from nanoserve.kernels import triton_usable
 
 CPU = Platform()
@@ -91,9 +92,21 @@ class WithExtra(Optimizations):
     x_demo: bool = switch(True, MODEL, "model/m3.py", "a throwaway switch of the tests", "the model as it is")
 
 
-def test_a_switch_that_needs_nothing_acts_everywhere():
+@dataclass
+class WithServerSwitch(Optimizations):
+    x_server: bool = switch(True, ENGINE, "server/prepare.py", "a throwaway server-side switch", "the server as it is")
+
+
+def test_a_switch_that_needs_nothing_acts_everywhere_but_the_ablation_knows_server_switches():
     assert "x_demo" not in WithExtra().not_applicable(CPU)
     assert "x_demo" in WithExtra().describe(CPU).split("; off:")[0]
+    w1 = W.build(["W1"], 512, "small")[0]
+    w2j = W.build(["W2J"], 512, "small")[0]
+    here = not_applicable_here(WithServerSwitch(), OTHER_GPU_BF16, w1)
+    assert here["x_server"] == "acts in the server (server/prepare.py); the ablation drives the engine directly"
+    assert here["overlap_grammar"] == "no request of W1 has a structured output"
+    assert "overlap_grammar" not in not_applicable_here(WithServerSwitch(), OTHER_GPU_BF16, w2j)
+    assert list(here) == [n for n in WithServerSwitch.names() if n in here]  # in declaration order
 
 
 def test_platform_of_asks_the_kernels():
