@@ -251,10 +251,16 @@ class KVTransferAgent:
                                      theirs.device_id))
         local = self.agent.get_xfer_descs(local_descs, self.regions[0].mem_type)
         far = self.agent.get_xfer_descs(remote_descs, remote.regions[0].mem_type)
-        handle = self.agent.initialize_xfer("READ", local, far, remote.agent_name, request_id.encode())
-        if self.agent.transfer(handle) == "ERR":
-            self.agent.release_xfer_handle(handle)
-            raise RuntimeError(f"the KV pull of {request_id} from {engine_id} failed to start")
+        handle = None
+        try:
+            handle = self.agent.initialize_xfer("READ", local, far, remote.agent_name, request_id.encode())
+            if self.agent.transfer(handle) == "ERR":
+                raise RuntimeError("NIXL reported an error")
+        except Exception as exc:  # NIXL raises e.g. nixlRemoteDisconnectError when the source is gone
+            if handle is not None:
+                self.agent.release_xfer_handle(handle)
+            raise ConnectionError(f"the KV pull of {request_id} from engine {engine_id!r} failed to start: "
+                                  f"{exc}") from exc
         return Pull(self.agent, handle)
 
     def shutdown(self) -> None:

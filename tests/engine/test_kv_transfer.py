@@ -5,7 +5,8 @@ The transfer test runs a source and a destination in two fresh processes on loop
 transport (UCX_TLS=tcp, as between two machines without RDMA): the source keeps pools like a server's (a bf16 K/V
 pool and an fp8 index-key pool, block dimension first), the destination pulls given block ids into its own blocks,
 and every byte is compared; the source learns from NIXL's notification that the blocks were read, and frees blocks
-nobody pulls after their timeout.
+nobody pulls after their timeout; once the source is gone, a pull from it fails at once (a decode server then fails
+the request or computes the prompt itself).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ def source(port: int, out: mp.Queue, stop) -> None:
         out.put(("error", traceback.format_exc()))
 
 
-def destination(port: int, out: mp.Queue) -> None:
+def destination(port: int, out: mp.Queue, source_gone) -> None:
     try:
         os.environ["UCX_TLS"] = "tcp"
         from nanoserve.kv_transfer.transfer import KVTransferAgent
@@ -87,6 +88,12 @@ def destination(port: int, out: mp.Queue) -> None:
         except ValueError as exc:
             out.put(("mismatch", str(exc)))
         wrong.shutdown()
+        source_gone.wait(90)  # a source that died: the next pull fails at once, naming it
+        try:
+            agent.pull(engine, [(2, 3)], "req-late")
+            out.put(("dead source", None))
+        except ConnectionError as exc:
+            out.put(("dead source", str(exc)))
         agent.shutdown()
     except BaseException:
         out.put(("error", traceback.format_exc()))
@@ -102,9 +109,9 @@ def take(q: mp.Queue, what: str, timeout: float = 90):
 def test_blocks_move_between_two_processes_over_tcp():
     ctx = mp.get_context("spawn")
     port = free_port()
-    src_q, dst_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    src_q, dst_q, stop, source_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
     src = ctx.Process(target=source, args=(port, src_q, stop), daemon=True)
-    dst = ctx.Process(target=destination, args=(port, dst_q), daemon=True)
+    dst = ctx.Process(target=destination, args=(port, dst_q, source_gone), daemon=True)
     src.start()
     try:
         take(src_q, "ready")
@@ -122,11 +129,15 @@ def test_blocks_move_between_two_processes_over_tcp():
                                            ("req-pulled", "pulled")]
         assert take(src_q, "left") == 0
         stop.set()
-        dst.join(30)
         src.join(30)
-        assert dst.exitcode == 0 and src.exitcode == 0
+        assert src.exitcode == 0
+        source_gone.set()
+        assert "the KV pull of req-late from engine 'prefill-0' failed" in take(dst_q, "dead source")
+        dst.join(30)
+        assert dst.exitcode == 0
     finally:
         stop.set()
+        source_gone.set()
         for p in (src, dst):
             if p.is_alive():
                 p.kill()
