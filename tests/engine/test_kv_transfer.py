@@ -42,12 +42,19 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 # -- the two processes -----------------------------------------------------------------------------------------------
-def source(port: int, out: mp.Queue, stop) -> None:
-    try:
+def transport(device: str) -> None:
+    """Between CPU processes UCX is held to TCP (as between machines without RDMA); on a GPU it picks its own
+    (CUDA IPC within a machine)."""
+    if device == "cpu":
         os.environ["UCX_TLS"] = "tcp"
+
+
+def source(port: int, out: mp.Queue, stop, device: str) -> None:
+    try:
+        transport(device)
         from nanoserve.kv_transfer.transfer import KVTransferAgent
 
-        agent = KVTransferAgent("prefill-0", pools(seed=1))
+        agent = KVTransferAgent("prefill-0", [p.to(device) for p in pools(seed=1)])
         agent.serve("127.0.0.1", port)
         agent.expect("req-pulled", timeout_s=60)
         agent.expect("req-cached", timeout_s=60)
@@ -68,20 +75,21 @@ def source(port: int, out: mp.Queue, stop) -> None:
         out.put(("error", traceback.format_exc()))
 
 
-def destination(port: int, out: mp.Queue, source_gone) -> None:
+def destination(port: int, out: mp.Queue, source_gone, device: str) -> None:
     try:
-        os.environ["UCX_TLS"] = "tcp"
+        transport(device)
         from nanoserve.kv_transfer.transfer import KVTransferAgent
 
-        mine = pools(seed=None)
+        mine = [p.to(device) for p in pools(seed=None)]
         agent = KVTransferAgent("decode-0", mine)
         engine = agent.connect("127.0.0.1", port)
         pairs = [(3, 0), (4, 1), (7, 2), (1, 5)]  # remote 3-4 into local 0-1 is one run
         state = agent.pull(engine, pairs, "req-pulled").wait()
         nothing = agent.pull(engine, [], "req-cached").state()  # a full prefix hit: nothing to read, free there
-        out.put(("pulled", (engine, state, nothing, [as_bytes(p).clone() for p in mine])))
+        out.put(("pulled", (engine, state, nothing, [as_bytes(p).cpu() for p in mine])))
 
-        wrong = KVTransferAgent("decode-1", pools(seed=None, heads=4))  # another geometry: refused, naming it
+        # another geometry: refused, naming the pool
+        wrong = KVTransferAgent("decode-1", [p.to(device) for p in pools(seed=None, heads=4)])
         try:
             wrong.connect("127.0.0.1", port)
             out.put(("mismatch", None))
@@ -107,11 +115,21 @@ def take(q: mp.Queue, what: str, timeout: float = 90):
 
 
 def test_blocks_move_between_two_processes_over_tcp():
+    two_processes("cpu")
+
+
+@pytest.mark.gpu
+def test_blocks_move_between_two_processes_on_a_gpu():
+    """The same pull between device pools (NIXL's VRAM): the code path a GPU server takes."""
+    two_processes("cuda")
+
+
+def two_processes(device: str) -> None:
     ctx = mp.get_context("spawn")
     port = free_port()
     src_q, dst_q, stop, source_gone = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    src = ctx.Process(target=source, args=(port, src_q, stop), daemon=True)
-    dst = ctx.Process(target=destination, args=(port, dst_q, source_gone), daemon=True)
+    src = ctx.Process(target=source, args=(port, src_q, stop, device), daemon=True)
+    dst = ctx.Process(target=destination, args=(port, dst_q, source_gone, device), daemon=True)
     src.start()
     try:
         take(src_q, "ready")
