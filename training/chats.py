@@ -720,7 +720,7 @@ def _chat(rng: random.Random, kind: str, mode: str, exchanges: list[Exchange], t
 
 
 def sample_arith(rng: random.Random, src: Sources) -> Chat:
-    mode = _pick_mode(rng, enabled=0.45, disabled=0.10)
+    mode = _pick_mode(rng, enabled=0.4, disabled=0.3)
     return _chat(rng, "arith", mode, [_arith_exchange(rng, mode)], None)
 
 

@@ -4,7 +4,7 @@
                              objects, optional fields, defaults), how a request for one is phrased, what it returns
     request_exchange(...)    a request for one (sometimes two) of the offered tools, the call(s), the result(s) fed
                              back and a final answer that uses them
-    sample_request(rng, src) a `request` chat: one family's request among 1-4 distractor tools
+    sample_request(rng, src) a `request` chat: one family's request, up to 3 distractor tools beside it
     sample_request_no_call   the same tools offered, a message that needs none of them
 
 What the model must learn here is what a plain request asks of it: pick the offered tool whose name and description
@@ -1035,8 +1035,8 @@ def request_exchange(rng: random.Random, mode: str, fams: list[Family], target: 
 
 
 def toolset(rng: random.Random, n_extra: int | None = None) -> list[Family]:
-    """1-5 families in random order, none twice."""
-    n = rng.choice((1, 2, 2, 3, 3, 4, 5)) if n_extra is None else n_extra + 1
+    """1-4 families in random order, none twice (four tools' schemas keep a chat within a 1,280-token window)."""
+    n = rng.choice((1, 2, 2, 3, 3, 4)) if n_extra is None else n_extra + 1
     picked, names = [], set()
     for make in rng.sample(FAMILIES, len(FAMILIES)):
         f = make(rng)
