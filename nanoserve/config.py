@@ -196,6 +196,13 @@ class Optimizations:
         "which may end a format, at once), and the masks are filled into two pinned buffers that are copied up "
         "directly", "each token is accepted by its grammar as it is received, before the next step is scheduled, "
         "and the mask is filled into a pageable buffer and staged through a fresh pinned copy")
+    constrained_tool_calls: bool = switch(
+        True, ENGINE, "server/prepare.py", "with tool_choice auto, a tool call the model opens (the tool-call "
+        "parser's start marker) is held by structured decoding to the offered tools' names and parameter schemas: "
+        "an xgrammar structural tag triggered by the marker (the text around calls stays free; with a "
+        "response_format the answer is that format or a call), after the thinking the reasoning parser allows",
+        "the output is not constrained; the tool-call parser drops a call to a function the request did not offer "
+        "and an argument under a key its parameters do not declare, with a logged warning")
     speculative_decoding: bool = switch(
         True, ENGINE, "engine/speculative.py", "with a speculative_config (--speculative-config): each decoding "
         "sequence drafts up to k tokens (ngram prompt lookup, the checkpoint's MTP module or an EAGLE-3 draft) and "

@@ -96,18 +96,18 @@ def prepare_chat(server: ServerState, req: P.ChatCompletionRequest) -> Prepared:
     if budget is not None and setup.reasoning_parser is None:
         raise APIError(400, "thinking_token_budget: needs the server started with --reasoning-parser (it finds the "
                             "thinking)", param="thinking_token_budget")
+    room = server.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
     if setup.tool_choice.forced:
-        room = server.max_model_len - len(ids)
-        apply_forced_tool_choice(server, params, setup, room if params.max_tokens is None else
-                                 min(room, params.max_tokens), budget)
+        apply_forced_tool_choice(server, params, setup, min(room, server.max_model_len - len(ids)), budget)
+    elif constrains_calls(server, req, setup):
+        apply_auto_tool_format(server, req, params, setup, room, budget)
     elif budget is not None and setup.reasoning_state != "closed":
         apply_thinking_budget(server, req, params, setup, budget)
     elif setup.reasoning_parser and setup.reasoning_state == "none" and params.structured_outputs is not None \
             and setup.reasoning_parser.end in server.token_markers:
         # the model decides whether to think: the format spells out the thinking the parser reads as reasoning (a
         # block, a bare closer or none), bounded so that the answer in the format has room
-        room = server.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
-        apply_thinking_budget(server, req, params, setup, room - min(room // 2, FORMAT_ROOM))
+        apply_thinking_budget(server, req, params, setup, format_thinking_budget(room))
     elif setup.reasoning_state != "closed":  # the model is thinking (open): the format holds after it
         hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
@@ -169,6 +169,11 @@ FORMAT_ROOM = 1024
 whether to think first: the thinking may take the rest, then the grammar closes it."""
 
 
+def format_thinking_budget(room: int) -> int:
+    """The thinking an answer in a format leaves room for, of `room` tokens (FORMAT_ROOM)."""
+    return room - min(room // 2, FORMAT_ROOM)
+
+
 def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
                        token_markers: frozenset[str] = frozenset(), thinking_budget: int | None = None
                        ) -> dict[str, Any]:
@@ -216,17 +221,47 @@ def apply_thinking_budget(server: ServerState, req: P.ChatCompletionRequest, par
     allowed is the end-of-thinking marker. Enforced by the same structured decoding as a forced call's thinking
     bound: the reasoning parser's thinking, then the answer - free text, or the request's own output format
     (response_format / structured_outputs) as an element of the same structural tag."""
-    answer: dict[str, Any] = {"type": "any_text"}
-    if params.structured_outputs is not None:
-        try:
-            answer = format_element(params.structured_outputs)
-        except (ValueError, RuntimeError) as exc:  # xgrammar's error for a schema it cannot take
-            field = structured_field(req) or "structured_outputs"
-            raise APIError(400, f"{field}: {exc}", param=field.split(".")[0]) from exc
+    answer = answer_format(req, params) if params.structured_outputs is not None else {"type": "any_text"}
     tag = {"type": "structural_tag", "format": answer}
     params.structured_outputs = StructuredOutputsParams(structural_tag=setup.reasoning_parser.wrap_structural_tag(
         tag, setup.reasoning_state, budget, server.token_markers))
     setup.structured_field = "thinking_token_budget" if req.thinking_token_budget is not None else None
+
+
+def answer_format(req: P.ChatCompletionRequest, params: SamplingParams) -> dict[str, Any]:
+    """The request's own output format (response_format / structured_outputs) as one element of a structural tag,
+    so that a larger format can hold it; a 400 naming the field when xgrammar cannot take it."""
+    try:
+        return format_element(params.structured_outputs)
+    except (ValueError, RuntimeError) as exc:  # xgrammar's error for a schema it cannot take
+        field = structured_field(req) or "structured_outputs"
+        raise APIError(400, f"{field}: {exc}", param=field.split(".")[0]) from exc
+
+
+def constrains_calls(server: ServerState, req: P.ChatCompletionRequest, setup: ChatSetup) -> bool:
+    """Whether the output's tool calls are held to the offered tools (switch constrained_tool_calls): tool_choice
+    "auto" with tools offered, and not beam search (which ranks beams by their raw logprobs, without a grammar)."""
+    return setup.tool_choice.mode == "auto" and bool(setup.tools) and not req.use_beam_search \
+        and server.engine.config.optimizations.constrained_tool_calls
+
+
+def apply_auto_tool_format(server: ServerState, req: P.ChatCompletionRequest, params: SamplingParams,
+                           setup: ChatSetup, room: int, thinking_budget: int | None) -> None:
+    """tool_choice "auto", held to the offered tools (constrained_tool_calls): the tool parser's auto format (free
+    text, and a call the model opens takes an offered tool's name and its parameters), or the request's own format
+    or a call when it sets one; after the thinking the prompt allows (the reasoning parser's part, unconstrained
+    but for the markers, bounded by thinking_token_budget; with a format and the model deciding whether to think,
+    bounded so that the answer has room, as for a format alone)."""
+    content = answer_format(req, params) if params.structured_outputs is not None else None
+    tag = setup.tool_parser.auto_structural_tag(setup.tools, setup.parallel_tool_calls, server.token_markers,
+                                                content)
+    if setup.reasoning_parser and setup.reasoning_state != "closed":
+        budget = thinking_budget
+        if budget is None and content is not None and setup.reasoning_state == "none":
+            budget = format_thinking_budget(room)
+        tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state, budget, server.token_markers)
+    params.structured_outputs = StructuredOutputsParams(structural_tag=tag)
+    setup.structured_field = "tools"
 
 
 # -- the steps ------------------------------------------------------------------------------------------------
