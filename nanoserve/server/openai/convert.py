@@ -3,7 +3,9 @@ the two OpenAI formats (completions: parallel lists; chat: one entry per token) 
 streamed chunks (events.py) build their choices from the same functions, and the Responses and Messages APIs take
 their usage and logprobs from here.
 
-A token in logprobs is named by its text, or 'token_id:N' with return_tokens_as_token_ids. With echo, a
+A token in logprobs is named by its text - in the completions format a token that is only part of a character by
+its bytes ("bytes:\\xe2\\x80", as OpenAI's completions API names it; ServerState.completion_token), so that no two
+keys of top_logprobs collide - or 'token_id:N' with return_tokens_as_token_ids. With echo, a
 completion's text starts with the prompt and its logprobs with the prompt's (the first prompt token's are null:
 nothing predicts it)."""
 
@@ -124,10 +126,10 @@ def completion_logprobs(server: ServerState, c: CompletionOutput, start: int, en
         return None
     out = P.CompletionLogProbs()
     for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        token = server.token_name(tid, as_ids)
+        token = server.token_name(tid, as_ids, completions=True)
         out.tokens.append(token)
         out.token_logprobs.append(_finite(lps[tid]))
-        out.top_logprobs.append({server.token_name(t, as_ids): _finite(lp) for t, lp in lps.items()})
+        out.top_logprobs.append({server.token_name(t, as_ids, completions=True): _finite(lp) for t, lp in lps.items()})
         out.text_offset.append(text_offset)
         text_offset += len(server.token_text(tid))
     return out
@@ -140,9 +142,9 @@ def echo_logprobs(server: ServerState, out: RequestOutput, as_ids: bool,
     lp = P.CompletionLogProbs()
     offset = 0
     for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
-        lp.tokens.append(server.token_name(tid, as_ids))
+        lp.tokens.append(server.token_name(tid, as_ids, completions=True))
         lp.token_logprobs.append(entry[tid].logprob if entry is not None else None)
-        lp.top_logprobs.append({server.token_name(t, as_ids): e.logprob for t, e in entry.items()}
+        lp.top_logprobs.append({server.token_name(t, as_ids, completions=True): e.logprob for t, e in entry.items()}
                                if entry is not None else None)
         lp.text_offset.append(offset)
         offset += len(server.token_text(tid))
