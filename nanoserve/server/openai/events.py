@@ -112,12 +112,12 @@ async def chat_events(server: ServerState, request_id: str, req: P.ChatCompletio
                 text, t0, t1 = state.next_piece(c, holdback)
                 delta = deltas[c.index].next(text, state.done)
                 logprobs = chat_logprobs(server, c, t0, t1, req.top_logprobs or 0, as_ids)
-                # new tokens whose text a parser holds back still send their logprobs / token ids
-                plain = deltas[c.index].parser is None
-                if delta is not None or state.done or (t1 > t0 and (plain or logprobs is not None
-                                                                    or req.return_token_ids)):
+                # new tokens whose text is held back (a parser's marker, a character's first bytes, a stop string
+                # maybe) still send their logprobs / token ids; the delta then holds no content, never "" (only the
+                # role chunk carries an empty content, as OpenAI's first chunk does)
+                if delta is not None or state.done or (t1 > t0 and (logprobs is not None or req.return_token_ids)):
                     yield chunk([P.ChatStreamChoice(
-                        index=c.index, delta=delta or P.DeltaMessage(content="" if plain else None),
+                        index=c.index, delta=delta or P.DeltaMessage(),
                         logprobs=logprobs,
                         finish_reason=chat_finish_reason(c.finish_reason, deltas[c.index].called_tools)
                         if state.done else None,
