@@ -153,6 +153,15 @@ class Optimizations:
         True, KERNEL, "kernels/norm_rope.py", "a Gemma RMSNorm without a residual add (the first layer's input norm) "
         "in one launch", "kernels/reference.py gemma_rmsnorm, about eight element-wise kernels",
         entry_points=("fused_rmsnorm",))
+    triton_vision_attention: bool = switch(
+        True, KERNEL, "kernels/vision_attention.py", "the vision tower's partial 3-D RoPE and its bidirectional "
+        "attention within each image / video segment: one rotation launch and one varlen flash-attention launch "
+        "for a whole batch of images", "kernels/reference.py apply_partial_rope on q and k, then varlen_attention "
+        "(a loop over segments, fp32 scores)", entry_points=("vision_attention",))
+    fused_layer_norm: bool = switch(
+        True, KERNEL, "kernels/layer_norm.py", "the vision tower's LayerNorms, each fused with the residual add "
+        "before it, in one launch", "kernels/reference.py layer_norm and add_layer_norm (the add, then "
+        "F.layer_norm)", entry_points=("layer_norm", "add_layer_norm"))
     mxfp8_weights: bool = switch(
         True, MODEL, "model/layers/linear.py", "keep an MXFP8 checkpoint's fp8 weights + E8M0 scales as the "
         "parameters of every quantized linear and of the expert stacks, dequantised inside the GEMM (MODEL, not "
@@ -364,6 +373,8 @@ SWITCH_NEEDS: dict[str, tuple[str, ...]] = {
     "fused_add_rmsnorm": ("triton",),
     "fused_swiglu": ("triton",),
     "fused_rmsnorm": ("triton",),
+    "triton_vision_attention": ("triton",),
+    "fused_layer_norm": ("triton",),
     "mxfp8_weights": ("mxfp8",),
     "triton_fp8_linear": ("triton", "mxfp8"),
     "fp8_linear_wgmma": ("hopper", "mxfp8", "triton_fp8_linear"),
