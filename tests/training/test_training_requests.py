@@ -171,3 +171,15 @@ def test_library_entries_leave_the_reserved_modules_out():
         assert not passages.reserved_module(module) and any(n.startswith(module + ".") for n in names)
     for name, sig, para, s in entries[:200]:
         assert sig.startswith("(") and para.startswith(s)
+
+
+def test_generation_config_bounds_a_reply():
+    """The shipped m3-mini's defaults (and every export's) cap a reply, thinking included, so a request without
+    max_tokens cannot run for minutes on a CPU; the server reads max_new_tokens as the default max_tokens."""
+    from nanoserve.generation_config import load_generation_defaults
+    from nanoserve.presets.catalog import SHIPPED
+    from training.export import GENERATION_CONFIG
+
+    shipped = load_generation_defaults("auto", SHIPPED["m3-mini"], model_eos_token_id=2)
+    assert shipped.sampling["max_tokens"] == GENERATION_CONFIG["max_new_tokens"] <= 1024
+    assert shipped.sampling["temperature"] == GENERATION_CONFIG["temperature"]
