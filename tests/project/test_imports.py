@@ -28,6 +28,7 @@ PACKAGE = ROOT / "nanoserve"
 LAYER_OF = {  # by the package under nanoserve/
     "kernels": 0,
     "model": 1,
+    "multimodal": 1,  # images / video -> patches and placeholder runs (host side), beside the vision model
     "presets": 2,  # the preset catalog and checkpoint maker: above the loader, which must not import them
     "runner": 3,
     "spec_decode": 3,  # drafters and the acceptance rule: the runner may run a drafter beside the model
