@@ -153,6 +153,15 @@ class Optimizations:
         True, KERNEL, "kernels/norm_rope.py", "a Gemma RMSNorm without a residual add (the first layer's input norm) "
         "in one launch", "kernels/reference.py gemma_rmsnorm, about eight element-wise kernels",
         entry_points=("fused_rmsnorm",))
+    triton_vision_attention: bool = switch(
+        True, KERNEL, "kernels/vision_attention.py", "the vision tower's partial 3-D RoPE and its bidirectional "
+        "attention within each image / video segment: one rotation launch and one varlen flash-attention launch "
+        "for a whole batch of images", "kernels/reference.py apply_partial_rope on q and k, then varlen_attention "
+        "(a loop over segments, fp32 scores)", entry_points=("vision_attention",))
+    fused_layer_norm: bool = switch(
+        True, KERNEL, "kernels/layer_norm.py", "the vision tower's LayerNorms, each fused with the residual add "
+        "before it, in one launch", "kernels/reference.py layer_norm and add_layer_norm (the add, then "
+        "F.layer_norm)", entry_points=("layer_norm", "add_layer_norm"))
     mxfp8_weights: bool = switch(
         True, MODEL, "model/layers/linear.py", "keep an MXFP8 checkpoint's fp8 weights + E8M0 scales as the "
         "parameters of every quantized linear and of the expert stacks, dequantised inside the GEMM (MODEL, not "
@@ -195,6 +204,13 @@ class Optimizations:
         "the grammars accept the previous step's tokens in one batched call after the forward is launched (EOS, "
         "which may end a format, at once), and the step's masks are filled while the forward runs", "each token is "
         "accepted by its grammar as it is received, before the next step is scheduled")
+    constrained_tool_calls: bool = switch(
+        True, ENGINE, "server/prepare.py", "with tool_choice auto, a tool call the model opens (the tool-call "
+        "parser's start marker) is held by structured decoding to the offered tools' names and parameter schemas: "
+        "an xgrammar structural tag triggered by the marker (the text around calls stays free; with a "
+        "response_format the answer is that format or a call), after the thinking the reasoning parser allows",
+        "the output is not constrained; the tool-call parser drops a call to a function the request did not offer "
+        "and an argument under a key its parameters do not declare, with a logged warning")
     speculative_decoding: bool = switch(
         True, ENGINE, "spec_decode/proposer.py", "with a speculative_config (--speculative-config): each decoding "
         "sequence drafts up to k tokens (ngram prompt lookup, the checkpoint's MTP module or an EAGLE-3 draft) and "
@@ -278,10 +294,115 @@ class Optimizations:
     def as_dict(self) -> dict[str, bool]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
-    def describe(self) -> str:
-        on = [n for n, v in self.as_dict().items() if v]
-        off = [n for n, v in self.as_dict().items() if not v]
-        return f"on: {', '.join(on) or '-'}; off: {', '.join(off) or '-'}"
+    def not_applicable(self, platform: "Platform") -> dict[str, str]:
+        """The switches that cannot act on `platform`, each with why: the device lacks what it needs (CUDA, Triton,
+        Hopper's Gluon), the weights are not MXFP8, there is no speculative_config, or a switch it works through
+        is off or cannot act either (then its reason is given). Whether a switch applies does not depend on its own
+        value: an approximation that is off can still apply. A switch not in SWITCH_NEEDS applies everywhere."""
+        out: dict[str, str] = {}
+
+        def why(name: str) -> str | None:
+            if name not in out:
+                out[name] = ""  # a guard against a cycle in SWITCH_NEEDS; filled in below
+                out[name] = next(filter(None, (_unmet(need, self, platform, why)
+                                               for need in SWITCH_NEEDS.get(name, ()))), "")
+            return out[name] or None
+
+        return {name: why(name) for name in self.names() if why(name)}
+
+    def describe(self, platform: "Platform | None" = None) -> str:
+        """One line: the switches on, those off and, given the platform, those that cannot act here and why
+        (`n/a`, grouped by reason) - these are listed under n/a only, whatever their value."""
+        na = self.not_applicable(platform) if platform is not None else {}
+        on = [n for n, v in self.as_dict().items() if v and n not in na]
+        off = [n for n, v in self.as_dict().items() if not v and n not in na]
+        text = f"on: {', '.join(on) or '-'}; off: {', '.join(off) or '-'}"
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in na.items():
+            by_reason.setdefault(reason, []).append(name)
+        if by_reason:
+            text += "; n/a: " + "; ".join(f"{', '.join(names)} ({reason})" for reason, names in by_reason.items())
+        return text
+
+
+@dataclass(frozen=True)
+class Platform:
+    """Where the switches run, as far as whether one can act at all is concerned: the device and what runs on it,
+    the model's weights and the engine's setup. `Optimizations.not_applicable(platform)` reads it. The device
+    questions are the kernel layer's to answer (`kernels.triton_usable`, `kernels.moe_wgmma.hopper_gluon`);
+    `nanoserve.runner.model_runner.platform_of` builds one for a live model that way."""
+
+    device: str = "cpu"
+    """"cuda" (a CUDA or HIP device) or "cpu"."""
+    triton: bool = False
+    """Triton kernels run on this device in this process: a GPU, or the CPU under TRITON_INTERPRET=1."""
+    hopper_gluon: bool = False
+    """The Gluon kernels for Hopper run here: an sm_90 CUDA device, Triton's Gluon, bf16 activations."""
+    mxfp8: bool = False
+    """The weights are MXFP8 as the checkpoint and `quantization` give them (before the mxfp8_weights switch)."""
+    speculative: str | None = None
+    """The speculative_config's method (ngram, mtp, eagle3); None without one."""
+    tensor_parallel_size: int = 1
+
+
+REQUIREMENTS: dict[str, tuple[Any, str]] = {
+    "cuda": (lambda p: p.device == "cuda", "no CUDA/HIP device"),
+    "triton": (lambda p: p.triton, "Triton kernels do not run on this device: the reference path runs"),
+    "hopper": (lambda p: p.hopper_gluon, "not a Hopper (sm_90) GPU with Triton's Gluon and bf16 activations"),
+    "mxfp8": (lambda p: p.mxfp8, "the weights are not MXFP8"),
+    "speculative": (lambda p: p.speculative is not None, "no speculative_config"),
+    "draft model": (lambda p: p.speculative in ("mtp", "eagle3"), "the drafter is no model (mtp, eagle3)"),
+    "no speculation": (lambda p: p.speculative is None, "speculative decoding drafts from the host's tokens"),
+    "one rank": (lambda p: p.tensor_parallel_size == 1, "tensor_parallel_size > 1"),
+}
+"""What a switch can need of its platform: a test and what is missing when it fails."""
+
+SWITCH_NEEDS: dict[str, tuple[str, ...]] = {
+    "cuda_graphs": ("cuda", "triton", "one rank"),
+    "triton_attention": ("triton",),
+    "triton_msa": ("triton",),
+    "msa_sparse_by_block": ("triton", "triton_msa"),
+    "fused_moe": ("triton",),
+    "fold_shared_expert": ("triton", "fused_moe"),
+    "moe_tma": ("triton", "fused_moe"),
+    "moe_dequant_prefill": ("triton", "fused_moe", "mxfp8", "not moe_wgmma"),
+    "moe_wgmma": ("hopper", "fused_moe", "mxfp8"),
+    "triton_gemv": ("triton",),
+    "fused_routing": ("triton", "fused_moe"),
+    "fused_qk_norm_rope": ("triton",),
+    "fused_add_rmsnorm": ("triton",),
+    "fused_swiglu": ("triton",),
+    "fused_rmsnorm": ("triton",),
+    "triton_vision_attention": ("triton",),
+    "fused_layer_norm": ("triton",),
+    "mxfp8_weights": ("mxfp8",),
+    "triton_fp8_linear": ("triton", "mxfp8"),
+    "fp8_linear_wgmma": ("hopper", "mxfp8", "triton_fp8_linear"),
+    "captured_argmax": ("cuda_graphs",),
+    "async_scheduling": ("overlap_scheduling", "one rank", "no speculation"),
+    "speculative_decoding": ("speculative",),
+    "spec_cuda_graphs": ("speculative_decoding", "cuda_graphs"),
+    "spec_greedy_accept": ("speculative_decoding",),
+    "spec_draft_chain": ("spec_cuda_graphs", "spec_greedy_accept", "draft model"),
+    "mx_activations": ("mxfp8",),
+}
+"""What each switch needs to act at all, checked in order: a REQUIREMENTS key, another switch that must be on (and
+able to act), or "not <switch>" for a switch that takes its calls first where it acts (moe_wgmma takes the calls
+moe_dequant_prefill would on Hopper). The kernel switches need Triton (on the CPU the reference path runs whatever
+they say); cuda_graphs needs what runner/cuda_graphs.py's unsupported_reason asks beyond the kernel switches."""
+
+
+def _unmet(need: str, opts: Optimizations, platform: Platform, why) -> str | None:
+    """Why `need` is not met on `platform` with `opts` (None: it is); `why(switch)` is another switch's reason."""
+    if need in REQUIREMENTS:
+        test, missing = REQUIREMENTS[need]
+        return None if test(platform) else missing
+    if need.startswith("not "):
+        other = need[4:]
+        return f"{other} takes these calls here" if getattr(opts, other) and why(other) is None else None
+    if why(need) is not None:
+        return why(need)  # what keeps the switch it works through from acting keeps this one too
+    return None if getattr(opts, need) else f"{need} is off"
 
 
 # vLLM-named engine arguments that are aliases of a switch: name -> (switch, value meaning "on")
@@ -358,6 +479,14 @@ class EngineConfig:
     "prompt_lookup_max": n, "prompt_lookup_min": m}, {"method": "mtp", "num_speculative_tokens": k} or
     {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}; None = none. Checked when the engine is built
     (spec_decode/config.py); docs/speculative_decoding.md."""
+    kv_events_config: dict[str, Any] | None = None
+    """KV-cache events for KV-aware routers (vLLM's `--kv-events-config`): {"enable_kv_cache_events": true,
+    "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ..., "buffer_steps": ...,
+    "hwm": ..., "max_queue_size": ...}; None = none. Checked by engine/kv_events.py; docs/scale_out.md."""
+    kv_transfer_config: dict[str, Any] | None = None
+    """Prefill/decode disaggregation (vLLM's `--kv-transfer-config`): {"kv_connector": "NixlConnector",
+    "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}; None = none. Checked by kv_transfer/config.py;
+    docs/scale_out.md."""
     optimizations: Optimizations = field(default_factory=Optimizations)
 
     def __post_init__(self) -> None:
@@ -431,3 +560,7 @@ class EngineConfig:
         need(isinstance(self.optimizations, Optimizations), "optimizations", "an Optimizations instance")
         need(self.speculative_config is None or isinstance(self.speculative_config, dict), "speculative_config",
              "a dict (method, num_speculative_tokens, ...) or None")
+        need(self.kv_events_config is None or isinstance(self.kv_events_config, dict), "kv_events_config",
+             "a dict (enable_kv_cache_events, publisher, endpoint, ...) or None")
+        need(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, dict), "kv_transfer_config",
+             "a dict (kv_connector, kv_role, ...) or None")

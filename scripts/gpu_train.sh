@@ -5,7 +5,9 @@
 #   OUT=DIR [DEADLINE=570] [COMPILE=1] [PROFILE=0] [TRAIN_ARGS="..."] [TOKENIZER=...] bash scripts/gpu_train.sh
 #
 # Needs the prepared arrays in data/prepared (python -m training.prepare; chats.npz, long.npz and text.npz are all
-# it reads) and a CUDA PyTorch; nothing is installed. In order:
+# it reads, about 30 MB: carry data/prepared with the repository) and a CUDA PyTorch; nothing is installed and
+# nothing is fetched. By default it starts from the shipped weights (--init nanoserve/presets/m3_mini) and trains
+# retrieval windows of 16,384 tokens, the model's whole context. In order:
 #   1. (PROFILE=1) `training.train --profile-steps 10` with packed fixed-shape steps, eager and with --compile;
 #      the faster of the two (tokens per second) is the one trained. Both tables go to $OUT/profile.txt. Without
 #      it the steps are compiled (COMPILE=1, the default: 316 k against 154 k tokens/s eager on an H100), so the
@@ -20,7 +22,7 @@ OUT=${OUT:?set OUT to a directory for the logs and the checkpoint}
 mkdir -p "$OUT"
 start=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 8192 --long-tokens 16384 --long-every 4 --text-frac 0.2 --long-text-frac 0.5 --warmup 300 --pack}
+TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 16384 --long-tokens 16384 --long-every 4 --text-frac 0.2 --long-text-frac 0.35 --warmup 300 --pack --init nanoserve/presets/m3_mini}
 RUN=${RUN:-/tmp/m3_mini_run}
 # the frozen tokenizer the package ships (the same file training.tokenizer wrote), so data/tokenizer need not travel
 TOKENIZER=${TOKENIZER:-nanoserve/presets/m3_mini/tokenizer.json}

@@ -23,6 +23,7 @@ sentences) for the retrieval filler.
 
 from __future__ import annotations
 
+import importlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -304,10 +305,12 @@ class Exchange:
 
 @dataclass
 class Sources:
-    """Text the caller brings: (word, gloss) pairs and filler sentences."""
+    """Text the caller brings: (word, gloss) pairs, filler sentences and library reference entries ((name,
+    signature, paragraph, summary), training/passages.py)."""
 
     glosses: Sequence[tuple[str, str]] = GLOSSES
     sentences: Sequence[str] = FILLER
+    docs: Sequence[tuple[str, str, str, str]] = ()
 
 
 def _assistant(content: str, reasoning: str = "", tool_calls: list[dict] | None = None) -> dict:
@@ -390,8 +393,12 @@ def _arith_exchange(rng: random.Random, mode: str) -> Exchange:
     questions.append(f"What is the sum of {a} and {b}?" if op == "+" else f"Subtract {b} from {a}.")
     answers = [f"{a} {op} {b} = {result}.", f"The answer is {result}.", f"{a} {word} {b} is {result}.",
                f"{a} {op} {b} equals {result}."]
-    reasoning = scratchpad(a, op, b) if _think(mode, 0.95, rng) else ""
-    return Exchange(rng.choice(questions), [_assistant(rng.choice(answers), reasoning)], {"answer": str(result)})
+    # a turn that does not think writes the scratchpad in its answer: a model this small cannot produce a sum's
+    # digits without working them out first
+    thinks = _think(mode, 0.95, rng)
+    answer = rng.choice(answers) if thinks else scratchpad(a, op, b) + "\n" + rng.choice(answers)
+    return Exchange(rng.choice(questions), [_assistant(answer, scratchpad(a, op, b) if thinks else "")],
+                    {"answer": str(result)})
 
 
 # -- chat and define ---------------------------------------------------------------------------------------------
@@ -713,7 +720,7 @@ def _chat(rng: random.Random, kind: str, mode: str, exchanges: list[Exchange], t
 
 
 def sample_arith(rng: random.Random, src: Sources) -> Chat:
-    mode = _pick_mode(rng, enabled=0.45, disabled=0.10)
+    mode = _pick_mode(rng, enabled=0.4, disabled=0.3)
     return _chat(rng, "arith", mode, [_arith_exchange(rng, mode)], None)
 
 
@@ -764,36 +771,71 @@ def sample_multi_turn(rng: random.Random, src: Sources, turns: int | None = None
     return _chat(rng, "multi_turn", mode, exchanges, tools)
 
 
-def sample_retrieval(rng: random.Random, src: Sources, n_chars: int | None = None, n_keys: int | None = None) -> Chat:
-    """Pass keys ("The pass key of NAME is NNNNNN.") hidden at random places of ~n_chars of filler; the user asks
-    for one of them."""
+# (what is hidden, the questions asking for it, the answer); {e} is the holder, {v} the value
+NEEDLES = (
+    ("The pass key of {e} is {v}.", ("What is the pass key of {e}?", "Find the pass key of {e}.",
+                                     "What is {e}'s pass key?", "Which pass key belongs to {e}?"),
+     "The pass key of {e} is {v}."),
+    ("{e}'s PIN is {v}.", ("What is {e}'s PIN?", "Which PIN does {e} use?", "Tell me the PIN of {e}."),
+     "{e}'s PIN is {v}."),
+    ("The access code for room {e} is {v}.", ("What is the access code for room {e}?",
+                                              "Which code opens room {e}?", "Room {e}: what's the access code?"),
+     "The access code for room {e} is {v}."),
+    ("Ticket {e} was issued with number {v}.", ("What number was ticket {e} issued with?",
+                                                "Give me the number of ticket {e}."), "Ticket {e} has number {v}."),
+    ("Project {e} uses the secret number {v}.", ("What secret number does project {e} use?",
+                                                 "What is the secret number of project {e}?"),
+     "Project {e} uses {v}."),
+    ("Device {e} has serial number {v}.", ("What is the serial number of device {e}?",
+                                           "Find the serial of device {e}."), "Device {e} has serial number {v}."),
+)
+PROJECTS = tuple(w.capitalize() for w in ADJECTIVES)
+
+
+def _holder(rng: random.Random, needle: int) -> str:
+    if needle in (0, 1):
+        return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
+    if needle == 2:
+        return f"{rng.randint(1, 40)}{rng.choice('ABCDEFGH')}"
+    if needle == 3:
+        return f"T-{rng.randint(100, 9999)}"
+    if needle == 4:
+        return f"{rng.choice(PROJECTS)} {rng.choice(NOUNS).capitalize()}"
+    return f"{rng.choice('DKMQRSVX')}{rng.randint(10, 999)}"
+
+
+def sample_retrieval(rng: random.Random, src: Sources, n_chars: int | None = None, n_keys: int | None = None,
+                     needle: int | None = None) -> Chat:
+    """Values ("The pass key of NAME is NNNNNN.", a PIN, a room's access code, ...: NEEDLES, one kind a document)
+    hidden at random places of ~n_chars of filler; the user asks for one of them."""
     n_chars = n_chars or int(2000 * 15 ** rng.random())  # 2k-30k characters, log-uniform
     n_keys = n_keys or min(rng.randint(8, 64), max(8, n_chars // 150))
+    needle = rng.randrange(len(NEEDLES)) if needle is None else needle
+    statement, questions, reply = NEEDLES[needle]
     names: list[str] = []
     while len(names) < n_keys:
-        name = f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
-        if name not in names:
+        name = _holder(rng, needle)
+        if name not in names and not any(name in n or n in name for n in names):
             names.append(name)
-    keys = [f"{rng.randint(0, 999999):06d}" for _ in names]
+    keys = [str(rng.randint(0, 10 ** rng.choice((4, 5, 6, 6, 6, 7)) - 1)).zfill(rng.choice((4, 6))) for _ in names]
     avg = sum(len(s) for s in src.sentences[:200]) / min(200, len(src.sentences)) + 1
     filler = rng.choices(src.sentences, k=max(n_keys, int(n_chars / avg)))
     slots = sorted(rng.sample(range(len(filler) + 1), n_keys))
     parts, prev = [], 0
     for slot, name, key in zip(slots, names, keys):
         parts.append(" ".join(filler[prev:slot]))
-        parts.append(f"The pass key of {name} is {key}.")
+        parts.append(statement.format(e=name, v=key))
         prev = slot
     parts.append(" ".join(filler[prev:]))
-    document = "\n".join(p for p in parts if p)
+    document = "\n".join(p for p in parts if p) if rng.random() < 0.7 else " ".join(p for p in parts if p)
     target = rng.randrange(n_keys)
     name, key = names[target], keys[target]
-    q = rng.choice((f"What is the pass key of {name}?", f"Find the pass key of {name}.",
-                    f"What is {name}'s pass key?", f"Which pass key belongs to {name}?"))
+    q = rng.choice(questions).format(e=name)
     intro = rng.choice(("Read the text below and answer the question.", "Here is a document.",
-                        "Remember the pass keys in this text.", ""))
+                        "Remember what this text says.", "Some records:", ""))
     user = (f"{intro}\n\n{document}\n\n{q}" if rng.random() < 0.8 else f"{q}\n\n{document}\n\nAgain: {q}").strip()
     mode = "disabled" if rng.random() < 0.5 else "adaptive"
-    answer = _assistant(f"The pass key of {name} is {key}.")
+    answer = _assistant(reply.format(e=name, v=key))
     return _chat(rng, "retrieval", mode, [Exchange(user, [answer], {"value": key, "name": name})], None)
 
 
@@ -801,22 +843,39 @@ KINDS: dict[str, Callable[..., Chat]] = {
     "arith": sample_arith, "tool": sample_tool, "no_tool": sample_no_tool, "chat": sample_chat,
     "define": sample_define, "retrieval": sample_retrieval, "multi_turn": sample_multi_turn,
 }
-MIXTURE: dict[str, float] = {"arith": 0.25, "tool": 0.25, "no_tool": 0.05, "chat": 0.12, "define": 0.10,
-                             "retrieval": 0.15, "multi_turn": 0.08}
+
+
+def _plain(module: str, name: str) -> Callable[..., Chat]:
+    """A kind that lives in a module of its own (requests.py, passages.py, honesty.py build on this module's
+    helpers, so they are imported when first drawn)."""
+    def draw(rng: random.Random, src: Sources, **kw) -> Chat:
+        return getattr(importlib.import_module(f"training.{module}"), name)(rng, src, **kw)
+    draw.__name__ = name
+    return draw
+
+
+KINDS.update({"request": _plain("requests", "sample_request"),
+              "request_no_call": _plain("requests", "sample_request_no_call"),
+              "passage": _plain("passages", "sample_passage"), "unknown": _plain("honesty", "sample_unknown")})
+MIXTURE: dict[str, float] = {"arith": 0.14, "tool": 0.07, "no_tool": 0.03, "chat": 0.06, "define": 0.03,
+                             "retrieval": 0.12, "multi_turn": 0.05, "request": 0.22, "request_no_call": 0.06,
+                             "passage": 0.14, "unknown": 0.08}
 
 
 def sample(rng: random.Random, kind: str, glosses: Sequence[tuple[str, str]] | None = None,
-           sentences: Sequence[str] | None = None, **kw) -> Chat:
-    """One chat of `kind`. `glosses` ((word, gloss) pairs) and `sentences` (filler) replace the embedded texts;
-    the other keywords are the kind's own (retrieval: n_chars, n_keys; tool: weather; multi_turn: turns)."""
+           sentences: Sequence[str] | None = None, docs: Sequence[tuple[str, str, str, str]] | None = None,
+           **kw) -> Chat:
+    """One chat of `kind`. `glosses` ((word, gloss) pairs), `sentences` (filler) and `docs` (library reference
+    entries, passages.stdlib_entries()) replace the embedded texts; the other keywords are the kind's own
+    (retrieval: n_chars, n_keys, needle; tool: weather; multi_turn: turns)."""
     if kind not in KINDS:
         raise ValueError(f"unknown chat kind {kind!r}; choose one of {sorted(KINDS)}")
-    src = Sources(glosses or GLOSSES, sentences or FILLER)
+    src = Sources(glosses or GLOSSES, sentences or FILLER, docs or importlib.import_module("training.passages").DOCS)
     return KINDS[kind](rng, src, **kw)
 
 
 def mixture(rng: random.Random, glosses: Sequence[tuple[str, str]] | None = None,
-            sentences: Sequence[str] | None = None) -> Chat:
+            sentences: Sequence[str] | None = None, docs: Sequence[tuple[str, str, str, str]] | None = None) -> Chat:
     """A chat of a kind drawn with MIXTURE's weights."""
     kind = rng.choices(list(MIXTURE), weights=list(MIXTURE.values()))[0]
-    return sample(rng, kind, glosses=glosses, sentences=sentences)
+    return sample(rng, kind, glosses=glosses, sentences=sentences, docs=docs)

@@ -23,9 +23,11 @@ from nanoserve.presets.make_checkpoint import TINY_VISION_CONFIG
 from nanoserve.presets.tokenizer import write_tokenizer_files
 
 # The defaults the server applies to requests that leave them unset: the model is small, so a low temperature
-# keeps its answers on the formats it learned.
+# keeps its answers on the formats it learned, and max_new_tokens (vLLM reads it as the default max_tokens) bounds
+# a reply, thinking included: its longest trained answers are a few hundred tokens, and 1,024 tokens take
+# 10-20 s on a CPU, where a reply that never ended once reasoned for 3,498.
 GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": [2], "temperature": 0.3, "top_p": 0.9, "top_k": 40,
-                     "do_sample": True}
+                     "do_sample": True, "max_new_tokens": 1024}
 
 
 def export(model, out: str, tokenizer_json: str) -> None:

@@ -2,7 +2,8 @@
 
     python -m nanoserve.bench                                   # W1, W2, W4, W5, W6 on nanoserve (m3-slice on a GPU)
     python -m nanoserve.bench --workloads W1,W2 --engine both --hf-modes eager,static --out results/
-    python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table
+    python -m nanoserve.bench --ablate --workloads W1           # every switch off alone, one table (CPU: 3 runs
+                                                                # a row, their spread; n/a where a switch cannot act)
     python -m nanoserve.bench --workloads W1 --ablate-switches rope_table,captured_argmax   # just those rows
     python -m nanoserve.bench --profile W1,W2                   # per-kernel decode-step profile (time, bytes)
     python -m nanoserve.bench --profile W2 --quantization bf16,mxfp8   # the same per format, then side by side
@@ -21,6 +22,7 @@
     python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
     python -m nanoserve.bench --speculative host                # where a speculative step's host time goes (m3-mini)
     python -m nanoserve.bench --compare BASE NEW                # two runs' results side by side (NEW / BASE)
+    python -m nanoserve.bench --report results/ > docs/results.md   # the page of current numbers, from the records
 
 Every result records the effective switches, the commit, the device and the date (results.json under --out).
 """
@@ -37,6 +39,8 @@ from nanoserve.bench.session import BenchSession, SessionConfig, parse_switch_ch
 from nanoserve.config import KV_CACHE_DTYPES
 
 DEFAULT_GPU_MODEL, DEFAULT_CPU_MODEL = "m3-slice", "m3-tiny"
+CPU_ABLATE_REPEATS = 3
+"""--ablate on the CPU runs each row this many times: a shared CPU's timings move by tens of percent between runs."""
 
 
 def _names(text: str | None) -> list[str]:
@@ -69,6 +73,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--ablate", action="store_true", help="ablation table for the selected workloads (default W1)")
     ap.add_argument("--ablate-switches", default=None, metavar="A,B",
                     help="with --ablate: flip only these switches (beside the all-on row)")
+    ap.add_argument("--ablate-repeats", type=int, default=None, metavar="N",
+                    help="with --ablate: timed runs per row, for the medians and their spread (default: 3 on the "
+                         "CPU, 1 on a GPU)")
     ap.add_argument("--profile", default=None, help="profile decode steps of these workloads, e.g. W1,W2")
     ap.add_argument("--profile-steps", type=int, default=5)
     ap.add_argument("--profile-prefill", default=None, help="profile the whole prefill of these workloads (per "
@@ -143,6 +150,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compare", nargs=2, default=None, metavar=("BASE", "NEW"),
                     help="print two runs side by side, run by run (each a results.json or a bench --out directory; "
                     "with --out, also compare.json) and exit")
+    ap.add_argument("--report", default=None, metavar="DIR",
+                    help="print the page of current numbers rendered from the runs of record in DIR (results/: "
+                         "python -m nanoserve.bench --report results/ > docs/results.md) and exit")
     ap.add_argument("--compare-tolerance", type=float, default=None, metavar="F",
                     help="--compare: a NEW / BASE ratio within 1 +- F is level (default 0.03)")
     ap.add_argument("-v", "--verbose", action="store_true")
@@ -151,6 +161,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if args.report:
+        from nanoserve.bench.results_page import run as run_report
+
+        return run_report(args.report)
     if args.compare:
         from nanoserve.bench.compare import DEFAULT_TOLERANCE
         from nanoserve.bench.compare import run as run_compare
@@ -330,6 +344,10 @@ def _run(args, session: BenchSession, model: str, scale: str) -> int:
         args.ablate = True
     if args.ablate and not names:
         names = ["W1"]
+    repeats = args.ablate_repeats if args.ablate_repeats is not None else \
+        (1 if session.device.type == "cuda" else CPU_ABLATE_REPEATS)
+    if repeats < 1:
+        raise SystemExit(f"--ablate-repeats must be >= 1, got {repeats}")
     elif not (names or profile_names or prefill_names or args.serve or args.mxfp8_accuracy or args.micro):
         names = list(W.OFFLINE)
     for n in names + profile_names + prefill_names:
@@ -356,7 +374,7 @@ def _run(args, session: BenchSession, model: str, scale: str) -> int:
         if session.part("build nanoserve", lambda: session.build_nano(wls + prof_wls + prefill_wls)) is not None:
             for wl in wls:
                 if args.ablate:
-                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl, only))
+                    session.part(f"ablation {wl.name}", lambda wl=wl: session.ablate(wl, only, repeats))
                 else:
                     session.part(f"nanoserve {wl.name}", lambda wl=wl: session.run_nano(wl))
             for wl in prof_wls:

@@ -22,12 +22,12 @@ import torch
 from nanoserve.bench.compile_watch import CompileWatch
 from nanoserve.bench.floor import H200, Ceilings, ModelCost, workload_floor
 from nanoserve.bench.workloads import Workload
-from nanoserve.config import KERNEL, EngineConfig, Optimizations
+from nanoserve.config import KERNEL, EngineConfig, Optimizations, Platform
 from nanoserve.engine.builder import DEFAULT_MAX_NUM_BATCHED_TOKENS, make_executor
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.runner.kv_cache import kv_cache_bytes_per_block, kv_cache_torch_dtype
-from nanoserve.runner.model_runner import resolve_device
+from nanoserve.runner.model_runner import platform_of, resolve_device
 from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
@@ -191,6 +191,14 @@ class NanoBench:
         fmt = w.get("weight_format") or (str(self.runner.dtype).removeprefix("torch.") if self.runner else None)
         return {"weight_format": fmt, "parameter_bytes": w.get("parameter_bytes"),
                 "parameter_bytes_by_dtype": w.get("parameter_bytes_by_dtype")}
+
+    @property
+    def platform(self) -> Platform:
+        """What the switches run on here: the device, its kernels, whether the weights are MXFP8."""
+        dtype = self.runner.dtype if self.runner is not None else torch.bfloat16
+        mxfp8 = self.config.quantization == "mxfp8" or self.weight_memory.get("weight_format") == "mxfp8"
+        return platform_of(self.device, dtype, mxfp8, (self.config.speculative_config or {}).get("method"),
+                           self.config.tensor_parallel_size)
 
     def _weight_memory(self, allocated_before: int) -> dict:
         """What the model's weights take on this process's device: parameter bytes by dtype, and (GPU) the

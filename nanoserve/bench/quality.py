@@ -1,27 +1,34 @@
-"""What a model can do, measured: held-out perplexity per corpus and accuracy on held-out tasks.
+"""What a model can do, measured: held-out requests graded against the targets, held-out perplexity per corpus.
 
-    python -m nanoserve.bench --quality                      # m3-mini on the CPU, a few minutes
-    python -m nanoserve.bench --quality --quality-limit 20 --quality-retrieval-limit 5   # fewer prompts, faster
+    python -m nanoserve.bench --quality                      # m3-mini on the CPU, about half an hour
+    python -m nanoserve.bench --quality --quality-limit 10 --quality-retrieval-limit 2   # a few minutes
+    python -m nanoserve.bench --quality --ablate             # + what each approximation costs (below)
 
-A trained model's directory carries its held-out set (`heldout.jsonl.gz`: prompts rendered through its chat
-template with what a grader expects; `heldout_text.jsonl.gz`: text of each training corpus kept out of training).
-Every prompt is answered greedily through the engine, then graded the way a client reads the answer:
+The held-out requests (nanoserve/bench/heldout/: written by a generator of their own, frozen as data, seen by no
+training code) are answered greedily through `LLM.chat` - the server's rendering of the messages, the tools and
+the thinking mode - and read as a client reads the server's answer (the reasoning and tool-call parsers), then
+graded (heldout/grade.py): tool calls exact, no call where none is needed, calls to tools that were not offered
+(with the `constrained_tool_calls` switch on and off, where the build has it), a tool's result used in the answer,
+answers read from a passage in the prompt, arithmetic with and without thinking, retrieval at 8k and 16k tokens,
+honest replies to what the model cannot know. The table shows each target, the measurement and the shipped weights'
+own (heldout/shipped.json).
+
+    ppl <corpus>          perplexity of the held-out text of each training corpus (heldout/text.jsonl.gz, the
+                          first --quality-text-tokens tokens per corpus, in windows of 512)
+    ppl <corpus> past N   the same text in windows of 4,096 tokens, counting only positions past MSA's top-k x
+                          block size N: the predictions made from a selection of blocks
+
+`--ablate` grades the model directory's own held-out set (`heldout.jsonl.gz`: prompts of the training generator
+from other seeds, rendered through the chat template; `evaluate` below) with each approximation switch on in
+turn:
 
     arith           the reasoning parser splits thinking from the answer; the answer holds the right number
-                    (also split by the prompt's thinking mode: with thinking disabled the model must add without
-                    its scratchpad)
-    tool            the minimax_m3 tool parser finds a call: right tool name, arguments equal to the expected
-                    values (so valid under the schema), on tools never seen in training
+    tool            the minimax_m3 tool parser finds a call: right tool name, arguments equal to the expected values
     no_tool         tools were offered but the question needs none: no call, and an answer
-    thinking        every answer above is well-formed: ended by EOS, one closed thinking block at most, no marker
-                    in the answer
+    thinking        every answer above is well-formed: ended by EOS, one closed thinking block at most
     retrieval_Nk    a pass key hidden in N thousand tokens of filler is read back (MSA really drops blocks there)
-    ppl <corpus>    perplexity of held-out text (first --quality-text-tokens tokens per corpus, in windows of 512)
-    ppl <corpus> past N   the same text in windows of 4,096 tokens, counting only positions past MSA's top-k x
-                    block size N: the predictions made from a selection of blocks (the long-context quality an
-                    approximation of MSA can cost)
 
-`selection` runs the retrieval prompts and the long-window perplexity again with MSA's block choice replaced:
+`selection` runs those retrieval prompts and the long-window perplexity again with MSA's block choice replaced:
 `local` keeps the query's newest blocks, `random` the own block plus random earlier ones; the gap to `learned` is
 what the indexer is worth.
 """
@@ -33,10 +40,14 @@ import json
 import math
 import os
 import re
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from nanoserve.bench.heldout.evaluate import CONSTRAINT, HeldoutReport, select_rows, target_table
+from nanoserve.bench.heldout.evaluate import evaluate as evaluate_heldout
 
 TASK_TOKENS = {"arith": 200, "tool": 120, "no_tool": 200}
 """max_tokens per task: no-tool questions include sums, whose scratchpad needs arithmetic's budget."""
@@ -135,13 +146,15 @@ def run_tasks(llm, rows: list[dict]) -> dict[str, list[bool]]:
     return results
 
 
-def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512, skip: int = 0) -> dict[str, float]:
-    """exp(mean negative log-likelihood) of each corpus's held-out text, in windows of `window` tokens, counting
-    only the tokens at positions >= `skip` of their window (with skip past MSA's top-k x block size, only
-    predictions made from a selection of blocks count)."""
+def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512, skip: int = 0,
+               text_path: str | None = None) -> dict[str, float]:
+    """exp(mean negative log-likelihood) of each corpus's held-out text (`text_path`, default the model
+    directory's heldout_text.jsonl.gz), in windows of `window` tokens, counting only the tokens at positions >=
+    `skip` of their window (with skip past MSA's top-k x block size, only predictions made from a selection of
+    blocks count)."""
     from nanoserve.sampling import SamplingParams
 
-    path = os.path.join(model_dir, "heldout_text.jsonl.gz")
+    path = text_path or os.path.join(model_dir, "heldout_text.jsonl.gz")
     out = {}
     tok = llm.engine.tokenizer
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -161,7 +174,7 @@ def perplexity(llm, model_dir: str, max_tokens: int, window: int = 512, skip: in
     return out
 
 
-def long_perplexity(llm, model_dir: str, max_tokens: int) -> dict[str, float]:
+def long_perplexity(llm, model_dir: str, max_tokens: int, text_path: str | None = None) -> dict[str, float]:
     """Perplexity of the held-out text in windows of LONG_WINDOW tokens, counting only the positions past MSA's
     top-k x block size: the predictions that read a selection of blocks rather than the whole prefix. Keyed
     `<corpus> past <N>`."""
@@ -169,7 +182,8 @@ def long_perplexity(llm, model_dir: str, max_tokens: int) -> dict[str, float]:
     dense = cfg.index_topk_blocks * cfg.index_block_size
     if LONG_WINDOW <= dense + 1:
         return {}
-    return {f"{k} past {dense}": v for k, v in perplexity(llm, model_dir, max_tokens, LONG_WINDOW, dense).items()}
+    return {f"{k} past {dense}": v for k, v in
+            perplexity(llm, model_dir, max_tokens, LONG_WINDOW, dense, text_path).items()}
 
 
 # -- replacing MSA's learned block choice -------------------------------------------------------------------------
@@ -248,7 +262,7 @@ def format_report(report: QualityReport, title: str) -> str:
 def build_llm(model: str, **engine_args):
     from nanoserve.entrypoints.llm import LLM
 
-    return LLM(model=model, device="cpu", dtype="float32", max_model_len=12_288, kv_cache_tokens=65_536,
+    return LLM(model=model, device="cpu", dtype="float32", max_model_len=16_384, kv_cache_tokens=65_536,
                seed=0, **engine_args)
 
 
@@ -285,20 +299,57 @@ def format_deltas(base: QualityReport, rows: list[tuple[str, QualityReport]]) ->
     return "\n".join(lines)
 
 
+def heldout_quality(model: str, limit: int | None, text_tokens: int, retrieval_limit: int | None = None
+                    ) -> tuple[HeldoutReport, dict[str, float], bool]:
+    """The held-out requests graded on `model` (with the constraint switch flipped too, where it exists) and the
+    perplexity of the frozen held-out text: (report, perplexity, whether the build has the switch)."""
+    from nanoserve.bench.heldout import TEXT, load_requests
+    from nanoserve.config import Optimizations
+
+    rows = select_rows(load_requests(), limit, retrieval_limit)
+    present = CONSTRAINT in Optimizations().as_dict()
+    llm = build_llm(model, reasoning_parser="minimax_m3")
+    flipped = None
+    try:
+        on = bool(getattr(llm.engine.config.optimizations, CONSTRAINT)) if present else None
+        if present:
+            flipped = build_llm(model, reasoning_parser="minimax_m3",
+                                optimizations=llm.engine.config.optimizations.replace(**{CONSTRAINT: not on}))
+        report = evaluate_heldout(llm, rows, flipped, on)
+        ppl: dict[str, float] = {}
+        if text_tokens:
+            ppl = perplexity(llm, "", text_tokens, text_path=TEXT)
+            ppl.update(long_perplexity(llm, "", text_tokens, text_path=TEXT))
+    finally:
+        llm.shutdown()
+        if flipped is not None:
+            flipped.shutdown()
+    return report, ppl, present
+
+
 def run(model: str, limit: int | None, text_tokens: int, ablate: bool, out_dir: str | None,
         retrieval_limit: int | None = None) -> int:
+    from nanoserve.bench.heldout import shipped_measurements
     from nanoserve.presets.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(model)
-    llm = build_llm(model)
-    try:
-        base = evaluate(llm, model_dir, limit, text_tokens, retrieval_limit=retrieval_limit)
-    finally:
-        llm.shutdown()
-    text = format_report(base, f"Quality of {model} (held-out, greedy, CPU fp32)")
+    t0 = time.time()
+    report, ppl, present = heldout_quality(model, limit, text_tokens, retrieval_limit)
+    seconds = time.time() - t0
+    text = (f"## Quality of {model}: held-out requests, greedy, CPU fp32 ({seconds / 60:.1f} min)\n\n"
+            + target_table(report, ppl, shipped_measurements(), present))
     print(text, flush=True)
-    result = {"model": model, "limit": limit, "retrieval_limit": retrieval_limit, "report": base.as_dict()}
+    result = {"model": model, "limit": limit, "retrieval_limit": retrieval_limit, "seconds": round(seconds, 1),
+              "heldout": {**report.as_dict(), "perplexity": ppl}}
     if ablate:
+        llm = build_llm(model)
+        try:
+            base = evaluate(llm, model_dir, limit, text_tokens, retrieval_limit=retrieval_limit)
+        finally:
+            llm.shutdown()
+        text += "\n\n" + format_report(base, f"{model}'s own held-out prompts (the ablation's reference)")
+        print("\n" + format_report(base, f"{model}'s own held-out prompts (the ablation's reference)"), flush=True)
+        result["report"] = base.as_dict()
         rows = []
         for name, kwargs in variants():
             llm = build_llm(model, **kwargs)

@@ -18,8 +18,8 @@ TARGETS = {
     "W4 TTFT at 128k (s)": ("<=", 1.5),
     "W2J / W2 output tok/s": (">=", 0.85),
 }
-"""The targets of docs/benchmarks.md ("Against the targets"), with the structured-output one (JSON-constrained W2
-keeps >= 85 % of W2's rate)."""
+"""The targets of docs/benchmarks.md ("Targets") that one bench run checks: W1's and W2's, W4's, and the
+structured-output one (JSON-constrained W2 keeps >= 85 % of W2's rate)."""
 
 
 def fmt(value: Any, digits: int = 1) -> str:

@@ -19,7 +19,7 @@ from nanoserve.bench.env import environment
 from nanoserve.bench.floor import H200, Ceilings
 from nanoserve.bench.offline import NanoBench, RunResult, unavailable_kernel_switches
 from nanoserve.bench.workloads import Workload
-from nanoserve.config import KERNEL, SWITCH_ALIASES, Optimizations
+from nanoserve.config import KERNEL, SWITCH_ALIASES, Optimizations, Platform
 from nanoserve.model.m3_config import M3Config
 from nanoserve.runner.model_runner import resolve_device, resolve_dtype
 
@@ -119,6 +119,7 @@ class BenchSession:
         self.meta = meta
         self.results = report.Results(cfg.out_dir, meta)
         self.nano: NanoBench | None = None
+        self.platform: Platform | None = None  # what the switches run on, once the model is built
         self.hf = None
         self.nano_tokens: dict[str, list[list[int]]] = {}  # workload -> nanoserve's greedy tokens (vs HF)
 
@@ -187,6 +188,8 @@ class BenchSession:
                               max_num_batched_tokens=self.cfg.max_num_batched_tokens, seed=self.cfg.seed,
                               hw=self.cfg.hw, quantization=self.cfg.quantization,
                               kv_cache_dtype=self.cfg.kv_cache_dtype)
+        self.platform = self.nano.platform
+        self.meta["switches_not_applicable"] = self.opts.not_applicable(self.platform)
         self.meta["nanoserve_build_s"] = self.nano.build_s
         self.meta["nanoserve_kv_blocks"] = self.nano.num_blocks
         self.meta["nanoserve_weight_memory"] = self.nano.weight_memory
@@ -222,7 +225,7 @@ class BenchSession:
         self.say(report.runs_table([res.as_dict()]))
         return res
 
-    def ablate(self, wl: Workload, only: list[str] | None = None) -> dict:
+    def ablate(self, wl: Workload, only: list[str] | None = None, repeats: int = 1) -> dict:
         from nanoserve.bench.ablation import ablate
 
         partial = {"workload": wl.name, "rows": []}
@@ -232,7 +235,8 @@ class BenchSession:
             partial["rows"].append(row)
             self.results.flush()
 
-        abl = ablate(self.nano, wl, self.switch_notes, self.cfg.model, self.meta, on_row=on_row, only=only)
+        abl = ablate(self.nano, wl, self.switch_notes, self.cfg.model, self.meta, on_row=on_row, only=only,
+                     repeats=repeats)
         self.results.data["ablations"][self.results.data["ablations"].index(partial)] = abl
         self.results.flush()
         self.say(abl["table"])
@@ -317,7 +321,7 @@ class BenchSession:
         m = self.meta
         lines = [f"nanoserve bench | {m['model']} on {m['device']} | {m['date']} | commit {m['commit']} | "
                  f"torch {m['torch']}, triton {m['triton']}, transformers {m['transformers']}",
-                 f"switches: {self.opts.describe()}"]
+                 f"switches: {self.opts.describe(self.platform)}"]
         by_reason: dict[str, list[str]] = {}
         for k, v in self.switch_notes.items():
             by_reason.setdefault(v, []).append(k)

@@ -144,6 +144,7 @@ class MultiprocExecutor(Executor):
         self.model_config = self.runner.cfg
         self.model_dir = self.runner.model_dir
         self.block_size = self.runner.block_size
+        self.platform = self.runner.platform
         logger.info("tensor parallel: %d ranks (%s), MoE %s, rendezvous %s", config.tensor_parallel_size,
                     dist.get_backend(), "expert-parallel" if config.enable_expert_parallel else "tensor-parallel",
                     info.init_method)

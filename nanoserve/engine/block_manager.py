@@ -182,6 +182,7 @@ class BlockManager:
         # pending tokens (async scheduling) are computed but not yet known: their blocks are hashed once they are
         full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(table))
         tokens = None
+        cached = []
         while len(hashes) < full:
             i = len(hashes)
             tokens = tokens or seq.token_ids
@@ -192,8 +193,11 @@ class BlockManager:
             if block.hash is None and h not in self.cached:
                 block.hash, block.parent, block.token_ids = h, parent, chunk
                 self.cached[h] = block.block_id
+                cached.append((h, parent, chunk))
             hashes.append(h)
             # else: another sequence computed the same prefix concurrently; the first copy stays the cached one
+        if cached:  # (hash, parent hash, token ids) of each block that entered the cache: what KV events publish
+            self.on_event("cache", seq=seq, cached=cached)
 
     # -- internals ----------------------------------------------------------------------------------------
     def _holds(self, block_id: int, parent: bytes | None, chunk: list[int]) -> bool:
@@ -210,13 +214,15 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:
             del self.cached[block.hash]
+            evicted = block.hash
             block.hash, block.parent, block.token_ids = None, None, None
-            self.on_event("evict", block=block_id)
+            self.on_event("evict", block=block_id, hash=evicted)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix held only by free blocks."""
         for block_id in list(self.free):
             self._evict_if_cached(block_id)
+        self.on_event("reset", all=not self.cached)  # all: no cached block is left (none was in use)
 
     # -- invariants ---------------------------------------------------------------------------------------
     def check_integrity(self) -> None:

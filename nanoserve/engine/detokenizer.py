@@ -2,7 +2,9 @@
 
 A byte-level tokenizer can split one UTF-8 character over several tokens; decoding a prefix of them yields the
 replacement character U+FFFD. So each step decodes a short window of recent tokens twice (with and without the
-newest) and emits only the new suffix once it no longer ends in U+FFFD.
+newest) and emits only the new suffix once it no longer ends in U+FFFD. A sequence that ends by length inside a
+character gets the held-back tail at the end (`flush`), U+FFFD included, as vLLM gives it: its text is then what
+decoding its tokens gives.
 """
 
 from __future__ import annotations
@@ -27,3 +29,17 @@ def detokenize_step(tokenizer, seq: Sequence) -> str:
     seq.text += delta
     return delta
 
+
+
+def flush(tokenizer, seq: Sequence) -> str:
+    """seq ended: append the text its newest tokens held back (an unfinished character, as U+FFFD); returns it."""
+    skip = seq.params.skip_special_tokens
+    out = seq.output_token_ids
+    if seq.read_offset >= len(out):
+        return ""
+    decode = getattr(tokenizer, "backend_tokenizer", tokenizer).decode
+    prefix_text = decode(out[seq.prefix_offset: seq.read_offset], skip_special_tokens=skip)
+    tail = decode(out[seq.prefix_offset:], skip_special_tokens=skip)[len(prefix_text):]
+    seq.prefix_offset = seq.read_offset = len(out)
+    seq.text += tail
+    return tail

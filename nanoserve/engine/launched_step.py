@@ -29,10 +29,11 @@ class LaunchedStep:
 @dataclass
 class Appended:
     """One token `update` appended to its sequence (`has_token` False: the sequence ended without one), its
-    logprobs (the chosen token first; None when not asked), and whether its stop strings were checked already (a
-    run of accepted drafts)."""
+    logprobs (the chosen token first; None when not asked), whether its stop strings were checked already (a run of
+    accepted drafts), and whether it is the sequence's first."""
 
     seq: Sequence
     logprobs: dict[int, float] | None = None
     has_token: bool = True
     text_done: bool = False
+    first: bool = False  # the sequence's first output token (its prompt's prefill ended in this step)

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from nanoserve.config import EngineConfig
+from nanoserve.engine import kv_events
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
 from nanoserve.engine.launched_step import Appended, LaunchedStep
@@ -44,6 +45,7 @@ from nanoserve.engine.stop_checker import Stop, StopChecker
 from nanoserve.engine.structured_output import StructuredOutputManager
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
+from nanoserve.kv_transfer.config import KVTransferConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.step import GrammarMasks, StepOutput
@@ -60,6 +62,10 @@ class LLMEngine:
         """`executor`: reuse an already built model and KV pool (the benchmark's ablation builds one engine per
         switch setting around one model); None builds them from `config`."""
         self.config = config
+        if config.kv_transfer_config is not None and \
+                KVTransferConfig.from_dict(config.kv_transfer_config).kv_connector is not None:
+            raise ValueError("kv_transfer_config: prefill/decode disaggregation is not wired into the engine yet "
+                             "(the transfer, the protocol and the hooks it needs: docs/scale_out.md)")
         self.executor: Executor = executor or make_executor(config)
         try:
             self._build(config, reuse_pool=executor is not None)
@@ -104,9 +110,13 @@ class LLMEngine:
             if opts.overlap_scheduling else None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
+        # KV-cache events for routers (--kv-events-config; engine/kv_events.py): the warm-up's scratch blocks are
+        # never hashed, so they publish nothing
+        self.kv_events = kv_events.attach(self, config.kv_events_config)
         logger.info("engine ready: model=%s device=%s blocks=%d x %d tokens, max_model_len=%d, "
                     "max_num_batched_tokens=%d, max_num_seqs=%d; switches %s", config.model, self.executor.device,
-                    num_blocks, self.block_size, self.max_model_len, budget, config.max_num_seqs, opts.describe())
+                    num_blocks, self.block_size, self.max_model_len, budget, config.max_num_seqs,
+                    opts.describe(self.executor.platform))
 
     def _speculative_config(self, config: EngineConfig) -> SpeculativeConfig | None:
         """config.speculative_config, checked (also when the switch is off), or None when not used."""
@@ -178,7 +188,8 @@ class LLMEngine:
         appended = []
         for j, token in enumerate(tokens):
             seq.output_token_ids.append(token)
-            appended.append(Appended(seq, logprobs[j] if logprobs else None, text_done=len(tokens) > 1))
+            appended.append(Appended(seq, logprobs[j] if logprobs else None, text_done=len(tokens) > 1,
+                                     first=len(seq.output_token_ids) == 1))
             if self._ends(seq, token, check_text=len(tokens) > 1):
                 break
         self.stats.num_generation_tokens += len(appended)
@@ -195,8 +206,7 @@ class LLMEngine:
                 gaps += record_token(a.seq, a.logprobs, now)
                 if not a.seq.is_finished and not a.text_done:
                     self._finish_if(a.seq, self.stop_checker.check_text(a.seq))
-        if gaps:
-            self._emit("inter_token_latencies", values=gaps)
+        self._emit("outputs", appended=appended, inter_token_latencies=gaps)
         return [self._output(state) for state in touched.values()]
 
     # -- the loop's helpers ---------------------------------------------------------------------------------
@@ -303,8 +313,10 @@ class LLMEngine:
 
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
-        """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict,
-        prefix_hit, step and inter_token_latencies events (on the thread that runs the engine)."""
+        """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict (with the
+        block's hash), cache (a full block registered in the prefix cache), reset (the prefix cache cleared),
+        prefix_hit, step (a step launched) and outputs (a step's tokens appended, with each sequence's time since
+        its previous token) events (on the thread that runs the engine)."""
         self.observers.append(fn)
 
     def _emit(self, event: str, **payload: Any) -> None:
@@ -399,6 +411,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         if self.overlapped is not None:  # drop the step in flight: its tensors live on the device
             self.overlapped.in_flight = None
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+            self.kv_events = None
         self.executor.shutdown()
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nanoserve.engine.detokenizer import detokenize_step
+from nanoserve.engine.detokenizer import detokenize_step, flush
 from nanoserve.engine.sequence import FinishReason, Sequence
 
 
@@ -63,8 +63,12 @@ class StopChecker:
         else:
             if not seq.reached_length_limit(self.max_model_len, count_pending=False):
                 return None
-            # the last token allowed: a stop string it completes takes precedence over the length limit
-            return self.check_text(seq) or Stop(FinishReason.LENGTH)
+            # the last token allowed: a stop string it completes takes precedence over the length limit; else the
+            # text its tokens held back (a character they left unfinished) ends it
+            stop = self.check_text(seq)
+            if stop is None:
+                flush(self.tokenizer, seq)
+            return stop or Stop(FinishReason.LENGTH)
         # as in vLLM, the text of the token that stopped generation (EOS, a stop id) is left out of the output
         # unless include_stop_str_in_output; the token itself stays in token_ids
         if p.include_stop_str_in_output:

@@ -92,6 +92,59 @@ def _forbid_additional_properties(schema: Any) -> Any:
     return out
 
 
+NOT_SCHEMAS = frozenset(("const", "enum", "default", "examples", "required", "pattern", "format", "type", "$ref"))
+"""Schema keywords whose values are data or names, not subschemas: json_strings leaves them as they are."""
+NAMED_SCHEMAS = frozenset(("properties", "patternProperties", "$defs", "definitions", "dependentSchemas"))
+"""Schema keywords whose values map names to subschemas."""
+
+
+def json_strings(schema: Any) -> Any:
+    """`schema` with every string whose length it bounds (minLength / maxLength, and no pattern, format, enum or
+    const of its own) held by a pattern of the same bounds instead. xgrammar writes such a string as `"`, up to
+    maxLength characters other than `"`, `\\`, CR and LF, then `"` - which admits the raw control characters JSON
+    forbids (json.loads refuses a tab or U+0001 inside a string) - while a pattern's characters are JSON's (no
+    control character; as with any pattern, no escape either). Nor a surrogate: UTF-8 cannot carry one (its bytes
+    decode to three U+FFFD, over the length). Every subschema is rewritten alike (properties, items, $defs,
+    propertyNames, anyOf, ...)."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key in NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: json_strings(sub) for name, sub in value.items()}
+        elif key in NOT_SCHEMAS:
+            out[key] = value
+        elif isinstance(value, list):  # anyOf, oneOf, allOf, prefixItems
+            out[key] = [json_strings(sub) for sub in value]
+        else:  # items, additionalProperties, propertyNames, not, if / then / else, ...; or a plain value
+            out[key] = json_strings(value)
+    kind = out.get("type")
+    stringy = kind == "string" or (isinstance(kind, list) and "string" in kind) or kind is None
+    bounds = {"minLength", "maxLength"} & out.keys()
+    if stringy and bounds and not ({"pattern", "format", "enum", "const"} & out.keys()):
+        low = out.get("minLength", 0)
+        high = out.get("maxLength")
+        low = low if isinstance(low, int) and low > 0 else 0
+        high = high if isinstance(high, int) and high >= low else None
+        out["pattern"] = rf"^[^\uD800-\uDFFF]{{{low},{'' if high is None else high}}}$"
+        for key in bounds:  # the pattern holds them (xgrammar ignores them beside a pattern, with a warning)
+            del out[key]
+    return out
+
+
+def _structural_json_strings(fmt: Any) -> Any:
+    """json_strings on every json_schema element of a structural tag's format."""
+    if isinstance(fmt, list):
+        return [_structural_json_strings(f) for f in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    out = {k: _structural_json_strings(v) for k, v in fmt.items() if k != "json_schema"}
+    if "json_schema" in fmt:
+        out["json_schema"] = json_strings(fmt["json_schema"]) if fmt.get("type") == "json_schema" else \
+            fmt["json_schema"]
+    return out
+
+
 @dataclass(frozen=True)
 class GrammarKey:
     """What a compiled grammar depends on: the kind, the spec as canonical text, and the whitespace option."""
@@ -120,13 +173,14 @@ def grammar_key(params: StructuredOutputsParams) -> GrammarKey:
         schema = _parsed(params.json, "json")
         if params.disable_additional_properties:
             schema = _forbid_additional_properties(schema)
-        return GrammarKey("json", json.dumps(schema), any_ws)
+        return GrammarKey("json", json.dumps(json_strings(schema)), any_ws)
     if kind == "json_object":
         return GrammarKey("json", json.dumps({"type": "object"}), any_ws)
     if kind == "choice":
         return GrammarKey("grammar", choice_grammar(list(params.choice)))
     if kind == "structural_tag":
-        return GrammarKey("structural_tag", json.dumps(_parsed(params.structural_tag, "structural_tag")))
+        return GrammarKey("structural_tag", json.dumps(_structural_json_strings(
+            _parsed(params.structural_tag, "structural_tag"))))
     return GrammarKey(kind, getattr(params, kind))  # regex, grammar
 
 

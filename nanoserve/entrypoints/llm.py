@@ -36,6 +36,7 @@ from nanoserve.entrypoints.beam_search import BeamSearchInstance, BeamSearchOutp
 from nanoserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from nanoserve.parsers.tools import check_tools
 from nanoserve.sampling import BeamSearchParams, SamplingParams
+from nanoserve.spec_decode.config import SpeculativeConfig
 
 
 class LLM:
@@ -231,6 +232,36 @@ class LLM:
                 c.reasoning, c.content = self.reasoning_parser(state == "open").parse(c.text)
         return outs
 
+    def get_metrics(self) -> list["Metric"]:
+        """The engine's metrics as vLLM's offline API gives them (vllm.v1.metrics.reader): each a Counter, Gauge or
+        Vector named as the server's Prometheus metrics are (vllm:...), labelled with the model and the engine
+        index; the speculative-decoding counters (vllm:spec_decode_*) when a speculative_config is in use, the
+        accepted drafts per position as one Vector. Counters count since the engine was built."""
+        engine, stats = self.engine, self.engine.stats
+        labels = {"model_name": engine.config.served_model_name or engine.config.model, "engine": "0"}
+        metrics: list[Metric] = [
+            Gauge("vllm:num_requests_running", labels, engine.num_running),
+            Gauge("vllm:num_requests_waiting", labels, engine.num_waiting),
+            Gauge("vllm:kv_cache_usage_perc", labels, engine.block_manager.usage),
+            Counter("vllm:prefix_cache_queries", labels, stats.prefix_cache_queries),
+            Counter("vllm:prefix_cache_hits", labels, stats.prefix_cache_hits),
+            Counter("vllm:num_preemptions", labels, stats.num_preemptions),
+            Counter("vllm:prompt_tokens", labels, stats.num_prompt_tokens),
+            Counter("vllm:generation_tokens", labels, stats.num_generation_tokens)]
+        for reason in ("stop", "length", "abort"):  # vLLM's finished_reason label values
+            count = stats.num_aborted if reason == "abort" else stats.finished.get(reason, 0)
+            metrics.append(Counter("vllm:request_success", {**labels, "finished_reason": reason}, count))
+        config = engine.config
+        if config.speculative_config is not None and config.optimizations.speculative_decoding:
+            k = SpeculativeConfig.from_dict(config.speculative_config).num_speculative_tokens
+            per_pos = list(stats.spec_decode_accepted_per_pos)
+            metrics += [Counter("vllm:spec_decode_num_drafts", labels, stats.spec_decode_num_drafts),
+                        Counter("vllm:spec_decode_num_draft_tokens", labels, stats.spec_decode_num_draft_tokens),
+                        Counter("vllm:spec_decode_num_accepted_tokens", labels, stats.spec_decode_num_accepted_tokens),
+                        Vector("vllm:spec_decode_num_accepted_tokens_per_pos", labels,  # one count per draft position
+                               per_pos + [0] * (k - len(per_pos)))]
+        return metrics
+
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         engine = self.engine
@@ -260,3 +291,33 @@ class LLM:
                 break
         bar.close()
         return [results[i] for i in ids]
+
+
+# -- LLM.get_metrics: vLLM's metric types (vllm.v1.metrics.reader) ---------------------------------------------------
+@dataclasses.dataclass
+class Metric:
+    """One metric: its name (vllm:...) and labels."""
+
+    name: str
+    labels: dict[str, str]
+
+
+@dataclasses.dataclass
+class Counter(Metric):
+    """A count that only grows."""
+
+    value: int
+
+
+@dataclasses.dataclass
+class Gauge(Metric):
+    """A value at the time of reading."""
+
+    value: float
+
+
+@dataclasses.dataclass
+class Vector(Metric):
+    """Counts by position (vLLM folds a counter's `position` label into one list)."""
+
+    values: list[int]

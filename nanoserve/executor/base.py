@@ -13,6 +13,7 @@ from typing import Protocol
 
 import torch
 
+from nanoserve.config import Platform
 from nanoserve.model.m3_config import M3Config
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.step import GrammarMasks, StepInput, StepOutput
@@ -32,6 +33,8 @@ class Executor:
     device: torch.device
     num_blocks: int
     block_size: int
+    platform: Platform
+    """Which switches can act where the model runs (Optimizations.not_applicable)."""
 
     def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Size the KV pool for these limits, allocate it, and return its number of blocks."""

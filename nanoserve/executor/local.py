@@ -21,6 +21,7 @@ class LocalExecutor(Executor):
         self.model_dir = self.runner.model_dir
         self.device = self.runner.device
         self.block_size = self.runner.block_size
+        self.platform = self.runner.platform
         self.num_blocks = 0
 
     def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:

@@ -389,3 +389,36 @@ def moe_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: 
 
 def attention_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The vision tower: LayerNorm and bidirectional attention within segments (kernels/layer_norm.py,
+# kernels/vision_attention.py)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim: fp32 inside (biased variance), then * w + b, cast back to x's dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                   eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """residual <- x + residual (in the activation dtype), then return (layer_norm(residual), residual)."""
+    residual = x + residual
+    return layer_norm(residual, weight, bias, eps), residual
+
+
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Bidirectional attention within segments: q, k, v [N, H, D], segment s = rows cu_seqlens[s] ..
+    cu_seqlens[s + 1] (every query sees every key of its segment and none outside it). Returns [N, H, D].
+    Scores and softmax in fp32; a segment's queries go through in chunks (SCORE_BYTES)."""
+    out = torch.empty_like(q)
+    everything = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
+    bounds = cu_seqlens.tolist()
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        ks, vs = k[a:b].float().transpose(0, 1), v[a:b].float().transpose(0, 1)  # [H, L, D]
+        for c0, c1 in _query_chunks(b - a, q.shape[1] * (b - a) * 4, None):
+            out[a + c0:a + c1] = _attend(q[a + c0:a + c1], ks, vs, everything, scale)
+    return out

@@ -85,6 +85,28 @@ WEIGHT_NAMES: tuple[NameRule, ...] = (
 )
 
 
+VT, VL = "vision_tower.vision_model", "vision_tower.vision_model.encoder.layers.{layer}"
+VISION_WEIGHT_NAMES: tuple[NameRule, ...] = (
+    # The vision tower, projector and patch merger (model/vision/model.py M3VisionModel), under no prefix: they sit
+    # beside `language_model.` in the checkpoint. `{layer}` is a vision layer. Every tensor is loaded whole (the
+    # tower is replicated under tensor parallelism) and unquantized (an MXFP8 checkpoint keeps them bf16 / fp32).
+    NameRule(f"{VT}.embeddings.patch_embedding.weight", "tower.patch_embed.weight"),  # Conv3d, stored fp32
+    NameRule(f"{VT}.pre_layrnorm.weight", "tower.pre_layrnorm.weight"),
+    NameRule(f"{VT}.pre_layrnorm.bias", "tower.pre_layrnorm.bias"),
+    *(NameRule(f"{VL}.{norm}.{p}", f"tower.layers.{{layer}}.{norm}.{p}")
+      for norm in ("layer_norm1", "layer_norm2") for p in ("weight", "bias")),
+    # q|k|v are one fused projection, weights and biases alike
+    *(NameRule(f"{VL}.self_attn.{x}_proj.{p}", f"tower.layers.{{layer}}.self_attn.qkv_proj.{p}", x)
+      for x in "qkv" for p in ("weight", "bias")),
+    *(NameRule(f"{VL}.{m}.{p}", f"tower.layers.{{layer}}.{m}.{p}")
+      for m in ("self_attn.out_proj", "mlp.fc1", "mlp.fc2") for p in ("weight", "bias")),
+    *(NameRule(f"{ckpt}.{lin}.{p}", f"{ours}.{lin}.{p}")
+      for ckpt, ours in (("multi_modal_projector", "projector"), ("patch_merge_mlp", "merger"))
+      for lin in ("linear_1", "linear_2") for p in ("weight", "bias")),
+)
+VISION_PREFIXES = ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
+"""Where the vision tensors live in a checkpoint (a text-only load skips them)."""
+
 KV_SCALE_NAME = re.compile(re.escape(CHECKPOINT_PREFIX) + r"model\.layers\.(\d+)\.self_attn\.([kv])_scale")
 """An fp8 KV cache's per-tensor scales, vLLM's names (`...self_attn.k_scale`, `...self_attn.v_scale`: one scalar
 each, stored = x / scale). Optional, so outside the table: the loader puts them on the layer's attention
@@ -104,8 +126,10 @@ def _placeholders(pattern: str) -> set[str]:
     return set(re.findall(r"\{(\w+)\}", pattern))
 
 
-def name_map(model: nn.Module, rules: tuple[NameRule, ...] | None = None) -> dict[str, Target]:
-    """Every checkpoint name the table (default: WEIGHT_NAMES) gives for `model`, with the prefix -> its target."""
+def name_map(model: nn.Module, rules: tuple[NameRule, ...] | None = None,
+             prefix: str = CHECKPOINT_PREFIX) -> dict[str, Target]:
+    """Every checkpoint name the table (default: WEIGHT_NAMES) gives for `model`, with the prefix -> its target.
+    The vision model: `name_map(vision, VISION_WEIGHT_NAMES, prefix="")`."""
     rules = WEIGHT_NAMES if rules is None else rules
     cfg = model.cfg  # type: ignore[attr-defined]
     params = dict(model.named_parameters())
@@ -120,7 +144,7 @@ def name_map(model: nn.Module, rules: tuple[NameRule, ...] | None = None) -> dic
                 p = params.get(param)
                 if p is None or rule.shard not in getattr(p, "weight_shards", ("",)):
                     continue  # this layer has no such parameter or shard
-                name = CHECKPOINT_PREFIX + rule.name.format(layer=layer, expert=expert)
+                name = prefix + rule.name.format(layer=layer, expert=expert)
                 target = Target(param, rule.shard, expert)
                 if out.setdefault(name, target) != target:
                     raise ValueError(f"WEIGHT_NAMES maps {name} to both {out[name]} and {target}")

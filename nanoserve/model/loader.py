@@ -7,7 +7,10 @@ E8M0 `weight_scale_inv`) reach a parameter's weight_loader paired with their sca
 keeps them as stored when the `mxfp8_weights` switch is on, else they are dequantised on load (as they are for a
 model built with `quantization="bf16"`: a layer without MXFP8 parameters slices the pair, which dequantises).
 An fp8 KV cache's scales (`...self_attn.k_scale` / `v_scale`, optional scalars) go to the layers' attention.
-MTP and vision tensors are skipped with one log line each. Preset names are resolved to a directory (or to
+The vision tower, projector and patch merger (`vision_tower.`, `multi_modal_projector.`, `patch_merge_mlp.`)
+fill an `M3VisionModel` when one is given (`load_vision_model` builds it from config.json's `vision_config`), by
+the names of VISION_WEIGHT_NAMES, always unquantized; without one they are skipped, as MTP tensors are, with one log
+line each. Preset names are resolved to a directory (or to
 weights drawn on the device) above this module, in nanoserve/presets/resolve.py.
 """
 
@@ -23,7 +26,15 @@ import torch
 from safetensors import safe_open
 
 from nanoserve.config import Optimizations
-from nanoserve.model.checkpoint_names import KV_SCALE_NAME, canonical_names, loader_for, name_map
+from nanoserve.model.checkpoint_names import (
+    KV_SCALE_NAME,
+    VISION_PREFIXES,
+    VISION_WEIGHT_NAMES,
+    Target,
+    canonical_names,
+    loader_for,
+    name_map,
+)
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.mxfp8 import (
@@ -34,12 +45,14 @@ from nanoserve.model.mxfp8 import (
     dequantize_mxfp8,
     is_quantized_matrix,
 )
+from nanoserve.model.vision.config import VisionConfig
+from nanoserve.model.vision.model import M3VisionModel
 
 logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = {
     "MTP (speculative) heads": ("language_model.model.mtp.", "model.mtp.", "mtp."),
-    "vision tower / projector": ("vision_tower.", "multi_modal_projector.", "patch_merge_mlp."),
+    "vision tower / projector": VISION_PREFIXES,
 }
 SCALE_SUFFIX = "_scale_inv"
 FP8_DTYPES = ("F8_E4M3", "F8_E4M3FN")  # how safetensors names float8_e4m3fn
@@ -161,12 +174,15 @@ def resolve_quantization(checkpoint: str | None, requested: str | None, where: s
     return served
 
 
-def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = False) -> None:
-    """Fill every parameter of `model` from the checkpoint, checking names and shapes: every target of the name
-    table (model/checkpoint_names.py) filled by exactly one tensor, and no tensor left over. With
-    quantize_on_load, the projections of a bf16 checkpoint are served as MXFP8 (quantised as they are read)."""
+def load_weights(model: M3ForCausalLM | None, model_dir: str, quantize_on_load: bool = False,
+                 vision: M3VisionModel | None = None) -> None:
+    """Fill every parameter of `model` (and of `vision`, if given) from the checkpoint, checking names and shapes:
+    every target of the name tables (model/checkpoint_names.py) filled by exactly one tensor, and no tensor left
+    over (model None: only the vision tensors are read, the text ones skipped). With quantize_on_load, the
+    projections of a bf16 checkpoint are served as MXFP8 (quantised as they are read; never the vision ones)."""
     files = checkpoint_files(model_dir)
-    names = name_map(model)
+    names: dict[str, Target] = name_map(model) if model is not None else {}
+    vision_names = name_map(vision, VISION_WEIGHT_NAMES, prefix="") if vision is not None else {}
     skipped = {reason: 0 for reason in SKIPPED_PREFIXES}
     unexpected = []
     with ExitStack() as stack:
@@ -187,7 +203,12 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
         for key in files:
             reason = next((r for r, prefixes in SKIPPED_PREFIXES.items() if key.startswith(prefixes)), None)
             scale_name = KV_SCALE_NAME.fullmatch(key)
-            if reason:
+            if vision is not None and key.startswith(VISION_PREFIXES):
+                if key not in vision_names:
+                    unexpected.append(key)
+            elif model is None:
+                continue  # a vision-only load leaves the text tensors alone
+            elif reason:
                 skipped[reason] += 1
             elif scale_name and int(scale_name[1]) < model.cfg.num_hidden_layers:
                 kv_scales[key] = (int(scale_name[1]), scale_name[2])
@@ -197,7 +218,7 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
                 unexpected.append(key)
         missing, twice = [], []
         chosen: list[str] = []
-        for target, aliases in canonical_names(names).items():
+        for target, aliases in [*canonical_names(names).items(), *canonical_names(vision_names).items()]:
             present = [n for n in aliases if n in files]
             if not present:
                 missing.append(aliases[0])
@@ -222,6 +243,16 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
             src: Any = source(key)
             is_fp8 = src._slice.get_dtype() in FP8_DTYPES
             has_scale = (key + SCALE_SUFFIX) in files
+            if key in vision_names:
+                if is_fp8 or has_scale:
+                    raise CheckpointError(f"{key} is quantized; the vision tower, projector and patch merger are "
+                                          f"loaded unquantized (bf16 / fp32), as the released MXFP8 checkpoint "
+                                          f"keeps them")
+                try:
+                    loader_for(vision, key, vision_names[key])(src)
+                except ValueError as e:
+                    raise CheckpointError(str(e)) from e
+                continue
             if is_fp8 and not has_scale:
                 raise CheckpointError(f"{key} is fp8 but its {key + SCALE_SUFFIX} is missing")
             if has_scale and not is_fp8:
@@ -236,6 +267,7 @@ def load_weights(model: M3ForCausalLM, model_dir: str, quantize_on_load: bool = 
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
         for key, (layer, kind) in kv_scales.items():
+            assert model is not None
             setattr(model.layers[layer].self_attn, f"{kind}_scale", _kv_scale(source(key)[...], key))
         if kv_scales:
             logger.info("fp8 KV cache scales: %d k_scale / v_scale tensors (used with kv_cache_dtype fp8)",
@@ -268,3 +300,30 @@ def load_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.d
     m = M3ForCausalLM(cfg, opts, dtype, device, quantization=quant)
     load_weights(m, model_dir, quantize_on_load=quant is not None and stored is None)
     return m, model_dir
+
+
+def read_vision_config(model_dir: str) -> VisionConfig | None:
+    """config.json's vision config (model/vision/config.py), or None when it has no `vision_config`."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    try:
+        return VisionConfig.from_dict(raw) if isinstance(raw, dict) else None
+    except ValueError as e:
+        raise CheckpointError(f"{model_dir}/config.json: {e}") from e
+
+
+def load_vision_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
+                      device: torch.device | str = "cpu") -> M3VisionModel | None:
+    """The checkpoint's vision tower, projector and patch merger, loaded (replicated: whole on every rank), or None
+    for a text-only checkpoint: no `vision_config`, or no vision tensors (the presets write a vision_config for
+    transformers but no vision weights). A checkpoint with some vision tensors must have all of them."""
+    cfg = read_vision_config(model_dir)
+    if cfg is None:
+        return None
+    if not any(key.startswith(VISION_PREFIXES) for key in checkpoint_files(model_dir)):
+        logger.info("%s declares a vision_config but holds no vision tensors: serving text only", model_dir)
+        return None
+    vision = M3VisionModel(cfg, opts, dtype, device)
+    load_weights(None, model_dir, vision=vision)
+    logger.info("vision: %d layers, %s", cfg.num_hidden_layers, vision.weight_summary())
+    return vision

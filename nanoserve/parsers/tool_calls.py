@@ -34,16 +34,19 @@ What this parser does with output that strays from that (each case has a test):
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Union
 
 from nanoserve.parsers.markers import is_proper_prefix, partial_prefix
-from nanoserve.parsers.tool_values import Element, ValueType, arguments_type, convert, resolve_ref
+from nanoserve.parsers.tool_values import Element, ValueType, arguments_type, convert, declared_keys, resolve_ref
 
 if TYPE_CHECKING:
     from nanoserve.parsers.tools import ToolChoice
+
+logger = logging.getLogger(__name__)
 
 
 # -- events ---------------------------------------------------------------------------------------------------
@@ -101,7 +104,10 @@ def collect(events: list[Event]) -> tuple[str, list[ToolCall]]:
 # -- the parser interface and the registry ------------------------------------------------------------------
 class ToolCallParser:
     """One choice's incremental tool-call parser. `tools` is the request's function list: name -> parameters
-    schema (a call to a name not in it is still returned, its values untyped, as vLLM does)."""
+    schema. Only what was offered comes out: a call to a function not in `tools` is dropped, and so is an argument
+    under a key its parameters do not declare, each with a logged warning (vLLM returns both; a client's agent loop
+    would dispatch them). With the switch constrained_tool_calls on, the server's grammar keeps the model from
+    writing either (structural_tag, auto_structural_tag)."""
 
     name = ""
     markers: tuple[str, ...] = ()
@@ -113,6 +119,23 @@ class ToolCallParser:
 
     def __init__(self, tools: dict[str, dict[str, Any] | None]):
         self.types = {name: arguments_type(params) for name, params in tools.items()}
+        self.keys = {name: declared_keys(params) for name, params in tools.items()}
+
+    def offered(self, name: str) -> bool:
+        """Whether the request offered function `name` (a warning is logged when it did not)."""
+        if name in self.types:
+            return True
+        logger.warning("dropped a call to %r: the request offers %s", name, ", ".join(sorted(self.types)) or "none")
+        return False
+
+    def declares(self, name: str, key: str) -> bool:
+        """Whether offered function `name` takes an argument `key` (a warning is logged when it does not)."""
+        keys = self.keys[name]
+        if keys is None or key in keys:
+            return True
+        logger.warning("dropped the argument %r of a call to %r: its parameters declare %s", key, name,
+                       ", ".join(sorted(keys)) or "none")
+        return False
 
     def feed(self, text: str) -> list[Event]:
         raise NotImplementedError
@@ -131,6 +154,16 @@ class ToolCallParser:
         xgrammar structural tag ({"type": "structural_tag", "format": ...}). It describes the text after any
         reasoning: enforcement starts where the reasoning parser's content starts."""
         raise NotImplementedError(f"the {cls.name} parser cannot describe a forced call")
+
+    @classmethod
+    def auto_structural_tag(cls, tools: dict[str, dict[str, Any] | None], parallel_tool_calls: bool = True,
+                            token_markers: frozenset[str] = frozenset(), content: dict[str, Any] | None = None
+                            ) -> dict[str, Any]:
+        """What the output may look like with tool_choice "auto" (switch constrained_tool_calls): free text, but a
+        call, once the model opens one, names an offered tool and holds its arguments to the tool's parameters.
+        `content`: a structural-tag element the text must follow instead (the request's response_format), the
+        answer then being that or the calls."""
+        raise NotImplementedError(f"the {cls.name} parser cannot describe a call in auto mode")
 
 
 TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
@@ -228,6 +261,7 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
         self.mode = "text"  # text | block | invoke
         self.index = -1  # the current (or last) call
         self.call_type: ValueType | None = None  # the current call's arguments
+        self.call_name: str | None = None  # the current call's function; None while a dropped call is read
         self.args_open = False  # the current call has sent its "{"
 
     # each step looks at self.buf and returns (events, consumed?) - False means: wait for more text
@@ -289,10 +323,12 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
                 m = INVOKE_HEADER.fullmatch(rest[:close + 1])
                 name = next((g for g in m.groups() if g is not None), "").strip() if m else ""
                 if name:
-                    self.index += 1
-                    self.call_type = self.types.get(name)
-                    self.args_open = False
-                    events.append(CallStart(self.index, name))
+                    self.call_name = name if self.offered(name) else None  # an unoffered call is read, not sent
+                    if self.call_name is not None:
+                        self.index += 1
+                        self.call_type = self.types.get(name)
+                        self.args_open = False
+                        events.append(CallStart(self.index, name))
                     self.buf = rest[close + 1:]
                     self.mode = "invoke"
                     return True
@@ -331,17 +367,20 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
             self._end_call(events)
             self._malformed(events)
             return True
+        self.buf = rest[end:]
+        if self.call_name is None or not self.declares(self.call_name, element.name):
+            return True
         value = convert(element.value, self.call_type.field(element.name) if self.call_type else None)
         sep = "," if self.args_open else "{"
         events.append(CallArguments(self.index, sep + json.dumps(element.name, ensure_ascii=False) + ":" +
                                     json.dumps(value, ensure_ascii=False, separators=(",", ":"))))
         self.args_open = True
-        self.buf = rest[end:]
         return True
 
     def _end_call(self, events: list[Event]) -> None:
-        events.append(CallArguments(self.index, "}" if self.args_open else "{}"))
-        events.append(CallEnd(self.index))
+        if self.call_name is not None:
+            events.append(CallArguments(self.index, "}" if self.args_open else "{}"))
+            events.append(CallEnd(self.index))
         self.args_open = False
 
     def _malformed(self, events: list[Event]) -> None:
@@ -371,11 +410,35 @@ class MiniMaxM3ToolCallParser(ToolCallParser):
         else:
             raise ValueError(f"tool_choice {choice.mode!r} does not force a call")
         fmt = M3CallFormat(token_markers)
-        invokes = [fmt.invoke(name, tools[name]) for name in names]
-        one = invokes[0] if len(invokes) == 1 else {"type": "or", "elements": invokes}
-        single = choice.mode == "named" or not parallel_tool_calls
-        return {"type": "structural_tag", "format": fmt.seq(
-            fmt.lit(BLOCK_START + "\n"), one if single else {"type": "plus", "content": one}, fmt.lit(BLOCK_END))}
+        calls = fmt.calls(tools, names, single=choice.mode == "named" or not parallel_tool_calls)
+        return {"type": "structural_tag", "format": fmt.seq(fmt.lit(BLOCK_START + "\n"), calls, fmt.lit(BLOCK_END))}
+
+    @classmethod
+    def auto_structural_tag(cls, tools: dict[str, dict[str, Any] | None], parallel_tool_calls: bool = True,
+                            token_markers: frozenset[str] = frozenset(), content: dict[str, Any] | None = None
+                            ) -> dict[str, Any]:
+        """tool_choice "auto" held to the offered tools (SGLang's constrained tool calls): the text is free until
+        the model opens a call block - the trigger is the namespace token (or, where NS is no single token, the
+        text of BLOCK_START) - and the block is then what a forced `required` call's is: invokes of the offered
+        tools only, their arguments held to each tool's parameters, then the block's end; the text after it is free
+        again (with parallel_tool_calls false the output ends after one block of one call). `content`: the format
+        the answer's text must follow instead (response_format): the output is then that, or one call block."""
+        fmt = M3CallFormat(token_markers)
+        single = not parallel_tool_calls
+        calls = fmt.calls(tools, list(tools), single)
+        if NS in token_markers:  # the block is read from its first token on: NS, then `<tool_call>`
+            close = "</tool_call>"
+            block = {"type": "tag", "begin": {"type": "token", "token": NS},
+                     "content": fmt.seq(fmt.lit("<tool_call>\n"), calls, fmt.lit(NS)),
+                     "end": {"type": "token", "token": close} if close in token_markers else close}
+            free = {"type": "token_triggered_tags", "trigger_tokens": [NS], "tags": [block],
+                    "stop_after_first": single}
+        else:
+            block = {"type": "tag", "begin": BLOCK_START, "content": fmt.seq(fmt.lit("\n"), calls), "end": BLOCK_END}
+            free = {"type": "triggered_tags", "triggers": [BLOCK_START], "tags": [block], "stop_after_first": single}
+        if content is not None:
+            return {"type": "structural_tag", "format": {"type": "or", "elements": [block, content]}}
+        return {"type": "structural_tag", "format": free}
 
 
 STRING_CHAR = r"[^<>\[\]\uD800-\uDFFF]"
@@ -432,6 +495,11 @@ class M3CallFormat:
     def element(self, name: str, value: dict[str, Any]) -> dict[str, Any]:
         """`NS<name>` value `NS</name>`."""
         return self.seq(self.lit(f"{NS}<{name}>"), value, self.lit(f"{NS}</{name}>"))
+
+    def calls(self, tools: dict[str, dict[str, Any] | None], names: list[str], single: bool) -> dict[str, Any]:
+        """The invokes a call block holds: one (`single`) or more, each of one of `names` (the tools' keys)."""
+        one = self.either([self.invoke(name, tools[name]) for name in names])
+        return one if single else {"type": "plus", "content": one}
 
     def invoke(self, name: str, parameters: dict[str, Any] | None) -> dict[str, Any]:
         root = parameters or {}

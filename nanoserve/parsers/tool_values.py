@@ -67,6 +67,23 @@ def arguments_type(parameters: dict[str, Any] | None) -> ValueType | None:
     return root if root is not None and root.kind == "object" else None
 
 
+def declared_keys(parameters: dict[str, Any] | None) -> frozenset[str] | None:
+    """The argument names a tool's `parameters` declare (its properties and required keys), or None when any name
+    is welcome: an object schema that declares no properties, or one whose additionalProperties (or
+    patternProperties) admits others. A tool without parameters takes no arguments."""
+    if parameters is None:
+        return frozenset()
+    if not isinstance(parameters, dict):
+        return None
+    props = parameters.get("properties")
+    extra = parameters.get("additionalProperties")
+    if not isinstance(props, dict) or extra not in (None, False) or parameters.get("patternProperties"):
+        return None
+    required = parameters.get("required")
+    return frozenset(props) | frozenset(r for r in required if isinstance(r, str)) \
+        if isinstance(required, list) else frozenset(props)
+
+
 def value_type(schema: Any, root: dict[str, Any], depth: int) -> ValueType | None:
     """Normalize one JSON schema (a subset: type, anyOf/oneOf, enum, const, items, properties,
     additionalProperties, local $ref). None when it says nothing usable."""

@@ -16,8 +16,9 @@ import logging
 import torch
 
 from nanoserve.batch import AttentionMetadata, TokenFeed
-from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig
-from nanoserve.kernels import check_tuned_files
+from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig, Platform
+from nanoserve.kernels import check_tuned_files, triton_usable
+from nanoserve.kernels.moe_wgmma import hopper_gluon
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.presets.resolve import load_model_or_preset
@@ -52,6 +53,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def platform_of(device: torch.device, dtype: torch.dtype, mxfp8: bool, speculative: str | None = None,
+                tensor_parallel_size: int = 1) -> Platform:
+    """The Platform a model on `device` in `dtype` runs on (which switches can act there: Optimizations
+    .not_applicable), the device questions answered by the kernels' own checks."""
+    gluon = device.type == "cuda" and hopper_gluon(torch.empty(0, dtype=dtype, device=device))
+    return Platform(device=device.type, triton=triton_usable(device), hopper_gluon=gluon, mxfp8=mxfp8,
+                    speculative=speculative, tensor_parallel_size=tensor_parallel_size)
 
 
 class ModelRunner:
@@ -99,6 +109,10 @@ class ModelRunner:
         self.drafter = DraftRunner.build(config, self.model, self.model_dir, self.dtype, self.device,
                                          self.block_size)
         """Speculative decoding's model-based drafter (MTP, EAGLE-3; spec_decode/drafter.py), or None."""
+        self.platform = platform_of(self.device, self.dtype,
+                                    self.model.weight_format == "mxfp8" or config.quantization == "mxfp8",
+                                    (config.speculative_config or {}).get("method"), config.tensor_parallel_size)
+        """Which switches can act here (Optimizations.not_applicable): the engine's ready line names the others."""
         self.sampling = StepSampler(config, self.device, self.cfg.eos_token_id)
         """Rank 0's second half of a step: logits -> tokens (runner/sample_step.py)."""
         self._step: StepInput | None = None  # the step execute_model ran, until sample_tokens takes its logits

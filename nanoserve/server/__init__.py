@@ -2,19 +2,19 @@
 API over one AsyncLLMEngine - `python -m nanoserve.server` (see __main__.py). One package per API; the plumbing
 they share at this level.
 
-Each API (its bodies, its conversion to and from the engine, its routes):
+Each API is a package with the same four files for the same four jobs:
 
-    openai/             POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize
-      schema/             the request and response bodies (pydantic): chat.py, completions.py, tokenize.py, and
-                          common.py - the strict request base every API's bodies build on, the sampling fields,
-                          usage, the model list, the error body
-      bodies.py           engine output -> response bodies: choices, usage, logprobs in the two OpenAI formats
-      events.py           engine output -> the completion and chat event streams
-      routes.py           the routes
-    responses/          POST /v1/responses and the stored responses, served as a chat
-      schema.py, convert.py, store.py (the finished responses), routes.py
+    schema              the request and response bodies (pydantic), built on schema_base.py
+    convert.py          request -> chat request (the Responses and Messages APIs, which are served as chats) and
+                        engine output -> the whole answer's body
+    events.py           engine output -> the streamed answer's Server-Sent Events
+    routes.py           the routes
+
+    openai/             POST /v1/completions, POST /v1/chat/completions, POST /tokenize, POST /detokenize;
+                        its schema/ is a package: chat.py, completions.py, sampling.py (what those two share),
+                        tokenize.py, models.py
+    responses/          POST /v1/responses and the stored responses (store.py), served as a chat
     anthropic/          POST /v1/messages, POST /v1/messages/count_tokens, served as a chat
-      schema.py, convert.py, routes.py
 
 What every API shares, in the order a request meets it (app.py's docstring follows one request through them):
 
@@ -26,7 +26,8 @@ What every API shares, in the order a request meets it (app.py's docstring follo
     routing.py          what every route uses: the shared state as a dependency, the API key, json_body
     body_parser.py      request bytes -> request models; large bodies in worker processes
     offload.py          a thread pool that keeps large requests' work off the event loop
-    state.py            OpenAIServer: what the routes share (engine, tokenizers, model names, limits, metrics)
+    schema_base.py      what every API's bodies build on: the strict request base, the response base, the error body
+    state.py            ServerState: what the routes share (engine, tokenizers, model names, limits, metrics)
     prepare.py          request -> engine input: SamplingParams, chat template, tokenize, length checks
     submit.py           prepared requests -> engine streams, and waiting for them (aborts on disconnect)
     answer_blocks.py    a generated answer -> thinking, text and call blocks (the Responses and Messages APIs)

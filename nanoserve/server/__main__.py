@@ -188,6 +188,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; method mtp, or eagle3 with "model": '
                         'DRAFT_DIR (docs/speculative_decoding.md)')
+    e.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
+                   help='publish KV-cache events for KV-aware routers, vLLM\'s format over ZMQ, e.g. '
+                        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+                        '"replay_endpoint": "tcp://*:5558"}\' (docs/scale_out.md)')
+    e.add_argument("--kv-transfer-config", type=kv_transfer_config, default=None, metavar="JSON",
+                   help='prefill/decode disaggregation, vLLM\'s shape: \'{"kv_connector": "NixlConnector", '
+                        '"kv_role": "kv_both"}\' (checked; the engine side is not wired yet: docs/scale_out.md)')
     e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
                    help="what logprobs report: raw_* of the model's logits (default), processed_* of the logits "
                         "the draw used (after bias, penalties, temperature, top-k/p); *_logits as logits")
@@ -237,6 +244,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
             scheduling_policy=args.scheduling_policy,
             logprobs_mode=args.logprobs_mode, speculative_config=args.speculative_config,
+            kv_events_config=args.kv_events_config, kv_transfer_config=args.kv_transfer_config,
             served_model_name=args.served_model_name[0] if args.served_model_name else None,
             optimizations=Optimizations().replace(**switches), **aliases)
     except ValueError as exc:
@@ -251,6 +259,30 @@ def speculative_config(text: str) -> dict:
         value = json.loads(text)
         SpeculativeConfig.from_dict(value)
     except ValueError as exc:  # json.JSONDecodeError is one
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def kv_events_config(text: str) -> dict:
+    """--kv-events-config's type: a JSON object in vLLM's KVEventsConfig shape, checked at once."""
+    from nanoserve.engine.kv_events import KVEventsConfig
+
+    try:
+        value = json.loads(text)
+        KVEventsConfig.from_dict(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def kv_transfer_config(text: str) -> dict:
+    """--kv-transfer-config's type: a JSON object in vLLM's KVTransferConfig shape, checked at once."""
+    from nanoserve.kv_transfer.config import KVTransferConfig
+
+    try:
+        value = json.loads(text)
+        KVTransferConfig.from_dict(value)
+    except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
     return value
 
@@ -317,6 +349,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     warmup_s = warmup_budget(args, parser)
+    if config.kv_transfer_config is not None:
+        from nanoserve.kv_transfer.config import KVTransferConfig
+
+        if KVTransferConfig.from_dict(config.kv_transfer_config).kv_connector is not None:
+            parser.error("--kv-transfer-config: prefill/decode disaggregation is not wired into the engine yet "
+                         "(the transfer, the protocol and the hooks it needs: docs/scale_out.md)")
     log_configuration(config)
 
     import torch
@@ -370,6 +408,8 @@ def main(argv: list[str] | None = None) -> None:
                 "models; Anthropic's /v1/messages; /tokenize, /detokenize, /health, /metrics, "
                 "/version, /load, /ping, /invocations)", ", ".join(f"`{n}`" for n in names), args.host, args.port)
     server.run()
+    if engine.engine.kv_events is not None:  # (the engine's KV events publisher, --kv-events-config)
+        engine.engine.kv_events.shutdown()
     if app.state.lifecycle.signal is not None:
         logger.info("stopped by %s", signal.Signals(app.state.lifecycle.signal).name)
     sys.exit(server.exit_code)

@@ -22,16 +22,16 @@ Follow one POST /v1/chat/completions from the socket to the engine and back:
                               limits.py)
     submit.py                 add_requests: AsyncLLMEngine.add_request, queued on the engine (503 if the queue is
                               full) -> streams; wait_for_outputs: the finished outputs
-    openai/bodies.py          non-streaming: the finished output as one JSON body (choices, usage, logprobs)
+    openai/convert.py         non-streaming: the finished output as one JSON body (choices, usage, logprobs)
     openai/events.py          streaming: a Server-Sent Events body, one chunk per engine step with the new text
                               (streaming.py: EventStreamResponse closes the streams however it ends)
 
 POST /v1/responses and POST /v1/messages take the same path: their convert.py (responses/, anthropic/) turns the
-request into a chat request for prepare.py, and the answer into that API's body or events.
+request into a chat request for prepare.py and the answer into that API's body; their events.py streams it.
 
 If the client hangs up, the response is cancelled, which closes the request's stream, which aborts it in the
 engine and frees its KV blocks. Every error leaves as OpenAI's {"error": {"message", "type", "param", "code"}}
-(errors.py). The shared state - engine, tokenizer, model name, metrics, API key - is one OpenAIServer
+(errors.py). The shared state - engine, tokenizer, model name, metrics, API key - is one ServerState
 (state.py) in `app.state.server`.
 """
 
@@ -55,7 +55,7 @@ from nanoserve.server.openai import routes as openai
 from nanoserve.server.responses import routes as responses
 from nanoserve.server.responses.store import DEFAULT_STORE_SIZE
 from nanoserve.server.shutdown import Lifecycle, LifecycleMiddleware
-from nanoserve.server.state import ChatOptions, OpenAIServer
+from nanoserve.server.state import ChatOptions, ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -69,10 +69,10 @@ LOAD_TRACKED_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/responses"
 
 
 class ServerLoadMiddleware:
-    """Counts the generation requests in flight into OpenAIServer.server_load (GET /load): from the request's
+    """Counts the generation requests in flight into ServerState.server_load (GET /load): from the request's
     arrival until its response - a whole event stream included - has been sent or abandoned."""
 
-    def __init__(self, app, server: OpenAIServer):
+    def __init__(self, app, server: ServerState):
         self.app, self.server = app, server
 
     async def __call__(self, scope, receive, send) -> None:
@@ -111,7 +111,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     `return_tokens_as_token_ids`: logprobs name tokens 'token_id:N' unless a request says otherwise."""
     offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
     parser = BodyParser(offloader, processes=parse_processes, process_min_bytes=parse_process_min_bytes)
-    server = OpenAIServer(engine, served_model_name, api_key=api_key, chat=chat,
+    server = ServerState(engine, served_model_name, api_key=api_key, chat=chat,
                           enable_server_load_tracking=enable_server_load_tracking, limits=limits,
                           offloader=offloader, parser=parser, responses_store_size=responses_store_size,
                           log_requests=log_requests, return_tokens_as_token_ids=return_tokens_as_token_ids)

@@ -2,7 +2,7 @@
 
 `parse_body(model, body)` is the one way a body is parsed: pydantic's strict JSON parse (model_validate_json),
 which raises ValidationError for a bad body; the parsed model also lists the top-level fields it ignored
-(RequestBody.ignored_fields, openai/schema/common.py), which the routes log.
+(RequestBody.ignored_fields, schema_base.py), which the routes log.
 
 Parsing holds the GIL from the first byte to the last - pydantic-core does not release it, and neither does any
 other JSON parser - so a thread does not keep the event loop free: a 10 MB body costs the loop (and the engine
@@ -34,7 +34,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
 
 from nanoserve.server.offload import Offloader
-from nanoserve.server.openai.schema.common import RequestBody
+from nanoserve.server.schema_base import RequestBody
 
 logger = logging.getLogger(__name__)
 

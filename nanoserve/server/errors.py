@@ -23,6 +23,7 @@ from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownEr
 from nanoserve.sampling import SamplingParams
 from nanoserve.server.anthropic import schema as A
 from nanoserve.server.openai import schema as P
+from nanoserve.server.schema_base import ErrorInfo, ErrorResponse
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +56,8 @@ class APIError(Exception):
         except ValueError:  # 499 (the client closed the connection) has no standard phrase
             return "ClientClosedRequest" if self.status == 499 else "Error"
 
-    def body(self) -> P.ErrorResponse:
-        return P.ErrorResponse(error=P.ErrorInfo(message=self.message, type=self.type, param=self.param,
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
                                                  code=self.status))
 
     def response(self, anthropic: bool = False) -> JSONResponse:

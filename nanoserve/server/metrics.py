@@ -5,8 +5,8 @@ ratios exist before the first request.
 Four sources feed them:
   * the engine's snapshot (AsyncLLMEngine.snapshot: EngineStats counters and the queue / KV gauges after the
     latest step), read at scrape time: counters advance by the change since the previous scrape;
-  * the engine's observer events, on the engine thread: "step" (each launched step: the tokens it runs,
-    vllm:iteration_tokens_total) and "inter_token_latencies" (each sequence's gap since its previous token);
+  * the engine's observer events, on the engine thread: "outputs" (each step's appended tokens, as they come back:
+    vllm:iteration_tokens_total, and each sequence's gap since its previous token: the inter-token latency);
   * each request as the server adds it: its n and max_tokens;
   * each finished request's RequestMetrics timestamps, observed into the latency histograms as it finishes.
 
@@ -136,17 +136,14 @@ class ServerMetrics:
 
     # -- the engine thread: observer events -----------------------------------------------------------------
     def on_engine_event(self, event: str, **payload: Any) -> None:
-        if event == "step":
-            tokens = 0
-            for s in payload["scheduled"]:
-                if s.samples:
-                    tokens += 1
-                    if not s.seq.output_token_ids and not s.seq.num_pending:  # the prompt's last chunk
-                        tokens += s.seq.num_prompt_tokens
-            self.iteration_tokens.labels(*self.values).observe(tokens)
-        elif event == "inter_token_latencies":
+        if event == "outputs":
+            # vLLM's count (IterationStats.update_from_output): the tokens a step's outputs bring, and the whole
+            # prompt of a request with its first token
+            tokens = sum(1 + (a.seq.num_prompt_tokens if a.first else 0) for a in payload["appended"] if a.has_token)
+            if tokens:
+                self.iteration_tokens.labels(*self.values).observe(tokens)
             itl = self.itl.labels(*self.values)
-            for gap in payload["values"]:
+            for gap in payload["inter_token_latencies"]:
                 itl.observe(gap)
 
     # -- the server: each request as it is added --------------------------------------------------------------

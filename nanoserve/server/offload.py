@@ -24,7 +24,7 @@ T = TypeVar("T")
 
 OFFLOAD_MIN_BYTES = 64 << 10
 """Requests whose body is at least this large are prepared in the pool; smaller ones inline (the server's
---offload-min-bytes; `python -m nanoserve.bench.event_loop` measures the choices, docs/operating.md)."""
+--offload-min-bytes; `python -m studies.event_loop` measures the choices, docs/operating.md)."""
 DEFAULT_THREADS = 2
 
 

@@ -20,7 +20,8 @@ from nanoserve.sampling import SamplingParams, StructuredOutputsParams
 from nanoserve.server.errors import APIError, describe_validation_error, engine_errors
 from nanoserve.server.limits import check_prompt_chars, check_prompt_count
 from nanoserve.server.openai import schema as P
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.schema_base import ElidedText
+from nanoserve.server.state import ServerState
 
 
 @dataclass
@@ -58,7 +59,7 @@ class Prepared:
 
 
 # -- the endpoints ------------------------------------------------------------------------------------------
-def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepared:
+def prepare_completion(server: ServerState, req: P.CompletionRequest) -> Prepared:
     model = check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.logprobs, "prompt", req.engine_prompt_logprobs)
     raw = req.prompts()
@@ -77,7 +78,7 @@ def prepare_completion(server: OpenAIServer, req: P.CompletionRequest) -> Prepar
     return Prepared(prompts, params, model, structured_field(req))
 
 
-def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared:
+def prepare_chat(server: ServerState, req: P.ChatCompletionRequest) -> Prepared:
     model = check_model(server, req.model)
     params = sampling_params(server, req, req.max_new_tokens, req.num_logprobs, "messages")
     setup = chat_setup(server, req)
@@ -95,18 +96,18 @@ def prepare_chat(server: OpenAIServer, req: P.ChatCompletionRequest) -> Prepared
     if budget is not None and setup.reasoning_parser is None:
         raise APIError(400, "thinking_token_budget: needs the server started with --reasoning-parser (it finds the "
                             "thinking)", param="thinking_token_budget")
+    room = server.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
     if setup.tool_choice.forced:
-        room = server.max_model_len - len(ids)
-        apply_forced_tool_choice(server, params, setup, room if params.max_tokens is None else
-                                 min(room, params.max_tokens), budget)
+        apply_forced_tool_choice(server, params, setup, min(room, server.max_model_len - len(ids)), budget)
+    elif constrains_calls(server, req, setup):
+        apply_auto_tool_format(server, req, params, setup, room, budget)
     elif budget is not None and setup.reasoning_state != "closed":
         apply_thinking_budget(server, req, params, setup, budget)
     elif setup.reasoning_parser and setup.reasoning_state == "none" and params.structured_outputs is not None \
             and setup.reasoning_parser.end in server.token_markers:
         # the model decides whether to think: the format spells out the thinking the parser reads as reasoning (a
         # block, a bare closer or none), bounded so that the answer in the format has room
-        room = server.max_model_len - len(ids) if params.max_tokens is None else params.max_tokens
-        apply_thinking_budget(server, req, params, setup, room - min(room // 2, FORMAT_ROOM))
+        apply_thinking_budget(server, req, params, setup, format_thinking_budget(room))
     elif setup.reasoning_state != "closed":  # the model is thinking (open): the format holds after it
         hold_format_after_reasoning(server, params)
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
@@ -126,7 +127,7 @@ def as_chat_request(body: dict[str, Any]) -> P.ChatCompletionRequest:
         raise describe_validation_error(exc) from exc
 
 
-def render_messages(server: OpenAIServer, req: P.ChatCompletionRequest | P.TokenizeRequest
+def render_messages(server: ServerState, req: P.ChatCompletionRequest | P.TokenizeRequest
                     ) -> tuple[list[dict[str, Any]], str]:
     """A request's messages (as the template reads them) and their rendering with the chat template - the
     request's own, else the server's - with its tools and template variables (a 400 naming the field)."""
@@ -147,7 +148,7 @@ def render_messages(server: OpenAIServer, req: P.ChatCompletionRequest | P.Token
     return messages, text
 
 
-def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
+def chat_setup(server: ServerState, req: P.ChatCompletionRequest) -> ChatSetup:
     """The request's tools and tool_choice checked (vLLM's rules), and the parsers its output goes through."""
     try:
         tools = check_tools([t.model_dump(exclude_none=True) for t in req.tools]) if req.tools is not None else None
@@ -166,6 +167,11 @@ def chat_setup(server: OpenAIServer, req: P.ChatCompletionRequest) -> ChatSetup:
 FORMAT_ROOM = 1024
 """Tokens of an output format's max_tokens kept for the answer (at most half of them) when the model decides
 whether to think first: the thinking may take the rest, then the grammar closes it."""
+
+
+def format_thinking_budget(room: int) -> int:
+    """The thinking an answer in a format leaves room for, of `room` tokens (FORMAT_ROOM)."""
+    return room - min(room // 2, FORMAT_ROOM)
 
 
 def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
@@ -188,14 +194,14 @@ def forced_call_format(setup: ChatSetup, max_tokens: int | None = None,
     return tag
 
 
-def hold_format_after_reasoning(server: OpenAIServer, params: SamplingParams) -> None:
+def hold_format_after_reasoning(server: ServerState, params: SamplingParams) -> None:
     """With --reasoning-parser, a request's output format (response_format / structured_outputs) holds the answer,
     not the thinking (vLLM's rule): the engine samples unconstrained until the end-of-thinking token."""
     if params.structured_outputs is not None and server.reasoning_end_id is not None:
         params.structured_outputs.reasoning_end_token_id = server.reasoning_end_id
 
 
-def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup: ChatSetup,
+def apply_forced_tool_choice(server: ServerState, params: SamplingParams, setup: ChatSetup,
                              room: int, thinking_budget: int | None = None) -> None:
     """Hold the output to forced_call_format(setup) by structured decoding, so that even a model that would not
     choose a tool emits a valid call. `room`: the tokens the output may take (max_tokens, or what fits);
@@ -209,27 +215,57 @@ def apply_forced_tool_choice(server: OpenAIServer, params: SamplingParams, setup
     setup.structured_field = "tool_choice"
 
 
-def apply_thinking_budget(server: OpenAIServer, req: P.ChatCompletionRequest, params: SamplingParams,
+def apply_thinking_budget(server: ServerState, req: P.ChatCompletionRequest, params: SamplingParams,
                           setup: ChatSetup, budget: int) -> None:
     """thinking_token_budget (vLLM's field): the thinking may take at most `budget` tokens, then the only token
     allowed is the end-of-thinking marker. Enforced by the same structured decoding as a forced call's thinking
     bound: the reasoning parser's thinking, then the answer - free text, or the request's own output format
     (response_format / structured_outputs) as an element of the same structural tag."""
-    answer: dict[str, Any] = {"type": "any_text"}
-    if params.structured_outputs is not None:
-        try:
-            answer = format_element(params.structured_outputs)
-        except (ValueError, RuntimeError) as exc:  # xgrammar's error for a schema it cannot take
-            field = structured_field(req) or "structured_outputs"
-            raise APIError(400, f"{field}: {exc}", param=field.split(".")[0]) from exc
+    answer = answer_format(req, params) if params.structured_outputs is not None else {"type": "any_text"}
     tag = {"type": "structural_tag", "format": answer}
     params.structured_outputs = StructuredOutputsParams(structural_tag=setup.reasoning_parser.wrap_structural_tag(
         tag, setup.reasoning_state, budget, server.token_markers))
     setup.structured_field = "thinking_token_budget" if req.thinking_token_budget is not None else None
 
 
+def answer_format(req: P.ChatCompletionRequest, params: SamplingParams) -> dict[str, Any]:
+    """The request's own output format (response_format / structured_outputs) as one element of a structural tag,
+    so that a larger format can hold it; a 400 naming the field when xgrammar cannot take it."""
+    try:
+        return format_element(params.structured_outputs)
+    except (ValueError, RuntimeError) as exc:  # xgrammar's error for a schema it cannot take
+        field = structured_field(req) or "structured_outputs"
+        raise APIError(400, f"{field}: {exc}", param=field.split(".")[0]) from exc
+
+
+def constrains_calls(server: ServerState, req: P.ChatCompletionRequest, setup: ChatSetup) -> bool:
+    """Whether the output's tool calls are held to the offered tools (switch constrained_tool_calls): tool_choice
+    "auto" with tools offered, and not beam search (which ranks beams by their raw logprobs, without a grammar)."""
+    return setup.tool_choice.mode == "auto" and bool(setup.tools) and not req.use_beam_search \
+        and server.engine.config.optimizations.constrained_tool_calls
+
+
+def apply_auto_tool_format(server: ServerState, req: P.ChatCompletionRequest, params: SamplingParams,
+                           setup: ChatSetup, room: int, thinking_budget: int | None) -> None:
+    """tool_choice "auto", held to the offered tools (constrained_tool_calls): the tool parser's auto format (free
+    text, and a call the model opens takes an offered tool's name and its parameters), or the request's own format
+    or a call when it sets one; after the thinking the prompt allows (the reasoning parser's part, unconstrained
+    but for the markers, bounded by thinking_token_budget; with a format and the model deciding whether to think,
+    bounded so that the answer has room, as for a format alone)."""
+    content = answer_format(req, params) if params.structured_outputs is not None else None
+    tag = setup.tool_parser.auto_structural_tag(setup.tools, setup.parallel_tool_calls, server.token_markers,
+                                                content)
+    if setup.reasoning_parser and setup.reasoning_state != "closed":
+        budget = thinking_budget
+        if budget is None and content is not None and setup.reasoning_state == "none":
+            budget = format_thinking_budget(room)
+        tag = setup.reasoning_parser.wrap_structural_tag(tag, setup.reasoning_state, budget, server.token_markers)
+    params.structured_outputs = StructuredOutputsParams(structural_tag=tag)
+    setup.structured_field = "tools"
+
+
 # -- the steps ------------------------------------------------------------------------------------------------
-def check_model(server: OpenAIServer, name: str | None) -> str:
+def check_model(server: ServerState, name: str | None) -> str:
     """The served name a request asked for (None: the first one); 404 for a name this server does not serve."""
     if name is None:
         return server.model_name
@@ -239,7 +275,7 @@ def check_model(server: OpenAIServer, name: str | None) -> str:
     return name
 
 
-def sampling_params(server: OpenAIServer, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
+def sampling_params(server: ServerState, req: P.SamplingRequest, max_tokens: int | None, logprobs: int | None,
                     prompt_field: str, prompt_logprobs: int | None = None) -> SamplingParams:
     """The request's SamplingParams, range-checked against the engine's limits and vocabulary (a 400 naming the
     request's field). The model's generation config supplies what the request leaves unset, and its extra EOS
@@ -262,7 +298,7 @@ def structured_field(req: P.SamplingRequest) -> str | None:
     return req.structured_outputs_params()[1]
 
 
-async def compile_structured_outputs(server: OpenAIServer, prepared: Prepared) -> None:
+async def compile_structured_outputs(server: ServerState, prepared: Prepared) -> None:
     """Compile the request's output constraint now, off the engine thread, so that a schema, regex or grammar
     that xgrammar rejects is a 400 naming the field (the engine's add_request then finds it compiled)."""
     so = prepared.params.structured_outputs
@@ -285,14 +321,14 @@ def request_error(exc: ValueError, default_param: str) -> APIError:
     return APIError(400, message, param=param.split(".")[0].split("[")[0])
 
 
-def tokenize(server: OpenAIServer, prompt: str | P.ElidedText | list[int], add_special_tokens: bool = True
+def tokenize(server: ServerState, prompt: str | ElidedText | list[int], add_special_tokens: bool = True
              ) -> tuple[str | None, list[int]]:
     """A text prompt's ids (add_special_tokens: the tokenizer's BOS etc., as vLLM's completions default);
     token ids pass through as sent. A prompt elided at parse time (too long to tokenize) is refused here, where
     the character check has always stood, so errors keep their order (model, sampling, prompt count, length)."""
-    if isinstance(prompt, (str, P.ElidedText)):
+    if isinstance(prompt, (str, ElidedText)):
         check_prompt_chars(server.limits, server.max_model_len, prompt, "prompt")
-        if isinstance(prompt, P.ElidedText):  # elided with the same limit, so the check above has refused it
+        if isinstance(prompt, ElidedText):  # elided with the same limit, so the check above has refused it
             raise RuntimeError(f"{prompt!r} passed the character limit it was elided by")
         return prompt, server.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
     outside = next((t for t in prompt if not 0 <= t < server.vocab_size), None)
@@ -302,7 +338,7 @@ def tokenize(server: OpenAIServer, prompt: str | P.ElidedText | list[int], add_s
     return None, prompt
 
 
-def check_length(server: OpenAIServer, ids: list[int], params: SamplingParams, req: P.SamplingRequest,
+def check_length(server: ServerState, ids: list[int], params: SamplingParams, req: P.SamplingRequest,
                  prompt_field: str) -> None:
     n, limit = len(ids), server.max_model_len
     what = "prompt" if prompt_field == "prompt" else f"{prompt_field} (rendered with the chat template)"

@@ -1,4 +1,4 @@
-"""What every API's routes use: `Server` (the shared OpenAIServer, as a dependency), `v1_router` (the /v1 prefix
+"""What every API's routes use: `Server` (the shared ServerState, as a dependency), `v1_router` (the /v1 prefix
 behind the API-key check), and `json_body` / `request_body` (parse a body strictly, and describe it in
 /openapi.json).
 
@@ -19,17 +19,17 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import ValidationError
 
 from nanoserve.server.errors import APIError, describe_validation_error
-from nanoserve.server.openai import schema as P
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.schema_base import RequestBody
+from nanoserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
 
-def get_server(request: Request) -> OpenAIServer:
+def get_server(request: Request) -> ServerState:
     return request.app.state.server
 
 
-Server = Annotated[OpenAIServer, Depends(get_server)]
+Server = Annotated[ServerState, Depends(get_server)]
 
 
 async def check_api_key(request: Request, server: Server) -> None:
@@ -61,10 +61,10 @@ def check_json_content_type(request: Request) -> None:
         raise APIError(400, UNSUPPORTED_MEDIA_TYPE)
 
 
-def json_body(model: type[P.RequestBody]) -> Any:
+def json_body(model: type[RequestBody]) -> Any:
     """A dependency giving the request body parsed as `model`; a bad body is a 400 naming the field. Use it as
     `req: Annotated[Model, json_body(Model)]`."""
-    async def parse(request: Request) -> P.RequestBody:
+    async def parse(request: Request) -> RequestBody:
         check_json_content_type(request)
         body = await request.body()
         server = get_server(request)
@@ -78,13 +78,13 @@ def json_body(model: type[P.RequestBody]) -> Any:
     return Depends(parse)
 
 
-def log_ignored_fields(req: P.RequestBody) -> None:
+def log_ignored_fields(req: RequestBody) -> None:
     """Fields the API does not have are ignored (clients send `store`, `metadata`, ...), and logged, as vLLM does."""
     if req.ignored_fields:
         logger.warning("The following fields were present in the request but ignored: %s", list(req.ignored_fields))
 
 
-def request_body(model: type[P.RequestBody]) -> dict[str, Any]:
+def request_body(model: type[RequestBody]) -> dict[str, Any]:
     """`openapi_extra` for a route whose body json_body parses: `model`'s JSON schema as the request body (nested
     models inlined, so the schema is complete where it stands)."""
     schema = model.model_json_schema()

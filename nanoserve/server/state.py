@@ -1,4 +1,4 @@
-"""OpenAIServer: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
+"""ServerState: what every route shares - the engine, the tokenizers of the server's own (one per thread, see
 offload.py), the body parser (body_parser.py), the served model names, the per-request limits, the metrics, the
 API key, the count of requests in flight (/load), the Responses API's store and the chat options (ChatOptions:
 tool calling, reasoning, the chat template, the generation defaults). build_app makes one and keeps it in
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +43,7 @@ class ChatOptions:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
 
 
-class OpenAIServer:
+class ServerState:
     """The server's shared state. Holds no per-request state: a request's data lives in its route call."""
 
     def __init__(self, engine: AsyncLLMEngine, served_model_names: str | list[str], api_key: str | None = None,
@@ -70,6 +71,7 @@ class OpenAIServer:
         self.log_requests = log_requests  # None, or how many prompt characters a request's log line shows
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
+        self.completion_token = functools.lru_cache(maxsize=1 << 16)(self._completion_token)
 
         self.chat = chat = chat or ChatOptions()
         chat.check()
@@ -125,12 +127,60 @@ class OpenAIServer:
         """One token's text, special tokens included (what logprobs show); cached in `token_text`."""
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
+    def _completion_token(self, token_id: int) -> str:
+        """A token as the completions logprobs name it: its text, or - for a token that is part of a character
+        (its bytes are no UTF-8 text alone, so its text is U+FFFD, like a hundred other tokens') - its bytes, as
+        OpenAI's completions API writes them ("bytes:\\xe2\\x80"). top_logprobs is an object keyed by these
+        names: byte tokens named by their text would overwrite one another and leave fewer than `logprobs`
+        entries. Cached in `completion_token`."""
+        text = self.token_text(token_id)
+        if "\ufffd" not in text:
+            return text
+        raw = token_bytes(self.tokenizer, token_id)
+        try:
+            raw.decode("utf-8") if raw is not None else None
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+        return text
+
     def tokens_as_ids(self, req) -> bool:
         """Whether a request's logprobs name tokens 'token_id:N': its return_tokens_as_token_ids when it sets it,
         else the server's --return-tokens-as-token-ids (vLLM's rule)."""
         own = getattr(req, "return_tokens_as_token_ids", None)
         return self.return_tokens_as_token_ids if own is None else bool(own)
 
-    def token_name(self, token_id: int, as_id: bool) -> str:
-        """A token as logprobs name it: its text, or 'token_id:N' (return_tokens_as_token_ids)."""
-        return f"token_id:{token_id}" if as_id else self.token_text(token_id)
+    def token_name(self, token_id: int, as_id: bool, completions: bool = False) -> str:
+        """A token as logprobs name it: its text (`completions`: as the completions format names it,
+        completion_token), or 'token_id:N' (return_tokens_as_token_ids)."""
+        if as_id:
+            return f"token_id:{token_id}"
+        return self.completion_token(token_id) if completions else self.token_text(token_id)
+
+
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+"""A byte-fallback token of a SentencePiece vocabulary."""
+
+
+@functools.cache
+def byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: the character a byte-level vocabulary writes for a byte -> the
+    byte (printable Latin-1 bytes stand for themselves, the others for characters from U+0100 on)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes | None:
+    """A token's bytes, from its vocabulary entry: a byte-level BPE entry or a SentencePiece byte token (None for
+    a vocabulary of neither kind)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return None
+    byte = BYTE_TOKEN.fullmatch(piece)
+    if byte:
+        return bytes([int(byte.group(1), 16)])
+    alphabet = byte_level_alphabet()
+    if all(ch in alphabet for ch in piece):
+        return bytes(alphabet[ch] for ch in piece)
+    return None

@@ -7,7 +7,7 @@ Messages API): the pieces each API's event generator is built from, and the resp
     merge_streams         (prompt index, output) from several engine streams as they come
     EventStreamResponse   the response that sends the events and closes the engine streams however it ends
 
-Each API's events are its own: openai/events.py, responses/convert.py, anthropic/convert.py.
+Each API's events are its own: openai/events.py, responses/events.py, anthropic/events.py.
 """
 
 from __future__ import annotations

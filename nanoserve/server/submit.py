@@ -18,13 +18,13 @@ from nanoserve.sampling import BeamSearchParams, SamplingParams
 from nanoserve.server.errors import APIError, engine_errors
 from nanoserve.server.openai import schema as P
 from nanoserve.server.prepare import Prepared, compile_structured_outputs
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared, req: P.SamplingRequest,
+async def add_requests(server: ServerState, request_id: str, prepared: Prepared, req: P.SamplingRequest,
                        prompt_field: str) -> list[RequestStream]:
     """One engine request per prompt; all or none (a failure aborts the ones already added)."""
     await compile_structured_outputs(server, prepared)
@@ -50,12 +50,12 @@ async def add_requests(server: OpenAIServer, request_id: str, prepared: Prepared
     return streams
 
 
-async def start_beam_search(server: OpenAIServer, request_id: str, prompt: dict, params: SamplingParams,
+async def start_beam_search(server: ServerState, request_id: str, prompt: dict, params: SamplingParams,
                             req: P.SamplingRequest) -> BeamSearchStream:
     """use_beam_search, as vLLM's: `n` is the beam width; the request's temperature (or the model's default),
     max_tokens, ignore_eos, include_stop_str_in_output, skip_special_tokens and length_penalty hold; logprobs are
     each token's and the best of its step's 2 x n candidates. The fields beam search cannot honour were refused
-    with the body (openai/schema/common.py); a format that tools or a thinking budget put on the output is refused
+    with the body (openai/schema/sampling.py); a format that tools or a thinking budget put on the output is refused
     here."""
     if params.structured_outputs is not None:
         raise APIError(400, "use_beam_search: not supported with a format on the output (a forced tool_choice, "

@@ -1,16 +1,23 @@
 """The server's own routes: GET /health (200, or 503 naming why not), GET /metrics (Prometheus), GET /version,
 GET /load (requests in flight, with --enable-server-load-tracking; else 0) and GET /v1/models (the served model
-names, behind the API key)."""
+names, behind the API key); and what a router asks of a replica besides: vLLM's render routes, POST
+/v1/chat/completions/render and POST /v1/completions/render (a request -> the token ids the server would run,
+without running it; vllm-router and llm-d tokenize through them to route by prefix)."""
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+import dataclasses
+import uuid
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 
 import nanoserve
 from nanoserve.server.errors import APIError
 from nanoserve.server.openai import schema as P
-from nanoserve.server.routing import Server, check_api_key
+from nanoserve.server.prepare import Prepared, prepare_chat, prepare_completion
+from nanoserve.server.routing import Server, check_api_key, json_body, request_body
 
 router = APIRouter()
 
@@ -56,3 +63,40 @@ async def health(server: Server) -> Response:
 async def metrics(server: Server) -> Response:
     body, content_type = server.metrics.render(server.engine.snapshot)
     return Response(body, media_type=content_type)
+
+
+# -- vLLM's render routes: what a prefix-aware router tokenizes through ----------------------------------------------
+@router.post("/v1/chat/completions/render", dependencies=[Depends(check_api_key)],
+             openapi_extra=request_body(P.ChatCompletionRequest))
+async def render_chat(request: Request, server: Server,
+                      req: Annotated[P.ChatCompletionRequest, json_body(P.ChatCompletionRequest)]) -> JSONResponse:
+    """A chat request -> one GenerateRequest (vLLM's shape): the prompt's token ids after the chat template, the
+    sampling parameters; the same checks and 400s as POST /v1/chat/completions."""
+    prepared = await server.offload.run(len(await request.body()), prepare_chat, server, req)
+    return JSONResponse(generate_request(f"chatcmpl-{uuid.uuid4().hex}", prepared.prompts[0][1], prepared, req))
+
+
+@router.post("/v1/completions/render", dependencies=[Depends(check_api_key)],
+             openapi_extra=request_body(P.CompletionRequest))
+async def render_completion(request: Request, server: Server,
+                            req: Annotated[P.CompletionRequest, json_body(P.CompletionRequest)]) -> JSONResponse:
+    """A completion request -> one GenerateRequest per prompt (vLLM's shape: a list)."""
+    prepared = await server.offload.run(len(await request.body()), prepare_completion, server, req)
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    return JSONResponse([generate_request(f"{rid}-{i}", ids, prepared, req)
+                         for i, (_, ids) in enumerate(prepared.prompts)])
+
+
+def generate_request(request_id: str, token_ids: list[int], prepared: Prepared, req: Any) -> dict[str, Any]:
+    return {"request_id": request_id, "token_ids": token_ids, "features": None,
+            "sampling_params": json_safe(dataclasses.asdict(prepared.params)), "model": prepared.model,
+            "stream": bool(req.stream), "stream_options": None, "cache_salt": req.cache_salt,
+            "priority": req.priority, "kv_transfer_params": None}
+
+
+def json_safe(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [json_safe(v) for v in value]
+    return value if value is None or isinstance(value, (str, int, float, bool)) else str(value)

@@ -6,6 +6,7 @@ its reference and the decode-graph plumbing with an emulated capture."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -25,7 +26,7 @@ from nanoserve.bench import workloads as W
 from nanoserve.bench.ablation import ablate, first_divergence
 from nanoserve.bench.floor import ModelCost, workload_floor
 from nanoserve.bench.offline import NanoBench
-from nanoserve.config import KERNEL, Optimizations
+from nanoserve.config import KERNEL, Optimizations, Platform
 from nanoserve.presets.catalog import get_preset
 from nanoserve.runner.input_prep import InputPreparer
 
@@ -187,26 +188,46 @@ def test_compile_watch_counts_the_builds_inside_its_block():
 
 
 def test_ablation_lists_every_switch(bench, tmp_path):
+    """Every switch gets a row; those that cannot act on this CPU (the Triton kernels, which the reference path
+    replaces here whatever they say; CUDA graphs; MXFP8 and speculative switches without MXFP8 weights or a
+    speculative_config; overlap_grammar without a structured output) are n/a and not timed; every timed row runs
+    `repeats` times and reports its spread."""
     wl = tiny_workload()
+    # the tests run Triton interpreted on the CPU (TRITON_INTERPRET=1), where the kernels could act; the bench's
+    # own command runs without it, as here
+    assert bench.platform == Platform(device="cpu", triton=os.environ.get("TRITON_INTERPRET") == "1")
+    cpu = dataclasses.replace(bench.platform, triton=False)
     abl = ablate(bench, wl, {n: "CPU reference kernels" for n in REFERENCE}, "m3-tiny", {"device": "cpu"},
-                 warmup_tokens=1)
+                 warmup_tokens=1, repeats=2, platform=cpu)
     rows = {r["switch"]: r for r in abl["rows"] if r["switch"]}
     assert set(rows) == set(Optimizations.names())
     for name in Optimizations.names():
         assert name in abl["table"]
     for name in Optimizations.approximations():
         assert rows[name]["label"] == f"{name} ON" and rows[name]["approximation"]
-    # MXFP8 activations only exist on MXFP8 weights: on these fp32 ones the row is not run
-    assert rows["mx_activations"]["note"].startswith("not applicable: the weights are not MXFP8")
-    assert "output_tok_s" not in rows["mx_activations"]
-    for name in REFERENCE:
-        assert "off in the base run" in rows[name]["note"] and "output_tok_s" not in rows[name]
+    na = {name for name, r in rows.items() if r.get("applicable") is False}
+    server_side = {sw.name for sw in Optimizations.switches() if sw.module.startswith("server/")}
+    assert na == set(REFERENCE) | server_side | {"cuda_graphs", "captured_argmax", "mxfp8_weights", "mx_activations",
+                                                 "overlap_grammar", "speculative_decoding", "spec_cuda_graphs",
+                                                 "spec_greedy_accept", "spec_draft_chain"}
+    assert set(abl["not_applicable"]) == na
+    assert rows["cuda_graphs"]["note"] == "n/a: no CUDA/HIP device"
+    assert rows["fused_moe"]["note"].startswith("n/a: Triton kernels do not run on this device")
+    assert rows["mx_activations"]["note"] == "n/a: the weights are not MXFP8"
+    assert rows["overlap_grammar"]["note"] == "n/a: no request of W1 has a structured output"
+    for name in na:
+        assert "output_tok_s" not in rows[name], name
     # the exact (non-approximation) switches that were measured must not change greedy tokens (fp32 CPU)
-    assert rows["mxfp8_weights"]["note"].startswith("not applicable: the weights are not MXFP8")
-    for name, r in rows.items():
-        if name not in REFERENCE and name not in Optimizations.approximations() and name != "mxfp8_weights":
+    timed = {name: r for name, r in rows.items() if name not in na}
+    assert timed and "paged_kv" in timed and "async_scheduling" in timed
+    for name, r in timed.items():
+        assert r["repeats"] == 2 and len(r["output_tok_s_runs"]) == 2 and r["spread"] is not None
+        assert r["output_tok_s"] == pytest.approx(sum(r["output_tok_s_runs"]) / 2)  # the median of two
+        if name not in Optimizations.approximations():
             assert r["identical"], f"{name} changed the tokens (from position {r['first_divergence']})"
             assert r["ratio"] > 0 and r["weight_format"] == "float32"
+    assert abl["rows"][0]["label"] == "all on" and abl["rows"][0]["repeats"] == 2
+    assert "2 runs per row" in abl["table"] and "spread" in abl["table"]
     assert "overlap_scheduling" in abl["table"] and rows["overlap_scheduling"]["note"] == ""
     assert bench.opts.as_dict() == Optimizations(**REFERENCE).as_dict()  # restored
     from nanoserve.bench.report import plot_ablation
@@ -556,7 +577,7 @@ def test_fast_input_prep_switch_gives_same_tokens(bench):
 def test_decode_graph_plumbing_emulated(bench):
     """The graph path (static buffers, padding to the bucket, context buckets) with a capture that replays by
     re-running the function: same logits as the eager path."""
-    from nanoserve.bench.graph_check import compare_decode_logits
+    from tests.helpers.graph_check import compare_decode_logits
 
     runner = bench.runner
     runner.graph_capture = lambda fn: fn

@@ -98,3 +98,173 @@ def test_arithmetic_is_also_reported_by_thinking_mode():
     assert got["arith (thinking disabled)"] == [False]
     assert got["arith (thinking not disabled)"] == [True]
     assert llm.max_tokens[2] == quality.TASK_TOKENS["no_tool"] >= quality.TASK_TOKENS["arith"]
+
+
+# -- the held-out requests' grader (nanoserve/bench/heldout) ----------------------------------------------------------
+NS = "]<]minimax[>["
+
+
+def call(name: str, **args) -> str:
+    """M3's markup for one call, as the model writes it."""
+    params = "".join(f"{NS}<{k}>{v}{NS}</{k}>" for k, v in args.items())
+    return f'{NS}<tool_call>\n{NS}<invoke name="{name}">{params}{NS}</invoke>\n{NS}</tool_call>'
+
+
+def heldout_row(task: str, **where) -> dict:
+    from nanoserve.bench.heldout import load_requests
+
+    rows = [r for r in load_requests() if r["task"] == task and all(r.get(k) == v for k, v in where.items())]
+    assert rows, (task, where)
+    return rows[0]
+
+
+def graded(row: dict, text: str, finish: str = "stop", state: str = "none") -> dict[str, bool]:
+    from nanoserve.bench.heldout.grade import grade, read_answer
+
+    return grade(row, read_answer(row, text, finish, state))
+
+
+def xml_value(v) -> str:
+    return json.dumps(v) if isinstance(v, bool) else str(v)
+
+
+def test_a_tool_call_is_right_only_with_the_right_tool_and_every_value():
+    row = heldout_row("tool_call")
+    exp = row["expected"]
+    flat = {k: v for k, v in exp["arguments"].items() if not isinstance(v, (dict, list))}
+    if flat != exp["arguments"]:  # nested arguments: take a request whose arguments are all scalars
+        from nanoserve.bench.heldout import load_requests
+
+        row = next(r for r in load_requests() if r["task"] == "tool_call" and all(
+            not isinstance(v, (dict, list)) for v in r["expected"]["arguments"].values()))
+        exp = row["expected"]
+    args = {k: xml_value(v) for k, v in exp["arguments"].items()}
+    assert graded(row, call(exp["name"], **args))["tool_call"]
+    assert graded(row, "Sure. " + call(exp["name"], **args))["tool_call"]  # text before the call is fine
+    assert graded(row, "</mm:think>" + call(exp["name"], **args), state="open")["tool_call"]
+    other = next(t["function"]["name"] for t in row["tools"] if t["function"]["name"] != exp["name"])
+    assert not graded(row, call(other, **args))["tool_call"]  # a distractor
+    key = next(iter(args))
+    assert not graded(row, call(exp["name"], **{**args, key: "wrong"}))["tool_call"]
+    assert not graded(row, call(exp["name"], **{k: v for k, v in args.items() if k != key}))["tool_call"]
+    assert not graded(row, f"I would call {exp['name']}.")["tool_call"]
+
+
+def test_converted_values_nested_arguments_and_defaults():
+    from nanoserve.bench.heldout.grade import arguments_match
+
+    schema = {"properties": {"n": {"type": "integer"}, "tip": {"type": "integer", "default": 15},
+                             "d": {"type": "object"}}}
+    assert arguments_match({"n": 2, "d": {"value": 12, "unit": "mi"}}, {"n": 2, "d": {"value": 12.0, "unit": "mi"}},
+                           schema)
+    assert arguments_match({"n": 2, "tip": 15}, {"n": 2}, schema)  # the default, said or not
+    assert not arguments_match({"n": 2, "tip": 20}, {"n": 2}, schema)
+    assert not arguments_match({"n": 2, "d": {"value": 12, "unit": "km"}}, {"n": 2, "d": {"value": 12, "unit": "mi"}},
+                               schema)
+    assert not arguments_match({"n": True}, {"n": 1}, schema)  # a boolean is no number
+    assert not arguments_match({"n": 2, "extra": 1}, {"n": 2}, schema)
+    row = heldout_row("tool_call", app="fitness")
+    from nanoserve.bench.heldout.grade import read_answer
+
+    text = call("log_workout", activity="run", distance=f"{NS}<value>12{NS}</value>{NS}<unit>mi{NS}</unit>")
+    ans = read_answer(row, text, "stop", "none")
+    assert ans.calls == [("log_workout", {"activity": "run", "distance": {"value": 12, "unit": "mi"}})]
+
+
+def test_no_call_tool_result_and_out_of_scope():
+    row = heldout_row("no_call")
+    assert graded(row, "Hello! How can I help?")["no_call"]
+    assert not graded(row, "")["no_call"]
+    name = row["tools"][0]["function"]["name"]
+    assert not graded(row, call(name))["no_call"]
+    row = heldout_row("tool_result")
+    gold = row["expected"]["contains"]
+    assert graded(row, "Done: " + ", ".join(gold) + ".")["tool_result"]
+    assert not graded(row, "Done.")["tool_result"]
+    assert not graded(row, ", ".join(gold) + call(row["tools"][0]["function"]["name"]))["tool_result"]
+    row = heldout_row("out_of_scope")
+    for reply in ("I don't know. I have no access to live data.", "I can\u2019t tell you that.",
+                  "I'm not sure, I have no way to know that."):
+        assert graded(row, reply)["out_of_scope"], reply
+    for reply in ("It is 42.", "The answer is Paris.", "I don't know. " + "word " * 80):
+        assert not graded(row, reply)["out_of_scope"], reply
+    assert not graded(row, "I don't know", finish="length")["out_of_scope"]
+
+
+def test_passages_arithmetic_and_retrieval():
+    row = heldout_row("passage", source="stdlib_docs")
+    gold = row["expected"]["gold"]
+    assert graded(row, f"It says: {gold.upper()}.")["passage"]  # case and punctuation aside
+    assert not graded(row, "It returns a value.")["passage"]
+    row = heldout_row("passage", source="glossary")
+    assert graded(row, f"That is {row['expected']['gold']}.")["passage"]
+    assert not graded(row, "A kind of bird.")["passage"]
+    row = heldout_row("arith", thinking_mode="disabled")
+    ans = row["expected"]["answer"]
+    assert graded(row, f"3 + 4 = 7, write 7.\nResult: {ans}.\nSo it is {ans}.")["arith"]
+    assert not graded(row, f"It is {int(ans) + 1}.")["arith"]
+    row = heldout_row("arith", thinking_mode="enabled")
+    ans = row["expected"]["answer"]
+    assert graded(row, f"scratch {int(ans) + 5}</mm:think>It is {ans}.", state="open")["arith"]
+    assert not graded(row, f"scratch {ans}</mm:think>It is {int(ans) + 5}.", state="open")["arith"]  # thinking
+    row = heldout_row("retrieval_8k")
+    assert graded(row, f"The combination is {row['expected']['value']}.")["retrieval_8k"]
+    assert not graded(row, "The combination is 000000.")["retrieval_8k"]
+
+
+def test_well_formed_and_stray_calls():
+    from nanoserve.bench.heldout.grade import stray_calls
+
+    row = heldout_row("tool_call")
+    name = row["expected"]["name"]
+    key = next(iter(row["expected"]["arguments"]))
+    assert graded(row, "Hi.")["well_formed"]
+    assert not graded(row, "Hi.", finish="length")["well_formed"]
+    assert not graded(row, "Hi. [e~[ more")["well_formed"]
+    assert stray_calls(row, call(name, **{key: "x"})) == (1, 0)
+    assert stray_calls(row, call("edit_game", **{key: "x"})) == (1, 1)  # a tool nobody offered
+    assert stray_calls(row, call(name, town="x")) == (1, 1)  # a key the schema lacks
+    assert stray_calls(row, call(name, **{key: "x"}) + call("merge_stock")) == (2, 1)
+    assert stray_calls(row, "no call here") == (0, 0)
+
+
+def test_target_table_and_row_selection():
+    from nanoserve.bench.heldout.evaluate import HeldoutReport, select_rows, target_table
+
+    rows = [{"task": "a"}] * 5 + [{"task": "retrieval_8k"}] * 5
+    assert len(select_rows(rows, 2)) == 4 and len(select_rows(rows, 2, 1)) == 3 and len(select_rows(rows, None)) == 10
+    report = HeldoutReport(accuracy={"tool_call": (0.9, 100), "no_call": (0.5, 10)},
+                           stray={"constraint off": (3, 40)})
+    table = target_table(report, {"fortunes": 40.0}, {"perplexity": {"fortunes": 41.0},
+                                                      "accuracy": {"tool_call": {"value": 0.1}}}, True)
+    lines = {line.split(" | ")[0].strip("| "): line for line in table.splitlines()}
+    assert "90.0 %" in lines["tool calls exact (name and every argument)"] and "| yes |" in \
+        lines["tool calls exact (name and every argument)"] and "10.0 %" in lines[
+            "tool calls exact (name and every argument)"]
+    assert "| no |" in lines["no call when none is needed"]
+    assert "3 of 40 calls" in lines["the same without the constraint"]
+    assert "| yes |" in lines["perplexity fortunes"]
+    assert "n/a" in target_table(report, {}, None, False)
+
+
+def test_heldout_answers_through_llm_chat(tiny_dir, monkeypatch):
+    """The whole path on a real engine (m3-tiny, random weights, a few tokens an answer): requests grouped by their
+    tools and thinking mode go through LLM.chat, each answer is parsed and graded, and the report counts every
+    request."""
+    from nanoserve.bench.heldout import evaluate as ev
+    from nanoserve.bench.heldout import load_requests
+    from nanoserve.bench.heldout.evaluate import evaluate, select_rows
+
+    monkeypatch.setattr(ev, "TASK_TOKENS", {task: 6 for task in ev.TASK_TOKENS})
+
+    rows = [r for r in select_rows(load_requests(), 1) if not r["task"].startswith("retrieval")]
+    llm = LLM(model=tiny_dir, device="cpu", dtype="float32", optimizations=engine_opts(), max_model_len=2048,
+              kv_cache_tokens=8192, seed=0, reasoning_parser="minimax_m3")
+    try:
+        report = evaluate(llm, rows)
+    finally:
+        llm.shutdown()
+    assert {k: n for k, (_, n) in report.accuracy.items() if "(" not in k and k != "well_formed"} == \
+        {t: 1 for t in ("tool_call", "no_call", "tool_result", "passage", "arith", "out_of_scope")}
+    assert report.accuracy["well_formed"][1] == len(rows) == len(report.answers)
+    assert "constraint off" in report.stray or "constraint on" in report.stray

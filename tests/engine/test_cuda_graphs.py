@@ -121,8 +121,9 @@ def test_captured_argmax_under_real_graphs(tiny_dir):
     """Switch captured_argmax under real CUDA graphs: the replayed step's static tokens are the argmax of its
     static logits (integers: exact), and greedy generation gives the same tokens with the switch on and off
     (with it on, the engine takes the captured tokens)."""
-    from nanoserve import LLM, SamplingParams
     from nanoserve.bench.graph_check import compare_decode_logits
+
+    from nanoserve import LLM, SamplingParams
 
     runner = _runner(tiny_dir, "float32")
     assert runner.config.optimizations.captured_argmax

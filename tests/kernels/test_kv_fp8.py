@@ -128,6 +128,7 @@ def test_gpu_decode_graphs_over_an_fp8_pool(tiny_dir):
     """The compiled kernels on an fp8 pool inside captured decode graphs (m3-tiny, bf16): the replay gives the
     eager step's logits, as for a bf16 pool (tests/engine/test_cuda_graphs.py)."""
     from nanoserve.bench.graph_check import compare_decode_logits
+
     from nanoserve.runner.model_runner import ModelRunner
 
     runner = ModelRunner(EngineConfig(model=tiny_dir, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",

@@ -9,6 +9,13 @@
 - docs/walkthrough.md quotes the output of `python -m nanoserve.walkthrough`. The test reruns the walkthrough and
   checks that every quoted scheduler and block-manager line (the integer facts: admissions, chunks, prefix hits,
   preemptions, allocations, frees, evictions, batches, block tables) still appears in the real output.
+
+- docs/results.md, the page of current numbers, is generated from the runs of record in results/; after adding a
+  record, refresh it with
+
+      python -m nanoserve.bench --report results/ > docs/results.md
+
+  The explanation pages name no dated run but link its entry there, and every record is cited by some doc.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ END = "<!-- switch-table:end -->"
 
 
 # where a switch changes what runs (not bench/, server/)
-DATA_PATH = ("engine", "executor", "runner", "model", "kernels", "distributed")
+DATA_PATH = ("server", "engine", "executor", "runner", "spec_decode", "model", "kernels", "distributed")
 
 
 def readers(switch: str) -> list[str]:
@@ -144,6 +151,7 @@ def test_every_cited_script_exists():
     texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
     texts += [p for d in ("nanoserve", "scripts", "tests") for p in sorted((ROOT / d).rglob("*.py"))]
     texts += sorted((ROOT / "scripts").glob("*.sh"))
+    texts.remove(ROOT / "docs" / "results.md")  # it quotes each record's command as run, at the record's commit
     missing = []
     for path in texts:
         lines = path.read_text().splitlines()
@@ -155,12 +163,22 @@ def test_every_cited_script_exists():
     assert not missing, "cited scripts that do not exist:\n" + "\n".join(missing)
 
 
-def test_benchmark_pages_show_current_results_not_a_diary():
-    """docs/benchmarks.md opens with the current results (each table names its run), then the method; neither it,
-    docs/optimizations.md nor the README keeps dated sections or speaks of sessions: history is in git."""
+EXPLANATIONS = ("docs/benchmarks.md", "docs/optimizations.md", "docs/mxfp8.md")
+"""The pages that say how nanoserve works and how it is measured; the numbers are on docs/results.md."""
+
+
+def test_explanations_keep_no_dated_runs_and_numbers_live_on_the_results_page():
+    """docs/benchmarks.md has the targets, the method and how to reproduce, in that order; it, docs/optimizations.md
+    and docs/mxfp8.md name no dated run (a run is cited by a link to its entry on docs/results.md), and no page
+    keeps dated sections or speaks of sessions: history is in git."""
     bench = (ROOT / "docs" / "benchmarks.md").read_text()
-    assert bench.index("## Current results") < bench.index("## Method") < bench.index("## How to reproduce")
-    for name in ("docs/benchmarks.md", "docs/optimizations.md", "README.md"):
+    assert bench.index("## Targets") < bench.index("## Method") < bench.index("## How to reproduce")
+    for name in EXPLANATIONS:
+        for n, line in enumerate((ROOT / name).read_text().splitlines(), 1):
+            outside_links = re.sub(r"\]\([^)]*\)", "]", line)
+            assert not re.search(r"\d{4}-\d{2}-\d{2}", outside_links), \
+                f"{name}:{n}: a dated run belongs on docs/results.md (link its entry): {line}"
+    for name in (*EXPLANATIONS, "docs/results.md", "README.md"):
         for n, line in enumerate((ROOT / name).read_text().splitlines(), 1):
             assert not re.match(r"#+ .*\d{4}-\d{2}-\d{2}", line), f"{name}:{n}: a dated section: {line}"
             assert not re.search(r"\bsessions?\b", line, re.I), f"{name}:{n}: speaks of a session: {line}"
@@ -174,13 +192,65 @@ def test_the_bench_checks_the_targets_the_docs_state():
             "W4 TPOT 128k / 1k": "W4 TPOT at 128k / TPOT at 1k", "W4 TTFT at 128k (s)": "W4 TTFT at 128k",
             "W2J / W2 output tok/s": "W2J / W2"}
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    table = text[text.index("### Against the targets"):text.index("### Decode: W1 and W2")]
+    table = text[text.index("## Targets"):text.index("## Method")]
     goals = {cells[0]: cells[1] for cells in ([c.strip() for c in line.strip("|").split("|")]
                                               for line in table.splitlines() if line.startswith("| "))}
     assert set(TARGETS) == set(docs)
     for name, (op, goal) in TARGETS.items():
         stated = re.fullmatch(r"(<=|>=) ([\d,.]+)(?: \w+)?", goals[docs[name]])
         assert stated and stated.group(1) == op and float(stated.group(2).replace(",", "")) == goal, (name, goals)
+
+
+def test_results_page_is_what_the_records_render():
+    """docs/results.md is generated: `python -m nanoserve.bench --report results/ > docs/results.md`."""
+    from nanoserve.bench.results_page import render
+
+    assert (ROOT / "docs" / "results.md").read_text() == render(str(ROOT / "results")), \
+        "docs/results.md is not what the records render: run `python -m nanoserve.bench --report results/ > " \
+        "docs/results.md`"
+
+
+RECORD_CITATION = re.compile(r"(?<![\w-])(\d{4}-\d{2}-\d{2}_[\w.-]+?)\.json|results\.md#(\d{4}-\d{2}-\d{2}_[\w.-]+)")
+"""A record named by its file, or its entry on docs/results.md linked by its anchor."""
+
+
+def test_every_record_is_cited_and_every_citation_is_a_record():
+    """Each record in results/ is cited by the README or a doc other than the generated page (a record nobody cites
+    is removed: git keeps it), and every record or results.md entry the README, the docs and the code cite
+    exists."""
+    records = {p.stem for p in (ROOT / "results").glob("*.json")}
+    texts = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    texts += [p for d in ("nanoserve", "scripts", "studies") for p in sorted((ROOT / d).rglob("*.py"))]
+    cited, missing = set(), []
+    for path in texts:
+        if path.name == "results.md":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            for m in RECORD_CITATION.finditer(line):
+                name = m.group(1) or m.group(2)
+                cited.add(name)
+                if name not in records:
+                    missing.append(f"{path.relative_to(ROOT)}:{n}: {name}")
+    assert not missing, "cited records that are not in results/:\n" + "\n".join(missing)
+    assert not records - cited, f"records no doc cites (remove them, git keeps them): {sorted(records - cited)}"
+
+
+def test_readme_measured_numbers_are_on_the_results_page():
+    """Every number of the README's Measured table is on docs/results.md, where its run's entry shows it."""
+    from tests.project.test_readme import MEASURED_NUMBER
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Measured"):]
+    section = section[:section.index("\n## ", 1)]
+    page = (ROOT / "docs" / "results.md").read_text()
+    missing = []
+    for row in (line for line in section.splitlines() if line.startswith("| W")):
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for cell in cells[1:-1]:
+            for token in MEASURED_NUMBER.findall(cell):
+                if not re.search(rf"(?<![\d.,]){re.escape(token)}(?![\d])", page):
+                    missing.append(f"{token} ({cells[0]})")
+    assert not missing, "README numbers not on docs/results.md: " + ", ".join(missing)
 
 
 def test_every_result_of_record_names_its_run():

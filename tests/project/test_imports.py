@@ -28,9 +28,11 @@ PACKAGE = ROOT / "nanoserve"
 LAYER_OF = {  # by the package under nanoserve/
     "kernels": 0,
     "model": 1,
+    "multimodal": 1,  # images / video -> patches and placeholder runs (host side), beside the vision model
     "presets": 2,  # the preset catalog and checkpoint maker: above the loader, which must not import them
     "runner": 3,
     "spec_decode": 3,  # drafters and the acceptance rule: the runner may run a drafter beside the model
+    "kv_transfer": 3,  # P/D: KV blocks between engines' pools; the runner registers its pools, the engine drives
     "executor": 4, "distributed": 4,
     "engine": 5,
     "entrypoints": 6,

@@ -109,7 +109,7 @@ def _json_numbers(value) -> set[float]:
 
 def test_readme_measured_numbers_are_the_records_and_the_docs():
     """Every number of the README's Measured table is in the results/ JSON file its row names (the run of record)
-    and is quoted as written in docs/benchmarks.md: the README, the records and the docs cannot disagree."""
+    and is quoted as written in docs/results.md: the README, the records and the docs cannot disagree."""
     import json
 
     text = _read("README.md")
@@ -117,7 +117,7 @@ def test_readme_measured_numbers_are_the_records_and_the_docs():
     section = section[:section.index("\n## ", 1)]
     rows = [line for line in section.splitlines() if line.startswith("| W")]
     assert len(rows) >= 6, "the Measured table lost its rows"
-    docs = _read("docs", "benchmarks.md")
+    docs = _read("docs", "results.md")
     missing = []
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
@@ -129,5 +129,20 @@ def test_readme_measured_numbers_are_the_records_and_the_docs():
                 if float(token.replace(",", "")) not in numbers:
                     missing.append(f"{token} ({cells[0]}) is not in results/{record.group(1)}")
                 if not re.search(rf"(?<![\d.,]){re.escape(token)}(?![\d])", docs):
-                    missing.append(f"{token} ({cells[0]}) is not quoted in docs/benchmarks.md")
+                    missing.append(f"{token} ({cells[0]}) is not quoted in docs/results.md")
     assert not missing, "\n".join(missing)
+
+
+def test_readme_layout_block_matches_the_tree():
+    """Every path the README's layout block names exists, and every package under nanoserve/ and every top-level
+    folder of the repository is named there."""
+    block = re.search(r"^## Layout\n\n```\n(.*?)^```", _read("README.md"), flags=re.S | re.M)
+    assert block, "README.md has no layout block"
+    named = [line.split()[0] for line in block.group(1).splitlines() if line and not line.startswith(" ")]
+    missing = [p for p in named if not os.path.exists(os.path.join(ROOT, p))]
+    assert not missing, f"the layout block names paths that do not exist: {missing}"
+    packages = sorted(f"nanoserve/{d}/" for d in os.listdir(os.path.join(ROOT, "nanoserve"))
+                      if os.path.isfile(os.path.join(ROOT, "nanoserve", d, "__init__.py")))
+    folders = [f"{d}/" for d in ("training", "scripts", "studies", "tests") if os.path.isdir(os.path.join(ROOT, d))]
+    unnamed = [p for p in packages + folders if p not in named]
+    assert not unnamed, f"the layout block does not name: {unnamed}"

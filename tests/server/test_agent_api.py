@@ -34,7 +34,7 @@ from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.parsers.reasoning import MiniMaxM3ReasoningParser
 from nanoserve.server import build_app
 from nanoserve.server.openai import schema as P
-from nanoserve.server.openai.bodies import chat_response
+from nanoserve.server.openai.convert import chat_response
 from nanoserve.server.openai.events import chat_events
 from nanoserve.server.prepare import prepare_chat
 from nanoserve.server.state import ChatOptions

@@ -169,12 +169,23 @@ def test_markers_never_leak(client, end_token, thinking, stream, history):
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})] and finish == "tool_calls"
 
 
+@pytest.fixture(scope="module")
+def unconstrained(tiny_dir, tmp_path_factory):
+    """The same server with --no-constrained-tool-calls: there the model may write a call the offered tools do not
+    allow (with the switch on, a request's own format is one branch of the answer and a call held to the tools the
+    other, so no format can make it write an undeclared value)."""
+    log = tmp_path_factory.mktemp("agent-client-off") / "server.log"
+    with ServerProcess(tiny_dir, log, "--max-model-len", "2048", *AGENT_FLAGS, "--no-constrained-tool-calls",
+                       name="tiny") as srv:
+        yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0, timeout=300)
+
+
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_call_cut_by_max_tokens_ends_cleanly(client, end_token, stream):
+def test_a_call_cut_by_max_tokens_ends_cleanly(unconstrained, end_token, stream):
     """max_tokens inside a call's second parameter: the answer (and the stream, to its end) holds the call with
     the parameter that was complete, finish_reason "length", and nothing of the cut markup."""
     parts = CALL[:9] + [NS, "<unit>" + "x" * 300, NS, "</unit>"] + CALL[9:]
-    reasoning, content, calls, finish = answer(client, end_token, "disabled", parts, stream, max_tokens=120)
+    reasoning, content, calls, finish = answer(unconstrained, end_token, "disabled", parts, stream, max_tokens=120)
     no_marker(reasoning, content)
     assert not content and finish == "length"
     assert [(n, json.loads(a)) for n, a in calls] == [("get_weather", {"city": "Oslo"})]

@@ -23,7 +23,8 @@ from anthropic.types import RawMessageStreamEvent
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.server import build_app
 from nanoserve.server.anthropic import schema as A
-from nanoserve.server.anthropic.convert import message_events, message_response, prepare_message
+from nanoserve.server.anthropic.convert import message_response, prepare_message
+from nanoserve.server.anthropic.events import message_events
 from nanoserve.server.state import ChatOptions
 from tests.helpers.server_utils import engine_config
 from tests.server.test_agent_api import CALL_TEXT, EXPECTED_CALLS, NS, ReplayStream, engine_outputs

@@ -157,3 +157,54 @@ def test_n_and_stop_are_counted(server):
     def bucket(page, le):
         return value(page, "vllm:request_params_n", "_bucket", le=le)
     assert bucket(after, "5.0") - bucket(before, "5.0") == 1 and bucket(after, "2.0") - bucket(before, "2.0") == 0
+
+
+def test_iteration_tokens_count_the_tokens_that_come_back(server):
+    """vLLM counts an iteration's tokens as its outputs bring them (IterationStats.update_from_output: each
+    request's new tokens, and its whole prompt with its first token). A request that stops early (here at a stop
+    token its greedy answer reaches) must not add the step launched for it before the stop was seen - the 356
+    against vLLM's 360 of its test_metrics_counts: the count follows the engine's "outputs" event, not the launch."""
+    greedy = completion(server, prompt=PROMPT_IDS, max_tokens=8, temperature=0, ignore_eos=True,
+                        return_token_ids=True)["choices"][0]["token_ids"]
+    k = next(i for i in range(1, len(greedy)) if greedy[i] not in greedy[:i])  # its first occurrence
+    before = scrape(server)
+    out = completion(server, prompt=PROMPT_IDS, max_tokens=8, temperature=0, stop_token_ids=[greedy[k]])
+    assert out["choices"][0]["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == k + 1
+    after = scrape(server)
+
+    def delta(suffix: str) -> float:
+        return value(after, "vllm:iteration_tokens_total", suffix) - value(before, "vllm:iteration_tokens_total",
+                                                                           suffix)
+
+    assert (delta("_sum"), delta("_count")) == (len(PROMPT_IDS) + k + 1, k + 1)
+
+
+def test_llm_get_metrics_as_vllm(tiny_dir):
+    """LLM.get_metrics(): vLLM's offline metrics (Counter, Gauge, Vector named vllm:...), the speculative
+    counters included, moving by what the generate call did."""
+    from nanoserve import LLM, SamplingParams
+    from nanoserve.entrypoints.llm import Counter, Gauge, Vector
+    from tests.helpers.server_utils import FAST_CPU
+
+    prompts = [{"prompt_token_ids": PROMPT_IDS * 2}, {"prompt_token_ids": PROMPT_IDS[:9]}]
+    with LLM(model=tiny_dir, device="cpu", optimizations=FAST_CPU, max_model_len=MAX_MODEL_LEN,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}) as llm:
+        outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        metrics = {(m.name, m.labels.get("finished_reason")): m for m in llm.get_metrics()}
+    labels = {"model_name": tiny_dir, "engine": "0"}
+    assert all({k: v for k, v in m.labels.items() if k != "finished_reason"} == labels for m in metrics.values())
+    names = {name for name, _ in metrics}
+    server_families = set(FAMILIES) | {"vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                                       "vllm:spec_decode_num_accepted_tokens",
+                                       "vllm:spec_decode_num_accepted_tokens_per_pos"}
+    assert names <= server_families  # the server's /metrics names
+    gauges = {name: m.value for (name, _), m in metrics.items() if isinstance(m, Gauge)}
+    assert gauges == {"vllm:num_requests_running": 0, "vllm:num_requests_waiting": 0, "vllm:kv_cache_usage_perc": 0}
+    counts = {name: m.value for (name, reason), m in metrics.items() if isinstance(m, Counter) and reason is None}
+    assert counts["vllm:prompt_tokens"] == 2 * len(PROMPT_IDS) + 9
+    assert counts["vllm:generation_tokens"] == sum(len(o.outputs[0].token_ids) for o in outs) == 24
+    assert metrics["vllm:request_success", "length"].value == 2 and metrics["vllm:request_success", "stop"].value == 0
+    drafts, accepted = counts["vllm:spec_decode_num_drafts"], counts["vllm:spec_decode_num_accepted_tokens"]
+    per_pos = metrics["vllm:spec_decode_num_accepted_tokens_per_pos", None]
+    assert isinstance(per_pos, Vector) and sum(per_pos.values) == accepted and len(per_pos.values) == 3
+    assert drafts > 0 and 0 < accepted <= counts["vllm:spec_decode_num_draft_tokens"] <= 3 * drafts

@@ -32,9 +32,9 @@ from nanoserve.server.responses.convert import (
     OutputBuilder,
     prepare_response,
     reasoning_tokens,
-    response_events,
     whole_response,
 )
+from nanoserve.server.responses.events import response_events
 from nanoserve.server.responses.store import ResponseStore, StoredResponse
 from nanoserve.server.state import ChatOptions
 from tests.helpers.server_utils import ServerThread, engine_config

@@ -97,6 +97,54 @@ def test_chat_prompt_logprobs_at_the_top_level(server, engine, reference):
     check_prompt_logprobs(body["prompt_logprobs"], ids, reference(ids), 2)
 
 
+VLLM_CHAT = [{"role": "system", "content": "You are a helpful assistant."},
+             {"role": "user", "content": "Who won the world series in 2020?"},
+             {"role": "assistant", "content": "The Los Angeles Dodgers won the World Series in 2020."},
+             {"role": "user", "content": "Where was it played?"}]
+"""vLLM's test_more_than_one_prompt_logprobs_chat conversation."""
+
+
+def test_prompt_logprobs_hold_the_prompt_token_and_the_top_k(server):
+    """vLLM's rule (its LogprobsProcessor: the prompt token with its rank, then ranks 1..k, one dict): each entry
+    has k keys when the prompt token is among the k most likely, k + 1 when it is not - so vLLM's test, which reads
+    exactly k at position 3 of a chat, holds on a model that predicts that token (zephyr) and not on m3-tiny,
+    under vLLM as here. The position a model predicts: the greedy token appended to the prompt has k keys."""
+    for k in (1, 2):
+        body = post(server, "/v1/chat/completions", {"messages": VLLM_CHAT, "max_tokens": 1, "prompt_logprobs": k,
+                                                     "return_token_ids": True}).json()
+        for i, (token, entry) in enumerate(zip(body["prompt_token_ids"], body["prompt_logprobs"])):
+            if i == 0:
+                assert entry is None
+                continue
+            first, rank = next(iter(entry)), entry[str(token)]["rank"]
+            assert first == str(token) and len(entry) == (k if rank <= k else k + 1), (i, entry)
+    greedy = post(server, "/v1/completions", {"prompt": PROMPT_IDS[:20], "max_tokens": 1, "temperature": 0,
+                                              "return_token_ids": True}).json()["choices"][0]["token_ids"]
+    last = post(server, "/v1/completions", {"prompt": PROMPT_IDS[:20] + greedy, "max_tokens": 1,
+                                            "prompt_logprobs": 1}).json()["choices"][0]["prompt_logprobs"][-1]
+    assert list(last) == [str(greedy[0])] and last[str(greedy[0])]["rank"] == 1
+
+
+def test_completion_top_logprobs_name_every_token(server):
+    """logprobs: 5 gives 5 entries, or 6 when the sampled token is not among the 5 (vLLM's test_some_logprobs):
+    a token that is only part of a character is named by its bytes, as OpenAI's completions API names it, so the
+    hundred-odd byte tokens of m3-tiny's vocabulary (all U+FFFD as text) do not overwrite one another."""
+    named_by_bytes = []
+    for prompt in ([0, 0, 0, 0, 0], PROMPT_IDS[:12]):
+        for temperature in (0.0, 1.0):
+            lp = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 5, "temperature": temperature,
+                                                  "logprobs": 5, "seed": 1}).json()["choices"][0]["logprobs"]
+            for token, top in zip(lp["tokens"], lp["top_logprobs"]):
+                assert 5 <= len(top) <= 6 and token in top, top
+                named_by_bytes += [name for name in top if name.startswith("bytes:")]
+    assert named_by_bytes, "no byte token among the top logprobs: the test shows nothing"
+    for name in named_by_bytes:
+        raw = bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+        assert "\\x" + "\\x".join(f"{b:02x}" for b in raw) == name[len("bytes:"):]
+        with pytest.raises(UnicodeDecodeError):
+            raw.decode("utf-8")
+
+
 @pytest.mark.parametrize("path, body, needle", [
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": -2}, "prompt_logprobs"),
     ("/v1/completions", {"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),

@@ -151,10 +151,10 @@ def test_streamed_call_deltas():
 def test_values_typed_by_schema():
     args = {k: v for k, v in parse(block(ORDER))[1][0][1].items()}
     assert args == ORDER_ARGS
-    # the same text for a tool the request did not declare: every value stays text, nested values objects
-    untyped = parse(block(invoke("unknown_tool", el("user_id", "42"), el("flag", "true"),
-                                 el("pair", el("a", "1") + el("a", "2")))))[1]
-    assert untyped == [("unknown_tool", {"user_id": "42", "flag": "true", "pair": {"a": ["1", "2"]}})]
+    # the same text for a tool whose parameters declare no keys: every value stays text, nested values objects
+    untyped = parse(block(invoke("free", el("user_id", "42"), el("flag", "true"),
+                                 el("pair", el("a", "1") + el("a", "2")))), {"free": {"type": "object"}})[1]
+    assert untyped == [("free", {"user_id": "42", "flag": "true", "pair": {"a": ["1", "2"]}})]
     # strings are kept exactly; the text "null" is a string for a string parameter
     assert parse(block(invoke("get_weather", el("city", "  null  "))))[1] == [("get_weather", {"city": "  null  "})]
     # a value that does not fit its type passes through as text (enforcement is structured decoding's job)
@@ -167,7 +167,8 @@ def test_values_typed_by_schema():
 
 
 def test_mixed_text_beside_elements_is_kept():
-    got = parse(block(invoke("t", el("payload", "before " + el("child", "v") + " after"))), {"t": None})[1]
+    got = parse(block(invoke("t", el("payload", "before " + el("child", "v") + " after"))),
+                {"t": {"type": "object"}})[1]
     assert got == [("t", {"payload": {"child": "v", "$text": "before  after"}})]
 
 
@@ -205,6 +206,31 @@ def test_malformed_markup_is_content(text, content, calls):
     for cut in range(len(text) + 1):  # and the same streamed, whatever the split
         c, cl = collect(stream(text, [cut]))
         assert (c, [(x.name, json.loads(x.arguments)) for x in cl]) == (content, calls), cut
+
+
+def test_calls_and_keys_the_request_did_not_offer_are_dropped(caplog):
+    """A call to a function not in the request's tools never reaches the client, nor does an argument under a key
+    the tool's parameters do not declare (vLLM returns both); each is logged. The calls around them keep their
+    places and indexes, whole and streamed at every split."""
+    text = "Sure. " + block(invoke("edit_game", el("level", "3")),
+                            invoke("get_weather", el("city", "Oslo"), el("town", "x"), el("days", "2")),
+                            invoke("ping", el("extra", "1"))) + " Done."
+    with caplog.at_level("WARNING", logger="nanoserve.parsers.tool_calls"):
+        content, calls, raw = parse(text)
+    assert content == "Sure.  Done." and calls == [("get_weather", {"city": "Oslo", "days": 2}), ("ping", {})]
+    assert raw == ['{"city":"Oslo","days":2}', "{}"]
+    logged = [r.getMessage() for r in caplog.records]
+    assert any("'edit_game'" in m for m in logged) and any("'town'" in m for m in logged) \
+        and any("'extra'" in m for m in logged)
+    for cut in range(len(text) + 1):
+        events = stream(text, [cut])
+        assert [(e.index, e.name) for e in events if isinstance(e, CallStart)] == [(0, "get_weather"), (1, "ping")]
+        c, cl = collect(events)
+        assert (c, [x.arguments for x in cl]) == (content, raw), cut
+    # a tool whose parameters admit other keys keeps them, typed by additionalProperties
+    tools = {"tag": {"type": "object", "properties": {"id": {"type": "integer"}},
+                     "additionalProperties": {"type": "integer"}}}
+    assert parse(block(invoke("tag", el("id", "1"), el("n", "2"))), tools)[1] == [("tag", {"id": 1, "n": 2})]
 
 
 PIECES = [NS, "<tool_call>", "</tool_call>", '<invoke name="get_weather">', "</invoke>", "<city>", "</city>",

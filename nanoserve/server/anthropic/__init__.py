@@ -2,6 +2,7 @@
 it (docs/anthropic_api.md).
 
     schema.py    the request, the message, the stream's events and the error body, as pydantic models
-    convert.py   a request -> a chat request prepared for the engine; the answer -> a message or its events
+    convert.py   a request -> a chat request prepared for the engine; the answer -> the whole message
+    events.py    the streamed answer: the Messages API's Server-Sent Events
     routes.py    the two routes
 """

@@ -6,7 +6,7 @@ API's events.
     chat_request     MessagesRequest / CountTokensRequest -> ChatCompletionRequest
     prepare_message  ... -> Prepared, with errors naming this API's fields (ANTHROPIC_FIELDS)
     count_tokens     POST /v1/messages/count_tokens: the prompt's size
-    message_response the whole answer; message_events the streamed one
+    message_response the whole answer (the streamed one: events.py)
 """
 
 from __future__ import annotations
@@ -15,18 +15,16 @@ import contextlib
 import hashlib
 import json
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
-from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
-from nanoserve.server.answer_blocks import AnswerBlocks, Block, Change
+from nanoserve.server.answer_blocks import AnswerBlocks, Block
 from nanoserve.server.anthropic import schema as A
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai import schema as P
-from nanoserve.server.openai.bodies import cache_write_tokens
+from nanoserve.server.openai.convert import cache_write_tokens
 from nanoserve.server.prepare import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
-from nanoserve.server.state import OpenAIServer
-from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
+from nanoserve.server.state import ServerState
 
 ANTHROPIC_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
                     ("response_format.json_schema.schema", "output_config.format.schema"),
@@ -112,13 +110,13 @@ def chat_request(req: A.ChatFields) -> P.ChatCompletionRequest:
     return as_chat_request(body)
 
 
-def prepare_message(server: OpenAIServer, req: A.MessagesRequest) -> tuple[Prepared, P.ChatCompletionRequest]:
+def prepare_message(server: ServerState, req: A.MessagesRequest) -> tuple[Prepared, P.ChatCompletionRequest]:
     with anthropic_fields():
         chat = chat_request(req)
         return prepare_chat(server, chat), chat
 
 
-def count_tokens(server: OpenAIServer, req: A.CountTokensRequest) -> A.CountTokensResponse:
+def count_tokens(server: ServerState, req: A.CountTokensRequest) -> A.CountTokensResponse:
     """The prompt's size: the chat template's rendering of the request (its tools checked as /v1/messages checks
     them), tokenized."""
     with anthropic_fields():
@@ -161,7 +159,7 @@ def stop_reason(c: CompletionOutput, called_tools: bool) -> tuple[str, str | Non
     return "end_turn", None
 
 
-def usage(server: OpenAIServer, out: RequestOutput, output_tokens: int) -> A.Usage:
+def usage(server: ServerState, out: RequestOutput, output_tokens: int) -> A.Usage:
     cached = out.num_cached_tokens
     return A.Usage(input_tokens=len(out.prompt_token_ids) - cached, output_tokens=output_tokens,
                    cache_creation_input_tokens=cache_write_tokens(server, out), cache_read_input_tokens=cached)
@@ -172,7 +170,7 @@ def blocks_for(req: A.MessagesRequest, prepared: Prepared) -> AnswerBlocks:
     return AnswerBlocks(prepared.chat, max_calls=1 if one else None)
 
 
-def message_response(server: OpenAIServer, req: A.MessagesRequest, prepared: Prepared, message_id: str,
+def message_response(server: ServerState, req: A.MessagesRequest, prepared: Prepared, message_id: str,
                      out: RequestOutput) -> A.MessageResponse:
     """A non-streamed answer: the whole text through the blocks at once."""
     c = out.outputs[0]
@@ -182,58 +180,6 @@ def message_response(server: OpenAIServer, req: A.MessagesRequest, prepared: Pre
     content = [content_block(b) for b in blocks.blocks] or [A.TextContent(text="")]  # as vLLM: never no block
     return A.MessageResponse(id=message_id, model=prepared.model, content=content, stop_reason=reason,
                              stop_sequence=sequence, usage=usage(server, out, len(c.token_ids)))
-
-
-def sse_event(event: A.StreamEvent | A.ErrorBody) -> str:
-    return sse(event, event.type)
-
-
-def _events(change: Change) -> list[A.StreamEvent]:
-    block = change.block
-    if change.op == "open":
-        start = {"reasoning": A.ThinkingContent(thinking="", signature=""), "text": A.TextContent(text="")}.get(
-            block.kind) or A.ToolUseContent(id=tool_use_id(block), name=block.name, input={})
-        return [A.BlockStartEvent(index=block.index, content_block=start)]
-    if change.op == "delta":
-        delta = {"reasoning": {"type": "thinking_delta", "thinking": change.delta},
-                 "text": {"type": "text_delta", "text": change.delta},
-                 "call": {"type": "input_json_delta", "partial_json": change.delta}}[block.kind]
-        return [A.BlockDeltaEvent(index=block.index, delta=delta)]
-    events: list[A.StreamEvent] = []
-    if block.kind == "reasoning":
-        events.append(A.BlockDeltaEvent(index=block.index, delta={"type": "signature_delta",
-                                                                  "signature": signature(block.text)}))
-    return events + [A.BlockStopEvent(index=block.index)]
-
-
-async def message_events(server: OpenAIServer, req: A.MessagesRequest, prepared: Prepared, message_id: str,
-                         stream: RequestStream) -> AsyncIterator[str]:
-    """The streamed answer: message_start (on the first output, so that its usage has the prefix-cache counts),
-    each block's content_block_start / _delta / _stop, then message_delta (stop_reason, output tokens) and
-    message_stop. An engine failure ends the stream with an `error` event."""
-    blocks = blocks_for(req, prepared)
-    state, holdback, started = StreamedChoice(), stop_holdback(prepared.params), False
-    try:
-        async for out in stream:
-            c = out.outputs[0]
-            if not started:
-                started = True
-                yield sse_event(A.MessageStartEvent(message=A.MessageResponse(
-                    id=message_id, model=prepared.model, content=[], usage=usage(server, out, 0))))
-            if state.done:
-                continue
-            text, _, _ = state.next_piece(c, holdback)
-            for change in blocks.feed(text, state.done):
-                for event in _events(change):
-                    yield sse_event(event)
-            if state.done:
-                reason, sequence = stop_reason(c, bool(blocks.calls))
-                yield sse_event(A.MessageDeltaEvent(delta=A.MessageDelta(stop_reason=reason, stop_sequence=sequence),
-                                                    usage=A.DeltaUsage(output_tokens=len(c.token_ids))))
-                yield sse_event(A.MessageStopEvent())
-    except (EngineDeadError, EngineShutdownError) as exc:
-        kind = "api_error" if isinstance(exc, EngineDeadError) else "overloaded_error"
-        yield sse_event(A.ErrorBody(error=A.ErrorDetail(type=kind, message=str(exc))))
 
 
 def new_message_id() -> str:

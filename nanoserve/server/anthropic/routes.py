@@ -1,5 +1,6 @@
-"""The routes of Anthropic's Messages API: POST /v1/messages (served as a chat: convert.py) and
-POST /v1/messages/count_tokens. Errors on these routes take Anthropic's shape (server/errors.py)."""
+"""The routes of Anthropic's Messages API: POST /v1/messages (served as a chat: convert.py, the whole
+answer; events.py, the streamed one) and POST /v1/messages/count_tokens. Errors on these routes take Anthropic's
+shape (server/errors.py)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from fastapi.responses import JSONResponse, Response
 from nanoserve.server.anthropic.convert import (
     anthropic_fields,
     count_tokens,
-    message_events,
     message_response,
     new_message_id,
     prepare_message,
 )
+from nanoserve.server.anthropic.events import message_events
 from nanoserve.server.anthropic.schema import CountTokensRequest, MessagesRequest
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.streaming import EventStreamResponse

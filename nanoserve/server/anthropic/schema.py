@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from nanoserve.server.openai.schema.common import Int, RequestBody, RequestModel, ResponseModel
+from nanoserve.server.schema_base import Int, RequestBody, RequestModel, ResponseModel
 
 
 # -- content blocks ------------------------------------------------------------------------------------------------

@@ -13,16 +13,16 @@ from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.parsers.tool_calls import CallStart, new_call_id
 from nanoserve.server.openai import schema as P
-from nanoserve.server.openai.bodies import chat_finish_reason, chat_logprobs, completion_logprobs, echo_logprobs, usage
+from nanoserve.server.openai.convert import chat_finish_reason, chat_logprobs, completion_logprobs, echo_logprobs, usage
 from nanoserve.server.prepare import ChatSetup, Prepared
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.state import ServerState
 from nanoserve.server.streaming import SSE_DONE, StreamedChoice, merge_streams, sse, sse_error, stop_holdback
 
 
 # -- the event generators -------------------------------------------------------------------------------------
 # Every chunk carries one choice, with its index (as OpenAI and vLLM send them): with n > 1 or several prompts,
 # the choices' chunks interleave.
-async def completion_events(server: OpenAIServer, request_id: str, req: P.CompletionRequest, prepared: Prepared,
+async def completion_events(server: ServerState, request_id: str, req: P.CompletionRequest, prepared: Prepared,
                             streams: list[RequestStream]) -> AsyncIterator[str]:
     """The SSE body of a streaming completion: per engine step, a chunk for each choice with new text."""
     sent = [[StreamedChoice() for _ in range(req.n)] for _ in streams]
@@ -74,7 +74,7 @@ async def completion_events(server: OpenAIServer, request_id: str, req: P.Comple
     yield SSE_DONE
 
 
-async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
+async def chat_events(server: ServerState, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
                       stream: RequestStream) -> AsyncIterator[str]:
     """The SSE body of a streaming chat completion: each choice's role first, then content, reasoning and
     tool-call deltas as the output parsers release them."""
@@ -112,12 +112,12 @@ async def chat_events(server: OpenAIServer, request_id: str, req: P.ChatCompleti
                 text, t0, t1 = state.next_piece(c, holdback)
                 delta = deltas[c.index].next(text, state.done)
                 logprobs = chat_logprobs(server, c, t0, t1, req.top_logprobs or 0, as_ids)
-                # new tokens whose text a parser holds back still send their logprobs / token ids
-                plain = deltas[c.index].parser is None
-                if delta is not None or state.done or (t1 > t0 and (plain or logprobs is not None
-                                                                    or req.return_token_ids)):
+                # new tokens whose text is held back (a parser's marker, a character's first bytes, a stop string
+                # maybe) still send their logprobs / token ids; the delta then holds no content, never "" (only the
+                # role chunk carries an empty content, as OpenAI's first chunk does)
+                if delta is not None or state.done or (t1 > t0 and (logprobs is not None or req.return_token_ids)):
                     yield chunk([P.ChatStreamChoice(
-                        index=c.index, delta=delta or P.DeltaMessage(content="" if plain else None),
+                        index=c.index, delta=delta or P.DeltaMessage(),
                         logprobs=logprobs,
                         finish_reason=chat_finish_reason(c.finish_reason, deltas[c.index].called_tools)
                         if state.done else None,

@@ -2,7 +2,7 @@
 
     router                 POST /v1/completions, POST /v1/chat/completions: parse -> prepare (server/prepare.py:
                            the chat template, tokenize) -> the engine (server/submit.py) -> one JSON body
-                           (bodies.py) or an event stream (events.py)
+                           (convert.py) or an event stream (events.py)
     tokenize_router        POST /tokenize and POST /detokenize (vLLM's extensions): text or messages -> token ids
                            exactly as the generation routes would tokenize them, and token ids -> text
     tokenizer_info_router  GET /tokenizer_info (--enable-tokenizer-info-endpoint): the tokenizer's configuration and
@@ -20,7 +20,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.server.errors import APIError
-from nanoserve.server.openai.bodies import chat_response, completion_response
+from nanoserve.server.openai.convert import chat_response, completion_response
 from nanoserve.server.openai.events import chat_events, completion_events
 from nanoserve.server.openai.schema import (
     ChatCompletionRequest,
@@ -32,7 +32,7 @@ from nanoserve.server.openai.schema import (
 )
 from nanoserve.server.prepare import check_model, prepare_chat, prepare_completion, render_messages, tokenize
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.state import ServerState
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs
 
@@ -48,7 +48,7 @@ async def create_completion(request: Request, server: Server,
     return await complete(request, server, req)
 
 
-async def complete(request: Request, server: OpenAIServer, req: CompletionRequest) -> Response:
+async def complete(request: Request, server: ServerState, req: CompletionRequest) -> Response:
     """A parsed completion request -> its response (also what POST /invocations runs for a completion body)."""
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
     prepared = await server.offload.run(len(await request.body()), prepare_completion, server, req)
@@ -68,7 +68,7 @@ async def create_chat_completion(request: Request, server: Server,
     return await chat(request, server, req)
 
 
-async def chat(request: Request, server: OpenAIServer, req: ChatCompletionRequest) -> Response:
+async def chat(request: Request, server: ServerState, req: ChatCompletionRequest) -> Response:
     """A parsed chat request -> its response (also what POST /invocations runs for a chat body)."""
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
     prepared = await server.offload.run(len(await request.body()), prepare_chat, server, req)
@@ -87,7 +87,7 @@ async def tokenize_route(request: Request, server: Server,
     return await server.offload.run(len(await request.body()), tokenize_request, server, req)
 
 
-def tokenize_request(server: OpenAIServer, req: TokenizeRequest) -> JSONResponse:
+def tokenize_request(server: ServerState, req: TokenizeRequest) -> JSONResponse:
     check_model(server, req.model)
     if req.prompt is not None:  # as /v1/completions: special tokens added unless turned off
         _, ids = tokenize(server, req.prompt, req.add_special_tokens is not False)
@@ -105,7 +105,7 @@ async def detokenize_route(request: Request, server: Server,
     return await server.offload.run(len(await request.body()), detokenize_request, server, req)
 
 
-def detokenize_request(server: OpenAIServer, req: DetokenizeRequest) -> JSONResponse:
+def detokenize_request(server: ServerState, req: DetokenizeRequest) -> JSONResponse:
     check_model(server, req.model)
     outside = sorted({t for t in req.tokens if not 0 <= t < server.vocab_size})
     if outside:

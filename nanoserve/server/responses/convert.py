@@ -11,28 +11,27 @@ events.
                       them (one path for both answers: a streamed response ends with its events' items, ids and
                       all)
     response_object   the Response: items, status, usage (reasoning tokens counted on the token ids), echoes
-    response_events   the streamed body: response.created ... response.completed
+    whole_response    the non-streamed answer
 
-The store of finished responses (GET /v1/responses/{id}, previous_response_id) is store.py.
+The streamed answer (response.created ... response.completed) is events.py; the store of finished responses
+(GET /v1/responses/{id}, previous_response_id) is store.py.
 """
 
 from __future__ import annotations
 
 import base64
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any
 
 from nanoserve.engine.outputs import CompletionOutput, RequestOutput
-from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.server.answer_blocks import AnswerBlocks, Block
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai import schema as P
-from nanoserve.server.openai.bodies import cache_write_tokens, chat_logprobs
+from nanoserve.server.openai.convert import cache_write_tokens, chat_logprobs
 from nanoserve.server.prepare import Prepared, as_chat_request, prepare_chat
 from nanoserve.server.responses import schema as R
 from nanoserve.server.responses.store import ResponseStore, StoredResponse
-from nanoserve.server.state import OpenAIServer
-from nanoserve.server.streaming import StreamedChoice, sse, stop_holdback
+from nanoserve.server.state import ServerState
 
 # -- the request as a chat ---------------------------------------------------------------------------------------
 ENCRYPTED_PREFIX = "nanoserve-reasoning:"
@@ -134,7 +133,7 @@ RESPONSES_FIELDS = (("response_format.json_schema.schema", "text.format.schema")
 """Chat field -> this API's field, in the errors of the chat preparation (errors.fields_renamed)."""
 
 
-def prepare_response(server: OpenAIServer, req: R.ResponsesRequest
+def prepare_response(server: ServerState, req: R.ResponsesRequest
                      ) -> tuple[Prepared, P.ChatCompletionRequest, list[dict[str, Any]]]:
     """The request prepared as a chat (model, sampling, tools, template, tokens, length checks), the chat request
     and the turn's conversation."""
@@ -149,7 +148,7 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def _token_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, top: int
+def token_logprobs(server: ServerState, c: CompletionOutput, start: int, end: int, top: int
                     ) -> list[R.TokenLogprob]:
     lps = chat_logprobs(server, c, start, end, top)
     return [R.TokenLogprob(**lp.model_dump()) for lp in (lps.content if lps else None) or []]
@@ -237,7 +236,7 @@ class OutputBuilder:
 
 
 # -- the response ------------------------------------------------------------------------------------------------
-def reasoning_tokens(server: OpenAIServer, prepared: Prepared, c: CompletionOutput) -> int:
+def reasoning_tokens(server: ServerState, prepared: Prepared, c: CompletionOutput) -> int:
     """How many generated tokens are thinking (the markers not counted), found on the token ids."""
     if server.reasoning_end_id is None or prepared.chat.reasoning_state == "closed":
         return 0
@@ -249,7 +248,7 @@ def reasoning_tokens(server: OpenAIServer, prepared: Prepared, c: CompletionOutp
     return end - ids.index(start) - 1 if start is not None and start in ids[:end] else 0
 
 
-def response_object(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+def response_object(server: ServerState, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
                     created_at: int, builder: OutputBuilder | None = None, out: RequestOutput | None = None
                     ) -> R.Response:
     """The Response: in progress (no output yet) or finished (`builder`'s items, `out`'s usage)."""
@@ -284,7 +283,7 @@ def response_object(server: OpenAIServer, req: R.ResponsesRequest, prepared: Pre
         safety_identifier=req.safety_identifier)
 
 
-def finished_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+def finished_response(server: ServerState, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
                       created_at: int, builder: OutputBuilder, out: RequestOutput,
                       messages: list[dict[str, Any]]) -> R.Response:
     """The finished Response (the message's text carries every generated token's logprobs when asked, as
@@ -293,7 +292,7 @@ def finished_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: P
         c = out.outputs[0]
         for item in builder.items:
             if isinstance(item, R.OutputMessage):
-                item.content[0].logprobs = _token_logprobs(server, c, 0, len(c.token_ids), req.top_logprobs or 0)
+                item.content[0].logprobs = token_logprobs(server, c, 0, len(c.token_ids), req.top_logprobs or 0)
     response = response_object(server, req, prepared, response_id, created_at, builder, out)
     if req.store:
         server.responses.put(StoredResponse(response, messages + [builder.blocks.answer_message()]))
@@ -304,47 +303,10 @@ def builder_for(req: R.ResponsesRequest, prepared: Prepared) -> OutputBuilder:
     return OutputBuilder(prepared, req.max_calls, req.wants_encrypted_reasoning)
 
 
-def whole_response(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
+def whole_response(server: ServerState, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
                    created_at: int, out: RequestOutput, messages: list[dict[str, Any]]) -> R.Response:
     """A non-streamed answer: the whole text through the builder at once."""
     builder = builder_for(req, prepared)
     c = out.outputs[0]
     builder.feed(c.text, True, incomplete=c.finish_reason == "length")
     return finished_response(server, req, prepared, response_id, created_at, builder, out, messages)
-
-
-async def response_events(server: OpenAIServer, req: R.ResponsesRequest, prepared: Prepared, response_id: str,
-                          created_at: int, stream: RequestStream, messages: list[dict[str, Any]]
-                          ) -> AsyncIterator[str]:
-    """The streamed body: response.created and response.in_progress, the items' events as the text arrives,
-    then response.completed with the whole response (status "incomplete" when max_output_tokens cut it, as
-    vLLM sends it). An engine failure ends the stream with an `error` event. No [DONE]: this API has none."""
-    seq = 0
-
-    def emit(event: R.StreamEvent) -> str:
-        nonlocal seq
-        event.sequence_number, seq = seq, seq + 1
-        return sse(event, event.type)
-
-    builder = builder_for(req, prepared)
-    start = response_object(server, req, prepared, response_id, created_at)
-    yield emit(R.ResponseEvent(type="response.created", response=start))
-    yield emit(R.ResponseEvent(type="response.in_progress", response=start))
-    state, holdback, final = StreamedChoice(), stop_holdback(prepared.params), None
-    try:
-        async for out in stream:
-            c = out.outputs[0]
-            if state.done:
-                continue
-            text, t0, t1 = state.next_piece(c, holdback)
-            logprobs = _token_logprobs(server, c, t0, t1, req.top_logprobs or 0) if req.wants_logprobs else None
-            for event in builder.feed(text, state.done, logprobs, incomplete=c.finish_reason == "length"):
-                yield emit(event)
-            final = out if out.finished else final
-    except (EngineDeadError, EngineShutdownError) as exc:
-        yield emit(R.ErrorEvent(code="engine_dead" if isinstance(exc, EngineDeadError) else "server_shutting_down",
-                                message=str(exc)))
-        return
-    if final is not None:
-        done = finished_response(server, req, prepared, response_id, created_at, builder, final, messages)
-        yield emit(R.ResponseEvent(type="response.completed", response=done))

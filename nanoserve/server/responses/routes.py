@@ -1,5 +1,6 @@
-"""The routes of OpenAI's Responses API: POST /v1/responses (served as a chat: convert.py), and the stored
-responses (store.py): GET and DELETE /v1/responses/{id}, POST /v1/responses/{id}/cancel."""
+"""The routes of OpenAI's Responses API: POST /v1/responses (served as a chat: convert.py, the whole answer;
+events.py, the streamed one), and the stored responses (store.py): GET and DELETE /v1/responses/{id},
+POST /v1/responses/{id}/cancel."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from nanoserve.server.errors import APIError, fields_renamed
-from nanoserve.server.openai.schema.common import now
-from nanoserve.server.responses.convert import RESPONSES_FIELDS, prepare_response, response_events, whole_response
+from nanoserve.server.responses.convert import RESPONSES_FIELDS, prepare_response, whole_response
+from nanoserve.server.responses.events import response_events
 from nanoserve.server.responses.schema import DeletedResponse, ResponsesRequest
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
+from nanoserve.server.schema_base import now
 from nanoserve.server.streaming import EventStreamResponse
 from nanoserve.server.submit import add_requests, wait_for_outputs
 

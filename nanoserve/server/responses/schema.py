@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Discriminator, Field, Tag, model_validator
 
-from nanoserve.server.openai.schema.common import Int, RequestBody, RequestModel, ResponseModel, now
+from nanoserve.server.schema_base import Int, RequestBody, RequestModel, ResponseModel, now
 
 
 # -- the input items ---------------------------------------------------------------------------------------------

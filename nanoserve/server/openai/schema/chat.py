@@ -7,15 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, model_serializer, model_validator
 
-from nanoserve.server.openai.schema.common import (
-    Int,
-    PromptLogprob,
-    RequestModel,
-    ResponseModel,
-    SamplingRequest,
-    UsageInfo,
-    now,
-)
+from nanoserve.server.openai.schema.sampling import PromptLogprob, SamplingRequest, UsageInfo
+from nanoserve.server.schema_base import Int, RequestModel, ResponseModel, now
 
 
 class TextPart(RequestModel):

@@ -7,15 +7,8 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from nanoserve.server.openai.schema.common import (
-    ElidedText,
-    Int,
-    PromptLogprob,
-    ResponseModel,
-    SamplingRequest,
-    UsageInfo,
-    now,
-)
+from nanoserve.server.openai.schema.sampling import PromptLogprob, SamplingRequest, UsageInfo
+from nanoserve.server.schema_base import ElidedText, Int, ResponseModel, now
 
 
 class CompletionRequest(SamplingRequest):

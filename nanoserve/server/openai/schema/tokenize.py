@@ -7,7 +7,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from nanoserve.server.openai.schema.chat import ChatMessage, ChatTool
-from nanoserve.server.openai.schema.common import ElidedText, RequestBody, ResponseModel
+from nanoserve.server.schema_base import ElidedText, RequestBody, ResponseModel
 
 
 class TokenizeRequest(RequestBody):

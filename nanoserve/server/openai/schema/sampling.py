@@ -1,106 +1,19 @@
-"""What both endpoints share: the strict request base, the sampling fields and their SamplingParams, usage,
-the model list and OpenAI's error body."""
+"""What POST /v1/completions and POST /v1/chat/completions share: the sampling fields and the SamplingParams
+they make, the output format (response_format), the fields refused by name, and the answer's usage and
+prompt_logprobs."""
 
 from __future__ import annotations
 
-import time
-from functools import cache
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PrivateAttr,
-    ValidatorFunctionWrapHandler,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from nanoserve.sampling import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
+from nanoserve.server.schema_base import Int, RequestBody, RequestModel, ResponseModel
 
 REMOVED_GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "guided_decoding_backend",
                          "guided_whitespace_pattern")
 """vLLM's old structured-output fields, which it no longer has (structured_outputs replaced them): a 400 names them."""
-
-
-def _integral(v: Any) -> Any:
-    """1.0 -> 1: vLLM's request models (pydantic in lax mode) take a float with no fractional part as an
-    integer; 1.5, "1" and true stay errors here."""
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    return v
-
-
-Int = Annotated[int, BeforeValidator(_integral)]
-"""An integer field that also takes an integral float (n=1.0), as vLLM's requests do."""
-
-
-class RequestModel(BaseModel):
-    """A request body: strict types, unknown fields ignored."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class RequestBody(RequestModel):
-    """A whole request body (an endpoint's top-level model). It notes the top-level fields it ignored, which the
-    server logs as vLLM does; reading them off the parsed input costs nothing, where parsing the body a second
-    time to find them would cost as much as the first parse."""
-
-    _ignored_fields: tuple[str, ...] = PrivateAttr(default=())
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _note_ignored_fields(cls, data: Any, handler: ValidatorFunctionWrapHandler) -> Any:
-        model = handler(data)
-        if isinstance(data, dict) and isinstance(model, cls):
-            known = _known_keys(cls)
-            model._ignored_fields = tuple(sorted(k for k in data if k not in known))
-        return model
-
-    @property
-    def ignored_fields(self) -> tuple[str, ...]:
-        """The body's top-level keys that are not fields of this model (nor their aliases), sorted."""
-        return self._ignored_fields
-
-    def elide_long_prompts(self, max_chars: int) -> None:
-        """Replace each text prompt of more than `max_chars` characters by an ElidedText of its length (the
-        prompt would be refused by --max-prompt-chars anyway). A body parsed in a worker process comes back to
-        the server without its huge prompt, so the server neither unpickles nor holds it. Endpoints without
-        text prompts of their own keep this no-op."""
-
-
-class ElidedText:
-    """A text prompt dropped after parsing because it is longer than the server tokenizes: only its length,
-    which the character-limit check (limits.check_prompt_chars) reads to refuse it with the usual 400."""
-
-    __slots__ = ("chars",)
-
-    def __init__(self, chars: int):
-        self.chars = chars
-
-    def __len__(self) -> int:
-        return self.chars
-
-    def __repr__(self) -> str:
-        return f"ElidedText({self.chars} characters)"
-
-    @classmethod
-    def of(cls, value: Any, max_chars: int) -> Any:
-        """`value` itself, or an ElidedText of its length when it is a text of more than `max_chars` characters."""
-        return cls(len(value)) if isinstance(value, str) and len(value) > max_chars else value
-
-
-@cache
-def _known_keys(model: type[BaseModel]) -> frozenset[str]:
-    return frozenset(model.model_fields) | {f.alias for f in model.model_fields.values() if f.alias}
-
-
-class ResponseModel(BaseModel):
-    """A response body: exactly the fields declared."""
-
-    model_config = ConfigDict(extra="forbid")
 
 
 class StreamOptions(RequestModel):
@@ -112,7 +25,6 @@ class StreamOptions(RequestModel):
 
 # Fields of OpenAI's or vLLM's API that this server knows but cannot honour: a request that uses one (with a value
 # other than its neutral one) gets a 400 naming it, rather than an answer that silently ignored it.
-NEUTRAL = object()
 UNSUPPORTED_FIELDS: dict[str, tuple[object, str]] = {
     "logits_processors": (None, "not supported by this server"),
     "truncate_prompt_tokens": (None, "prompts are never truncated: a prompt that does not fit is a 400"),
@@ -357,11 +269,7 @@ class SamplingRequest(RequestBody):
         return self.include_usage and bool(self.stream_options.continuous_usage_stats)
 
 
-# -- responses --------------------------------------------------------------------------------------------
-def now() -> int:
-    return int(time.time())
-
-
+# -- the answer's parts both endpoints share -------------------------------------------------------------------
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
 
@@ -381,29 +289,3 @@ class UsageInfo(ResponseModel):
     prompt_tokens_details: PromptTokensDetails | None = None
 
 
-class ModelCard(ResponseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = Field(default_factory=now)
-    owned_by: str = "nanoserve"
-    root: str | None = None
-    max_model_len: int | None = None
-
-
-class ModelList(ResponseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class ErrorInfo(ResponseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-    """The HTTP status, as vLLM sends it."""
-
-
-class ErrorResponse(ResponseModel):
-    """OpenAI's error body: {"error": {"message", "type", "param", "code"}}."""
-
-    error: ErrorInfo

@@ -1,7 +1,8 @@
-"""The host's structured-output work per decode step, W2J's case: 64 sequences held to W2J_SCHEMA over m3-slice's
-vocabulary (the preset's 512-token tokenizer, 200,064 logit rows), with switch overlap_grammar off and on.
+"""Study: how much of the host's structured-output work per decode step can run beside the forward? W2J's case:
+64 sequences held to W2J_SCHEMA over m3-slice's vocabulary (the preset's 512-token tokenizer, 200,064 logit rows),
+with switch overlap_grammar off and on. Its answer is docs/optimizations.md's overlap_grammar section.
 
-    python scripts/structured_host_bench.py [--rows 64] [--steps 200] [--threads auto]
+    python -m studies.structured_host [--rows 64] [--steps 200] [--repeats 3]     # from the repository root
 
 Each step draws, for every row, a random token its grammar allows (outside the timers) and then times the host work
 the engine does for it, split by where it falls in the engine loop:
@@ -79,7 +80,7 @@ def run(manager: StructuredOutputManager, compiled, rows: int, steps: int, overl
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m studies.structured_host", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--repeats", type=int, default=3, help="alternate off/on this many times; medians over all")

@@ -3,7 +3,9 @@ the two OpenAI formats (completions: parallel lists; chat: one entry per token) 
 streamed chunks (events.py) build their choices from the same functions, and the Responses and Messages APIs take
 their usage and logprobs from here.
 
-A token in logprobs is named by its text, or 'token_id:N' with return_tokens_as_token_ids. With echo, a
+A token in logprobs is named by its text - in the completions format a token that is only part of a character by
+its bytes ("bytes:\\xe2\\x80", as OpenAI's completions API names it; ServerState.completion_token), so that no two
+keys of top_logprobs collide - or 'token_id:N' with return_tokens_as_token_ids. With echo, a
 completion's text starts with the prompt and its logprobs with the prompt's (the first prompt token's are null:
 nothing predicts it)."""
 
@@ -14,11 +16,11 @@ from typing import Any
 from nanoserve.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from nanoserve.server.openai import schema as P
 from nanoserve.server.prepare import ChatSetup, Prepared
-from nanoserve.server.state import OpenAIServer
+from nanoserve.server.state import ServerState
 
 
 # -- whole responses ----------------------------------------------------------------------------------------
-def completion_response(server: OpenAIServer, request_id: str, req: P.CompletionRequest, prepared: Prepared,
+def completion_response(server: ServerState, request_id: str, req: P.CompletionRequest, prepared: Prepared,
                         outputs: list[RequestOutput]) -> P.CompletionResponse:
     choices = [completion_choice(server, req, prepared, i, out, c) for i, out in enumerate(outputs)
                for c in out.outputs]
@@ -26,7 +28,7 @@ def completion_response(server: OpenAIServer, request_id: str, req: P.Completion
                                 usage=usage(outputs, generated=not req.echo_only))
 
 
-def completion_choice(server: OpenAIServer, req: P.CompletionRequest, prepared: Prepared, i: int,
+def completion_choice(server: ServerState, req: P.CompletionRequest, prepared: Prepared, i: int,
                       out: RequestOutput, c: CompletionOutput) -> P.CompletionChoice:
     as_ids = server.tokens_as_ids(req)
     end = 0 if req.echo_only else len(c.token_ids)
@@ -45,7 +47,7 @@ def completion_choice(server: OpenAIServer, req: P.CompletionRequest, prepared: 
         prompt_logprobs=prompt_logprobs(out) if req.prompt_logprobs is not None else None)
 
 
-def chat_response(server: OpenAIServer, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
+def chat_response(server: ServerState, request_id: str, req: P.ChatCompletionRequest, prepared: Prepared,
                   out: RequestOutput) -> P.ChatCompletionResponse:
     as_ids = server.tokens_as_ids(req)
     choices = []
@@ -95,7 +97,7 @@ def usage(outputs: list[RequestOutput], generated: bool = True) -> P.UsageInfo:
                        prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
 
 
-def cache_write_tokens(server: OpenAIServer, out: RequestOutput) -> int:
+def cache_write_tokens(server: ServerState, out: RequestOutput) -> int:
     """The prompt's tokens in full KV blocks that were not cached and now are: the prefix cache registers every
     full block of a prompt once it is computed."""
     engine = server.engine.engine
@@ -116,7 +118,7 @@ def _finite(logprob: float) -> float:
 
 
 # -- logprobs ----------------------------------------------------------------------------------------------------
-def completion_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, text_offset: int,
+def completion_logprobs(server: ServerState, c: CompletionOutput, start: int, end: int, text_offset: int,
                         as_ids: bool = False) -> P.CompletionLogProbs | None:
     """Tokens [start, end) of a completion in the completions format; text_offset: where the first one starts in
     the choice's text."""
@@ -124,25 +126,25 @@ def completion_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, e
         return None
     out = P.CompletionLogProbs()
     for tid, lps in zip(c.token_ids[start:end], c.logprobs[start:end]):
-        token = server.token_name(tid, as_ids)
+        token = server.token_name(tid, as_ids, completions=True)
         out.tokens.append(token)
         out.token_logprobs.append(_finite(lps[tid]))
-        out.top_logprobs.append({server.token_name(t, as_ids): _finite(lp) for t, lp in lps.items()})
+        out.top_logprobs.append({server.token_name(t, as_ids, completions=True): _finite(lp) for t, lp in lps.items()})
         out.text_offset.append(text_offset)
         text_offset += len(server.token_text(tid))
     return out
 
 
-def echo_logprobs(server: OpenAIServer, out: RequestOutput, as_ids: bool,
+def echo_logprobs(server: ServerState, out: RequestOutput, as_ids: bool,
                   generated: P.CompletionLogProbs | None) -> P.CompletionLogProbs:
     """The prompt's tokens and logprobs (the engine's prompt_logprobs; the first token's null), then the
     generated ones shifted past the prompt's text."""
     lp = P.CompletionLogProbs()
     offset = 0
     for tid, entry in zip(out.prompt_token_ids, out.prompt_logprobs or [None] * len(out.prompt_token_ids)):
-        lp.tokens.append(server.token_name(tid, as_ids))
+        lp.tokens.append(server.token_name(tid, as_ids, completions=True))
         lp.token_logprobs.append(entry[tid].logprob if entry is not None else None)
-        lp.top_logprobs.append({server.token_name(t, as_ids): e.logprob for t, e in entry.items()}
+        lp.top_logprobs.append({server.token_name(t, as_ids, completions=True): e.logprob for t, e in entry.items()}
                                if entry is not None else None)
         lp.text_offset.append(offset)
         offset += len(server.token_text(tid))
@@ -154,7 +156,7 @@ def echo_logprobs(server: OpenAIServer, out: RequestOutput, as_ids: bool,
     return lp
 
 
-def chat_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: int, num: int, as_ids: bool = False
+def chat_logprobs(server: ServerState, c: CompletionOutput, start: int, end: int, num: int, as_ids: bool = False
                   ) -> P.ChatLogProbs | None:
     if c.logprobs is None:
         return None
@@ -167,7 +169,7 @@ def chat_logprobs(server: OpenAIServer, c: CompletionOutput, start: int, end: in
     return P.ChatLogProbs(content=content)
 
 
-def _chat_token(server: OpenAIServer, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
+def _chat_token(server: ServerState, token_id: int, logprob: float, as_ids: bool) -> dict[str, Any]:
     text = server.token_name(token_id, as_ids)
     return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
 

@@ -1,5 +1,6 @@
-"""Decode-graph replay against the eager forward, on a live ModelRunner (used by tests/engine/test_cuda_graphs.py on
-m3-tiny and by tests/engine/test_gpu_engine.py on m3-slice).
+"""Decode-graph replay against the eager forward, on a live ModelRunner (used by tests/engine/test_cuda_graphs.py and
+tests/kernels/test_kv_fp8.py on m3-tiny, tests/engine/test_gpu_engine.py on m3-slice, and with an emulated capture
+on the CPU by tests/bench/test_bench.py).
 
 For each batch size: prefill that many random prompts into fresh blocks of the runner's pool, then run two decode
 steps, each once through the graph path and once eagerly, and compare the logits. The second step replays a graph

@@ -1,9 +1,9 @@
-"""Does one bad client stall the others? The latency of GET /health and of a small completion, alone and while
-other clients send huge prompts.
+"""Study: does one bad client stall the others? The latency of GET /health and of a small completion, alone and
+while other clients send huge prompts. Its answer is docs/operating.md's table of the server's parsing choices.
 
-    python -m nanoserve.bench.event_loop                       # starts m3-tiny on the CPU, 10 MB prompts
-    python -m nanoserve.bench.event_loop --bad-prompt-chars 1000000 --server-arg=--max-prompt-chars=0
-    python -m nanoserve.bench.event_loop --url http://127.0.0.1:8000 --model NAME
+    python -m studies.event_loop                       # from the repository root: m3-tiny on the CPU, 10 MB prompts
+    python -m studies.event_loop --bad-prompt-chars 1000000 --server-arg=--max-prompt-chars=0
+    python -m studies.event_loop --url http://127.0.0.1:8000 --model NAME
 
 It measures the server's event loop, not the model: run it on the CPU with m3-tiny. Two phases of `--duration`
 seconds each: `quiet` (the probe alone) and `loaded` (`--bad-clients` processes each sending prompts of
@@ -139,7 +139,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None, timeout: float = 600) 
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m nanoserve.bench.event_loop", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m studies.event_loop", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default=None, help="a running server (default: start m3-tiny on the CPU)")
     ap.add_argument("--model", default="m3-tiny", help="the model to start, or the served name at --url")
