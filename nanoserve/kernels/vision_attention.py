@@ -36,14 +36,17 @@ MASKED_SCORE = tl.constexpr(-1.0e30)
 
 TILES = {
     # backend -> attention tiles: block_m queries x block_n keys per step, warps, pipeline stages.
-    # "cuda": flash-attention's usual shape for short heads (not yet swept on a card: the micro-benchmark in
-    # docs/vision.md prints the alternatives). "hip": the dense prefill's rule tile (kernels/configs.py rules 1-5).
-    "cuda": Tiles(128, 64, 4, 3),
+    # "cuda": 128 x 64 with 8 warps, the largest tile that compiles for sm_90 without spilling (Triton 3.9: 232
+    # registers; with 4 warps it spills 184 bytes per thread); not yet timed on a card - the throughput test
+    # (tests/model/test_vision_throughput.py) times the alternatives. "hip": the dense prefill's rule tile
+    # (kernels/configs.py rules 1-5; compiles for gfx942 without spilling).
+    "cuda": Tiles(128, 64, 8, 3),
     "hip": Tiles(128, 32, 4, 2),
     "interpret": Tiles(32, 32, 1, 1),
 }
-ROPE_ROWS = {"cuda": (32, 4), "hip": (32, 4), "interpret": (64, 1)}
-"""backend -> ((token, head) rows per program, warps) of the rotation kernel."""
+ROPE_ROWS = {"cuda": (32, 8), "hip": (32, 8), "interpret": (64, 1)}
+"""backend -> ((token, head) rows per program, warps) of the rotation kernel (32 rows of 128 lanes over 4 warps
+spill on sm_90; over 8 they take 146 registers)."""
 
 
 def head_dim_parts(head_dim: int) -> tuple[int, int]:
