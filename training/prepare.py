@@ -8,7 +8,7 @@ Writes compressed arrays (`ids` uint16, `trains` marking the tokens whose predic
   `heldout_<source>.txt` (perplexity per corpus);
 - `chats.npz`: generated M3-format chats of every kind but retrieval (training/chats.py's mixture without it),
   the loss on the assistant turns only;
-- `long.npz`: retrieval chats of 0.5-15.8k tokens (a value hidden among up to 64 in filler text), trained in their
+- `long.npz`: retrieval chats of 0.5-15.5k tokens (a value hidden among up to 64 in filler text), trained in their
   own steps (and through MSA's real selection in the sparse phase);
 - `heldout.jsonl.gz`: evaluation prompts from other seeds (arithmetic, tool calls on tools never seen in
   training, thinking format, retrieval at 1k/4k/8k tokens), with what a grader expects.
@@ -142,9 +142,9 @@ def main() -> None:
     ap.add_argument("--tokenizer", default="nanoserve/presets/m3_mini/tokenizer.json",
                     help="the tokenizer the weights use (default: the one m3-mini ships)")
     ap.add_argument("--out", default="data/prepared")
-    ap.add_argument("--chats", type=int, default=150_000, help="short chats for training (no retrieval)")
-    ap.add_argument("--long", type=int, default=2_000, help="retrieval chats for training")
-    ap.add_argument("--long-max", type=int, default=15_800, help="longest retrieval chat, in tokens (the context "
+    ap.add_argument("--chats", type=int, default=200_000, help="short chats for training (no retrieval)")
+    ap.add_argument("--long", type=int, default=4_000, help="retrieval chats for training")
+    ap.add_argument("--long-max", type=int, default=16_300, help="longest retrieval chat, in tokens (the context "
                     "is 16,384)")
     ap.add_argument("--heldout", type=int, default=100, help="held-out prompts per task")
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes rendering chats")

@@ -220,6 +220,7 @@ def main() -> None:
     tokens = 0
     step = 0
     prof, tokens_at_10 = None, 0
+    last: dict[str, torch.Tensor] = {}  # the latest short and long step's main loss, for the log
     while True:
         progress = max(step / args.steps, (time.time() - t0) / args.time_budget)
         if progress >= 1.0:
@@ -262,10 +263,12 @@ def main() -> None:
             moe.update_bias(args.bias_rate)
         tokens += int(ids.numel())
         step += 1
-        if step % 20 == 0 or is_long and step % 40 == 0:
+        last["long" if is_long else "short"] = main_l
+        if step % 20 == 0:
+            # the latest short and long step's loss both: with --long-every 4, every 20th step is a long one
             rec = {"step": step, "s": round(time.time() - t0, 1), "tokens": tokens, "lr": lr, "mode": mode,
                    "long": bool(is_long), "loss": round(main_l.item(), 4), "mtp": round(mtp_l.item(), 4),
-                   "index_kl": round(kl.item(), 4)}
+                   "index_kl": round(kl.item(), 4), **{f"{k}_loss": round(v.item(), 4) for k, v in last.items()}}
             log.write(json.dumps(rec) + "\n")
             log.flush()
             print(rec, flush=True)

@@ -36,14 +36,17 @@ MASKED_SCORE = tl.constexpr(-1.0e30)
 
 TILES = {
     # backend -> attention tiles: block_m queries x block_n keys per step, warps, pipeline stages.
-    # "cuda": flash-attention's usual shape for short heads (not yet swept on a card: the micro-benchmark in
-    # docs/vision.md prints the alternatives). "hip": the dense prefill's rule tile (kernels/configs.py rules 1-5).
-    "cuda": Tiles(128, 64, 4, 3),
+    # "cuda": 128 x 64 with 8 warps, the largest tile that compiles for sm_90 without spilling (Triton 3.9: 232
+    # registers; with 4 warps it spills 184 bytes per thread); not yet timed on a card - the throughput test
+    # (tests/model/test_vision_throughput.py) times the alternatives. "hip": the dense prefill's rule tile
+    # (kernels/configs.py rules 1-5; compiles for gfx942 without spilling).
+    "cuda": Tiles(128, 64, 8, 3),
     "hip": Tiles(128, 32, 4, 2),
     "interpret": Tiles(32, 32, 1, 1),
 }
-ROPE_ROWS = {"cuda": (32, 4), "hip": (32, 4), "interpret": (64, 1)}
-"""backend -> ((token, head) rows per program, warps) of the rotation kernel."""
+ROPE_ROWS = {"cuda": (32, 8), "hip": (32, 8), "interpret": (64, 1)}
+"""backend -> ((token, head) rows per program, warps) of the rotation kernel (32 rows of 128 lanes over 4 warps
+spill on sm_90; over 8 they take 146 registers)."""
 
 
 def head_dim_parts(head_dim: int) -> tuple[int, int]:
@@ -100,7 +103,7 @@ def _load_cols(base, rows, row_ok, d0, n_dims, HEAD_DIM: tl.constexpr, WIDTH: tl
 
 @triton.jit
 def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, n_tokens, num_heads, stride_out, qk_scale,
-                             HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr,
+                             HEAD_DIM: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, ACC_B: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     m0 = tl.program_id(0) * BLOCK_M
     seg = tl.program_id(1)
@@ -118,7 +121,7 @@ def _varlen_attention_kernel(q_ptr, k_ptr, v_ptr, out_ptr, cu_ptr, n_tokens, num
     m_i = tl.full([BLOCK_M], MASKED_SCORE, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc_a = tl.zeros([BLOCK_M, DA], tl.float32)
-    acc_b = tl.zeros([BLOCK_M, DB if DB > 0 else 16], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, ACC_B], tl.float32)  # ACC_B = DB, or a dummy 16 when there is no second part
     for n0 in range(0, seg_len, BLOCK_N):
         keys = n0 + tl.arange(0, BLOCK_N)
         key_ok = keys < seg_len
@@ -179,7 +182,7 @@ def varlen_attention(qkv_heads: torch.Tensor, cu_seqlens: torch.Tensor, max_seql
     da, db = head_dim_parts(head_dim)
     grid = (triton.cdiv(max_seqlen, t.block_m), num_segments, num_heads)
     _varlen_attention_kernel[grid](qkv_heads[0], qkv_heads[1], qkv_heads[2], out, cu_seqlens, n, num_heads,
-                                   out.stride(0), scale * LOG2E, HEAD_DIM=head_dim, DA=da, DB=db,
+                                   out.stride(0), scale * LOG2E, HEAD_DIM=head_dim, DA=da, DB=db, ACC_B=db or 16,
                                    BLOCK_M=t.block_m, BLOCK_N=t.block_n, num_warps=t.num_warps,
                                    num_stages=t.num_stages)
     return out

@@ -123,16 +123,15 @@ def assert_close(ours: torch.Tensor, ref: torch.Tensor, label: str, atol: float 
 
 
 @pytest.fixture(scope="module", params=["real_width", "full_depth"])
-def vl_dir(request, tmp_path_factory) -> tuple[str, VisionConfig]:
+def vl(request, tmp_path_factory):
+    """(checkpoint directory, its vision config, nanoserve's vision model, transformers' model), once per tower."""
     path = str(tmp_path_factory.mktemp(f"vl-{request.param}"))
     cfg = write_vl_checkpoint(path, REAL_WIDTH if request.param == "real_width" else FULL_DEPTH)
-    return path, cfg
+    return path, cfg, load_vision_model(path, Optimizations.reference(), torch.float32), load_hf(path)
 
 
-def test_features_match_transformers(vl_dir):
-    path, cfg = vl_dir
-    ours = load_vision_model(path, Optimizations.reference(), torch.float32)
-    hf = load_hf(path)
+def test_features_match_transformers(vl):
+    path, cfg, ours, hf = vl
     grids = [*IMAGES, VIDEO]
     pix = pixels(grids, cfg)
     want = hf_features(hf, pix, grids, cfg.vision_segment_max_frames)
@@ -144,12 +143,10 @@ def test_features_match_transformers(vl_dir):
     assert torch.equal(ours(pix, cut), got)
 
 
-def test_merged_embeddings_match_transformers(vl_dir):
+def test_merged_embeddings_match_transformers(vl):
     """The language model's input: text embeddings with image and video features at their placeholders."""
-    path, cfg = vl_dir
+    path, cfg, vision, hf = vl
     text, _ = load_model(path, Optimizations.reference(), torch.float32)
-    vision = load_vision_model(path, Optimizations.reference(), torch.float32)
-    hf = load_hf(path)
     images, video = IMAGES, [VIDEO]
     img_pix, vid_pix = pixels(images, cfg, seed=2), pixels(video, cfg, seed=3)
     n_img, n_vid = sum(vision.tokens_per_item(images)), sum(vision.tokens_per_item(video))
