@@ -1,6 +1,8 @@
 """The types that describe one step's batch, shared by every layer that touches it.
 
     TokenFeed           input ids taken from the previous step's sampled tokens on the device (async scheduling)
+    VerifyFeed          a verify step's queries and positions taken from the previous step's draft chain (async
+                        speculative decoding)
     AttentionMetadata   what the attention layers and kernels need about the flat batch, as device tensors
 
 This module imports nothing of nanoserve, so the engine, the runner, the model and the kernels may all use it.
@@ -34,6 +36,19 @@ class TokenFeed:
     def is_prefix(self) -> bool:
         """dst and src are both 0, 1, ..., k-1 (a decode batch in the previous step's order): one plain copy."""
         return self.dst == self.src == list(range(len(self.dst)))
+
+
+@dataclass
+class VerifyFeed:
+    """A verify step launched before the previous one's tokens reach the host (switch spec_async): sequence i's
+    query - its k + 1 input ids - is row `rows[i]` of `ids`, and its first position row `rows[i]` of `pos`, both
+    left on the device by the previous step's draft chain (spec_decode/draft_chain.py). The host's lists hold
+    placeholders; the runner writes these over them on the device, and the positions' slots and context lengths
+    with them."""
+
+    rows: list[int]
+    ids: torch.Tensor  # [R, k + 1] int64: the bonus token, then the drafts
+    pos: torch.Tensor  # [R] int64: the bonus token's position
 
 
 @dataclass

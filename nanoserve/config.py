@@ -238,6 +238,13 @@ class Optimizations:
         "host-device synchronisation per step instead of two",
         "each step's drafts are proposed once its tokens reach the host, from the tokens accepted there "
         "(spec_decode/proposer.py, spec_decode/drafter.py)")
+    spec_async: bool = switch(
+        True, ENGINE, "engine/llm_engine.py", "with async_scheduling and the draft chain (spec_draft_chain): a "
+        "speculative step is launched before the previous step's tokens reach the host - its queries (each "
+        "sequence's bonus token and next drafts) and positions are those the previous step's draft chain left on "
+        "the device, its blocks cover the most the previous step can accept - so the host's work on a step's tokens "
+        "runs while the device computes the next", "each speculative step is launched once the previous step's "
+        "tokens are on the host")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)

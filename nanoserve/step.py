@@ -68,6 +68,11 @@ class StepSeq:
     max_drafts: int = 0
     """Speculative decoding: at most this many draft tokens may be proposed for its next step (0: none); the
     runner cuts that to what max_tokens, min_tokens and max_model_len leave once this step's tokens are known."""
+    on_device: bool = False
+    """Speculative decoding with async scheduling: this step was launched before the previous one's tokens reached
+    the host, so its query - the previous step's bonus token, then the drafts the draft chain made - and its first
+    position are on the device, where that step's chain left them; `start`, the input ids and `draft` here are
+    the host's placeholders (the runner reads the real ones back with the step's tokens)."""
 
     @property
     def token_ids(self) -> list[int]:

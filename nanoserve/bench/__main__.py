@@ -145,6 +145,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-retrieval-limit", type=int, default=None, metavar="N", help="--speculative: at most N "
                     "prompts per retrieval length (default: --spec-limit; a long prompt's prefill is what costs time "
                     "on a CPU)")
+    ap.add_argument("--spec-batch", type=int, default=1, metavar="N", help="--speculative: answer N prompts of a "
+                    "task at once (default 1: each alone, where speculation pays most)")
+    ap.add_argument("--spec-drafters", default=None, metavar="LIST", help="--speculative: measure only these "
+                    "drafters (comma-separated names as the table prints them, e.g. 'ngram k=3,mtp k=3')")
     ap.add_argument("--spec-eagle3", default=None, metavar="DIR", help="--speculative: an EAGLE-3 draft directory "
                     "for the model (without one eagle3 is skipped)")
     ap.add_argument("--compare", nargs=2, default=None, metavar=("BASE", "NEW"),

@@ -43,6 +43,7 @@ import torch
 
 from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
+    NO_ASYNC,
     NO_CHAIN,
     build_llm,
     first_difference,
@@ -67,6 +68,7 @@ def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
     return [("ngram k=3", NGRAM_K3, None),
             ("mtp k=1", {**MTP, "num_speculative_tokens": 1}, no_mtp),
             ("mtp k=3", {**MTP, "num_speculative_tokens": 3}, no_mtp),
+            (NO_ASYNC, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             (NO_CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             ("eagle3 k=3", {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}, no_eagle)]
 
@@ -107,25 +109,31 @@ class TaskRun:
         return [n / self.num_drafts for n in self.accepted_per_pos] if self.num_drafts else []
 
 
-def answer_alone(llm, rows: list[dict]) -> dict[str, TaskRun]:
-    """Answer every row greedily, one at a time; per task the outputs, timings and the acceptance counters."""
+def answer_alone(llm, rows: list[dict], batch: int = 1) -> dict[str, TaskRun]:
+    """Answer every row greedily, one at a time (`batch`: that many of a task's rows at once); per task the
+    outputs, timings and the acceptance counters."""
     from nanoserve.sampling import SamplingParams
 
     stats = llm.engine.stats
     runs: dict[str, TaskRun] = {}
-    for r in rows:
-        run = runs.setdefault(r["task"], TaskRun())
+    groups: list[list[dict]] = []
+    for task in dict.fromkeys(r["task"] for r in rows):
+        of_task = [r for r in rows if r["task"] == task]
+        groups += [of_task[i: i + batch] for i in range(0, len(of_task), batch)]
+    for group in groups:
+        run = runs.setdefault(group[0]["task"], TaskRun())
         before = (stats.spec_decode_num_drafts, stats.spec_decode_num_draft_tokens,
                   stats.spec_decode_num_accepted_tokens, list(stats.spec_decode_accepted_per_pos))
         t0 = time.perf_counter()
-        out = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=max_tokens_for(r["task"])),
-                           use_tqdm=False)[0]
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens_for(group[0]["task"]))
+        outs = llm.generate([r["prompt"] for r in group], params, use_tqdm=False)
         run.wall_s += time.perf_counter() - t0
-        ids = list(out.outputs[0].token_ids)
-        run.tokens.append(ids)
-        m = out.metrics
-        if m is not None and m.first_token_time is not None and m.last_token_time is not None and len(ids) > 1:
-            run.tpot_s.append((m.last_token_time - m.first_token_time) / (len(ids) - 1))
+        for out in outs:
+            ids = list(out.outputs[0].token_ids)
+            run.tokens.append(ids)
+            m = out.metrics
+            if m is not None and m.first_token_time is not None and m.last_token_time is not None and len(ids) > 1:
+                run.tpot_s.append((m.last_token_time - m.first_token_time) / (len(ids) - 1))
         run.num_drafts += stats.spec_decode_num_drafts - before[0]
         run.num_draft_tokens += stats.spec_decode_num_draft_tokens - before[1]
         run.num_accepted += stats.spec_decode_num_accepted_tokens - before[2]
@@ -137,27 +145,30 @@ def answer_alone(llm, rows: list[dict]) -> dict[str, TaskRun]:
 
 
 def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | None = None, device: str = "cpu",
-                       dtype: str = "auto", optimizations=None, retrieval_limit: int | None = None) -> dict[str, Any]:
+                       dtype: str = "auto", optimizations=None, retrieval_limit: int | None = None, batch: int = 1,
+                       only: list[str] | None = None) -> dict[str, Any]:
     """The report of the acceptance part (see the module docstring): a dict, with a printable `table`.
     `optimizations`: the engines' switches (None: the defaults); `retrieval_limit`: prompts per retrieval length
-    (None: `limit`)."""
+    (None: `limit`); `batch`: prompts answered at once (1: alone); `only`: the drafters measured (None: all)."""
     from nanoserve.presets.resolve import resolve_model_dir
 
     model_dir = resolve_model_dir(model)
     retrieval_limit = limit if retrieval_limit is None else retrieval_limit
     rows = heldout_rows(model_dir, limit, retrieval_limit, flag="--speculative")
     report: dict[str, Any] = {"model": model, "device": device, "dtype": dtype, "limit": limit,
-                              "retrieval_limit": retrieval_limit,
+                              "retrieval_limit": retrieval_limit, "batch": batch,
                               "prompts": {t: sum(r["task"] == t for r in rows) for t in dict.fromkeys(
                                   r["task"] for r in rows)}, "drafters": {}, "skipped": {}}
-    base = _answer_with(model, device, dtype, None, rows, optimizations)
+    base = _answer_with(model, device, dtype, None, rows, optimizations, batch)
     report["baseline"] = {t: _timing(run) for t, run in base.items()}
     _progress("no speculation", base)
     for name, config, skip in drafters(model_dir, eagle3_dir, device):
+        if only is not None and name not in only:
+            continue
         if skip:
             report["skipped"][name] = skip
             continue
-        spec = _answer_with(model, device, dtype, config, rows, switches_for(name, optimizations))
+        spec = _answer_with(model, device, dtype, config, rows, switches_for(name, optimizations), batch)
         _progress(name, spec)
         tasks = {}
         for task, run in spec.items():
@@ -179,15 +190,15 @@ def measure_acceptance(model: str, limit: int | None = None, eagle3_dir: str | N
     return report
 
 
-def _answer_with(model: str, device: str, dtype: str, config: dict | None, rows: list[dict], optimizations
-                 ) -> dict[str, TaskRun]:
+def _answer_with(model: str, device: str, dtype: str, config: dict | None, rows: list[dict], optimizations,
+                 batch: int = 1) -> dict[str, TaskRun]:
     from nanoserve.sampling import SamplingParams
 
-    llm = build_llm(model, device, dtype, config, optimizations)
+    llm = build_llm(model, device, dtype, config, optimizations, max_num_seqs=batch)
     try:
         # one short request first, so the timed ones do not pay for first-use work (allocations, kernel builds)
         llm.generate([rows[0]["prompt"]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-        return answer_alone(llm, rows)
+        return answer_alone(llm, rows, batch)
     finally:
         llm.shutdown()
 
@@ -210,7 +221,8 @@ def _f(v: float | None, fmt: str) -> str:
 
 
 def acceptance_table(report: dict[str, Any]) -> str:
-    lines = [f"## Speculative decoding on {report['model']} (held-out prompts, greedy, batch 1, {report['device']})",
+    lines = [f"## Speculative decoding on {report['model']} (held-out prompts, greedy, batch {report.get('batch', 1)}, "
+             f"{report['device']})",
              "", "| drafter | task | prompts | mean accepted length | acceptance per position | tok/s without / with "
              "| TPOT ms without / with | speed-up (TPOT) | identical |", "|---|---|---|---|---|---|---|---|---|"]
     for name, d in report["drafters"].items():
@@ -268,8 +280,9 @@ def run(args) -> int:
         # float32 on the CPU; a GPU runs the model's dtype, where a verify step's other kernel shapes may round
         # differently from a decode step's (a difference is reported, not hidden)
         try:
+            only = [name.strip() for name in args.spec_drafters.split(",")] if args.spec_drafters else None
             report = measure_acceptance(args.model or DEFAULT_MODEL, args.spec_limit, args.spec_eagle3, device,
-                                        args.dtype, opts, args.spec_retrieval_limit)
+                                        args.dtype, opts, args.spec_retrieval_limit, args.spec_batch, only)
         except ValueError as e:  # no held-out set, a bad draft directory: the reason, not a traceback
             raise SystemExit(f"error: {e}") from None
         name, rc = "speculative", 0 if report["identical"] else 1

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS
 
+NO_ASYNC = "mtp k=3, host in step"
+"""MTP k=3 with switch spec_async off, its reference: each speculative step launched once the previous step's tokens
+are on the host (the draft chain on). The async path takes a step's queries from the chain's graph, so the two
+differ on a GPU only."""
+
 NO_CHAIN = "mtp k=3, no draft chain"
 """MTP k=3 with switch spec_draft_chain off, its reference (spec_decode/draft_chain.py): the chain replays CUDA
 graphs, so the two differ on a GPU only."""
@@ -21,12 +26,13 @@ def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
 
 def switches_for(name: str, optimizations):
     """The engine's switches for the configuration `name`: the given ones (None: the defaults), with
-    spec_draft_chain off for NO_CHAIN."""
-    if name != NO_CHAIN:
+    spec_draft_chain off for NO_CHAIN and spec_async off for NO_ASYNC."""
+    if name not in (NO_CHAIN, NO_ASYNC):
         return optimizations
     from nanoserve.config import Optimizations
 
-    return (optimizations or Optimizations()).replace(spec_draft_chain=False)
+    off = {"spec_draft_chain": False} if name == NO_CHAIN else {"spec_async": False}
+    return (optimizations or Optimizations()).replace(**off)
 
 
 def max_tokens_for(task: str) -> int:
@@ -48,7 +54,8 @@ MAX_MODEL_LEN = 12_288
 """Room for the longest held-out prompts (retrieval at 8k tokens) and their answers."""
 
 
-def build_llm(model: str, device: str, dtype: str, speculative_config: dict | None, optimizations=None):
+def build_llm(model: str, device: str, dtype: str, speculative_config: dict | None, optimizations=None,
+              max_num_seqs: int = MAX_NUM_SEQS):
     from nanoserve.engine.warmup import DEFAULT_GPU_BUDGET_S, warm_up
     from nanoserve.entrypoints.llm import LLM
     from nanoserve.model.loader import read_config
@@ -57,7 +64,7 @@ def build_llm(model: str, device: str, dtype: str, speculative_config: dict | No
     max_len = min(MAX_MODEL_LEN, read_config(resolve_model_dir(model)).max_position_embeddings)
     # batch 1 only: a few sequences' graphs to capture, not the server's 256
     llm = LLM(model=model, device=device, dtype=dtype, max_model_len=max_len, kv_cache_tokens=65_536, seed=0,
-              max_num_seqs=MAX_NUM_SEQS, speculative_config=speculative_config,
+              max_num_seqs=max(max_num_seqs, MAX_NUM_SEQS), speculative_config=speculative_config,
               **({"optimizations": optimizations} if optimizations else {}))
     if llm.engine.executor.device.type != "cpu":
         # as the server does before it serves: kernels built and graphs captured (decode, and the verify and draft

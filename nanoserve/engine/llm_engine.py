@@ -103,10 +103,11 @@ class LLMEngine:
         self.overlap_grammar = opts.overlap_grammar
         self._finished_ids: list[int] = []  # sequences ended since the last step (the runner forgets them)
         # the step loop, chosen once: a step in flight must be finished by the loop that launched it. Async
-        # scheduling needs an executor that takes tokens on the device, and no drafts (a sequence's next drafts
-        # come with its tokens)
-        launch_ahead = opts.async_scheduling and self.executor.supports_token_feed and self.spec_config is None
-        self.overlapped = OverlappedStep(self.launch, self.update, self.outputs, launch_ahead) \
+        # scheduling needs an executor that takes tokens on the device; with speculative decoding, a step whose
+        # queries the draft chain left on the device (switch spec_async)
+        launch_ahead = opts.async_scheduling and self.executor.supports_token_feed
+        speculative_ahead = self._speculative_ahead if self.spec_config is not None else None
+        self.overlapped = OverlappedStep(self.launch, self.update, self.outputs, launch_ahead, speculative_ahead) \
             if opts.overlap_scheduling else None
         self.stats = EngineStats()
         self._seq_ids = itertools.count()
@@ -146,9 +147,10 @@ class LLMEngine:
         # (a) the tokens: append, EOS / stop ids / length; (b) detokenise, stop strings, logprobs: the outputs
         return self.outputs(self.update(launched))
 
-    def launch(self) -> LaunchedStep | None:
-        """Schedule a step and start it; on a GPU this returns while the device works."""
-        sched = self.scheduler.schedule()
+    def launch(self, previous: LaunchedStep | None = None) -> LaunchedStep | None:
+        """Schedule a step and start it; on a GPU this returns while the device works. `previous`: the step still in
+        flight, when this one is launched before its tokens arrive (async scheduling)."""
+        sched = self.scheduler.schedule(self._drafts_on_device(previous))
         self._count_step(sched)
         if sched.is_empty:
             return None
@@ -247,6 +249,34 @@ class LLMEngine:
             stop = self.stop_checker.check_text(seq)
         self._finish_if(seq, stop)
         return stop is not None
+
+    def _drafts_on_device(self, previous: LaunchedStep | None) -> frozenset[int]:
+        """The sequences whose next query - bonus token and drafts - a step launched ahead of `previous`'s tokens
+        takes where previous's draft chain left it (speculative decoding with async scheduling)."""
+        return previous.future.chained if previous is not None and self.spec_config is not None else frozenset()
+
+    def _speculative_ahead(self, previous: LaunchedStep) -> bool:
+        """Speculative decoding with async scheduling (switch spec_async): may the next step be launched before
+        `previous`'s tokens arrive? Only where every running sequence's next query - its bonus token and drafts -
+        was left on the device by previous's draft chain, nothing waits to be admitted, and the most the two steps
+        can reach fits: the blocks for it are free and its positions stay within max_model_len (previous may
+        accept up to k drafts the host does not know of yet, this step verifies k + 1 positions, and its chain
+        writes k - 1 past them)."""
+        chained, running = previous.future.chained, self.scheduler.running
+        if not self.config.optimizations.spec_async or not chained or self.scheduler.waiting or \
+                any(seq.seq_id not in chained or seq.num_pending > 1 for seq in running):
+            return False
+        k = self.spec_config.num_speculative_tokens
+        # previous emits up to k + 1 tokens the host does not know yet: this step's drafts are k only where neither
+        # max_tokens nor max_model_len cuts them for any number previous accepts (near them, steps wait)
+        if any(seq.num_known_tokens + 2 * k + 2 > self.max_model_len or (seq.params.max_tokens is not None and
+               len(seq.output_token_ids) + 2 * k + 2 > seq.params.max_tokens) for seq in running):
+            return False
+        reach = [seq.num_computed_tokens + 3 * k for seq in running]
+        bm = self.block_manager
+        blocks = sum(max(0, bm.blocks_needed(n) - len(seq.block_table)) for seq, n in zip(running, reach))
+        return (max(reach) <= self.max_model_len and blocks <= bm.num_free_blocks
+                and len(running) * (k + 1) <= self.max_num_batched_tokens)
 
     def _take_finished(self) -> list[int]:
         """The sequences ended since the last step (the runner forgets what it keeps for them)."""

@@ -40,14 +40,19 @@ from nanoserve.engine.sequence import Sequence
 
 
 class OverlappedStep:
-    """The engine iteration that keeps one step in flight. `launch()`, `receive(step)` and `process(appended)` are
-    the engine's `launch`, `update` and `outputs`; `launch_ahead` turns on async scheduling. Chosen once, when the
-    engine is built: a step in flight must be finished by the loop that launched it."""
+    """The engine iteration that keeps one step in flight. `launch(previous)`, `receive(step)` and
+    `process(appended)` are the engine's `launch`, `update` and `outputs`; `launch_ahead` turns on async scheduling,
+    and `speculative_ahead(previous)` says whether a speculative step may be launched before `previous`'s tokens
+    arrive (None: the engine does not speculate). Chosen once, when the engine is built: a step in flight must be
+    finished by the loop that launched it."""
 
-    def __init__(self, launch: Callable[[], LaunchedStep | None], receive: Callable[[LaunchedStep], list[Appended]],
-                 process: Callable[[list[Appended]], list[RequestOutput]], launch_ahead: bool):
+    def __init__(self, launch: Callable[[LaunchedStep | None], LaunchedStep | None],
+                 receive: Callable[[LaunchedStep], list[Appended]],
+                 process: Callable[[list[Appended]], list[RequestOutput]], launch_ahead: bool,
+                 speculative_ahead: Callable[[LaunchedStep], bool] | None = None):
         self.launch, self.receive, self.process = launch, receive, process
         self.launch_ahead = launch_ahead
+        self.speculative_ahead = speculative_ahead
         self.in_flight: LaunchedStep | None = None  # step N, queued on the device, its tokens not yet received
 
     def step(self) -> list[RequestOutput]:
@@ -55,7 +60,7 @@ class OverlappedStep:
         previous, self.in_flight = self.in_flight, None
         ahead = previous is not None and self._can_launch_ahead(previous)
         received = self.receive(previous) if previous is not None and not ahead else []  # (a) first: plain overlap
-        self.in_flight = self.launch()
+        self.in_flight = self.launch(previous if ahead else None)
         if ahead:  # (a) for step N's tokens, while the device computes step N+1
             received = self.receive(previous)
         return self.process(received)  # (b) for step N, while the device computes step N+1
@@ -64,7 +69,9 @@ class OverlappedStep:
         """May the next step be launched before `previous`'s tokens are received (async scheduling)?"""
         if not self.launch_ahead or previous.step.prompt_logprobs:
             return False  # prompt logprobs: the next schedule reads how many a sequence has
-        return not any(reads_own_output(seq) for seq in previous.seqs if not seq.is_finished)
+        if any(reads_own_output(seq) for seq in previous.seqs if not seq.is_finished):
+            return False
+        return self.speculative_ahead is None or self.speculative_ahead(previous)
 
 
 def reads_own_output(seq: Sequence) -> bool:

@@ -60,6 +60,9 @@ class ScheduledSeq:
     this step (a decode of 1 + num_draft positions)."""
     max_drafts: int = 0
     """Speculative decoding: how many drafts the step may propose for this sequence's next one (StepSeq)."""
+    on_device: bool = False
+    """Speculative decoding, async: its query - newest token and drafts - and its position are those the previous
+    step, still in flight, left on the device (StepSeq.on_device)."""
 
     @property
     def draft(self) -> list[int]:
@@ -140,7 +143,10 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # -- one step -----------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts_on_device: frozenset[int] | set[int] = frozenset()) -> SchedulerOutput:
+        """This step's batch. `drafts_on_device`: sequences whose previous step (speculative, still in flight)
+        accepts an unknown number of its drafts, of which this step takes its query on the device: their blocks
+        cover the most that step can accept (`_lookahead`)."""
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunked = self.opts.chunked_prefill
@@ -204,6 +210,7 @@ class Scheduler:
         if self.config.num_speculative_tokens:
             for s in out.scheduled:
                 if s.samples:
+                    s.on_device = s.seq.seq_id in drafts_on_device
                     s.max_drafts = self._lookahead(s)
         return out
 
@@ -215,7 +222,8 @@ class Scheduler:
         k = self.config.num_speculative_tokens
         if not self.config.draft_writes_kv:
             return k
-        end = s.seq.num_computed_tokens + s.num_new_tokens
+        # (a query taken on the device may start up to k positions later than the host knows)
+        end = s.seq.num_computed_tokens + s.num_new_tokens + (k if s.on_device else 0)
         k = max(1, min(k, self.config.max_model_len - end + 1))
         return k if k == 1 or self.bm.allocate(s.seq, end + k - 1) else 1
 
@@ -263,7 +271,9 @@ class Scheduler:
         is kept; the blocks that only the rejected ones (or the drafter's lookahead) needed go back to the pool.
         Call after their tokens are appended."""
         seq.num_computed_tokens += num_accepted
-        if self.opts.paged_kv:  # (off, the sequence keeps the max_model_len of blocks it reserved)
+        # (off, the sequence keeps the max_model_len of blocks it reserved; with a later step in flight, that step
+        # writes past what is computed: its blocks go back when its own tokens arrive)
+        if self.opts.paged_kv and not seq.num_pending:
             self.bm.trim(seq, seq.num_computed_tokens)
         self.bm.cache_full_blocks(seq)
 

@@ -44,17 +44,20 @@ def build_step_input(sched: SchedulerOutput, vocab_size: int, finished: list[int
         else:
             ids.extend(seq.token_ids[start:known])
         for _ in range(max(start, known), end - s.num_draft):  # pending tokens: filled in on the device
-            step.fed.append((len(ids), seq.seq_id))
+            if not s.on_device:  # (else the whole query comes from the device)
+                step.fed.append((len(ids), seq.seq_id))
             ids.append(0)
         if s.num_draft:  # speculative decoding: every position's logits, after the prompt rows
             verify_rows.extend(range(len(ids) - 1, len(ids) + s.num_draft))
             ids.extend(s.draft)
         step.model.query_lens.append(s.num_new_tokens)
-        step.model.seq_lens.append(end)
+        # (a query on the device may start up to k positions later: the longest context it can reach)
+        step.model.seq_lens.append(end + (s.num_draft if s.on_device else 0))
         step.model.block_tables.append(list(seq.block_table))
         if s.samples and not s.num_draft:
             step.model.sample_rows.append(row)
         step.seqs.append(StepSeq(seq.seq_id, seq.index, seq.params, seq.prompt_token_ids, seq.output_token_ids,
-                                 seq.num_output_tokens, start, s.num_new_tokens, s.samples, s.draft, s.max_drafts))
+                                 seq.num_output_tokens, start, s.num_new_tokens, s.samples, s.draft, s.max_drafts,
+                                 s.on_device))
     step.model.prompt_rows = prompt_token_rows + verify_rows
     return step

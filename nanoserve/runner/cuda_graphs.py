@@ -49,7 +49,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from nanoserve.batch import AttentionMetadata, TokenFeed
+from nanoserve.batch import AttentionMetadata, TokenFeed, VerifyFeed
 from nanoserve.config import KERNEL, MODEL, Optimizations
 from nanoserve.kernels import triton_usable
 from nanoserve.parallel_state import get_tp
@@ -208,18 +208,37 @@ class GraphRunner:
 
     # -- one step ---------------------------------------------------------------------------------------------
     def run(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]],
-            feed: TokenFeed | None = None, query_len: int = 1) -> torch.Tensor | None:
+            feed: TokenFeed | None = None, query_len: int = 1, verify_feed: VerifyFeed | None = None
+            ) -> torch.Tensor | None:
         """One step of query_len new tokens per sequence with every token's logits wanted - a decode step
         (query_len 1, each sequence sampled) or a verify step: logits [n x query_len, vocab] (a view of the static
         output, valid until the next replay), or None if the graph could not be captured. `feed`: input ids copied
-        on the device from the previous step's tokens, after the staging (async scheduling)."""
+        on the device from the previous step's tokens, after the staging (async scheduling); `verify_feed`: the
+        verify step's queries and positions from the previous step's draft chain (async speculative decoding)."""
         n = len(seq_lens)
         bs, length = self.key(n, max(seq_lens))
         self.stage(input_ids, seq_lens, block_tables, bs, query_len)
         apply_token_feed(self.i64[0], feed)
+        if verify_feed is not None:
+            self.apply_verify_feed(verify_feed, n, query_len)
         if not self.replay(bs, length, query_len):
             return None
         return self.logits[: n * query_len]
+
+    def apply_verify_feed(self, feed: VerifyFeed, n: int, q: int) -> None:
+        """Write the fed queries over the staged placeholders, on the device: the input ids, the positions from
+        each sequence's first, its context length after the step, and the slots those positions have in its block
+        table (staged already, covering the farthest it can reach)."""
+        src = torch.tensor(feed.rows, dtype=torch.int64)
+        if self.device.type == "cuda":
+            src = src.pin_memory().to(self.device, non_blocking=True)
+        first = feed.pos[src]
+        pos = first[:, None] + torch.arange(q, device=self.device)[None, :]
+        self.i64[0, : n * q].copy_(feed.ids[src, :q].reshape(-1))
+        self.i64[1, : n * q].copy_(pos.reshape(-1))
+        self.i32[self.max_bs + 1: self.max_bs + 1 + n].copy_(first + q)
+        page = self.tables[:n].gather(1, pos // self.block_size).to(torch.int64)
+        self.i64[2, : n * q].copy_((page * self.block_size + pos % self.block_size).reshape(-1))
 
     def replay(self, bs: int, length: int, query_len: int = 1) -> bool:
         """Replay the graph of this key over the staged buffers, capturing it first if needed; False if its

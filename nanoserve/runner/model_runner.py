@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import gc
 import logging
+from typing import Callable
 
 import torch
 
-from nanoserve.batch import AttentionMetadata, TokenFeed
+from nanoserve.batch import AttentionMetadata, TokenFeed, VerifyFeed
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig, Platform
 from nanoserve.kernels import check_tuned_files, triton_usable
 from nanoserve.kernels.moe_wgmma import hopper_gluon
@@ -116,6 +117,7 @@ class ModelRunner:
         self.sampling = StepSampler(config, self.device, self.cfg.eos_token_id)
         """Rank 0's second half of a step: logits -> tokens (runner/sample_step.py)."""
         self._step: StepInput | None = None  # the step execute_model ran, until sample_tokens takes its logits
+        self.fed_ids: torch.Tensor | None = None  # a verify step's queries taken on the device (VerifyFeed)
         self.logits: torch.Tensor | None = None
         """The logits of the step execute_model ran, until sample_tokens takes them (the parity tests read them)."""
 
@@ -190,15 +192,42 @@ class ModelRunner:
 
     def execute_model(self, step: StepInput) -> None:
         """Queue a step's forward (rank 0; the other ranks run `execute` on step.model). `sample_tokens` follows."""
-        self._step = step
-        self.logits = self.execute(step.model, self.sampling.feed(step))
+        self._step, self.fed_ids = step, None
+        verify_feed = self._verify_feed(step)
+        self.logits = self.execute(step.model, self.sampling.feed(step), verify_feed,
+                                   on_host=lambda: self._resolve_on_host(step, verify_feed))
+
+    def _verify_feed(self, step: StepInput) -> VerifyFeed | None:
+        """The queries a step launched ahead of the previous one's tokens takes from that step's draft chain (every
+        sequence of such a step is one: the engine launches it only then), or None."""
+        if not any(s.on_device for s in step.seqs):
+            return None
+        rows = self.sampling.chained_rows
+        if self.chain is None or not all(s.on_device and s.seq_id in rows for s in step.seqs):
+            raise RuntimeError("a step launched ahead of the previous one's tokens has sequences whose queries no "
+                               "draft chain left on the device")
+        return VerifyFeed([rows[s.seq_id] for s in step.seqs], self.chain.next_ids, self.chain.next_pos)
+
+    @staticmethod
+    def _resolve_on_host(step: StepInput, feed: VerifyFeed) -> None:
+        """A step with fed queries that no graph replays: read them back (one wait for the device) into the host's
+        lists, which the eager path and the host-side verification read."""
+        ids, pos = feed.ids.tolist(), feed.pos.tolist()
+        offset = 0
+        for i, (s, row) in enumerate(zip(step.seqs, feed.rows)):
+            q = s.query_len
+            step.model.input_ids[offset: offset + q] = ids[row][:q]
+            step.model.seq_lens[i] = pos[row] + q
+            s.start, s.draft = pos[row], ids[row][1:q]
+            offset += q
 
     def sample_tokens(self, masks: GrammarMasks | None = None) -> PendingStep:
         """Queue the tokens of the step `execute_model` ran (its structured-output masks: `masks`); returns at once
         on a GPU. PendingStep.result() waits for them."""
         step, logits = self._step, self.logits
         self._step = self.logits = None
-        return self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax, self.draft_chain)
+        return self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax, self.draft_chain,
+                                    self.fed_ids)
 
     def _proposer(self) -> Proposer | None:
         """The drafter of speculative decoding, or None (no speculative_config, or the switch off)."""
@@ -210,16 +239,22 @@ class ModelRunner:
         return Proposer(SpeculativeConfig.from_dict(spec), self.max_model_len, by_model)
 
     @torch.inference_mode()
-    def execute(self, inp: ModelInput, feed: TokenFeed | None = None) -> torch.Tensor:
+    def execute(self, inp: ModelInput, feed: TokenFeed | None = None, verify_feed: VerifyFeed | None = None,
+                on_host: Callable[[], None] | None = None) -> torch.Tensor:
         """Run one step; returns fp32 logits [len(sample_rows) + len(prompt_rows), vocab]: the sample rows', then
         the prompt rows' (every rank computes them). The LM head runs on those rows only. `feed`: input ids to take
-        from the previous step's sampled tokens on the device (async scheduling)."""
+        from the previous step's sampled tokens on the device (async scheduling); `verify_feed`: a verify step's
+        queries from the previous step's draft chain, which only a graph replay takes on the device - else
+        `on_host()` first reads them into `inp`."""
         self.last_argmax = None
         self._last_verify = None
         graphs, q = self._step_graphs(inp)
-        if graphs is not None:
-            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables, feed, q)
+        greedy = self.config.optimizations.spec_greedy_accept  # (the rejection sampler reads the drafts' values)
+        if graphs is not None and (verify_feed is None or greedy):
+            logits = graphs.run(inp.input_ids, inp.seq_lens, inp.block_tables, feed, q, verify_feed)
             if logits is not None:
+                if verify_feed is not None:  # what the step verified: the host holds placeholders
+                    self.fed_ids = graphs.i64[0, : len(inp.input_ids)]
                 if graphs.captured_argmax and q == 1:
                     self.last_argmax = graphs.tokens[: len(inp.seq_lens)]
                 if q > 1:
@@ -227,6 +262,8 @@ class ModelRunner:
                 if self.drafter is not None:  # what the captured forward kept for it: every token's row
                     self.drafter.last = graphs.kept[: len(inp.input_ids)]
                 return logits
+        if verify_feed is not None:
+            on_host()
         input_ids, meta, logits_index = self.prepare(inp)
         apply_token_feed(input_ids, feed)
         hidden = self.model(input_ids, meta.positions, meta)

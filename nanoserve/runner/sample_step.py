@@ -37,6 +37,10 @@ class PendingStep:
                  chain: DeviceSample | None, proposer: Proposer | None):
         self.step, self.sample, self.prompt, self.verify, self.chain = step, sample, prompt, verify, chain
         self.proposer = proposer
+        self.chained: frozenset[int] = frozenset(s.seq_id for s in verify.seqs) if chain is not None else \
+            frozenset()
+        """The sequences whose next query - bonus token and drafts - the draft chain left on the device: a next
+        step may take them there before this one's tokens arrive (async scheduling, switch spec_async)."""
 
     def result(self) -> StepOutput:
         out = StepOutput()
@@ -81,6 +85,7 @@ class StepSampler:
         self.opts = opts
         self.last: DeviceSample | None = None  # the last step's draw, for async scheduling's token feed
         self.last_rows: dict[int, int] = {}  # seq_id -> its row in `last`
+        self.chained_rows: dict[int, int] = {}  # seq_id -> its row in the last draft chain's outputs
 
     def feed(self, step: StepInput) -> TokenFeed | None:
         """The TokenFeed of `step`'s input positions whose token is the last step's draw (async scheduling)."""
@@ -93,10 +98,11 @@ class StepSampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, step: StepInput, masks: GrammarMasks, argmax: torch.Tensor | None,
-               draft_chain: DraftChainFn) -> PendingStep:
+               draft_chain: DraftChainFn, fed_ids: torch.Tensor | None = None) -> PendingStep:
         """Queue the step's tokens (see the module docstring). `argmax`: a decode graph's argmax of every row
-        (switch captured_argmax); `draft_chain`: the runner's chain after a verify graph. Reads `logits` only
-        through work queued here: with CUDA graphs it is a static buffer that the next replay overwrites."""
+        (switch captured_argmax); `draft_chain`: the runner's chain after a verify graph; `fed_ids`: the queries
+        a verify step took on the device (the host has placeholders). Reads `logits` and `fed_ids` only through
+        work queued here: with CUDA graphs they are static buffers that the next replay overwrites."""
         for seq_id in step.finished:
             self.sampler.forget(seq_id)
         sampled, verifying = step.sampled, step.verifying
@@ -109,12 +115,13 @@ class StepSampler:
         verify = chain = None
         if verifying:  # then the k + 1 positions of each sequence that verifies drafts
             verify = spec_verify.verify(logits[num_sampled + num_prompt:], verifying, self.sampler,
-                                        masks.verified, self.opts.spec_greedy_accept)
+                                        masks.verified, self.opts.spec_greedy_accept, fed_ids)
             drafts = draft_chain() if verify.greedy and self._chains(step) else None
             if drafts is not None:  # one copy out of the static buffer, which the next replay overwrites
                 chain = DeviceSample(drafts.clone().view(-1), [None] * drafts.numel(), None, None,
                                      None).start_host_copy()
         self.last, self.last_rows = sample, {s.seq_id: i for i, s in enumerate(sampled)}
+        self.chained_rows = {s.seq_id: i for i, s in enumerate(verifying)} if chain is not None else {}
         return PendingStep(step, sample, prompt, verify, chain, self.proposer)
 
     def _chains(self, step: StepInput) -> bool:

@@ -57,6 +57,11 @@ class DraftChain:
         self.i64 = torch.zeros(2, n, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self.drafts = torch.zeros(n, k, dtype=torch.int64, device=device)
+        # what the next verify step takes on the device when it is launched before this one's tokens reach the
+        # host (async scheduling): each sequence's next input ids - the bonus token, then the drafts - and the
+        # position of the first of them (one past the last accepted one)
+        self.next_ids = torch.zeros(n, k + 1, dtype=torch.int64, device=device)
+        self.next_pos = torch.zeros(n, dtype=torch.int64, device=device)
         self.graphs: dict[tuple[int, int, int], Replay] = {}
         self.disabled: str | None = None
 
@@ -107,7 +112,7 @@ class DraftChain:
         one = AttentionMetadata(positions=positions, query_start_loc=starts, seq_lens=lens, block_tables=tables,
                                 slot_mapping=slots, block_size=block, max_query_len=1, max_seq_len=length,
                                 num_decode_seqs=bs, query_lens_cpu=[1] * bs, seq_lens_cpu=[length] * bs)
-        drafts = self.drafts[:bs]
+        drafts, next_ids, next_pos = self.drafts[:bs], self.next_ids[:bs, :q], self.next_pos[:bs]
         # made before the capture and held by the closure (a replay keeps its function alive)
         rows = torch.arange(bs, device=target.device)
         query_starts = torch.arange(bs + 1, dtype=torch.int32, device=target.device)
@@ -123,6 +128,8 @@ class DraftChain:
             token = draft._tokens(out[last])
             drafts[:, 0].copy_(token)
             at = meta.positions.view(bs, q)[:, 0] + accepted  # P: the last accepted position
+            next_ids[:, 0].copy_(argmax.view(bs, q).gather(1, accepted[:, None])[:, 0])  # the bonus token, at P + 1
+            next_pos.copy_(at + 1)
             real = meta.slot_mapping.view(bs, q)[:, 0] >= 0  # padding sequences write nothing
             starts.copy_(query_starts)
             for j in range(1, k):
@@ -134,6 +141,7 @@ class DraftChain:
                 out, carry = draft._step(token, carry, one)
                 token = draft._tokens(out)
                 drafts[:, j].copy_(token)
+            next_ids[:, 1:].copy_(drafts)
 
         forward.key = ("chain", bs, length, q)  # for the capture seam (logs, tests)
         return forward

@@ -40,7 +40,8 @@ def speculable(params: SamplingParams) -> bool:
 def room(seq: StepSeq, num_emitted: int, k: int, max_model_len: int) -> int:
     """How many drafts `seq` may verify in its next step, once this step emitted `num_emitted` tokens for it."""
     p = seq.params
-    num_output = seq.num_output_tokens + num_emitted
+    # (the engine's list, as it is now: a step launched ahead of this one's tokens left its count behind)
+    num_output = len(seq.output_token_ids) + num_emitted
     if not seq.samples or not seq.max_drafts or num_output < p.min_tokens or not speculable(p):
         return 0
     left = max_model_len - (len(seq.prompt_token_ids) + num_output) - 1

@@ -35,18 +35,26 @@ class DeviceVerify:
     greedy: bool = False
     """Accepted on the host (switch spec_greedy_accept): `sample` then holds the argmax of every verified position
     (sequence r's k_r + 1 rows in turn), and `to_host` compares each draft with it."""
+    fed: DeviceSample | None = None
+    """A step that took its queries on the device (async speculative decoding): the input ids it verified, copied
+    back beside the argmax - the drafts `to_host` compares with it (the host's are placeholders)."""
 
 
 def verify(logits: torch.Tensor, seqs: list[StepSeq], sampler: Sampler, mask: GrammarMask | None,
-           greedy_accept: bool) -> DeviceVerify:
+           greedy_accept: bool, fed_ids: torch.Tensor | None = None) -> DeviceVerify:
     """Queue the acceptance of `seqs`' drafts on the device. `logits`: the k_r + 1 rows of each sequence in turn
-    (the newest token's position first); `mask`: the structured-output masks of those rows."""
+    (the newest token's position first); `mask`: the structured-output masks of those rows; `fed_ids`: the
+    queries, where the step took them on the device (they are accepted greedily: the draft chain made them)."""
     counts = [s.num_draft for s in seqs]
     k_max = max(counts)
     if greedy_accept and mask is None and all(plain_greedy(s) for s in seqs):
         argmax = logits.argmax(dim=-1)
         sample = DeviceSample(argmax, [None] * len(argmax), None, None, None).start_host_copy()
-        return DeviceVerify(seqs, k_max + 1, sample, greedy=True)
+        fed = None if fed_ids is None else \
+            DeviceSample(fed_ids.clone(), [None] * fed_ids.numel(), None, None, None).start_host_copy()
+        return DeviceVerify(seqs, k_max + 1, sample, greedy=True, fed=fed)
+    if fed_ids is not None:
+        raise RuntimeError("a verify step whose queries are on the device is accepted greedily only")
     device = logits.device
     row_seqs = [s for s in seqs for _ in range(s.num_draft + 1)]
     probs, source = sampler.target_distributions(logits, row_seqs, mask)
@@ -98,12 +106,14 @@ def to_host(verify: DeviceVerify) -> tuple[list[list[int]], SampleResult]:
             row = result.token_ids[r * verify.width: (r + 1) * verify.width]
             emitted.append([t for t in row if t >= 0])
         return emitted, result
+    fed = Sampler.to_host(verify.fed).token_ids if verify.fed is not None else None
     start = 0
     for s in verify.seqs:  # the longest prefix equal to the argmax, then the argmax after it
         argmax = result.token_ids[start: start + s.num_draft + 1]
+        draft = s.draft if fed is None else fed[start + 1: start + s.num_draft + 1]
         n = 0
-        while n < s.num_draft and s.draft[n] == argmax[n]:
+        while n < s.num_draft and draft[n] == argmax[n]:
             n += 1
-        emitted.append(s.draft[:n] + [argmax[n]])
+        emitted.append(draft[:n] + [argmax[n]])
         start += s.num_draft + 1
     return emitted, result

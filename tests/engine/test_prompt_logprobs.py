@@ -129,8 +129,8 @@ def test_prompt_logprob_chunks_and_row_slices_bound_memory(monkeypatch):
         chunks: list[int] = []
         schedule = llm.engine.scheduler.schedule
 
-        def recording():
-            out = schedule()
+        def recording(*args):
+            out = schedule(*args)
             chunks.extend(s.num_new_tokens for s in out.scheduled if s.num_new_tokens > 1)
             return out
 

@@ -1,0 +1,141 @@
+"""Speculative decoding with the host one step behind (switch spec_async): a verify step launched before the previous
+step's tokens reach the host, its queries and positions taken from the previous step's draft chain on the device.
+
+Against its reference - each speculative step launched once the previous step's tokens are on the host - on the
+CPU with the graphs emulated (each replay re-runs the captured function over the same static buffers, as in
+tests/engine/test_spec_graphs.py): the same greedy tokens, the same drafts (so the same acceptance counts, per
+position), steps really launched ahead, and every KV block accounted for after every step; and the interplay with
+the host's late view: a stop string inside an accepted run, an abort and max_tokens while a step is in flight,
+preemption (a small pool) and new requests arriving between steps.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, prompts
+from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, finish_all
+
+
+def build(model: str, spec_async: bool, **kwargs) -> tuple[LLM, list]:
+    """An engine with the draft chain under emulated graphs; the list fills with each launched step's count of
+    sequences whose query came from the device."""
+    opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=True,
+                                 spec_async=spec_async)
+    llm = LLM(model, optimizations=opts, max_model_len=kwargs.pop("max_model_len", MAX_MODEL_LEN), max_num_seqs=4,
+              speculative_config=MTP, **kwargs)
+    runner = llm.engine.executor.runner
+    runner.graph_capture = lambda fn: fn
+    fed: list[int] = []
+    execute = runner.execute_model
+
+    def counting(step):
+        fed.append(sum(s.on_device for s in step.seqs))
+        bm = llm.engine.block_manager
+        bm.check_integrity()  # every step: the pool's books balance
+        return execute(step)
+
+    runner.execute_model = counting
+    return llm, fed
+
+
+def run(llm: LLM, batches, params=GREEDY) -> list[list[int]]:
+    outs = []
+    for batch in batches:
+        outs += [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+    return outs
+
+
+@pytest.mark.parametrize("model", ["mtp_dir", "m3-mini"])
+def test_launched_ahead_the_same_tokens_and_drafts(model, request):
+    """m3-tiny's random MTP module (drafts mostly rejected) and the trained m3-mini's (mostly accepted, whole and
+    partial runs): the same tokens and the same acceptance, per position, as the reference; most steps ahead."""
+    name = request.getfixturevalue(model) if model == "mtp_dir" else model
+    batches = [prompts()[:1], prompts()] if model == "mtp_dir" else \
+        [[[1, 2, 3] + list(range(40, 80))], [list(range(100, 140)), list(range(300, 330)) * 2]]
+    kwargs = {} if model == "mtp_dir" else {"dtype": "float32", "max_model_len": 512}
+    results = {}
+    for spec_async in (True, False):
+        llm, fed = build(name, spec_async, **kwargs)
+        results[spec_async] = run(llm, batches), acceptance(llm.engine.stats), fed
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    (out, accepted, fed), (ref, ref_accepted, ref_fed) = results[True], results[False]
+    assert out == ref and accepted == ref_accepted
+    assert not any(ref_fed), "the reference launched a step ahead"
+    assert sum(n > 0 for n in fed) > len(fed) // 2, f"most steps were meant to be launched ahead: {fed}"
+    if model == "m3-mini":
+        per_pos = accepted[3]
+        assert per_pos[0] > 0 and per_pos[-1] < accepted[0], "whole and partial drafts were both meant to occur"
+
+
+def test_stops_limits_and_aborts_with_a_step_in_flight(mtp_dir):
+    """A stop string completed inside an accepted run, max_tokens reached in a step whose successor is already
+    launched, and an abort while a step launched ahead is in flight: the outputs the reference gives, nothing
+    past a stop, every block back."""
+    ref_llm, _ = build(mtp_dir, False)
+    llm, fed = build(mtp_dir, True)
+    p = prompts()
+    free_run = run(ref_llm, [p[:1]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+    text = ref_llm.get_tokenizer().decode(free_run[10:12])
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[text]),
+              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)]
+    for lm in (ref_llm, llm):
+        outs = lm.generate([{"prompt_token_ids": q} for q in p], params, use_tqdm=False)
+        if lm is ref_llm:
+            ref = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        else:
+            got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    assert got == ref and ref[0][2] == "stop" and ref[1][2] == "length" and len(ref[1][1]) == 7
+    assert any(fed)
+    assert_all_blocks_free(llm)
+    # an abort while a step launched ahead is in flight
+    engine = llm.engine
+    for i, q in enumerate(p):
+        engine.add_request(f"a{i}", {"prompt_token_ids": q}, GREEDY)
+    for _ in range(40):
+        engine.step()
+        in_flight = engine.overlapped.in_flight
+        if in_flight is not None and any(s.on_device for s in in_flight.step.seqs):
+            break
+    else:
+        pytest.fail("no step was launched ahead")
+    engine.abort_request("a1")
+    engine.block_manager.check_integrity()
+    finished = finish_all(engine)
+    expected = run(ref_llm, [p])
+    assert finished == {"a0": expected[0], "a2": expected[2]}
+    assert_all_blocks_free(llm)
+    for lm in (ref_llm, llm):
+        lm.shutdown()
+
+
+def test_a_small_pool_and_arrivals_fall_back_to_the_host(mtp_dir):
+    """A pool too small for the farthest a step launched ahead can reach, and requests that arrive while others
+    decode: those steps wait for the tokens (the reference's order), the outputs are the reference's."""
+    p = prompts()
+    outs = {}
+    for spec_async in (True, False):
+        llm, fed = build(mtp_dir, spec_async, num_gpu_blocks_override=12, max_model_len=192)
+        engine = llm.engine
+        engine.add_request("first", {"prompt_token_ids": p[0]}, GREEDY)
+        got = {}
+        for step in range(400):
+            if step == 6:  # arrivals while "first" decodes
+                engine.add_request("second", {"prompt_token_ids": p[1]}, GREEDY)
+                engine.add_request("third", {"prompt_token_ids": p[2]}, GREEDY)
+            for out in engine.step():
+                if out.finished:
+                    got[out.request_id] = out.outputs[0].token_ids
+            if step > 6 and not engine.has_unfinished_requests():
+                break
+        outs[spec_async] = got, engine.stats.num_preemptions
+        assert_all_blocks_free(llm)
+        if spec_async:
+            assert any(fed), "a step was meant to be launched ahead before the arrivals"
+        llm.shutdown()
+    assert outs[True][0] == outs[False][0] and len(outs[True][0]) == 3
+    assert outs[True][1] > 0 and outs[False][1] > 0, "the pool was meant to be small enough to preempt"
