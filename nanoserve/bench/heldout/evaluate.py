@@ -1,4 +1,4 @@
-"""Answer the held-out set through the chat path and grade it against the issue's targets.
+"""Answer the held-out set through the chat path and grade it against m3-mini's targets.
 
     evaluate(llm, rows)          every request answered greedily by `LLM.chat` (the server's rendering: the request's
                                  messages, its tools, its thinking mode), graded by grade.py
@@ -29,7 +29,7 @@ RETRIEVAL_TOKENS = 32
 CONSTRAINT = "constrained_tool_calls"
 """The switch that holds auto tool calls to the offered tools (Optimizations), when this build has it."""
 
-# (row name, what the issue asks, how to read the measurement: ">=" fraction, "==" count, "<=" perplexity)
+# (row name, what it measures, how to read the measurement: ">=" fraction, "==" count, "<=" perplexity)
 TARGETS: list[tuple[str, str, str, float | None]] = [
     ("tool_call", "tool calls exact (name and every argument)", ">=", 0.85),
     ("no_call", "no call when none is needed", ">=", 0.95),
@@ -165,7 +165,7 @@ def _fmt(kind: str, value: float | None) -> str:
 
 def target_table(report: HeldoutReport, perplexity: dict[str, float], before: dict[str, Any] | None = None,
                  constraint_present: bool = True) -> str:
-    """Markdown: every target row of the issue with the measurement (and the shipped weights' one, if known)."""
+    """Markdown: every target row with the measurement (and the shipped weights' one, if known)."""
     before = before or {}
     b_acc = before.get("accuracy", {})
     b_stray = before.get("stray_calls", {})
