@@ -30,6 +30,10 @@ TOKENIZER=${TOKENIZER:-nanoserve/presets/m3_mini/tokenizer.json}
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   git rev-parse HEAD 2>/dev/null; } | tee "$OUT/gpu.txt"
 
+# the arrays are zips compressed with LZMA (training/prepare.py): a Python without its lzma module cannot read them
+python3 -c "import lzma" || { echo "python3 has no lzma module: data/prepared cannot be read"; exit 1; }
+[ -f data/prepared/chats.npz ] || { echo "no data/prepared/chats.npz: run python -m training.prepare and carry it"; exit 1; }
+
 rate() {  # tokens per second from a --profile-steps report, 0 when it failed
   grep -o 'profile: [0-9]* steps, [0-9]* tokens, [0-9.]* s' "$1" | awk '{print $4 / $6}' | tail -1 | grep . || echo 0
 }

@@ -805,9 +805,11 @@ def _holder(rng: random.Random, needle: int) -> str:
 
 
 def sample_retrieval(rng: random.Random, src: Sources, n_chars: int | None = None, n_keys: int | None = None,
-                     needle: int | None = None) -> Chat:
-    """Values ("The pass key of NAME is NNNNNN.", a PIN, a room's access code, ...: NEEDLES, one kind a document)
-    hidden at random places of ~n_chars of filler; the user asks for one of them."""
+                     needle: int | None = 0) -> Chat:
+    """Values hidden at random places of ~n_chars of filler; the user asks for one of them. `needle`: which of
+    NEEDLES (0, the default: pass keys, "The pass key of NAME is NNNNNN.", drawn exactly as before the others
+    existed, so a seed gives the same chat it always gave); None draws one kind per document (prepare.py's
+    retrieval set)."""
     n_chars = n_chars or int(2000 * 15 ** rng.random())  # 2k-30k characters, log-uniform
     n_keys = n_keys or min(rng.randint(8, 64), max(8, n_chars // 150))
     needle = rng.randrange(len(NEEDLES)) if needle is None else needle
@@ -815,9 +817,13 @@ def sample_retrieval(rng: random.Random, src: Sources, n_chars: int | None = Non
     names: list[str] = []
     while len(names) < n_keys:
         name = _holder(rng, needle)
-        if name not in names and not any(name in n or n in name for n in names):
+        if name not in names and (needle == 0 or not any(name in n or n in name for n in names)):
             names.append(name)
-    keys = [str(rng.randint(0, 10 ** rng.choice((4, 5, 6, 6, 6, 7)) - 1)).zfill(rng.choice((4, 6))) for _ in names]
+    if needle == 0:
+        keys = [f"{rng.randint(0, 999999):06d}" for _ in names]
+    else:
+        keys = [str(rng.randint(0, 10 ** rng.choice((4, 5, 6, 6, 6, 7)) - 1)).zfill(rng.choice((4, 6)))
+                for _ in names]
     avg = sum(len(s) for s in src.sentences[:200]) / min(200, len(src.sentences)) + 1
     filler = rng.choices(src.sentences, k=max(n_keys, int(n_chars / avg)))
     slots = sorted(rng.sample(range(len(filler) + 1), n_keys))
@@ -827,11 +833,14 @@ def sample_retrieval(rng: random.Random, src: Sources, n_chars: int | None = Non
         parts.append(statement.format(e=name, v=key))
         prev = slot
     parts.append(" ".join(filler[prev:]))
-    document = "\n".join(p for p in parts if p) if rng.random() < 0.7 else " ".join(p for p in parts if p)
+    lines = needle == 0 or rng.random() < 0.7  # one value's sentence a line, or running text
+    document = ("\n" if lines else " ").join(p for p in parts if p)
     target = rng.randrange(n_keys)
     name, key = names[target], keys[target]
     q = rng.choice(questions).format(e=name)
     intro = rng.choice(("Read the text below and answer the question.", "Here is a document.",
+                        "Remember the pass keys in this text.", "") if needle == 0 else
+                       ("Read the text below and answer the question.", "Here is a document.",
                         "Remember what this text says.", "Some records:", ""))
     user = (f"{intro}\n\n{document}\n\n{q}" if rng.random() < 0.8 else f"{q}\n\n{document}\n\nAgain: {q}").strip()
     mode = "disabled" if rng.random() < 0.5 else "adaptive"

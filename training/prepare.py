@@ -106,11 +106,12 @@ def _render(job: tuple[str, int, int, dict]) -> list[tuple[list[int], list[int]]
             c = chats.sample(r, r.choices(list(kinds), weights=list(kinds.values()))[0], **know)
         else:
             tokens = r.uniform(500, cfg["long_max"])
-            c = chats.sample(r, "retrieval", n_chars=int(tokens * BYTES_PER_TOKEN), **know)
+            c = chats.sample(r, "retrieval", n_chars=int(tokens * BYTES_PER_TOKEN), needle=None, **know)
         ids, trains = enc.segments(chats.render(c, CHAT_TEMPLATE))
         if what == "long" and len(ids) > cfg["long_limit"]:  # a filler denser than BYTES_PER_TOKEN: cut to fit
             c = chats.sample(random.Random(seed + 7919), "retrieval",
-                             n_chars=int(tokens * BYTES_PER_TOKEN * cfg["long_limit"] / len(ids) * 0.95), **know)
+                             n_chars=int(tokens * BYTES_PER_TOKEN * cfg["long_limit"] / len(ids) * 0.95),
+                             needle=None, **know)
             ids, trains = enc.segments(chats.render(c, CHAT_TEMPLATE))
         out.append((ids, trains))
     return out

@@ -16,8 +16,8 @@
     python -m nanoserve.bench --kv-cache-dtype fp8 --workloads W2,W4   # the KV cache in fp8 e4m3
     python -m nanoserve.bench --micro attention,route,ceilings   # kernel micro-benchmarks alone (GPU)
     python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
-    python -m nanoserve.bench --quality [--ablate]              # m3-mini's held-out accuracy and perplexity (CPU),
-                                                                # and what each approximation costs in quality
+    python -m nanoserve.bench --quality [--ablate]              # m3-mini on held-out requests against its targets,
+                                                                # perplexity (CPU); what each approximation costs
     python -m nanoserve.bench --speculative [--spec-limit N]    # each drafter's acceptance and speed-up (m3-mini)
     python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
     python -m nanoserve.bench --speculative host                # where a speculative step's host time goes (m3-mini)
@@ -125,9 +125,10 @@ def parser() -> argparse.ArgumentParser:
                          "core)")
     ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model "
                     "(weights and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
-    ap.add_argument("--quality", action="store_true", help="held-out task accuracy and perplexity of a trained model "
-                    "(default m3-mini) on the CPU; with --ablate, the change each approximation makes")
-    ap.add_argument("--quality-limit", type=int, default=None, metavar="N", help="--quality: at most N prompts per "
+    ap.add_argument("--quality", action="store_true", help="a trained model (default m3-mini) on the CPU: held-out "
+                    "requests (nanoserve/bench/heldout) graded against its targets, and held-out perplexity; with "
+                    "--ablate, the change each approximation makes")
+    ap.add_argument("--quality-limit", type=int, default=None, metavar="N", help="--quality: at most N requests per "
                     "task (default: all)")
     ap.add_argument("--quality-retrieval-limit", type=int, default=None, metavar="N",
                     help="--quality: at most N prompts per retrieval length (default: as --quality-limit)")

@@ -301,29 +301,24 @@ def format_deltas(base: QualityReport, rows: list[tuple[str, QualityReport]]) ->
 
 def heldout_quality(model: str, limit: int | None, text_tokens: int, retrieval_limit: int | None = None
                     ) -> tuple[HeldoutReport, dict[str, float], bool]:
-    """The held-out requests graded on `model` (with the constraint switch flipped too, where it exists) and the
-    perplexity of the frozen held-out text: (report, perplexity, whether the build has the switch)."""
+    """The held-out requests graded on `model` (the requests that offer tools with the constraint switch both ways,
+    where it exists) and the perplexity of the frozen held-out text: (report, perplexity, whether the build has
+    the switch)."""
     from nanoserve.bench.heldout import TEXT, load_requests
     from nanoserve.config import Optimizations
 
     rows = select_rows(load_requests(), limit, retrieval_limit)
     present = CONSTRAINT in Optimizations().as_dict()
     llm = build_llm(model, reasoning_parser="minimax_m3")
-    flipped = None
     try:
         on = bool(getattr(llm.engine.config.optimizations, CONSTRAINT)) if present else None
-        if present:
-            flipped = build_llm(model, reasoning_parser="minimax_m3",
-                                optimizations=llm.engine.config.optimizations.replace(**{CONSTRAINT: not on}))
-        report = evaluate_heldout(llm, rows, flipped, on)
+        report = evaluate_heldout(llm, rows, on)
         ppl: dict[str, float] = {}
         if text_tokens:
             ppl = perplexity(llm, "", text_tokens, text_path=TEXT)
             ppl.update(long_perplexity(llm, "", text_tokens, text_path=TEXT))
     finally:
         llm.shutdown()
-        if flipped is not None:
-            flipped.shutdown()
     return report, ppl, present
 
 

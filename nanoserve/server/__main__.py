@@ -8,7 +8,8 @@
 Routes (docs/server_api.md has every field and what is refused): POST /v1/completions, POST /v1/chat/completions,
 POST /v1/responses, GET|DELETE /v1/responses/{response_id}, POST /v1/responses/{response_id}/cancel
 (docs/responses_api.md), POST /v1/messages, POST /v1/messages/count_tokens (Anthropic's Messages API,
-docs/anthropic_api.md), GET /v1/models, POST /tokenize, POST /detokenize, GET /health, GET|POST /ping,
+docs/anthropic_api.md), GET /v1/models, POST /tokenize, POST /detokenize, POST /v1/chat/completions/render,
+POST /v1/completions/render (what a router asks a worker, docs/scale_out.md), GET /health, GET|POST /ping,
 POST /invocations, GET /load, GET /version, GET /metrics, GET /openapi.json.
 
 Engine flags use vLLM's names. Every optimization switch also has its own --<switch> / --no-<switch> pair,

@@ -261,10 +261,11 @@ def test_heldout_answers_through_llm_chat(tiny_dir, monkeypatch):
     llm = LLM(model=tiny_dir, device="cpu", dtype="float32", optimizations=engine_opts(), max_model_len=2048,
               kv_cache_tokens=8192, seed=0, reasoning_parser="minimax_m3")
     try:
-        report = evaluate(llm, rows)
+        report = evaluate(llm, rows, constraint_on=True)  # tool requests held to the auto call format, then not
     finally:
         llm.shutdown()
     assert {k: n for k, (_, n) in report.accuracy.items() if "(" not in k and k != "well_formed"} == \
         {t: 1 for t in ("tool_call", "no_call", "tool_result", "passage", "arith", "out_of_scope")}
     assert report.accuracy["well_formed"][1] == len(rows) == len(report.answers)
-    assert "constraint off" in report.stray or "constraint on" in report.stray
+    assert report.stray["constraint on"][0] == 0 and set(report.stray) == {"constraint on", "constraint off"}
+    assert report.accuracy["tool_call (constraint off)"][1] == 1

@@ -200,7 +200,7 @@ def test_arith_scratchpad_and_answer():
 def test_retrieval_hides_the_asked_value_once():
     kinds = collections.Counter()
     for n_chars in (2000, 8000, 30000, 48000):
-        for chat in draw("retrieval", seed=8, n=8, n_chars=n_chars):
+        for chat in draw("retrieval", seed=8, n=8, n_chars=n_chars, needle=None):
             user = chat.messages[last_user(chat)]["content"]
             assert 0.8 * n_chars <= len(user) <= 1.3 * n_chars + 2000
             name, key = chat.expected["name"], chat.expected["value"]
@@ -210,8 +210,11 @@ def test_retrieval_hides_the_asked_value_once():
             assert user.count(head) == 1  # the asked holder's value appears once, and no other holder contains it
             pattern = re.escape(statement).replace(re.escape("{e}"), r"[\w -]+?").replace(re.escape("{v}"), r"\d+")
             assert 8 <= len(re.findall(pattern, user)) <= 64
-            assert key in chat.messages[-1]["content"] and chat.thinking_mode in ("disabled", None)
+            assert key in chat.messages[-1]["content"] and chat.thinking_mode in ("disabled", "adaptive", None)
     assert len(kinds) >= 4  # the needle's wording varies
+    # by default a pass key, drawn as before the other kinds existed: a seed gives the chat it always gave
+    chat = sample(random.Random(20261205), "retrieval", n_chars=12_000)
+    assert chat.messages[-1]["content"] == "The pass key of Bob Sato is 027233."
 
 
 def test_callers_texts_are_used():

@@ -1,4 +1,4 @@
-"""Answer the held-out set through the chat path and grade it against the issue's targets.
+"""Answer the held-out set through the chat path and grade it against m3-mini's targets.
 
     evaluate(llm, rows)          every request answered greedily by `LLM.chat` (the server's rendering: the request's
                                  messages, its tools, its thinking mode), graded by grade.py
@@ -9,13 +9,17 @@ questions about one long document go after its first question has been answered,
 holds the document and the CPU prefills it once.
 
 The constraint on auto tool calls (the `constrained_tool_calls` switch, where this build has it) is measured both
-ways: `evaluate` runs the requests that offer tools once more with the switch flipped, and the table shows the
-stray calls (to tools not offered, or with keys their schema lacks) with it on and off.
+ways. With it on, a request that offers tools is held to the format the server holds it to: the tool-call
+parser's auto structural tag for the offered tools (free text; a call, once opened, names an offered tool and keeps
+to its parameters), started after the thinking as `LLM` starts any output format. `evaluate` answers those
+requests once more with the switch's other value; the table shows the tool rows and the stray calls (to tools not
+offered, or with keys their schema lacks, counted on the raw text) both ways.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,13 +33,17 @@ RETRIEVAL_TOKENS = 32
 CONSTRAINT = "constrained_tool_calls"
 """The switch that holds auto tool calls to the offered tools (Optimizations), when this build has it."""
 
-# (row name, the target, how to read the measurement: ">=" fraction, "==" count, "<=" perplexity)
+# (row name, what it measures, how to read the measurement: ">=" fraction, "==" count, "<=" perplexity)
 TARGETS: list[tuple[str, str, str, float | None]] = [
     ("tool_call", "tool calls exact (name and every argument)", ">=", 0.85),
     ("no_call", "no call when none is needed", ">=", 0.95),
     ("stray calls (constraint on)", "auto calls to an unoffered tool or with an unknown key", "==", 0),
     ("stray calls (constraint off)", "the same without the constraint", "==", None),
     ("tool_result", "a tool's result used in the final answer", ">=", None),
+    ("tool_call (constraint off)", "tool calls exact, without the constraint", ">=", None),
+    ("no_call (constraint off)", "no call when none is needed, without the constraint", ">=", None),
+    ("tool_call (constraint on)", "tool calls exact, with the constraint", ">=", None),
+    ("no_call (constraint on)", "no call when none is needed, with the constraint", ">=", None),
     ("passage", "answers from a passage in the prompt (exact or holding the gold span)", ">=", 0.80),
     ("passage (glossary)", "  of which: a glossary of invented words", ">=", None),
     ("passage (stdlib_docs)", "  of which: library reference entries", ">=", None),
@@ -89,8 +97,24 @@ def prompt_state(llm, row: dict) -> str:
     return get_reasoning_parser("minimax_m3").prompt_state(text)
 
 
-def answer(llm, rows: list[dict]) -> list[Answer]:
-    """Each request answered greedily through LLM.chat, in the order given."""
+def auto_call_format(llm, tools: list[dict]):
+    """The output format the server's constrained_tool_calls applies with tool_choice auto: the tool parser's auto
+    structural tag for `tools`, each parser marker the tokenizer has as one token matched as that token."""
+    from nanoserve.parsers.reasoning import get_reasoning_parser
+    from nanoserve.parsers.tool_calls import get_tool_call_parser
+    from nanoserve.sampling import StructuredOutputsParams
+
+    parser, reasoning = get_tool_call_parser("minimax_m3"), get_reasoning_parser("minimax_m3")
+    tok = llm.get_tokenizer()
+    markers = frozenset(m for m in (*parser.markers, *reasoning.markers)
+                        if len(tok.encode(m, add_special_tokens=False)) == 1)
+    offered = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+    return StructuredOutputsParams(structural_tag=parser.auto_structural_tag(offered, True, markers))
+
+
+def answer(llm, rows: list[dict], constrain: bool = False) -> list[Answer]:
+    """Each request answered greedily through LLM.chat, in the order given; with `constrain`, a request that offers
+    tools is held to auto_call_format."""
     from nanoserve.sampling import SamplingParams
 
     groups: dict[str, list[int]] = {}
@@ -100,11 +124,12 @@ def answer(llm, rows: list[dict]) -> list[Answer]:
     out: list[Answer | None] = [None] * len(rows)
     for idx in groups.values():
         first = rows[idx[0]]
+        fmt = auto_call_format(llm, first["tools"]) if constrain and first.get("tools") else None
         # a long document: its first question alone, so that the others find the document in the prefix cache
         batches = [idx[:1], idx[1:]] if first.get("document") else [idx]
         for batch in (b for b in batches if b):
             params = [SamplingParams(temperature=0.0, max_tokens=TASK_TOKENS.get(rows[i]["task"], RETRIEVAL_TOKENS),
-                                     skip_special_tokens=False) for i in batch]
+                                     skip_special_tokens=False, structured_outputs=fmt) for i in batch]
             outs = llm.chat([rows[i]["messages"] for i in batch], params, use_tqdm=False,
                             tools=first.get("tools") or None, chat_template_kwargs=_template_kwargs(first))
             for i, o in zip(batch, outs):
@@ -140,20 +165,31 @@ def count_stray(rows: list[dict], answers: list[Answer]) -> tuple[int, int]:
     return bad, written
 
 
-def evaluate(llm, rows: list[dict], flipped_llm=None, constraint_on: bool | None = None) -> HeldoutReport:
-    """Grade `rows` on `llm`. `flipped_llm`: the same model with the constraint switch flipped, to count stray
-    calls both ways; `constraint_on`: the switch's value in `llm` (None: this build has no such switch)."""
-    answers = answer(llm, rows)
-    results, records = score(rows, answers)
-    report = HeldoutReport(answers=records)
-    for k, oks in results.items():
-        report.accuracy[k] = (sum(oks) / len(oks), len(oks))
-    setting = "constraint on" if constraint_on else "constraint off"
-    report.stray[setting] = count_stray(rows, answers)
-    if flipped_llm is not None:
-        tooled = [r for r in rows if r.get("tools")]
-        other = "constraint off" if constraint_on else "constraint on"
-        report.stray[other] = count_stray(tooled, answer(flipped_llm, tooled))
+def evaluate(llm, rows: list[dict], constraint_on: bool | None = None) -> HeldoutReport:
+    """Grade `rows` on `llm`. `constraint_on`: the constrained_tool_calls switch's value, with which the rows are
+    answered (the requests that offer tools are then answered again with the other value); None: this build has no
+    such switch, nothing is constrained."""
+    # the parser warns of every call it drops (a tool not offered, an undeclared key); here they are counted instead
+    parser_log = logging.getLogger("nanoserve.parsers.tool_calls")
+    level = parser_log.level
+    parser_log.setLevel(logging.ERROR)
+    try:
+        answers = answer(llm, rows, bool(constraint_on))
+        results, records = score(rows, answers)
+        report = HeldoutReport(answers=records)
+        for k, oks in results.items():
+            report.accuracy[k] = (sum(oks) / len(oks), len(oks))
+        report.stray["constraint on" if constraint_on else "constraint off"] = count_stray(rows, answers)
+        if constraint_on is not None:
+            tooled = [r for r in rows if r.get("tools")]
+            flipped = answer(llm, tooled, not constraint_on)
+            other = "constraint off" if constraint_on else "constraint on"
+            for k, oks in score(tooled, flipped)[0].items():
+                if k in ("tool_call", "no_call", "tool_result"):
+                    report.accuracy[f"{k} ({other})"] = (sum(oks) / len(oks), len(oks))
+            report.stray[other] = count_stray(tooled, flipped)
+    finally:
+        parser_log.setLevel(level)
     return report
 
 
@@ -165,7 +201,7 @@ def _fmt(kind: str, value: float | None) -> str:
 
 def target_table(report: HeldoutReport, perplexity: dict[str, float], before: dict[str, Any] | None = None,
                  constraint_present: bool = True) -> str:
-    """Markdown: every target row of the issue with the measurement (and the shipped weights' one, if known)."""
+    """Markdown: every target row with the measurement (and the shipped weights' one, if known)."""
     before = before or {}
     b_acc = before.get("accuracy", {})
     b_stray = before.get("stray_calls", {})
