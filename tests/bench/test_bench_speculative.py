@@ -82,6 +82,7 @@ def test_drafters_the_model_cannot_run_are_skipped_with_the_reason(tiny_dir, tra
     assert "no MTP module" in plain["mtp k=1"] and "no MTP module" in plain["mtp k=3"]
     with_mtp = {name: skip for name, _, skip in drafters(trained_dir, "/some/draft")}
     assert "GPU" in with_mtp.pop("mtp k=3, no draft chain")  # (it replays CUDA graphs)
+    assert "GPU" in with_mtp.pop("mtp k=3, host in step")  # (so does the async path it is the reference of)
     assert all(skip is None for skip in with_mtp.values())
     assert all(skip is None for _, _, skip in drafters(trained_dir, "/some/draft", device="cuda"))
 
