@@ -238,6 +238,12 @@ class Optimizations:
         "host-device synchronisation per step instead of two",
         "each step's drafts are proposed once its tokens reach the host, from the tokens accepted there "
         "(spec_decode/proposer.py, spec_decode/drafter.py)")
+    spec_pad_drafts: bool = switch(
+        True, ENGINE, "engine/scheduler.py", "with cuda_graphs and spec_cuda_graphs: a batch of decoding sequences "
+        "that verify different numbers of drafts (some none) pads the shorter drafts to the longest with each "
+        "sequence's newest token repeated, so the step is one query length for all and replays a verify graph "
+        "(exact: a padding token is accepted only where it is what the target picks)", "the batch runs eagerly, "
+        "each sequence with its own drafts")
     spec_async: bool = switch(
         True, ENGINE, "engine/llm_engine.py", "with async_scheduling and the draft chain (spec_draft_chain): a "
         "speculative step is launched before the previous step's tokens reach the host - its queries (each "

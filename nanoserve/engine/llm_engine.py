@@ -172,8 +172,8 @@ class LLMEngine:
             if seq.is_finished:  # (finishing dropped its pending tokens)
                 continue
             seq.num_pending -= 1
-            if s.num_draft:
-                self.stats.record_acceptance(s.num_draft, len(out.token_ids) - 1)
+            if s.num_draft > s.num_padded:  # (the drafts proposed, not the padding: spec_pad_drafts)
+                self.stats.record_acceptance(s.proposed, min(len(out.token_ids) - 1, s.proposed))
             appended += self.append_tokens(seq, out.token_ids, out.logprobs)
             if s.max_drafts and not seq.is_finished:  # speculative decoding: keep the accepted K/V, take drafts
                 self._speculated(s, len(out.token_ids) - 1, output.drafts.get(seq.seq_id, []))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from nanoserve.config import Optimizations
 from nanoserve.engine.block_manager import BlockManager, EventHook
 from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from nanoserve.spec_decode.proposer import speculable
 
 PROMPT_LOGPROB_CHUNK = 2048
 """Most prompt tokens per step of a sequence that needs prompt logprobs (chunked prefill on): 2048 fp32 rows of a
@@ -63,10 +64,18 @@ class ScheduledSeq:
     on_device: bool = False
     """Speculative decoding, async: its query - newest token and drafts - and its position are those the previous
     step, still in flight, left on the device (StepSeq.on_device)."""
+    num_padded: int = 0
+    """Speculative decoding (switch spec_pad_drafts): the last num_padded of its drafts are padding - its newest
+    token repeated - so that every sequence of the batch verifies as many (`Scheduler._pad_drafts`)."""
 
     @property
     def draft(self) -> list[int]:
         return self.seq.spec_token_ids[: self.num_draft]
+
+    @property
+    def proposed(self) -> int:
+        """Drafts a drafter proposed (num_draft less the padding)."""
+        return self.num_draft - self.num_padded
 
     @property
     def is_decode(self) -> bool:
@@ -208,11 +217,43 @@ class Scheduler:
         # verifies drafts has several and runs with the prefills)
         out.scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         if self.config.num_speculative_tokens:
+            self._pad_drafts(out, budget)
             for s in out.scheduled:
                 if s.samples:
                     s.on_device = s.seq.seq_id in drafts_on_device
                     s.max_drafts = self._lookahead(s)
         return out
+
+    def _pad_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Batches that mix (switch spec_pad_drafts, with CUDA graphs for verify steps): where every scheduled
+        sequence decodes and some verify drafts, the ones with fewer drafts than the most are padded up to it with
+        their newest token repeated, so that the step is one query length for all - a verify step that replays a
+        graph, not an eager batch of mixed lengths. Exact: a greedy draft is accepted only where it is the argmax
+        anyway, and rejection sampling keeps the target distribution whatever the draft (a padding token accepted
+        is a token gained). Sequences that cannot verify (their sampling reads their own output, a structured
+        output, min_tokens still pending) or whose padded positions would pass max_model_len keep the batch as it
+        is."""
+        opts = self.opts
+        if not (opts.spec_pad_drafts and opts.cuda_graphs and opts.spec_cuda_graphs) or not out.scheduled:
+            return
+        q = max(s.num_draft for s in out.scheduled)
+        short = [s for s in out.scheduled if s.num_draft < q]
+        if not q or not short or any(not s.is_decode or s.on_device for s in out.scheduled):
+            return
+        limit = self.config.max_model_len
+        if sum(q - s.num_draft for s in short) > budget or not all(
+                s.seq.grammar is None and speculable(s.seq.params) and
+                s.seq.num_output_tokens >= s.seq.params.min_tokens and s.seq.num_computed_tokens + q + 1 <= limit
+                for s in short):
+            return
+        if not all(self.bm.allocate(s.seq, s.seq.num_computed_tokens + 1 + q) for s in short):
+            return  # (the blocks taken go back when the step's tokens arrive)
+        for s in short:
+            seq = s.seq
+            newest = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+            s.num_padded = q - s.num_draft
+            seq.spec_token_ids = s.draft + [newest] * s.num_padded
+            s.num_new_tokens, s.num_draft = 1 + q, q
 
     def _lookahead(self, s: ScheduledSeq) -> int:
         """How many drafts the step may make for s's next step: k; with a draft model only as many as the blocks

@@ -139,3 +139,42 @@ def test_a_small_pool_and_arrivals_fall_back_to_the_host(mtp_dir):
         llm.shutdown()
     assert outs[True][0] == outs[False][0] and len(outs[True][0]) == 3
     assert outs[True][1] > 0 and outs[False][1] > 0, "the pool was meant to be small enough to preempt"
+
+
+def test_padded_drafts_make_one_query_length(tiny_dir):
+    """Batches that mix (switch spec_pad_drafts): with prompt lookup, some sequences find drafts and others do not;
+    padding the shorter drafts makes every decode-and-verify step one query length (a verify graph replays) with
+    the same greedy tokens as without speculation; off, such steps mix query lengths."""
+    from tests.engine.test_spec_graphs import NGRAM
+
+    batch = prompts()
+    expected = None
+    mixed = {}
+    for pad in (True, False):
+        opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_pad_drafts=pad)
+        with LLM(tiny_dir, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4,
+                 speculative_config=NGRAM) as llm:
+            runner = llm.engine.executor.runner
+            runner.graph_capture = lambda fn: fn
+            steps: list[list[int]] = []
+            execute = runner.execute
+
+            def spy(inp, *args, execute=execute, steps=steps, **kwargs):
+                steps.append(list(inp.query_lens))
+                return execute(inp, *args, **kwargs)
+
+            runner.execute = spy
+            outs = run(llm, [batch])
+            assert_all_blocks_free(llm)
+        reference = run_reference(tiny_dir, batch) if expected is None else expected
+        expected = reference
+        assert outs == expected
+        verify_steps = [q for q in steps if max(q) > 1 and max(q) <= 4]  # decodes and verifies, no prompt
+        mixed[pad] = sum(len(set(q)) > 1 for q in verify_steps)
+    assert mixed[False] > 0, "prompt lookup was meant to leave some sequences without drafts beside others"
+    assert mixed[True] == 0
+
+
+def run_reference(model: str, batch) -> list[list[int]]:
+    with LLM(model, optimizations=engine_opts(), max_model_len=MAX_MODEL_LEN, max_num_seqs=4) as llm:
+        return run(llm, [batch])
