@@ -20,6 +20,14 @@ A drafter emitting L tokens per verify step on average (the mean accepted length
 speed-up = L x decode / (verify + draft): printed at EAGLE-3's published 2.7 and 3.5 (k = 3) for every drafter's
 measured draft cost (mtp at k = 1 too, at L = 1.5 and 2). The steps write K/V into pool blocks the engine is not
 using (it runs no request meanwhile), and rewrite the same slots each repeat.
+
+**A projection for the released M3** (`project_m3`; a model, not a measurement): the measured steps scaled to M3's 60
+layers from the model's own (the whole step counted as layers - the LM head's share is larger on the slice, so this
+overstates a 60-layer step's head), its weight bytes by MXFP8's share of bf16's (0.53: e4m3 plus one E8M0 scale per
+32) and spread over TP ranks, plus two all-reduces per layer (and per draft pass) at AR_LATENCY_US each (an NVLink
+all-reduce of a few hidden vectors is latency-bound); the MTP draft passes scaled the same way. The implied speed-up
+at MTP k = 3's mean accepted length is printed beside vLLM's published 2.39x per user for M3 with EAGLE-3 on B300
+at concurrency 1.
 """
 
 from __future__ import annotations
@@ -171,6 +179,7 @@ def _measure(runner, context: int, batches, ks, repeats: int, per_seq: int, seed
                 if runner.device.type == "cuda":
                     torch.cuda.empty_cache()
     out["speedups"] = implied_speedups(out["rows"], ks)
+    out["projection"] = project_m3(out["rows"], runner.cfg.num_hidden_layers)
     out["table"] = cost_table(out, ks)
     return out
 
@@ -209,6 +218,36 @@ def implied_speedups(rows: list[dict], ks) -> list[dict]:
     return out
 
 
+M3_LAYERS = 60
+MXFP8_BYTES_SHARE = 0.53
+"""MXFP8 weight bytes over bf16's: 1 byte per value plus 1 scale byte per 32, over 2 bytes."""
+AR_LATENCY_US = 15.0
+"""One tensor-parallel all-reduce of a decode step's few hidden vectors over NVLink, TP 8 (a latency, not bandwidth:
+the model's assumption, stated beside its output)."""
+VLLM_M3_EAGLE3_SPEEDUP = 2.39
+"""vLLM's published per-user speed-up for MiniMax M3 with EAGLE-3 (B300, concurrency 1, acceptance 2.3-2.7 of 4)."""
+
+
+def project_m3(rows: list[dict], model_layers: int, tps=(4, 8), k: int = 3, lengths=(2.5, 2.9)) -> list[dict]:
+    """The released M3's decode and verify steps and MTP draft passes, projected from the measured ones (see the
+    module docstring), per batch, TP size and mean accepted length: ms per step and the implied speed-up."""
+    out = []
+    scale = M3_LAYERS / model_layers * MXFP8_BYTES_SHARE
+    for row in rows:
+        if f"verify_k{k}_ms" not in row:
+            continue
+        for tp in tps:
+            ar = 2 * AR_LATENCY_US / 1e3
+            decode = row["decode_ms"] * scale / tp + M3_LAYERS * ar
+            verify = row[f"verify_k{k}_ms"] * scale / tp + M3_LAYERS * ar
+            draft = row[f"draft_mtp_k{k}_ms"] * MXFP8_BYTES_SHARE / tp + k * ar
+            for length in lengths:
+                out.append({"batch": row["batch"], "tp": tp, "k": k, "mean_accepted_length": length,
+                            "decode_ms": decode, "verify_ms": verify, "draft_ms": draft,
+                            "speedup": length * decode / (verify + draft)})
+    return out
+
+
 def cost_table(report: dict[str, Any], ks) -> str:
     lines = [f"## Speculative step costs on {report['model']} ({report['device']}, {report['dtype']}, "
              f"{report['context']} tokens of context, mean of {report['repeats']})", ""]
@@ -232,4 +271,12 @@ def cost_table(report: dict[str, Any], ks) -> str:
         by_key.setdefault((s["batch"], s["k"], s["mean_accepted_length"]), {})[s["drafter"]] = s["speedup"]
     for (b, k, length), v in by_key.items():
         lines.append(f"| {b} | {k} | {length} | {v['ngram']:.2f}x | {v['mtp']:.2f}x | {v['eagle3']:.2f}x |")
+    if report.get("projection"):
+        lines += ["", f"Projected for the released M3 ({M3_LAYERS} layers, MXFP8, MTP k = 3; two all-reduces per layer "
+                      f"at {AR_LATENCY_US:g} us: a model of the measured steps, not a measurement), beside vLLM's "
+                      f"published {VLLM_M3_EAGLE3_SPEEDUP}x (EAGLE-3, B300, concurrency 1):", "",
+                  "| batch | TP | L | decode ms | verify ms | draft ms | speed-up |", "|---|---|---|---|---|---|---|"]
+        for s in report["projection"]:
+            lines.append(f"| {s['batch']} | {s['tp']} | {s['mean_accepted_length']} | {s['decode_ms']:.2f} | "
+                         f"{s['verify_ms']:.2f} | {s['draft_ms']:.2f} | {s['speedup']:.2f}x |")
     return "\n".join(lines)

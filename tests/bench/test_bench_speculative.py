@@ -127,7 +127,7 @@ def test_host_time_per_phase_of_a_speculative_step(trained_dir):
     report = measure_host(trained_dir, "cpu", "auto", limit=2, optimizations=opts)
     assert report["prompts"] == {"no_tool": 2}  # the chat tasks only: no retrieval prompt
     assert list(report["configs"]) == ["no speculation", "ngram k=3", "mtp k=3"]
-    assert list(report["skipped"]) == ["mtp k=3, no draft chain"]  # (it replays CUDA graphs: a GPU only)
+    assert list(report["skipped"]) == ["mtp k=3, host in step", "mtp k=3, no draft chain"]  # (graphs: a GPU)
     assert report["identical"] is True and report["differences"] == []
     plain = {"launch", "schedule", "execute_model", "masks", "sample_tokens", "update", "result", "outputs"}
     expected = {"no speculation": plain, "ngram k=3": plain | {"propose"}, "mtp k=3": set(PHASES)}
@@ -177,3 +177,18 @@ def test_host_command_writes_its_report(tiny_dir, trained_dir, tmp_path):
     assert "no MTP module" in dict((n, skip) for n, _, skip in configurations(tiny_dir))["mtp k=3"]
     res = bench("--speculative", "host", "--model", tiny_dir, "--device", "cpu")  # no held-out set
     assert res.returncode != 0 and "heldout.jsonl.gz" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_the_m3_projection_scales_the_measured_steps():
+    """The released M3's projected steps: the measured ones scaled to 60 layers, MXFP8's bytes and the TP ranks,
+    plus two all-reduces per layer; the speed-up is L x decode / (verify + draft)."""
+    from nanoserve.bench.speculative_cost import AR_LATENCY_US, MXFP8_BYTES_SHARE, project_m3
+
+    row = {"batch": 1, "decode_ms": 2.0, "verify_k3_ms": 3.0, "draft_mtp_k3_ms": 4.0}
+    [s] = project_m3([row], model_layers=4, tps=(8,), lengths=(2.5,))
+    ar = 2 * AR_LATENCY_US / 1e3
+    decode = 2.0 * 15 * MXFP8_BYTES_SHARE / 8 + 60 * ar
+    verify = 3.0 * 15 * MXFP8_BYTES_SHARE / 8 + 60 * ar
+    draft = 4.0 * MXFP8_BYTES_SHARE / 8 + 3 * ar
+    assert (s["decode_ms"], s["verify_ms"], s["draft_ms"]) == pytest.approx((decode, verify, draft))
+    assert s["speedup"] == pytest.approx(2.5 * decode / (verify + draft))
