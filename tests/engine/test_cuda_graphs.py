@@ -145,8 +145,8 @@ def test_captured_argmax_under_real_graphs(tiny_dir):
         used = []
         execute = llm.engine.executor.runner.execute
 
-        def spy(inp, feed=None, execute=execute, runner=llm.engine.executor.runner, used=used):
-            out = execute(inp, feed)
+        def spy(inp, feed=None, *args, execute=execute, runner=llm.engine.executor.runner, used=used, **kwargs):
+            out = execute(inp, feed, *args, **kwargs)
             used.append(runner.last_argmax is not None)
             return out
 
@@ -176,9 +176,9 @@ def test_async_scheduling_under_real_graphs(tiny_dir):
         fed_replays = []
         execute = runner.execute
 
-        def spy(inp, feed=None, execute=execute, fed_replays=fed_replays):
+        def spy(inp, feed=None, *args, execute=execute, fed_replays=fed_replays, **kwargs):
             fed_replays.append(feed is not None and len(inp.input_ids) == len(inp.query_lens))
-            return execute(inp, feed)
+            return execute(inp, feed, *args, **kwargs)
 
         runner.execute = spy
         outs[on] = [[o.outputs[0].token_ids for o in llm.generate(prompts, p, use_tqdm=False)] for p in params]

@@ -113,8 +113,8 @@ def test_captured_argmax_same_tokens_emulated_graphs():
             seen = []
             run = runner.execute
 
-            def spy(inp, feed=None, run=run, runner=runner, seen=seen):
-                out = run(inp, feed)
+            def spy(inp, feed=None, *args, run=run, runner=runner, seen=seen, **kwargs):
+                out = run(inp, feed, *args, **kwargs)
                 seen.append(runner.last_argmax is not None)
                 return out
 
