@@ -129,9 +129,13 @@ class LLMEngine:
             return None
         if spec.method != "ngram" and config.tensor_parallel_size > 1:
             raise ValueError(f"speculative_config method {spec.method!r} runs with tensor_parallel_size 1 only")
-        logger.info("speculative decoding: %s (async scheduling off; verify steps %s)", spec,
-                    "replay CUDA graphs where they apply" if config.optimizations.spec_cuda_graphs
-                    else "run eagerly (switch spec_cuda_graphs off)")
+        opts = config.optimizations
+        logger.info("speculative decoding: %s (verify steps %s; %s)", spec,
+                    "replay CUDA graphs where they apply" if opts.spec_cuda_graphs
+                    else "run eagerly (switch spec_cuda_graphs off)",
+                    "launched ahead of the previous step's tokens where the draft chain leaves them on the device"
+                    if opts.spec_async and opts.async_scheduling and opts.spec_draft_chain
+                    else "each launched once the previous step's tokens are on the host")
         return spec
 
     # -- the loop -----------------------------------------------------------------------------------------
