@@ -149,7 +149,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--spec-batch", type=int, default=1, metavar="N", help="--speculative: answer N prompts of a "
                     "task at once (default 1: each alone, where speculation pays most)")
     ap.add_argument("--spec-drafters", default=None, metavar="LIST", help="--speculative: measure only these "
-                    "drafters (comma-separated names as the table prints them, e.g. 'ngram k=3,mtp k=3')")
+                    "drafters (names as the table prints them, separated by ';', e.g. 'ngram k=3;mtp k=3')")
     ap.add_argument("--spec-eagle3", default=None, metavar="DIR", help="--speculative: an EAGLE-3 draft directory "
                     "for the model (without one eagle3 is skipped)")
     ap.add_argument("--compare", nargs=2, default=None, metavar=("BASE", "NEW"),

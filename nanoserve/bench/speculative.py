@@ -280,7 +280,7 @@ def run(args) -> int:
         # float32 on the CPU; a GPU runs the model's dtype, where a verify step's other kernel shapes may round
         # differently from a decode step's (a difference is reported, not hidden)
         try:
-            only = [name.strip() for name in args.spec_drafters.split(",")] if args.spec_drafters else None
+            only = [name.strip() for name in args.spec_drafters.split(";")] if args.spec_drafters else None
             report = measure_acceptance(args.model or DEFAULT_MODEL, args.spec_limit, args.spec_eagle3, device,
                                         args.dtype, opts, args.spec_retrieval_limit, args.spec_batch, only)
         except ValueError as e:  # no held-out set, a bad draft directory: the reason, not a traceback

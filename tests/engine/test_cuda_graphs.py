@@ -69,7 +69,7 @@ def _runner(tiny_dir: str, dtype: str):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replay_matches_eager(tiny_dir, dtype):
-    from nanoserve.bench.graph_check import compare_decode_logits
+    from tests.helpers.graph_check import compare_decode_logits
 
     runner = _runner(tiny_dir, dtype)
     rows = compare_decode_logits(runner, (1, 3, 8, 17), prompt_len=40, steps=2)
@@ -121,9 +121,8 @@ def test_captured_argmax_under_real_graphs(tiny_dir):
     """Switch captured_argmax under real CUDA graphs: the replayed step's static tokens are the argmax of its
     static logits (integers: exact), and greedy generation gives the same tokens with the switch on and off
     (with it on, the engine takes the captured tokens)."""
-    from nanoserve.bench.graph_check import compare_decode_logits
-
     from nanoserve import LLM, SamplingParams
+    from tests.helpers.graph_check import compare_decode_logits
 
     runner = _runner(tiny_dir, "float32")
     assert runner.config.optimizations.captured_argmax

@@ -22,9 +22,8 @@ BF16_RTOL, BF16_MIN_ARGMAX = 5e-2, 0.9
 
 
 def test_decode_graphs_replay_the_eager_logits_on_m3_slice():
-    from nanoserve.bench.graph_check import compare_decode_logits
-
     from nanoserve.runner.model_runner import ModelRunner
+    from tests.helpers.graph_check import compare_decode_logits
 
     cfg = EngineConfig(model="m3-slice", device="cuda", dtype="bfloat16", max_model_len=1024, max_num_seqs=64,
                        num_gpu_blocks_override=64 * 3 + 8, optimizations=Optimizations())

@@ -127,9 +127,8 @@ def test_gpu_pool_holds_twice_the_blocks(tiny_dir):
 def test_gpu_decode_graphs_over_an_fp8_pool(tiny_dir):
     """The compiled kernels on an fp8 pool inside captured decode graphs (m3-tiny, bf16): the replay gives the
     eager step's logits, as for a bf16 pool (tests/engine/test_cuda_graphs.py)."""
-    from nanoserve.bench.graph_check import compare_decode_logits
-
     from nanoserve.runner.model_runner import ModelRunner
+    from tests.helpers.graph_check import compare_decode_logits
 
     runner = ModelRunner(EngineConfig(model=tiny_dir, device="cuda", dtype="bfloat16", kv_cache_dtype="fp8",
                                       max_model_len=512, max_num_seqs=64, num_gpu_blocks_override=64 * 7 + 8))
