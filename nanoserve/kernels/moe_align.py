@@ -148,11 +148,11 @@ def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr
         next_row += tl.sum(one_hot.to(tl.int32), axis=0)
 
     # The pad tail of every run (fewer than BLOCK_M rows) is marked with num_pairs (no such pair: the GEMMs mask
-    # it), PAD_STEP rows of every run per step: an [E_PAD, BLOCK_M] tile at once would hold 2 * BLOCK_M values a
-    # thread at 256 experts and 128 threads, and spills at BLOCK_M 64 and 128.
+    # it), PAD_STEP rows of every run per step of a loop: one [E_PAD, BLOCK_M] tile, or the steps unrolled, would
+    # hold 2 * BLOCK_M values a thread at 256 experts and 128 threads, which spills at BLOCK_M 64 and 128.
     if chunk == 0:
         fill_start = run_start + total
-        for p0 in range(0, tl.max(padded - total, axis=0), PAD_STEP):
+        for p0 in range(0, BLOCK_M, PAD_STEP):
             rows_2d = fill_start[:, None] + (p0 + tl.arange(0, PAD_STEP))[None, :]
             tl.store(sorted_ids_ptr + rows_2d, tl.full([E_PAD, PAD_STEP], 0, tl.int32) + num_pairs,
                      mask=rows_2d < run_end[:, None])
