@@ -102,15 +102,10 @@ class Result:
 KNOWN_SPILLS: dict[tuple[str, str, tuple], tuple[int, str]] = {
     # (target, kernel, constexprs that pick the launch) -> (bytes per thread at most, why). Spills that exist
     # today under the Triton release named by KNOWN_SPILLS_TRITON, each with why: the gate fails on a spill not
-    # listed, on a listed one that grew, and on a listed one that is gone (so the list can only shrink). All are
-    # NVIDIA launches whose tiles were chosen with Triton 3.6 on an H200 or H100, as the fastest measured there;
-    # Triton 3.9's ptxas spills them. They stay until the tiles are re-measured on a card with Triton 3.9.
-    ("sm_90", "_place_kernel", (("BLOCK_M", 64),)): (104, "MoE alignment, prefill buckets (block_m 64)"),
-    ("sm_90", "_place_kernel", (("BLOCK_M", 128),)): (304, "MoE alignment, the 8,192-16,384-token buckets"),
-    ("sm_100", "_place_kernel", (("BLOCK_M", 64),)): (96, "as on sm_90"),
-    ("sm_100", "_place_kernel", (("BLOCK_M", 128),)): (312, "as on sm_90"),
-    ("sm_90", "_up_swiglu_kernel", (("VARIANT", 4), ("BLOCK_M", 128))): (
-        88, 'MXFP8 MoE GEMM 1, the "scaled" tile of the >= 4,096-token bucket'),
+    # listed, on a listed one that grew, and on a listed one that is gone (so the list can only shrink). One
+    # NVIDIA launch remains, on two targets: its tile was chosen with Triton 3.6 on an H200 or H100, as the fastest
+    # measured there, and Triton 3.9's ptxas spills it. It stays until the fp8 tiles are re-measured on a card
+    # with Triton 3.9.
     ("sm_90", "_paged_prefill_kernel", (("BLOCK_N", 64), ("TMA", True))): (
         176, "dense prefill over an fp8 KV pool at >= 32k context (paged_prefill_fp8_long, 4 warps): every "
              "faster-measured fp8 tile spills under 3.9, the non-spilling one runs 1.40x slower"),

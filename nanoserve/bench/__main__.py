@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from functools import partial
 
 from nanoserve.bench import workloads as W
 from nanoserve.bench.floor import H200, Ceilings, ceilings_for
@@ -113,8 +114,9 @@ def parser() -> argparse.ArgumentParser:
                     help="KV cache element type (vLLM's flag): auto = the model dtype; fp8 (= fp8_e4m3) = e4m3 with "
                     "per-tensor scales, twice the tokens in the same memory")
     ap.add_argument("--micro", default=None, help="kernel micro-benchmarks (GPU, comma list): moe, linear (bf16 "
-                    "and MXFP8 weights side by side); attention (dense and MSA, decode and prefill); route (the "
-                    "decode routing); ceilings (the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s)")
+                    "and MXFP8 weights side by side, on the paths --switch gives the model); attention (dense and "
+                    "MSA, decode and prefill); route (the decode routing); align (the MoE alignment at each tile "
+                    "height); ceilings (the card's measured copy GB/s and bf16 / fp8 matmul TFLOP/s)")
     ap.add_argument("--mxfp8-accuracy", action="store_true",
                     help="log-probabilities of native MXFP8 weights against the same weights dequantised (and the "
                     "unquantised model): max / mean |difference| and top-1 agreement over --prompt-len-token prompts "
@@ -418,8 +420,10 @@ def _micro(args, session: BenchSession) -> None:
     from nanoserve.bench.micro_attention import attention_micro
 
     kinds = [k.strip() for k in args.micro.split(",") if k.strip()]
-    runs = {"ceilings": micro.ceilings_micro, "moe": micro.moe_micro, "linear": micro.linear_micro,
-            "route": micro.route_micro, "attention": attention_micro}
+    switched = {"opts": session.opts}  # the MoE and the linears take the path the run's switches give the model
+    runs = {"ceilings": micro.ceilings_micro, "moe": partial(micro.moe_micro, **switched),
+            "linear": partial(micro.linear_micro, **switched), "route": micro.route_micro,
+            "align": micro.align_micro, "attention": attention_micro}
     unknown = sorted(set(kinds) - set(runs))
     if unknown:
         raise SystemExit(f"--micro: unknown {', '.join(unknown)}; choose from {', '.join(runs)}")

@@ -3,7 +3,8 @@
 - `moe_micro`: the fused MoE as the model runs it (routed top-k + the folded shared expert) over token counts, with
   bf16 weights and with the same weights quantized to MXFP8 (fp8 + E8M0 scales), each call taking the path the
   default switches give it in the model (MXFP8: `moe_wgmma`'s Gluon kernels on Hopper from 256 tokens,
-  `moe_dequant_prefill` at 16,384 tokens elsewhere, the Triton kernels otherwise).
+  `moe_dequant_prefill` at 16,384 tokens elsewhere, the Triton kernels otherwise), or those the run's `--switch`
+  flags set (`moe_wgmma=off`: the Triton MXFP8 kernels on Hopper too).
 - `linear_micro`: the attention / dense-MLP projections, bf16 F.linear (cuBLAS / hipBLASLt) against the MXFP8
   weights on the path the default switches give in the model (one row: the GEMV; on Hopper up to
   fp8_linear.FP8_WGMMA_MAX_ROWS rows: `fp8_linear_wgmma`'s Gluon kernel; else the Triton fp8 GEMM, or at prefill
@@ -11,6 +12,7 @@
 - `ceilings_micro`: the card's copy bandwidth and its bf16 and fp8 matmul rates, the roofs the other two are read
   against.
 - `route_micro`: the decode routing, torch + moe_align against the one-launch kernel (switch fused_routing).
+- `align_micro`: the MoE alignment alone (moe_align's two launches) at every tile height the tables pad to.
 - The attention kernels' tables are in bench/micro_attention.py.
 
 Each batch is timed as the engine runs it: decode-sized batches (up to `GRAPH_MAX_TOKENS`) as calls captured back to
@@ -91,12 +93,12 @@ def _quantize_stack(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
-def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
+def moe_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0, opts=None) -> dict:
     from nanoserve.config import Optimizations
     from nanoserve.kernels import reference
     from nanoserve.kernels.moe import fused_moe, mxfp8_thresholds
 
-    paths = mxfp8_thresholds(Optimizations())  # what the model layer passes with the default switches
+    paths = mxfp8_thresholds(opts or Optimizations())  # what the model layer passes with these switches
     h, inter, e, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts, cfg.num_experts_per_tok
     gen = torch.Generator(device=device).manual_seed(seed)
     w13 = torch.empty(e + 1, 2 * inter, h, dtype=torch.bfloat16, device=device).normal_(0, WEIGHT_STD, generator=gen)
@@ -168,11 +170,11 @@ def linear_shapes(cfg: M3Config, tp_size: int = 1, expert_parallel: bool = False
     return rank_shapes(cfg, tp_size, expert_parallel).quantizable
 
 
-def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
+def linear_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0, opts=None) -> dict:
     from nanoserve.config import Optimizations
     from nanoserve.model.layers.linear import linear
 
-    opts = Optimizations()  # the path the model's layers take with the default switches
+    opts = opts or Optimizations()  # the path the model's layers take with these switches
     gen = torch.Generator(device=device).manual_seed(seed)
     rows, out = [], []
     for name, (n, k) in linear_shapes(cfg).items():
@@ -231,3 +233,33 @@ def route_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: in
     title = f"Decode routing + alignment ({e} experts, top-{k}, the shared expert folded; us per call in a CUDA graph)"
     headers = ("tokens", "torch + moe_align us", *(f"fused {w} warps us" for w in ROUTE_WARPS), "engine's warps")
     return {"rows": out, "table": table(headers, rows, title)}
+
+
+ALIGN_BLOCK_M = (16, 32, 64, 128)
+"""The MoE tile heights of the tile tables (kernels/configs.py MOE_TILES, fp8_configs.FP8_MOE_TILES): the alignment
+pads every expert's run to one of them."""
+
+
+def align_micro(cfg: M3Config, tokens: list[int], device: torch.device, seed: int = 0) -> dict:
+    """The MoE alignment alone (kernels/moe_align.py: its count and place launches, as every fused MoE call of more
+    than the fused routing's tokens runs them) on routed top-k ids plus the folded shared expert, at each tile
+    height of ALIGN_BLOCK_M. Microseconds per call, 50 calls in one CUDA graph at every size: the launches take
+    microseconds, which eager timing would drown in launch overhead."""
+    from nanoserve.kernels import reference
+    from nanoserve.kernels.moe_align import moe_align
+
+    e, k = cfg.num_local_experts, cfg.num_experts_per_tok
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out, rows = [], []
+    for t in tokens:
+        logits = torch.empty(t, e, device=device).normal_(0, 1, generator=gen)
+        _, ids = reference.route(logits, torch.zeros(e, device=device), k)
+        entry = {"tokens": t}
+        for block_m in ALIGN_BLOCK_M:
+            entry[f"block_m_{block_m}_us"] = graph_us(
+                lambda i, block_m=block_m: moe_align(ids, e + 1, block_m, fold_shared=True))
+        out.append(entry)
+        rows.append([t, *(entry[f"block_m_{b}_us"] for b in ALIGN_BLOCK_M)])
+    title = (f"MoE alignment ({e} experts + the folded shared one, top-{k}; us per call in a CUDA graph, by the tile "
+             f"height each expert's run is padded to)")
+    return {"rows": out, "table": table(("tokens", *(f"block_m {b} us" for b in ALIGN_BLOCK_M)), rows, title)}

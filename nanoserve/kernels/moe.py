@@ -285,18 +285,30 @@ def _up_swiglu_kernel(x_ptr, w13_ptr, act_ptr, sorted_ids_ptr, block_expert_ptr,
         if VARIANT == 3:
             acc_gate = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             acc_up = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-        kb = tl.arange(0, BLOCK_K // 32)
-        g_rows = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + ks[None, :]
-        gs_rows = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn + kb[None, :]
+        # Each K step as PARTS dots of PART_K columns. "scaled" 128-column steps run as two halves: Triton 3.9
+        # widens the whole weight tile to bf16 in registers before the MMA, which beside the two fp32 accumulators
+        # of a 128 x 128 tile spills on sm_90; halves fit, with the same loads per step and the same MMAs in the
+        # same order (so the same sums).
+        PARTS: tl.constexpr = 2 if VARIANT == 4 and BLOCK_K >= 128 else 1
+        PART_K: tl.constexpr = BLOCK_K // PARTS
+        kp = tl.arange(0, PART_K)
+        xp_ptrs = x_ptr + token[:, None] * stride_xt + kp[None, :]
+        g_rows = w13_ptr + expert.to(tl.int64) * stride_we + w_rows[:, None] * stride_wn + kp[None, :]
+        gs_rows = s13_ptr + expert.to(tl.int64) * stride_se + w_rows[:, None] * stride_sn \
+            + tl.arange(0, PART_K // 32)[None, :]
         for k in range(0, hidden, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(x_ptrs, mask=real[:, None], other=0.0)
-            else:
-                a = tl.load(x_ptrs, mask=real[:, None] & (ks < hidden - k)[None, :], other=0.0)
-            acc_gate = mx_tile_dot(acc_gate, a, g_rows, gs_rows, hidden - k, BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
-            acc_up = mx_tile_dot(acc_up, a, g_rows + inter * stride_wn, gs_rows + inter * stride_sn, hidden - k,
-                                 BLOCK_N, BLOCK_K, EVEN_K, VARIANT)
-            x_ptrs += BLOCK_K
+            for part in tl.static_range(PARTS):
+                k_left = hidden - k - part * PART_K
+                if EVEN_K:
+                    a = tl.load(xp_ptrs + part * PART_K, mask=real[:, None], other=0.0)
+                else:
+                    a = tl.load(xp_ptrs + part * PART_K, mask=real[:, None] & (kp < k_left)[None, :], other=0.0)
+                g_part = g_rows + part * PART_K
+                gs_part = gs_rows + part * (PART_K // 32)
+                acc_gate = mx_tile_dot(acc_gate, a, g_part, gs_part, k_left, BLOCK_N, PART_K, EVEN_K, VARIANT)
+                acc_up = mx_tile_dot(acc_up, a, g_part + inter * stride_wn, gs_part + inter * stride_sn, k_left,
+                                     BLOCK_N, PART_K, EVEN_K, VARIANT)
+            xp_ptrs += BLOCK_K
             g_rows += BLOCK_K
             gs_rows += BLOCK_K // 32
         if VARIANT == 3:

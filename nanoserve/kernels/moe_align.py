@@ -50,6 +50,8 @@ COUNT_ROWS = 32
 """Chunk-count rows the placing kernel reads per step."""
 TABLE_STEP = 64
 """Block-table entries one program writes per step."""
+PAD_STEP = 16
+"""Pad rows of every run the placing kernel marks per step (block_m is at least 16)."""
 ALIGN_WARPS = 4
 """Warps per alignment program (128 threads on NVIDIA, 256 on AMD's wave-64): the one-hot steps are small."""
 
@@ -111,7 +113,7 @@ def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr
                   num_padded_ptr, num_pairs, chunk_size, num_chunks, max_blocks, shared_slot,
                   TOPK: tl.constexpr, FOLD: tl.constexpr, HAS_MAP: tl.constexpr, LANES: tl.constexpr,
                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, COUNT_ROWS: tl.constexpr,
-                  TABLE_STEP: tl.constexpr):
+                  TABLE_STEP: tl.constexpr, PAD_STEP: tl.constexpr):
     chunk = tl.program_id(0)
     experts = tl.arange(0, E_PAD)
 
@@ -145,13 +147,15 @@ def _place_kernel(topk_ids_ptr, expert_map_ptr, chunk_counts_ptr, sorted_ids_ptr
         tl.store(sorted_ids_ptr + row, pair, mask=slot >= 0)
         next_row += tl.sum(one_hot.to(tl.int32), axis=0)
 
-    # The pad tail of every run is marked with num_pairs (no such pair: the GEMMs mask it).
+    # The pad tail of every run (fewer than BLOCK_M rows) is marked with num_pairs (no such pair: the GEMMs mask
+    # it), PAD_STEP rows of every run per step of a loop: one [E_PAD, BLOCK_M] tile, or the steps unrolled, would
+    # hold 2 * BLOCK_M values a thread at 256 experts and 128 threads, which spills at BLOCK_M 64 and 128.
     if chunk == 0:
         fill_start = run_start + total
-        pads = tl.arange(0, BLOCK_M)
-        rows_2d = fill_start[:, None] + pads[None, :]
-        tl.store(sorted_ids_ptr + rows_2d, tl.full([E_PAD, BLOCK_M], 0, tl.int32) + num_pairs,
-                 mask=rows_2d < run_end[:, None])
+        for p0 in range(0, BLOCK_M, PAD_STEP):
+            rows_2d = fill_start[:, None] + (p0 + tl.arange(0, PAD_STEP))[None, :]
+            tl.store(sorted_ids_ptr + rows_2d, tl.full([E_PAD, PAD_STEP], 0, tl.int32) + num_pairs,
+                     mask=rows_2d < run_end[:, None])
         tl.store(num_padded_ptr, num_padded)
 
     # Block table: the expert whose run holds tile b's first row is the number of runs ending at or before it.
@@ -190,7 +194,7 @@ def moe_align(topk_ids: torch.Tensor, num_slots: int, block_m: int, *, expert_ma
     _place_kernel[(num_chunks,)](topk_ids, emap, chunk_counts, align.sorted_pair_ids, align.block_expert,
                                  align.num_padded, num_pairs, chunk_size, num_chunks, align.max_blocks,
                                  num_slots - 1, BLOCK_M=block_m, COUNT_ROWS=COUNT_ROWS, TABLE_STEP=TABLE_STEP,
-                                 num_warps=ALIGN_WARPS, **flags)
+                                 PAD_STEP=PAD_STEP, num_warps=ALIGN_WARPS, **flags)
     return align
 
 

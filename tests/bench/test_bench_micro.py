@@ -72,3 +72,21 @@ def test_long_prefill_rows_time_both_pools(monkeypatch):
     assert all(out.shape == (20, CFG.num_attention_heads, CFG.head_dim) for out in calls)
     keys = sum(range(131, 151))
     assert rows[1]["dense_tflop_s"] == 4.0 * CFG.num_attention_heads * CFG.head_dim * keys / 2.0 / 1e9
+
+
+def test_align_rows_time_the_alignment_at_every_tile_height(monkeypatch):
+    """`--micro align`: one timed call per (token count, tile height), each a whole alignment of the routed pairs
+    plus the folded shared expert, padded to that height."""
+    from nanoserve.bench import micro
+    from nanoserve.kernels.moe_align import MoEAlignment
+
+    aligned = []
+    monkeypatch.setattr(micro, "graph_us", lambda call, **kw: aligned.append(call(0)) or 3.0)
+    res = micro.align_micro(CFG, [3, 40], torch.device("cpu"))
+    assert [r["tokens"] for r in res["rows"]] == [3, 40]
+    assert all(r[f"block_m_{b}_us"] == 3.0 for r in res["rows"] for b in micro.ALIGN_BLOCK_M)
+    assert [a.block_m for a in aligned] == list(micro.ALIGN_BLOCK_M) * 2
+    k = CFG.num_experts_per_tok + 1
+    for a, tokens in zip(aligned, [3] * 4 + [40] * 4):
+        assert isinstance(a, MoEAlignment) and a.num_pairs == tokens * k
+        assert int(a.num_padded) % a.block_m == 0 and int(a.num_padded) >= a.num_pairs

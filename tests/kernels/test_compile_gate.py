@@ -87,16 +87,20 @@ def test_gate_fails_a_tile_over_the_lds_budget():
     assert any("over the 64 KiB budget" in p for p in problems), (result, problems)
 
 
-def test_gate_fails_a_register_spill():
-    """A reduction holding 16k fp32 values per program in one wave (256 per lane, twice) spills to scratch: the
-    gate must say so."""
+@pytest.mark.parametrize("target", ["gfx942", "sm_90"])
+def test_gate_fails_a_register_spill(target):
+    """A reduction holding 16k fp32 values per program in one wave or warp (256 per lane on AMD, 512 per thread on
+    NVIDIA, twice) spills to memory: the gate must say so, on NVIDIA from the cubin's resource usage under
+    whatever Triton is installed (the registers read back too: a cuobjdump whose output the gate no longer
+    parses would otherwise pass every spill)."""
     part = torch.empty(2, 16384, dtype=torch.float32, device="meta")
     out = torch.empty(16384, dtype=torch.bfloat16, device="meta")
-    launch = _meta_launch("hip", lambda: _sum_splits_kernel[(1,)](part, out, 16384, SPLIT=2, BLOCK=16384,
-                                                                  num_warps=1))
-    ((_, result),) = compile_all([(launch, "gfx942")], workers=1)
-    problems = result.problems(TARGETS["gfx942"].shared_budget)
+    launch = _meta_launch(TARGETS[target].backend, lambda: _sum_splits_kernel[(1,)](part, out, 16384, SPLIT=2,
+                                                                                    BLOCK=16384, num_warps=1))
+    ((_, result),) = compile_all([(launch, target)], workers=1)
+    problems = result.problems(TARGETS[target].shared_budget)
     assert any("register spills" in p for p in problems), (result, problems)
+    assert result.registers > 0 and result.spill_bytes > 0, result
 
 
 @pytest.mark.slow

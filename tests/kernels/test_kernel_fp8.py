@@ -258,6 +258,25 @@ def test_fused_moe_dequantises_long_batches(dtype, fold):
     close(short, want, dtype)
 
 
+@pytest.mark.parametrize("hidden", [256, 160])
+def test_fused_moe_scaled_128_column_steps(hidden):
+    """GEMM 1's "scaled" variant runs a 128-column K step as two 64-column dot_scaled calls (the 4,096-token tile,
+    which spills on sm_90 as one): the same result as 64-column steps, bit for bit, and the reference's within
+    bf16's tolerance, with whole K steps (hidden 256) and a ragged last one (160: a second half with no columns)."""
+    experts, top_k, inter = 4, 2, 64
+    gen = torch.Generator().manual_seed(hidden)
+    w13, s13, w2, s2 = make_mx_experts(experts + 1, hidden, inter, gen)
+    x = torch.randn(5, hidden, generator=gen).to(DEVICE, torch.bfloat16)
+    weights, ids = reference.route(torch.randn(5, experts, generator=gen).to(DEVICE),
+                                   torch.zeros(experts, device=DEVICE), top_k)
+    outs = [fused_moe(x, w13, w2, weights, ids, alpha=ALPHA, limit=LIMIT, routed_scaling_factor=SCALE,
+                      fold_shared=True, w13_scale=s13, w2_scale=s2,
+                      config=MoEConfig(16, 1, GemmTiles(32, block_k, 4, 1), GemmTiles(32, 32, 4, 1), "scaled"))
+            for block_k in (128, 64)]
+    assert torch.equal(outs[0], outs[1])
+    close(outs[0], mx_moe_reference(x, w13, s13, w2, s2, weights, ids, True), torch.bfloat16)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("tokens,fold,use_map", [(1, True, False), (3, False, False), (4, True, True),
                                                  (2, True, False)])

@@ -142,6 +142,8 @@ def expected_layout(local: torch.Tensor, num_slots: int, block_m: int) -> tuple[
     (50, 16, 2, 32, False, 3, False),       # 13 experts without tokens, big runs over several tiles
     (300, 16, 4, 16, True, None, False),    # several alignment chunks (1200+ pairs)
     (29, 8, 3, 16, True, None, True),       # expert parallel: half the experts skipped
+    (40, 8, 3, 128, True, None, False),     # prefill-sized tiles: pad tails of up to 127 rows, marked in steps
+    (23, 8, 3, 64, False, None, True),      # 64-row tiles with expert parallel
 ])
 def test_alignment_layout(tokens, experts, top_k, block_m, fold, allowed, use_map):
     """Every computed (token, slot) pair appears exactly once, grouped by slot in original order; runs are padded
