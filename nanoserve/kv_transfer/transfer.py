@@ -127,13 +127,19 @@ class KVTransferAgent:
     """One engine's NIXL agent over its KV pools (a prefill server's, a decode server's, or both)."""
 
     def __init__(self, engine_id: str, pools: list[torch.Tensor], backends: list[str] | None = None,
-                 tp_size: int = 1):
+                 tp_size: int = 1, progress_thread: bool | None = None):
+        """`progress_thread`: NIXL's own thread that moves transfers on (its default, and vLLM's); it keeps a
+        core busy polling, so where the pools are in host memory (a CPU machine) it is off by default and the
+        engine's polls - finished(), Pull.state() - move the transfers on instead."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.regions = [PoolRegion.of(p) for p in pools]
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=backends or ["UCX"]))
+        if progress_thread is None:
+            progress_thread = any(r.mem_type == "VRAM" for r in self.regions)
+        self.agent = nixl_agent(engine_id, nixl_agent_config(enable_prog_thread=progress_thread,
+                                                             backends=backends or ["UCX"]))
         self._registered = self.agent.register_memory(list(pools))
         self._pools = pools  # keep them alive as long as NIXL holds their addresses
         self._remotes: dict[str, RemoteEngine] = {}
@@ -204,6 +210,20 @@ class KVTransferAgent:
         return len(self._expected)
 
     # -- the destination side -------------------------------------------------------------------------------------
+    def is_connected(self, engine_id: str) -> bool:
+        """Has connect() fetched `engine_id`'s layout (so pull() can read from it)?"""
+        return engine_id in self._remotes
+
+    def forget(self, engine_id: str) -> None:
+        """Drop a source (after a failed pull: it may have restarted under the same engine id, with new
+        addresses); the next connect() fetches its layout again."""
+        remote = self._remotes.pop(engine_id, None)
+        if remote is not None:
+            try:
+                self.agent.remove_remote_agent(remote.agent_name)
+            except Exception:  # a source NIXL already dropped
+                logger.debug("KV transfer: removing engine %r", engine_id, exc_info=True)
+
     def connect(self, host: str, port: int, timeout_s: float = 10.0) -> str:
         """Fetch a source's layout and NIXL agent once (later calls reuse it); its engine id."""
         import msgpack
