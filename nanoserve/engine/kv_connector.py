@@ -120,19 +120,21 @@ class KVConnector:
         return True
 
     # -- a decode server ----------------------------------------------------------------------------------
-    def load(self, seq: Sequence, local_blocks: list[int]) -> None:
-        """Pull seq's prompt KV into `local_blocks`, its blocks past its local prefix-cache hits (the matching
-        tail of the remote blocks: kv_transfer/params.py pull_plan). The pull starts in a later progress()."""
+    def load(self, seq: Sequence, first: int, local_blocks: list[int]) -> None:
+        """Pull seq's prompt KV into `local_blocks`, the blocks of its prompt from logical block `first` on (those
+        before are local prefix-cache hits), from the same blocks of the prefill server's. Nothing to pull (a full
+        local hit) still tells the prefill server, which frees its blocks. The pull starts in a later
+        progress()."""
         remote = seq.kv_transfer
         assert isinstance(remote, kv_params.RemotePrefill)
         load = Load(seq, remote, [], self._calls)
-        try:
-            if remote.tp_size != self.agent.tp_size:
-                raise ValueError(f"the prefill engine runs tensor parallel size {remote.tp_size}, this one "
-                                 f"{self.agent.tp_size}")
-            load.pairs = kv_params.pull_plan(remote.block_ids, local_blocks)
-        except ValueError as exc:
-            load.error = str(exc)
+        end = first + len(local_blocks)
+        if remote.tp_size != self.agent.tp_size:
+            load.error = f"the prefill engine runs tensor parallel size {remote.tp_size}, this one {self.agent.tp_size}"
+        elif end > len(remote.block_ids):
+            load.error = f"the prompt's KV fills {end} blocks, the prefill server named {len(remote.block_ids)}"
+        else:
+            load.pairs = kv_params.pull_plan(remote.block_ids[:end], local_blocks)
         self.loads[seq.seq_id] = load
 
     def abort(self, seq: Sequence) -> bool:

@@ -259,7 +259,9 @@ class Scheduler:
             seq.first_scheduled_time = time.monotonic()
         self.loading.append(seq)
         out.admitted.append(seq)
-        self.kv.load(seq, seq.block_table[len(computed): self.bm.blocks_needed(seq.num_prompt_tokens)])
+        # the blocks to fill hold its prompt but the last token (computed here): none when the cache has those
+        first = len(computed)
+        self.kv.load(seq, first, seq.block_table[first: self.bm.blocks_needed(seq.num_prompt_tokens - 1)])
         self.on_event("kv_load", seq=seq, num_cached_tokens=seq.num_cached_tokens)
         return True
 

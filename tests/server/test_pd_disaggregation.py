@@ -29,7 +29,7 @@ import httpx
 import pytest
 
 from tests.helpers.router_utils import RouterProcess
-from tests.helpers.server_utils import AGENT_FLAGS, ServerProcess, free_port, metric, wait_until
+from tests.helpers.server_utils import AGENT_FLAGS, ServerProcess, free_port, metric, post, wait_until
 
 MODEL = "m3-mini"
 ABORT_TIMEOUT_S = 4
@@ -51,7 +51,7 @@ REQUESTS = [("chat", WEATHER, False), ("chat", WEATHER, True), ("chat", THINKING
 """(endpoint, body, stream): the requests every P/D run sends at once."""
 
 
-def server(logs, name: str, role: str) -> ServerProcess:
+def pd_server(logs, name: str, role: str) -> ServerProcess:
     """An m3-mini server with the agent flags and a NIXL connector in `role`, its side channel on a free port."""
     env = {"UCX_TLS": "tcp", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(ABORT_TIMEOUT_S)}
@@ -66,8 +66,8 @@ def servers(tmp_path_factory):
     failure tests kill servers, so they come last, in this order: the second prefill server, then the decode
     server."""
     logs = tmp_path_factory.mktemp("pd")
-    procs = {"prefill": server(logs, "prefill", "kv_producer"), "decode": server(logs, "decode", "kv_consumer"),
-             "prefill2": server(logs, "prefill2", "kv_producer")}
+    procs = {"prefill": pd_server(logs, "prefill", "kv_producer"),
+             "decode": pd_server(logs, "decode", "kv_consumer"), "prefill2": pd_server(logs, "prefill2", "kv_producer")}
     try:
         for p in procs.values():
             p.__enter__()
@@ -160,6 +160,27 @@ def test_pd_through_the_router_gives_one_servers_answers(servers, tmp_path):
     assert moved["external_kv_transfer"] > 0 and moved["local_cache_hit"] > 0, moved
     wait_until(lambda: blocks_in_use(prefill) == 0 and blocks_in_use(decode) == 0, timeout=10,
                what="every KV block to come back on both servers")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "Hi", "kv_transfer_params": "yes"}, "Input should be an object"),
+    ({"prompt": "Hi", "kv_transfer_params": {"do_remote_prefill": True, "remote_engine_id": "p"}},
+     "remote_request_id must be a non-empty string"),
+    ({"prompt": "Hi", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "only with n 1"),
+    ({"prompt": ["Hi", "Ho"], "kv_transfer_params": {"do_remote_decode": True}}, "only with one prompt"),
+    ({"prompt": "Hi", "kv_transfer_params": {"do_remote_decode": True}}, "this server transfers no KV"),
+])
+def test_kv_transfer_params_the_server_cannot_honour_are_a_400_naming_them(server, body, message):
+    """On the shared m3-tiny server, which has no connector."""
+    resp = post(server, "/v1/completions", body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params", resp.text
+    assert message in resp.json()["error"]["message"], resp.text
+
+
+def test_a_server_refuses_the_role_it_does_not_have(servers):
+    resp = httpx.post(f"{servers['decode'].url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": GREETING["messages"], "kv_transfer_params": {"do_remote_decode": True}})
+    assert resp.status_code == 400 and "do_remote_decode needs kv_role kv_producer" in resp.text, resp.text
 
 
 def test_a_prefill_server_killed_is_dropped_by_the_routers_health_check(servers, tmp_path):
