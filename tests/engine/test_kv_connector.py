@@ -4,11 +4,12 @@ prefill engine (kv_producer) and a decode engine (kv_consumer), their KV blocks 
 A request with do_remote_decode on the prefill engine runs with max_tokens 1, keeps its prompt's blocks and names
 them in its output's kv_transfer_params; the same request with those parameters on the decode engine pulls the
 blocks its prefix cache lacks, computes the last prompt token only and decodes - greedy, exactly what one engine
-gives - with pools in the model dtype and in fp8 (K/V and MSA index keys move as stored). Held too: the prefill engine's blocks
-stay shareable while held and all come back once pulled, or at the abort timeout when nobody pulls them; a full
-local hit pulls nothing and frees the source's blocks at once; a pull that fails (pools of another layout) fails
-the request, or with kv_load_failure_policy "recompute" has it computed locally; an abort while waiting frees the
-blocks; what a connector cannot serve is refused by name. The block pools' invariants are checked after each test.
+gives - with pools in the model dtype and in fp8 (K/V and MSA index keys move as stored). Held too: the prefill
+engine's blocks stay shareable while held and all come back once pulled, or at the abort timeout when nobody pulls
+them; a full local hit pulls nothing and frees the source's blocks at once; a pull that fails (pools of another
+layout) fails the request, or with kv_load_failure_policy "recompute" has it computed locally; an abort while
+waiting frees the blocks; what a connector cannot serve is refused by name. The block pools' invariants are
+checked after each test.
 """
 
 from __future__ import annotations

@@ -168,6 +168,7 @@ def test_pd_through_the_router_gives_one_servers_answers(servers, tmp_path):
      "remote_request_id must be a non-empty string"),
     ({"prompt": "Hi", "n": 2, "kv_transfer_params": {"do_remote_decode": True}}, "only with n 1"),
     ({"prompt": ["Hi", "Ho"], "kv_transfer_params": {"do_remote_decode": True}}, "only with one prompt"),
+    ({"prompt": "Hi", "stream": True, "kv_transfer_params": {"do_remote_decode": True}}, "needs stream false"),
     ({"prompt": "Hi", "kv_transfer_params": {"do_remote_decode": True}}, "this server transfers no KV"),
 ])
 def test_kv_transfer_params_the_server_cannot_honour_are_a_400_naming_them(server, body, message):

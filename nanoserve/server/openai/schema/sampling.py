@@ -214,10 +214,14 @@ class SamplingRequest(RequestBody):
             raise ValueError("length_penalty: only used with use_beam_search")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when stream is true")
-        if kv_params.parse(self.kv_transfer_params) is not None:
+        transfer = kv_params.parse(self.kv_transfer_params)
+        if transfer is not None:
             if self.n != 1 or self.use_beam_search:
                 raise ValueError("kv_transfer_params: only with n 1 and without use_beam_search (the KV blocks of "
                                  "one sequence move between the servers)")
+            if isinstance(transfer, kv_params.RemoteDecode) and self.stream:
+                raise ValueError("kv_transfer_params: do_remote_decode needs stream false (the answer's "
+                                 "kv_transfer_params name the blocks kept for the decode server)")
         for name in REMOVED_GUIDED_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported; vLLM replaced the guided_* fields with structured_outputs "
