@@ -200,8 +200,8 @@ def test_a_prefill_server_killed_is_dropped_by_the_routers_health_check(servers,
 
 def test_a_decode_server_killed_before_it_reads_the_blocks(servers, tmp_path):
     """The decode server is stopped, so the router's decode request waits in its socket while the prefill server
-    holds the prompt's blocks; then it is killed. The router answers the client with an error; the prefill
-    server keeps serving, and frees the blocks once its abort timeout has passed."""
+    holds the prompt's blocks (and serves other requests meanwhile); then it is killed. The router answers the
+    client with an error, and the prefill server frees the blocks once its abort timeout has passed."""
     prefill, decode = servers["prefill"], servers["decode"]
     with pd_router(tmp_path, [prefill], [decode]) as router:
         decode.proc.send_signal(signal.SIGSTOP)
@@ -217,13 +217,14 @@ def test_a_decode_server_killed_before_it_reads_the_blocks(servers, tmp_path):
         thread = threading.Thread(target=client)
         thread.start()
         wait_until(lambda: blocks_in_use(prefill) > 0, timeout=30, what="the prefill server to hold the blocks")
+        # not stalled: a plain request is served while the blocks wait
+        plain = httpx.post(f"{prefill.url}/v1/completions", timeout=30,
+                           json={"model": MODEL, **STORY, "temperature": 0})
+        assert plain.status_code == 200, plain.text
         decode.proc.kill()
         decode.proc.wait()
         thread.join(60)
         [got] = answer
         assert isinstance(got, httpx.HTTPError) or got.status_code >= 500, got.text
-    # not stalled: a plain request is served while the blocks wait for their timeout
-    plain = httpx.post(f"{prefill.url}/v1/completions", timeout=30, json={"model": MODEL, **STORY, "temperature": 0})
-    assert plain.status_code == 200 and blocks_in_use(prefill) > 0
     wait_until(lambda: blocks_in_use(prefill) == 0, timeout=ABORT_TIMEOUT_S + 10,
                what="the prefill server to free the unread blocks at its timeout")
