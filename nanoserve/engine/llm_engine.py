@@ -24,6 +24,7 @@ its accepted drafts plus one token, appended through the same stop checks (`appe
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -34,6 +35,7 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import kv_events
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
+from nanoserve.engine.kv_connector import KVConnector, check_supported
 from nanoserve.engine.launched_step import Appended, LaunchedStep
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
 from nanoserve.engine.outputs import Logprob, RequestOutput
@@ -45,6 +47,7 @@ from nanoserve.engine.stop_checker import Stop, StopChecker
 from nanoserve.engine.structured_output import StructuredOutputManager
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
+from nanoserve.kv_transfer import params as kv_params
 from nanoserve.kv_transfer.config import KVTransferConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
@@ -62,10 +65,10 @@ class LLMEngine:
         """`executor`: reuse an already built model and KV pool (the benchmark's ablation builds one engine per
         switch setting around one model); None builds them from `config`."""
         self.config = config
-        if config.kv_transfer_config is not None and \
-                KVTransferConfig.from_dict(config.kv_transfer_config).kv_connector is not None:
-            raise ValueError("kv_transfer_config: prefill/decode disaggregation is not wired into the engine yet "
-                             "(the transfer, the protocol and the hooks it needs: docs/scale_out.md)")
+        self.kv_transfer = KVTransferConfig.from_dict(config.kv_transfer_config)
+        """Prefill/decode disaggregation (engine/kv_connector.py), when it names a connector."""
+        if self.kv_transfer.kv_connector is not None:
+            check_supported(config, self.kv_transfer)
         self.executor: Executor = executor or make_executor(config)
         try:
             self._build(config, reuse_pool=executor is not None)
@@ -88,10 +91,12 @@ class LLMEngine:
         k = self.spec_config.num_speculative_tokens if self.spec_config else 0
         self.observers: list[Callable[..., None]] = []
         self.block_manager = BlockManager(num_blocks, self.block_size, opts.prefix_caching, self._emit)
+        self.kv_connector = KVConnector.start(self.kv_transfer, self.executor, self.block_size) \
+            if self.kv_transfer.kv_connector is not None else None
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, budget, self.max_model_len, opts, config.scheduling_policy, k,
             draft_writes_kv=self.spec_config is not None and self.spec_config.method != "ngram"),
-            self.block_manager, self._emit)
+            self.block_manager, self._emit, self.kv_connector)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
         self._token_texts: dict[int, str] = {}
         self.eos_token_id = self.model_config.eos_token_id
@@ -146,8 +151,8 @@ class LLMEngine:
         if self.overlapped is not None:
             return self.overlapped.step()
         launched = self.launch()  # schedule; the forward and the sampling, queued on the device
-        if launched is None:  # nothing to run
-            return []
+        if launched is None:  # nothing to run (a request may still end: a P/D decode whose KV pull failed)
+            return self.outputs([])
         # (a) the tokens: append, EOS / stop ids / length; (b) detokenise, stop strings, logprobs: the outputs
         return self.outputs(self.update(launched))
 
@@ -202,11 +207,12 @@ class LLMEngine:
         return appended
 
     def outputs(self, appended: list[Appended]) -> list[RequestOutput]:
-        """(b): logprobs, detokenisation and stop strings for the tokens `update` appended; the outputs."""
+        """(b): logprobs, detokenisation and stop strings for the tokens `update` appended; the outputs (also of the
+        requests that ended without a token: a P/D decode whose KV could not be pulled)."""
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
         gaps: list[float] = []  # each sequence's time since its previous token (the metrics' inter-token latency)
-        for a in appended:
+        for a in appended + self._failed_loads():
             touched[a.seq.request_id] = self.requests[a.seq.request_id]
             if a.has_token:  # (not: it ended without a token, its grammar failed at catch-up)
                 gaps += record_token(a.seq, a.logprobs, now)
@@ -282,6 +288,16 @@ class LLMEngine:
         return (max(reach) <= self.max_model_len and blocks <= bm.num_free_blocks
                 and len(running) * (k + 1) <= self.max_num_batched_tokens)
 
+    def _failed_loads(self) -> list[Appended]:
+        """P/D decodes whose KV pull failed (kv_load_failure_policy "fail"): the scheduler ended them with an error;
+        their requests' outputs say so."""
+        failed = []
+        for seq in self.scheduler.take_failed_loads() if self.kv_connector is not None else ():
+            if seq.request_id in self.requests:  # (not aborted meanwhile)
+                self._finish(seq, FinishReason.ERROR, None)
+                failed.append(Appended(seq, None, has_token=False))
+        return failed
+
     def _take_finished(self) -> list[int]:
         """The sequences ended since the last step (the runner forgets what it keeps for them)."""
         finished, self._finished_ids = self._finished_ids, []
@@ -337,19 +353,26 @@ class LLMEngine:
 
     def _count_step(self, sched: SchedulerOutput) -> None:
         self.stats.num_preemptions += len(sched.preempted)
+        for seq in sched.admitted:  # (a P/D decode is admitted to wait for its KV: a schedule of no step)
+            self.stats.prefix_cache_queries += seq.num_tokens
+            self.stats.prefix_cache_hits += seq.num_cached_tokens
         if sched.is_empty:
             return
         self.stats.num_steps += 1
-        for seq in sched.admitted:
-            self.stats.prefix_cache_queries += seq.num_tokens
-            self.stats.prefix_cache_hits += seq.num_cached_tokens
         self.stats.num_computed_prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
+        for s in sched.scheduled:  # a prompt done: where its tokens' KV came from (vLLM's prompt_tokens_by_source)
+            seq = s.seq
+            if s.samples and seq.num_output_tokens == 0:
+                self.stats.prompt_tokens_local_compute += seq.num_prompt_tokens - seq.num_cached_tokens
+                self.stats.prompt_tokens_local_cache_hit += seq.num_cached_tokens - seq.num_external_tokens
+                self.stats.prompt_tokens_external_kv_transfer += seq.num_external_tokens
 
     # -- observers (the walkthrough and tests watch the engine through these) -------------------------------
     def add_observer(self, fn: Callable[..., None]) -> None:
         """fn(event_name, **payload) is called on admit, chunk, preempt, finish, allocate, free, evict (with the
         block's hash), cache (a full block registered in the prefix cache), reset (the prefix cache cleared),
-        prefix_hit, step (a step launched) and outputs (a step's tokens appended, with each sequence's time since
+        prefix_hit, kv_load / kv_loaded (P/D: a decode starts waiting for its prompt's KV / it has arrived), step
+        (a step launched) and outputs (a step's tokens appended, with each sequence's time since
         its previous token) events (on the thread that runs the engine)."""
         self.observers.append(fn)
 
@@ -383,10 +406,12 @@ class LLMEngine:
                              f"{self.max_model_len} (and at least one token must be generated)")
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
-                    arrival_time: float | None = None, priority: int = 0) -> None:
+                    arrival_time: float | None = None, priority: int = 0,
+                    kv_transfer_params: dict[str, Any] | None = None) -> None:
         """Queue a request (n sequences). `priority`: with the priority scheduling policy, lower runs sooner (any
-        other value than 0 is a ValueError under first come, first served, as in vLLM). Raises ValueError for a
-        bad prompt or parameters."""
+        other value than 0 is a ValueError under first come, first served, as in vLLM). `kv_transfer_params`:
+        prefill/decode disaggregation, vLLM's request-level protocol (kv_transfer/params.py; the engine needs a
+        KV connector). Raises ValueError for a bad prompt or parameters."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -395,6 +420,9 @@ class LLMEngine:
             raise ValueError("priority: requests are scheduled first come, first served; start the engine with "
                              "--scheduling-policy priority to use it")
         params = params or SamplingParams()
+        transfer = kv_params.parse(kv_transfer_params)
+        if transfer is not None:
+            params = self._kv_transfer_request(transfer, params)
         params.validate(self.config.max_logprobs, self.model_config.vocab_size)
         if params.bad_words:
             params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
@@ -407,7 +435,7 @@ class LLMEngine:
         compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival,
-                         cache_salt=salt, priority=priority) for i in range(params.n)]
+                         cache_salt=salt, priority=priority, kv_transfer=transfer) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 seq.grammar = self.structured_output.new_grammar(
@@ -417,6 +445,29 @@ class LLMEngine:
             self.scheduler.add(seq)
         self.stats.num_requests += 1
         self.stats.num_prompt_tokens += len(token_ids)
+
+    def _kv_transfer_request(self, transfer: kv_params.RemoteDecode | kv_params.RemotePrefill,
+                             params: SamplingParams) -> SamplingParams:
+        """A request's kv_transfer_params against this engine: what it may ask for. A prefill for a remote decode
+        runs with max_tokens 1 (its one token is dropped: the decode server computes the prompt's last token)."""
+        cfg, role = self.kv_transfer, self.kv_transfer.kv_role
+        if self.kv_connector is None:
+            raise ValueError("kv_transfer_params: this server transfers no KV (start it with a kv_transfer_config "
+                             "that names a connector)")
+        if params.n != 1:
+            raise ValueError(f"kv_transfer_params: only with n 1 (the blocks of one sequence move), got n {params.n}")
+        if isinstance(transfer, kv_params.RemoteDecode):
+            if not cfg.is_producer:
+                raise ValueError(f"kv_transfer_params: do_remote_decode needs kv_role kv_producer or kv_both; this "
+                                 f"server is {role}")
+            return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        if not cfg.is_consumer:
+            raise ValueError(f"kv_transfer_params: do_remote_prefill needs kv_role kv_consumer or kv_both; this "
+                             f"server is {role}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("kv_transfer_params: do_remote_prefill cannot give prompt_logprobs (the prompt's KV is "
+                             "pulled, not computed here)")
+        return params
 
     def abort_request(self, request_id: str | list[str]) -> None:
         """Stop requests wherever they are (waiting, prefilling, decoding) and free their blocks. Freeing them
@@ -440,7 +491,18 @@ class LLMEngine:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        """Sequences waiting to run: in the queue, or (P/D decodes) for their prompt's KV to arrive."""
+        return len(self.scheduler.waiting) + len(self.scheduler.loading)
+
+    def kv_transfer_wait(self) -> float | None:
+        """With a KV connector, when nothing can run and KV transfers are under way (pulls in flight, blocks kept
+        for a decode server): how long a driving loop may wait before the next step, which polls them. None
+        otherwise (step at once, or, with no request left, wait for one)."""
+        kv, sched = self.kv_connector, self.scheduler
+        if kv is None or not kv.busy or sched.running or sched.waiting or sched.failed_loads or \
+                (self.overlapped is not None and self.overlapped.in_flight is not None):
+            return None
+        return kv.poll_s
 
     def shutdown(self) -> None:
         if self.overlapped is not None:  # drop the step in flight: its tensors live on the device
@@ -448,6 +510,9 @@ class LLMEngine:
         if self.kv_events is not None:
             self.kv_events.shutdown()
             self.kv_events = None
+        if self.kv_connector is not None:  # (its agent holds the pools' memory registered)
+            self.kv_connector.shutdown()
+            self.kv_connector = None
         self.executor.shutdown()
 
 
@@ -472,6 +537,11 @@ class EngineStats:
     spec_decode_num_draft_tokens: int = 0
     spec_decode_num_accepted_tokens: int = 0
     spec_decode_accepted_per_pos: tuple[int, ...] = ()
+    # where each finished prompt's KV came from (vLLM's vllm:prompt_tokens_by_source), counted when its first token
+    # is sampled: computed here (its last token at least), found in the prefix cache, pulled from a prefill server
+    prompt_tokens_local_compute: int = 0
+    prompt_tokens_local_cache_hit: int = 0
+    prompt_tokens_external_kv_transfer: int = 0
 
     @property
     def spec_decode_mean_accepted_length(self) -> float:

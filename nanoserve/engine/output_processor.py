@@ -56,7 +56,7 @@ def make_output(state: RequestState) -> RequestOutput:
     # complete once the first token is out (the prompt is prefilled by then) and never changed after: shared
     prompt_logprobs = state.seqs[0].prompt_logprobs if state.params.prompt_logprobs is not None else None
     return RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, completions, state.finished,
-                         request_metrics(state), prompt_logprobs)
+                         request_metrics(state), prompt_logprobs, state.seqs[0].kv_transfer_answer)
 
 
 def request_metrics(state: RequestState) -> RequestMetrics:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -49,6 +50,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = field(default=None)
     """With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing predicts it)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation, on a prefill server: where the finished prompt's KV blocks wait for a decode
+    server (vLLM's kv_transfer_params, engine/kv_connector.py); None otherwise."""
 
     @property
     def num_cached_tokens(self) -> int:

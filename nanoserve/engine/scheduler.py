@@ -17,6 +17,11 @@ continuous_batching off = a new batch is admitted only when the previous one has
 a prompt is scheduled whole or not at all; paged_kv off = a sequence reserves max_model_len tokens of KV when
 admitted; prefix_caching off = no cache lookups.
 
+Prefill/decode disaggregation (a KV connector, engine/kv_connector.py): a decode whose prompt's KV comes from a
+prefill server is admitted into `loading` instead - blocks for its whole prompt, no tokens scheduled, never
+preempted - and joins the running sequences once its blocks have arrived, with only its last prompt token left to
+compute; a prefill server's sequence that ends for a pull keeps its blocks (`finish`).
+
 A prompt that asks for prompt logprobs is chunked at PROMPT_LOGPROB_CHUNK tokens even when the budget is larger:
 each of its positions becomes a row of fp32 logits over the whole vocabulary (8192 rows x 200k tokens would be
 6.5 GB), so the chunk bounds that memory.
@@ -30,7 +35,9 @@ from dataclasses import dataclass, field
 
 from nanoserve.config import Optimizations
 from nanoserve.engine.block_manager import BlockManager, EventHook
+from nanoserve.engine.kv_connector import KVConnector
 from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
+from nanoserve.kv_transfer.params import RemotePrefill
 from nanoserve.spec_decode.proposer import speculable
 
 PROMPT_LOGPROB_CHUNK = 2048
@@ -110,11 +117,18 @@ class SchedulerOutput:
 class Scheduler:
     """Decides, each step, which sequences run and how many of their tokens (see module docstring)."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, on_event: EventHook | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, on_event: EventHook | None = None,
+                 kv_connector: KVConnector | None = None):
         self.config = config
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.loading: list[Sequence] = []
+        """P/D decodes holding blocks for their prompt while its KV is pulled (LOADING_REMOTE_KV)."""
+        self.failed_loads: list[Sequence] = []
+        """P/D decodes whose pull failed under kv_load_failure_policy "fail": finished here, the engine reports
+        them (LLMEngine.outputs)."""
+        self.kv = kv_connector
         self.on_event = on_event or (lambda *a, **k: None)
         self.num_preemptions = 0
 
@@ -149,7 +163,7 @@ class Scheduler:
         self.waiting.insert(i, seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     # -- one step -----------------------------------------------------------------------------------------
     def schedule(self, drafts_on_device: frozenset[int] | set[int] = frozenset()) -> SchedulerOutput:
@@ -159,6 +173,8 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         chunked = self.opts.chunked_prefill
+        if self.kv is not None:  # P/D: free what was pulled, run the decodes whose KV arrived
+            self._kv_progress()
 
         # 1. running sequences, oldest (best) first; preempt the newest (worst) when the pool is full
         queue = sorted(self.running, key=self.rank) if self.by_priority else list(self.running)
@@ -185,9 +201,13 @@ class Scheduler:
 
         # 2. waiting sequences, first come first served
         admit = self.opts.continuous_batching or not self.running
-        while admit and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs \
-                and not out.preempted:
+        while admit and self.waiting and budget > 0 and \
+                len(self.running) + len(self.loading) < self.config.max_num_seqs and not out.preempted:
             seq = self.waiting[0]
+            if isinstance(seq.kv_transfer, RemotePrefill):  # P/D decode: its prompt's KV is pulled, not computed
+                if not self._admit_loading(seq, out):
+                    break
+                continue
             computed = self.bm.computed_blocks(seq)
             num_cached = len(computed) * self.bm.block_size
             remaining = seq.num_tokens - num_cached
@@ -223,6 +243,57 @@ class Scheduler:
                     s.on_device = s.seq.seq_id in drafts_on_device
                     s.max_drafts = self._lookahead(s)
         return out
+
+    # -- prefill/decode disaggregation -----------------------------------------------------------------------
+    def _admit_loading(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """A P/D decode from the waiting queue: its local prefix hits, then blocks for the rest of its prompt,
+        whose KV the connector pulls from the prefill server; it computes nothing until that has arrived."""
+        computed = self.bm.computed_blocks(seq)
+        reserve = seq.num_tokens if self.opts.paged_kv else max(self.config.max_model_len, seq.num_tokens)
+        if not self.bm.allocate(seq, reserve, computed):
+            return False
+        self.waiting.popleft()
+        seq.status = SequenceStatus.LOADING_REMOTE_KV
+        seq.num_computed_tokens = seq.num_cached_tokens = len(computed) * self.bm.block_size
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.loading.append(seq)
+        out.admitted.append(seq)
+        # the blocks to fill hold its prompt but the last token (computed here): none when the cache has those
+        first = len(computed)
+        self.kv.load(seq, first, seq.block_table[first: self.bm.blocks_needed(seq.num_prompt_tokens - 1)])
+        self.on_event("kv_load", seq=seq, num_cached_tokens=seq.num_cached_tokens)
+        return True
+
+    def _kv_progress(self) -> None:
+        """The connector's news since the last schedule: blocks to free, decodes whose KV arrived (they run now,
+        their full blocks enter the prefix cache), pulls that failed (kv_load_failure_policy: the request fails,
+        or it computes its prompt here as any other)."""
+        released, loaded, failed = self.kv.progress()
+        for seq in released:
+            self.bm.free_seq(seq)
+        for seq in loaded:
+            self.loading.remove(seq)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = seq.num_prompt_tokens - 1  # (the last one is computed here, for its logits)
+            seq.num_external_tokens = max(0, seq.num_computed_tokens - seq.num_cached_tokens)
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.running.append(seq)
+            self.bm.cache_full_blocks(seq)
+            self.on_event("kv_loaded", seq=seq, num_external_tokens=seq.num_external_tokens)
+        for seq in failed:
+            if self.kv.config.kv_load_failure_policy == "recompute":
+                self.loading.remove(seq)
+                self.bm.free_seq(seq)
+                seq.kv_transfer, seq.status, seq.num_computed_tokens = None, SequenceStatus.WAITING, 0
+                self._enqueue(seq, front=True)
+            else:
+                self.finish(seq, FinishReason.ERROR)
+                self.failed_loads.append(seq)
+
+    def take_failed_loads(self) -> list[Sequence]:
+        failed, self.failed_loads = self.failed_loads, []
+        return failed
 
     def _pad_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Batches that mix (switch spec_pad_drafts, with CUDA graphs for verify steps): where every scheduled
@@ -322,11 +393,16 @@ class Scheduler:
         """End a sequence (stop, length or abort) wherever it is, returning its blocks."""
         if seq.status == SequenceStatus.FINISHED:
             return
+        free = True
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.bm.free_seq(seq)
+        elif seq in self.loading:  # (its blocks wait for a read in flight to end)
+            self.loading.remove(seq)
+            free = self.kv.abort(seq)
+        if free and not (self.kv is not None and self.kv.hold(seq, reason)):  # (P/D: kept for a decode server)
+            self.bm.free_seq(seq)
         seq.num_pending = 0  # a token of it still in flight is dropped when it arrives
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

@@ -5,8 +5,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from nanoserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from nanoserve.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # queued for (re)admission: new, or preempted
     RUNNING = "running"  # holds KV blocks; prefilling or decoding
+    LOADING_REMOTE_KV = "loading_remote_kv"  # P/D decode: holds blocks for its prompt while their KV is pulled
     FINISHED = "finished"
 
 
@@ -44,7 +46,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at the last admission
+    num_cached_tokens: int = 0
+    """Prompt tokens not computed at the last admission: found in the prefix cache, or (a P/D decode) pulled from
+    a prefill server as well (num_external_tokens of them), as vLLM counts its cached tokens."""
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None
     # sampling results
@@ -70,6 +74,16 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: draft tokens proposed to follow this sequence's tokens, verified in its next step
     (engine/speculative.py). Not part of num_tokens: they are guesses until the target model accepts them."""
+    kv_transfer: RemoteDecode | RemotePrefill | None = None
+    """Prefill/decode disaggregation (the request's kv_transfer_params, kv_transfer/params.py): RemoteDecode on a
+    prefill server (keep the prompt's blocks for a decode server to pull), RemotePrefill on a decode server (pull
+    the prompt's KV instead of computing it), None otherwise."""
+    kv_transfer_answer: dict[str, Any] | None = None
+    """On a prefill server, once the prompt's blocks are kept for a pull: the kv_transfer_params that name them
+    (the response carries them to the decode server)."""
+    num_external_tokens: int = 0
+    """Prompt tokens whose KV was pulled from another engine (a P/D decode) rather than computed or found in the
+    prefix cache here."""
     num_pending: int = 0
     """Tokens sampled on the device whose value the host has not received yet (the step that samples one is in
     flight). They count in num_tokens - the scheduler and the KV cache hold their positions, and async scheduling

@@ -30,6 +30,7 @@ This module imports no web framework: the server (nanoserve/server) builds on it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -271,10 +272,11 @@ class AsyncLLMEngine:
             logger.exception("could not abort the remaining requests at shutdown")
 
     # -- requests -----------------------------------------------------------------------------------------
-    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0
-                          ) -> RequestStream:
-        """Queue a request and return its stream (`priority`: LLMEngine.add_request's). Raises ValueError (bad
-        prompt or parameters), QueueFullError, EngineShutdownError or EngineDeadError before anything is queued."""
+    async def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams, priority: int = 0,
+                          kv_transfer_params: dict[str, Any] | None = None) -> RequestStream:
+        """Queue a request and return its stream (`priority`, `kv_transfer_params`: LLMEngine.add_request's).
+        Raises ValueError (bad prompt or parameters), QueueFullError, EngineShutdownError or EngineDeadError before
+        anything is queued."""
         self._check_alive()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
@@ -283,7 +285,7 @@ class AsyncLLMEngine:
         try:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._thread, self._add_on_engine_thread, request_id, prompt, params,
-                                       priority)
+                                       priority, kv_transfer_params)
         except asyncio.CancelledError:
             # The job may still run (the thread does not stop mid-job); the abort queued here runs after it.
             self._abort_soon(request_id)
@@ -301,7 +303,7 @@ class AsyncLLMEngine:
         await loop.run_in_executor(None, self.engine.structured_output.compile, spec)
 
     def _add_on_engine_thread(self, request_id: str, prompt: Prompt, params: SamplingParams,
-                              priority: int = 0) -> None:
+                              priority: int = 0, kv_transfer_params: dict[str, Any] | None = None) -> None:
         bound, waiting = self.config.max_waiting_requests, self.engine.num_waiting
         if params.n > bound:
             raise ValueError(f"n={params.n} is more than the server queues at once (--max-waiting-requests "
@@ -309,7 +311,7 @@ class AsyncLLMEngine:
         if waiting + params.n > bound:
             raise QueueFullError(f"the server is overloaded: {waiting} sequences are waiting to start "
                                  f"(--max-waiting-requests {bound}); retry later")
-        self.engine.add_request(request_id, prompt, params, priority=priority)
+        self.engine.add_request(request_id, prompt, params, priority=priority, kv_transfer_params=kv_transfer_params)
         self.snapshot = self._take_snapshot()
 
     async def generate(self, request_id: str, prompt: Prompt, params: SamplingParams
@@ -350,20 +352,27 @@ class AsyncLLMEngine:
                 # Cleared before the job is submitted: a request added during the step sets it again, so the
                 # wait below cannot miss it.
                 self._wakeup.clear()
-                outputs, busy = await loop.run_in_executor(self._thread, self._step_on_engine_thread, aborts)
+                outputs, busy, transfers = await loop.run_in_executor(self._thread, self._step_on_engine_thread,
+                                                                      aborts)
                 self._dispatch(outputs)
-                if not busy and not self._pending_aborts:
+                if transfers is not None:  # only KV transfers under way (P/D): poll them, or step for a request
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self._wakeup.wait(), transfers)
+                elif not busy and not self._pending_aborts:
                     await self._wakeup.wait()
         except Exception as exc:
             self._die(exc)
             await loop.run_in_executor(self._thread, self._abort_after_failure)
 
-    def _step_on_engine_thread(self, aborts: list[str]) -> tuple[list[RequestOutput], bool]:
+    def _step_on_engine_thread(self, aborts: list[str]) -> tuple[list[RequestOutput], bool, float | None]:
+        """One step: its outputs, whether requests remain, and how long the loop may wait when only KV transfers
+        are under way (LLMEngine.kv_transfer_wait)."""
+        engine = self.engine
         if aborts:
-            self.engine.abort_request(aborts)
-        outputs = self.engine.step() if self.engine.has_unfinished_requests() else []
+            engine.abort_request(aborts)
+        outputs = engine.step() if engine.has_unfinished_requests() or engine.kv_transfer_wait() else []
         self.snapshot = self._take_snapshot()
-        return outputs, self.engine.has_unfinished_requests()
+        return outputs, engine.has_unfinished_requests(), engine.kv_transfer_wait()
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from nanoserve.config import Platform
+from nanoserve.kv_transfer.transfer import KVTransferAgent
 from nanoserve.model.m3_config import M3Config
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.step import GrammarMasks, StepInput, StepOutput
@@ -57,6 +58,11 @@ class Executor:
         """A model-based drafter's passes alone (the warm-up builds their shapes with it): its draft tokens per
         sequence, read from the last step's hidden states (spec_decode/draft_input.py)."""
         raise NotImplementedError(f"{type(self).__name__} runs no model-based drafter")
+
+    def kv_transfer_agent(self, engine_id: str, backends: list[str]) -> KVTransferAgent:
+        """A NIXL agent over every KV pool of the model (K/V and MSA index keys), for prefill/decode
+        disaggregation (kv_transfer/transfer.py). Call after initialize_cache: it registers the pools' memory."""
+        raise NotImplementedError(f"{type(self).__name__} cannot transfer KV blocks (tensor_parallel_size 1 only)")
 
     def check_health(self) -> None:
         """Raise if a worker is gone."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from nanoserve.config import EngineConfig
 from nanoserve.executor.base import Executor, StepFuture
+from nanoserve.kv_transfer.transfer import KVTransferAgent
 from nanoserve.parallel_state import get_tp
 from nanoserve.runner.model_runner import ModelRunner
 from nanoserve.spec_decode.draft_input import DraftInput
@@ -39,6 +40,9 @@ class LocalExecutor(Executor):
 
     def propose_drafts(self, inp: DraftInput) -> list[list[int]]:
         return self.runner.propose_drafts(inp)
+
+    def kv_transfer_agent(self, engine_id: str, backends: list[str]) -> KVTransferAgent:
+        return KVTransferAgent(engine_id, self.runner.kv_pools(), backends)
 
     def shutdown(self) -> None:
         self.runner.shutdown()

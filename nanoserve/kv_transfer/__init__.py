@@ -8,6 +8,7 @@ block transfer.
                 a source registers its pools and serves their layout on a side channel, a destination pulls given
                 block ids into its own blocks and notifies the source, which frees them (or a timeout does)
 
-The engine hooks that use them (a prefill keeps its blocks until pulled, a decode waits for its KV) are described in
-docs/scale_out.md. This package sits beside the runner: it knows tensors and block ids, nothing of scheduling.
+The engine drives them from engine/kv_connector.py (a prefill keeps its blocks until pulled, a decode waits for its
+KV; docs/scale_out.md); the executor builds the agent over the runner's pools. This package sits beside the
+runner: it knows tensors and block ids, nothing of scheduling.
 """

@@ -26,13 +26,17 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 logger = logging.getLogger(__name__)
 
 GET_META = b"get_meta"
+POLL_BUSY_S = 0.0005
+POLL_IDLE_S = 0.01
+"""Without NIXL's progress thread (host pools): how often the agent's own poller moves transfers on - briskly
+while blocks wait for a pull or a pull is in flight, else now and then."""
 
 
 @dataclass(frozen=True)
@@ -100,8 +104,9 @@ class RemoteEngine:
 class Pull:
     """A read in flight: state() is "pending", "done" or "error" (NIXL's PROC / DONE / ERR)."""
 
-    def __init__(self, agent: Any, handle: Any | None):
+    def __init__(self, agent: Any, handle: Any | None, on_end: Callable[[], None] | None = None):
         self._agent, self._handle, self._state = agent, handle, "done" if handle is None else "pending"
+        self._on_end = on_end
 
     def state(self) -> str:
         if self._state == "pending":
@@ -112,6 +117,8 @@ class Pull:
                 self._state = "error"
             if self._state != "pending":
                 self._agent.release_xfer_handle(self._handle)
+                if self._on_end is not None:
+                    self._on_end()
         return self._state
 
     def wait(self, timeout: float = 60.0) -> str:
@@ -127,21 +134,48 @@ class KVTransferAgent:
     """One engine's NIXL agent over its KV pools (a prefill server's, a decode server's, or both)."""
 
     def __init__(self, engine_id: str, pools: list[torch.Tensor], backends: list[str] | None = None,
-                 tp_size: int = 1):
-        from nixl._api import nixl_agent, nixl_agent_config
+                 tp_size: int = 1, progress_thread: bool | None = None):
+        """`progress_thread`: NIXL's own thread that moves transfers on (its default, and vLLM's). It keeps a core
+        busy polling, so where the pools are in host memory (a CPU machine) it is off by default, and a thread of
+        this agent's polls NIXL instead, every POLL_BUSY_S while a transfer may be under way. The agent's calls
+        come from several threads (the engine's, the poller, a connect), so NIXL serialises them (sync mode
+        strict)."""
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.engine_id = engine_id
         self.tp_size = tp_size
         self.regions = [PoolRegion.of(p) for p in pools]
-        self.agent = nixl_agent(engine_id, nixl_agent_config(backends=backends or ["UCX"]))
+        if progress_thread is None:
+            progress_thread = any(r.mem_type == "VRAM" for r in self.regions)
+        self.agent = nixl_agent(engine_id, nixl_agent_config(
+            enable_prog_thread=progress_thread, backends=backends or ["UCX"],
+            sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT))
         self._registered = self.agent.register_memory(list(pools))
         self._pools = pools  # keep them alive as long as NIXL holds their addresses
         self._remotes: dict[str, RemoteEngine] = {}
         self._expected: dict[str, float] = {}  # request id -> deadline (monotonic) of blocks kept for a pull
         self._done: list[tuple[str, str]] = []
+        self._pulls = 0  # reads in flight
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._listener: threading.Thread | None = None
+        self._poller: threading.Thread | None = None
+        if not progress_thread:
+            self._poller = threading.Thread(target=self._poll, daemon=True, name="kv-transfer-poll")
+            self._poller.start()
+
+    def _poll(self) -> None:
+        """Without NIXL's progress thread: move transfers on, and take the notifications that came."""
+        while not self._stop.wait(POLL_BUSY_S if self._expected or self._pulls else POLL_IDLE_S):
+            self._take_notifications()
+
+    def _take_notifications(self) -> None:
+        for _agent, messages in self.agent.get_new_notifs().items():
+            for msg in messages:
+                request_id = msg.decode()
+                with self._lock:
+                    if self._expected.pop(request_id, None) is not None:
+                        self._done.append((request_id, "pulled"))
 
     # -- the source side ------------------------------------------------------------------------------------------
     def metadata(self) -> bytes:
@@ -184,12 +218,8 @@ class KVTransferAgent:
 
     def finished(self) -> list[tuple[str, str]]:
         """The requests whose kept blocks can be freed since the last call: (request id, "pulled" | "timeout")."""
-        for _agent, messages in self.agent.get_new_notifs().items():
-            for msg in messages:
-                request_id = msg.decode()
-                with self._lock:
-                    if self._expected.pop(request_id, None) is not None:
-                        self._done.append((request_id, "pulled"))
+        if self._poller is None:
+            self._take_notifications()
         now = time.monotonic()
         with self._lock:
             for request_id, deadline in list(self._expected.items()):
@@ -204,6 +234,20 @@ class KVTransferAgent:
         return len(self._expected)
 
     # -- the destination side -------------------------------------------------------------------------------------
+    def is_connected(self, engine_id: str) -> bool:
+        """Has connect() fetched `engine_id`'s layout (so pull() can read from it)?"""
+        return engine_id in self._remotes
+
+    def forget(self, engine_id: str) -> None:
+        """Drop a source (after a failed pull: it may have restarted under the same engine id, with new
+        addresses); the next connect() fetches its layout again."""
+        remote = self._remotes.pop(engine_id, None)
+        if remote is not None:
+            try:
+                self.agent.remove_remote_agent(remote.agent_name)
+            except Exception:  # a source NIXL already dropped
+                logger.debug("KV transfer: removing engine %r", engine_id, exc_info=True)
+
     def connect(self, host: str, port: int, timeout_s: float = 10.0) -> str:
         """Fetch a source's layout and NIXL agent once (later calls reuse it); its engine id."""
         import msgpack
@@ -261,12 +305,19 @@ class KVTransferAgent:
                 self.agent.release_xfer_handle(handle)
             raise ConnectionError(f"the KV pull of {request_id} from engine {engine_id!r} failed to start: "
                                   f"{exc}") from exc
-        return Pull(self.agent, handle)
+        with self._lock:
+            self._pulls += 1
+        return Pull(self.agent, handle, self._pull_ended)
+
+    def _pull_ended(self) -> None:
+        with self._lock:
+            self._pulls -= 1
 
     def shutdown(self) -> None:
         self._stop.set()
-        if self._listener is not None:
-            self._listener.join(timeout=2)
+        for thread in (self._listener, self._poller):
+            if thread is not None:
+                thread.join(timeout=2)
         for remote in self._remotes.values():
             self.agent.remove_remote_agent(remote.agent_name)
         self._remotes.clear()

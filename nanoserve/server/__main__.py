@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
                         '"replay_endpoint": "tcp://*:5558"}\' (docs/scale_out.md)')
     e.add_argument("--kv-transfer-config", type=kv_transfer_config, default=None, metavar="JSON",
                    help='prefill/decode disaggregation, vLLM\'s shape: \'{"kv_connector": "NixlConnector", '
-                        '"kv_role": "kv_both"}\' (checked; the engine side is not wired yet: docs/scale_out.md)')
+                        '"kv_role": "kv_producer"}\' on a prefill server, "kv_consumer" on a decode server '
+                        '(side channel: VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT; docs/scale_out.md)')
     e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
                    help="what logprobs report: raw_* of the model's logits (default), processed_* of the logits "
                         "the draw used (after bias, penalties, temperature, top-k/p); *_logits as logits")
@@ -350,12 +351,6 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as exc:
         parser.error(str(exc))
     warmup_s = warmup_budget(args, parser)
-    if config.kv_transfer_config is not None:
-        from nanoserve.kv_transfer.config import KVTransferConfig
-
-        if KVTransferConfig.from_dict(config.kv_transfer_config).kv_connector is not None:
-            parser.error("--kv-transfer-config: prefill/decode disaggregation is not wired into the engine yet "
-                         "(the transfer, the protocol and the hooks it needs: docs/scale_out.md)")
     log_configuration(config)
 
     import torch

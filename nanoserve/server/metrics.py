@@ -34,6 +34,10 @@ REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 2
 ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 N_BUCKETS = (1, 2, 5, 10, 20)
 FINISH_REASONS = ("stop", "length", "abort")
+PROMPT_TOKEN_SOURCES = {"local_compute": "prompt_tokens_local_compute",
+                        "local_cache_hit": "prompt_tokens_local_cache_hit",
+                        "external_kv_transfer": "prompt_tokens_external_kv_transfer"}
+"""vllm:prompt_tokens_by_source's `source` label -> the EngineStats counter behind it."""
 ENGINE_INDEX = "0"  # vLLM labels every metric with its engine core's index; nanoserve has one engine
 
 
@@ -76,6 +80,9 @@ class ServerMetrics:
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated.")
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.prompt_by_source = Counter("vllm:prompt_tokens_by_source", "Prompt tokens by where their KV came from: "
+                                        "computed here, found in the prefix cache, pulled from a prefill server "
+                                        "(P/D), counted as each prompt is done.", labels + ["source"], registry=r)
         self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (KV freed, recomputed later).")
         self.success = Counter("vllm:request_success", "Requests finished, by finish reason (of the first "
                                "completion).", labels + ["finished_reason"], registry=r)
@@ -114,6 +121,8 @@ class ServerMetrics:
             metric.labels(*self.values)
         for reason in FINISH_REASONS:
             self.success.labels(*self.values, reason)
+        for source in PROMPT_TOKEN_SOURCES:
+            self.prompt_by_source.labels(*self.values, source)
         self._cache_config_info(engine)
         self.spec = SpecDecodeMetrics(r, labels, self.values) if engine.engine.spec_config is not None else None
         self._last = EngineStats()
@@ -166,6 +175,10 @@ class ServerMetrics:
             delta = getattr(now, field) - getattr(last, field)
             if delta > 0:
                 metric.labels(*v).inc(delta)
+        for source, field in PROMPT_TOKEN_SOURCES.items():
+            delta = getattr(now, field) - getattr(last, field)
+            if delta > 0:
+                self.prompt_by_source.labels(*v, source).inc(delta)
         if now.num_aborted > last.num_aborted:  # aborted requests never produce a finished output
             self.success.labels(*v, "abort").inc(now.num_aborted - last.num_aborted)
         if self.spec is not None:

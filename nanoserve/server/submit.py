@@ -40,7 +40,7 @@ async def add_requests(server: ServerState, request_id: str, prepared: Prepared,
                                                            req))
                 else:
                     streams.append(await server.engine.add_request(f"{request_id}-{i}", prompt, prepared.params,
-                                                                   req.priority))
+                                                                   req.priority, req.kv_transfer_params))
                 server.metrics.observe_request(prepared.params, len(ids))
                 if server.log_requests is not None:
                     log_request(f"{request_id}-{i}", text, ids, prepared.params, server.log_requests)

@@ -91,7 +91,7 @@ def generate_request(request_id: str, token_ids: list[int], prepared: Prepared, 
     return {"request_id": request_id, "token_ids": token_ids, "features": None,
             "sampling_params": json_safe(dataclasses.asdict(prepared.params)), "model": prepared.model,
             "stream": bool(req.stream), "stream_options": None, "cache_salt": req.cache_salt,
-            "priority": req.priority, "kv_transfer_params": None}
+            "priority": req.priority, "kv_transfer_params": req.kv_transfer_params}
 
 
 def json_safe(value: Any) -> Any:

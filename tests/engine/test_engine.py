@@ -363,13 +363,3 @@ def test_block_size_is_the_models_msa_block_size():
         assert llm.engine.block_size == llm.engine.block_manager.block_size == llm.engine.executor.block_size == 16
     with pytest.raises(ValueError, match=r"block_size=32 is invalid: it must equal the model's MSA block size \(16\)"):
         LLM("m3-tiny", optimizations=engine_opts(), max_model_len=64, block_size=32)
-
-
-def test_a_kv_transfer_connector_is_refused_not_ignored():
-    """Prefill/decode disaggregation is not wired into the engine: an offline engine asked for a connector refuses
-    to start, naming the setting, as the server does (a config without one is accepted)."""
-    with pytest.raises(ValueError, match="kv_transfer_config: prefill/decode disaggregation is not wired"):
-        LLM("m3-tiny", optimizations=engine_opts(), max_model_len=64,
-            kv_transfer_config={"kv_connector": "NixlConnector", "kv_role": "kv_both"})
-    with LLM("m3-tiny", optimizations=engine_opts(), max_model_len=64, kv_transfer_config={}) as llm:
-        assert llm.engine.kv_events is None

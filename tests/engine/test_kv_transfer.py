@@ -235,15 +235,16 @@ def test_kv_transfer_config_in_vllms_shape():
             KVTransferConfig.from_dict(bad)
 
 
-def test_the_server_refuses_a_connector_until_the_engine_uses_it():
-    """--kv-transfer-config is checked in vLLM's shape; one that names a connector stops the start (exit 2) with
-    a message saying why, instead of serving requests whose kv_transfer_params it would ignore."""
+def test_the_server_refuses_what_the_connector_cannot_serve():
+    """--kv-transfer-config is checked in vLLM's shape, and a connector with tensor parallelism (each rank would
+    move its shard) stops the start (exit 2) with a message saying why, instead of serving requests whose
+    kv_transfer_params it could not honour."""
     import subprocess
     import sys
 
-    run = [sys.executable, "-m", "nanoserve.server", "--kv-transfer-config"]
-    out = subprocess.run(run + ['{"kv_connector": "NixlConnector", "kv_role": "kv_both"}'], capture_output=True,
-                         text=True, timeout=120)
-    assert out.returncode == 2 and "not wired into the engine yet" in out.stderr, out.stderr
+    run = [sys.executable, "-m", "nanoserve.server", "--model", "m3-tiny", "--device", "cpu", "--kv-transfer-config"]
+    out = subprocess.run(run + ['{"kv_connector": "NixlConnector", "kv_role": "kv_both"}', "--tensor-parallel-size",
+                                "2"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "runs with tensor_parallel_size 1 only" in out.stderr, out.stderr
     out = subprocess.run(run + ['{"kv_connector": "NixlConnector"}'], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "kv_role is needed" in out.stderr, out.stderr

@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import subprocess
 import time
 
 import httpx
 import pytest
 
-from tests.helpers.server_utils import ServerProcess, free_port, metric, wait_until
+from tests.helpers.router_utils import RouterProcess
+from tests.helpers.server_utils import ServerProcess, free_port, metric
 
 MODEL = "m3-mini"
 SERVER_FLAGS = ("--max-model-len", "2048", "--kv-cache-tokens", "16384")  # after ServerProcess's own: these win
@@ -47,51 +46,6 @@ def workload() -> list[list[dict]]:
     return [[{"role": "system", "content": system_prompt(TOPICS[j % NUM_PROMPTS])},
              {"role": "user", "content": f"Question {j}: tell me one fact."}]
             for j in range(NUM_PROMPTS * PER_PROMPT)]
-
-
-class RouterProcess:
-    """`vllm-router` in a subprocess on a free loopback port, in front of `workers`; its log in `log_path`."""
-
-    def __init__(self, log_path, workers: list[str], *args: str):
-        binary = shutil.which("vllm-router")
-        assert binary, "vllm-router is not installed (pip install -e '.[test]' installs it)"
-        self.port, self.metrics_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        cmd = [binary, "--host", "127.0.0.1", "--port", str(self.port), "--worker-urls", *workers,
-               "--prometheus-port", str(self.metrics_port), "--log-level", "info", *args]
-        with open(log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def metrics(self) -> str:
-        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
-
-    def ready(self) -> bool:
-        assert self.proc.poll() is None, self.log()
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def __enter__(self) -> "RouterProcess":
-        try:
-            wait_until(self.ready, timeout=60, what="the router to start")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture(scope="module")

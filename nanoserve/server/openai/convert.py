@@ -25,7 +25,8 @@ def completion_response(server: ServerState, request_id: str, req: P.CompletionR
     choices = [completion_choice(server, req, prepared, i, out, c) for i, out in enumerate(outputs)
                for c in out.outputs]
     return P.CompletionResponse(id=request_id, model=prepared.model, choices=choices,
-                                usage=usage(outputs, generated=not req.echo_only))
+                                usage=usage(outputs, generated=not req.echo_only),
+                                kv_transfer_params=outputs[0].kv_transfer_params if outputs else None)
 
 
 def completion_choice(server: ServerState, req: P.CompletionRequest, prepared: Prepared, i: int,
@@ -61,7 +62,8 @@ def chat_response(server: ServerState, request_id: str, req: P.ChatCompletionReq
     return P.ChatCompletionResponse(
         id=request_id, model=prepared.model, choices=choices, usage=usage([out]),
         prompt_logprobs=prompt_logprobs(out) if req.prompt_logprobs is not None else None,
-        prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
+        prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
+        kv_transfer_params=out.kv_transfer_params)
 
 
 def chat_message(setup: ChatSetup, text: str) -> P.ChatResponseMessage:

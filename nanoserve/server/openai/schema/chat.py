@@ -180,6 +180,8 @@ class ChatCompletionResponse(ResponseModel):
     service_tier: str | None = None
     system_fingerprint: str | None = None
     """OpenAI's fields, always null here (as vLLM sends them)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """On a prefill server (P/D), where the prompt's KV blocks wait for the decode server (vLLM's field)."""
 
 
 def _without_nulls(handler, model) -> dict[str, Any]:

@@ -57,6 +57,9 @@ class CompletionRequest(SamplingRequest):
             raise ValueError("best_of: not supported by this server (use n)")
         if self.max_tokens is not None and (self.max_tokens < 0 or self.max_tokens == 0 and not self.echo):
             raise ValueError(f"max_tokens: must be at least 1 (0 only with echo), got {self.max_tokens}")
+        if self.kv_transfer_params and len(self.prompts()) > 1:
+            raise ValueError("kv_transfer_params: only with one prompt (the KV blocks of one sequence move between "
+                             "the servers)")
         return self
 
     @property
@@ -122,6 +125,8 @@ class CompletionResponse(ResponseModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """On a prefill server (P/D), where the prompt's KV blocks wait for the decode server (vLLM's field)."""
 
 
 class CompletionChunk(ResponseModel):

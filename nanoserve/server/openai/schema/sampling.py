@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from nanoserve.kv_transfer import params as kv_params
 from nanoserve.sampling import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
 from nanoserve.server.schema_base import Int, RequestBody, RequestModel, ResponseModel
 
@@ -148,6 +149,10 @@ class SamplingRequest(RequestBody):
     cache_salt: str | None = None
     """Only requests with the same salt share prefix-cache blocks (vLLM's field: for several tenants on one
     server, so that none can learn another's prompts from how fast its own come back)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """Prefill/decode disaggregation, vLLM's request-level protocol (what vllm-router --vllm-pd-disaggregation
+    sends; nanoserve/kv_transfer/params.py): do_remote_decode on a prefill server, do_remote_prefill with the
+    prefill answer's fields on a decode server. Needs a server started with --kv-transfer-config."""
 
     @model_validator(mode="before")
     @classmethod
@@ -175,6 +180,15 @@ class SamplingRequest(RequestBody):
             raise ValueError("must be a non-empty string")
         return v
 
+    @field_validator("kv_transfer_params", mode="after")
+    @classmethod
+    def _kv_transfer(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        try:
+            kv_params.parse(v)
+        except ValueError as e:  # its message names the field: kv_transfer_params.<field> ...
+            raise ValueError(str(e).removeprefix("kv_transfer_params").lstrip(".: ")) from None
+        return v
+
     @field_validator("logit_bias", mode="after")
     @classmethod
     def _token_id_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
@@ -200,6 +214,14 @@ class SamplingRequest(RequestBody):
             raise ValueError("length_penalty: only used with use_beam_search")
         if self.prompt_logprobs is not None and self.stream:
             raise ValueError("prompt_logprobs: not available when stream is true")
+        transfer = kv_params.parse(self.kv_transfer_params)
+        if transfer is not None:
+            if self.n != 1 or self.use_beam_search:
+                raise ValueError("kv_transfer_params: only with n 1 and without use_beam_search (the KV blocks of "
+                                 "one sequence move between the servers)")
+            if isinstance(transfer, kv_params.RemoteDecode) and self.stream:
+                raise ValueError("kv_transfer_params: do_remote_decode needs stream false (the answer's "
+                                 "kv_transfer_params name the blocks kept for the decode server)")
         for name in REMOVED_GUIDED_FIELDS:
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}: not supported; vLLM replaced the guided_* fields with structured_outputs "
