@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from nanoserve.sampling import SamplingParams
+from nanoserve.step import MultiModalFeature
 
 if TYPE_CHECKING:
     from nanoserve.engine.structured_output import SequenceGrammar
@@ -70,6 +71,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     """Speculative decoding: draft tokens proposed to follow this sequence's tokens, verified in its next step
     (engine/speculative.py). Not part of num_tokens: they are guesses until the target model accepts them."""
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    """The prompt's images and videos, in prompt order: their placeholder tokens take the vision model's features
+    (engine/encoder_cache.py schedules the encoding; their content hashes key the prefix cache's blocks too)."""
     num_pending: int = 0
     """Tokens sampled on the device whose value the host has not received yet (the step that samples one is in
     flight). They count in num_tokens - the scheduler and the KV cache hold their positions, and async scheduling
@@ -118,6 +122,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def mm_end(self) -> int:
+        """One past the prompt position of its last placeholder token (0: no images or videos)."""
+        return self.mm_features[-1].end if self.mm_features else 0
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)
