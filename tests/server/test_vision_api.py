@@ -47,11 +47,11 @@ def web(media_dir):
 
 
 @pytest.fixture(scope="module")
-def server(media_dir, tmp_path_factory):
+def server(tiny_vl_dir, media_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("vision") / "server.log"
     flags = ("--limit-mm-per-prompt", '{"image": 2, "video": 1}', "--allowed-media-domains", "127.0.0.1",
              "--allowed-local-media-path", str(media_dir / "local"), "--max-media-bytes", str(MAX_MEDIA_BYTES))
-    with ServerProcess("m3-tiny-vl", log, *flags, name=SERVED_MODEL) as srv:
+    with ServerProcess(tiny_vl_dir, log, *flags, name=SERVED_MODEL) as srv:
         yield srv
 
 
