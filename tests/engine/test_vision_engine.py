@@ -165,3 +165,40 @@ def test_a_text_model_refuses_images(tiny_dir):
     with LLM(tiny_dir, optimizations=engine_opts(), max_model_len=128) as text:
         with pytest.raises(ValueError, match="takes no images"):
             text.generate([image_prompt("Hi", 1)], GREEDY, use_tqdm=False)
+
+
+def test_tensor_parallel_encodes_the_same(llm, tiny_vl_dir):
+    """TP=2 (gloo, a spawned worker): every rank gets the step's pixels with its ModelInput, each encodes a share of
+    the pictures (model/vision/data_parallel.py) and gathers the rest; the greedy tokens are TP=1's."""
+    from nanoserve.parallel_state import get_tp
+
+    prompts = [image_prompt("Compare the two pictures.", 30, 31), image_prompt("And this one?", 32)]
+    want = run(llm, prompts)
+    tp = LLM(tiny_vl_dir, optimizations=engine_opts(), max_model_len=512, max_num_batched_tokens=16,
+             tensor_parallel_size=2, device="cpu")
+    try:
+        assert run(tp, prompts) == want and tp.engine.stats.encoder_items == 3
+    finally:
+        tp.shutdown()
+    assert get_tp().size == 1
+
+
+@pytest.mark.gpu
+def test_images_on_a_gpu(tiny_vl_dir):
+    """bf16 on a GPU, every switch at its default (the tower's Triton attention and fused LayerNorm, CUDA graphs for
+    the decodes, the KV pool sized after a worst-case encoder step) beside the reference kernels on the same GPU:
+    the features the engine kept for each picture agree to bf16's precision, and both serve every request."""
+    from nanoserve.config import Optimizations
+
+    prompts = [image_prompt("Describe it.", 40, size=(300, 420)), image_prompt("And these?", 41, 42)]
+    kept = []
+    for opts in (Optimizations(), Optimizations.reference()):
+        with LLM(tiny_vl_dir, optimizations=opts, max_model_len=2048, device="cuda") as gpu:
+            outs = gpu.generate(prompts, GREEDY, use_tqdm=False)
+            assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)
+            assert gpu.engine.stats.encoder_items == 3
+            kept.append({k: v.float().cpu() for k, v in gpu.engine.executor.runner.encoder.cache.items()})
+    assert kept[0].keys() == kept[1].keys()
+    for key, ours in kept[0].items():
+        ref = kept[1][key]
+        assert (ours - ref).abs().mean() <= 2e-2 * ref.abs().mean(), key
