@@ -188,6 +188,11 @@ class Optimizations:
         True, ENGINE, "runner/input_prep.py",
         "build a step's input tensors with numpy into pinned buffers, one host-to-device copy per dtype",
         "reference_prepare: AttentionMetadata.build, a Python loop per token, and one copy per tensor")
+    encoder_cache: bool = switch(
+        True, ENGINE, "engine/encoder_cache.py", "the vision features of an image or video are kept by its content "
+        "hash after the prefill that used them, until the cache needs their room, and shared by every sequence "
+        "that sends the same item: an image sent again is not encoded again",
+        "each sequence's images and videos are encoded for it alone and dropped once its prefill has passed them")
     overlap_scheduling: bool = switch(
         True, ENGINE, "engine/llm_engine.py", "schedule and launch step N+1 before detokenising step N's tokens, "
         "so the host work on outputs runs while the device computes",
@@ -437,6 +442,8 @@ store the K/V and index-key pools in fp8 e4m3 with per-tensor scales (runner/kv_
 refused by name."""
 DEFAULT_CPU_KV_TOKENS = 32768
 SCHEDULING_POLICIES = ("fcfs", "priority")
+MM_MODALITIES = ("image", "video")
+"""What a prompt may carry besides text (limit_mm_per_prompt's keys)."""
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
 
@@ -496,6 +503,9 @@ class EngineConfig:
     """KV-cache events for KV-aware routers (vLLM's `--kv-events-config`): {"enable_kv_cache_events": true,
     "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ..., "buffer_steps": ...,
     "hwm": ..., "max_queue_size": ...}; None = none. Checked by engine/kv_events.py; docs/scale_out.md."""
+    limit_mm_per_prompt: dict[str, int] | None = None
+    """The most images and videos one prompt may carry (vLLM's argument), e.g. {"image": 4, "video": 1}; a modality
+    left out allows 999, 0 refuses it."""
     kv_transfer_config: dict[str, Any] | None = None
     """Prefill/decode disaggregation (vLLM's `--kv-transfer-config`): {"kv_connector": "NixlConnector",
     "kv_role": "kv_producer" | "kv_consumer" | "kv_both", ...}; None = none. Checked by kv_transfer/config.py;
@@ -577,3 +587,7 @@ class EngineConfig:
              "a dict (enable_kv_cache_events, publisher, endpoint, ...) or None")
         need(self.kv_transfer_config is None or isinstance(self.kv_transfer_config, dict), "kv_transfer_config",
              "a dict (kv_connector, kv_role, ...) or None")
+        need(self.limit_mm_per_prompt is None or (
+            isinstance(self.limit_mm_per_prompt, dict) and all(
+                k in MM_MODALITIES and is_int(v) and v >= 0 for k, v in self.limit_mm_per_prompt.items())),
+            "limit_mm_per_prompt", f"a dict from a modality ({', '.join(MM_MODALITIES)}) to a count >= 0, or None")

@@ -1,7 +1,9 @@
 """What crosses the boundary between the engine and the runner in one step, as plain host data (no tensors, no
 torch): the engine sends a `StepInput`, the runner answers with a `StepOutput` - token ids, not logits.
 
-    ModelInput       the forward's batch: plain lists, the part every tensor-parallel rank receives
+    ModelInput       the forward's batch: plain lists, the part every tensor-parallel rank receives (with the
+                     images and videos to encode this step and where their features go)
+    MultiModalFeature  one image or video of a prompt: its content hash, its placeholder runs, the tower's input
     StepSeq          one scheduled sequence as the runner sees it: how to sample it, what it verifies
     StepInput        ModelInput + the StepSeqs + prompt-logprob rows + tokens still on the device
     GrammarMasks     the structured-output token bitmasks the engine filled while the forward ran
@@ -36,6 +38,67 @@ class ModelInput:
     """Tokens (by index into input_ids) whose logits are wanted too: the prompt positions of the requests that
     asked for prompt logprobs, then the positions of a speculative verify step. Their logits follow the sample
     rows' in what the forward returns."""
+    encoder_frees: list[str] = field(default_factory=list)
+    """Encoder-cache keys whose features the runner drops first (the engine's encoder cache evicted them)."""
+    encoder_inputs: list[EncoderInput] = field(default_factory=list)
+    """Images and videos to run through the vision model this step; the runner keeps their features by key."""
+    placements: list[FeaturePlacement] = field(default_factory=list)
+    """Where this step's inputs take vision features instead of their token embeddings, in input order."""
+
+
+@dataclass
+class MultiModalFeature:
+    """One image or video of a prompt, as the front end's processor left it (nanoserve/multimodal/features.py):
+    the engine schedules its encoding and the runner encodes it. Its placeholder tokens sit in the prompt as runs -
+    an image's one run, a video's one per temporal patch (its frame markers between them) - and the i-th row of its
+    features replaces the embedding of its i-th placeholder token."""
+
+    modality: str  # "image" or "video"
+    identifier: str
+    """A hash of the tower's input (pixels, grid): equal identifiers encode to equal features. The encoder cache's
+    key, and what a KV block holding its placeholders adds to its prefix-cache hash."""
+    runs: list[tuple[int, int]]  # (prompt position of the first placeholder, placeholders) per run, in order
+    pixel_values: Any  # the tower's input: a numpy float32 array [patches, patch values]
+    grid_thw: list[tuple[int, int, int]]  # (t, h, w) in patches of each attention segment (an image has one)
+
+    @property
+    def offset(self) -> int:
+        """The prompt position of its first placeholder."""
+        return self.runs[0][0]
+
+    @property
+    def end(self) -> int:
+        """One past the prompt position of its last placeholder."""
+        start, length = self.runs[-1]
+        return start + length
+
+    @property
+    def num_tokens(self) -> int:
+        """Its placeholder tokens: the feature rows the encoder makes for it (what the encoder budget counts)."""
+        return sum(length for _, length in self.runs)
+
+    def rows_before(self, position: int) -> int:
+        """How many of its placeholders sit before prompt position `position`: the feature row that goes there."""
+        return sum(min(length, max(0, position - start)) for start, length in self.runs)
+
+
+@dataclass
+class EncoderInput:
+    """An image or video the runner encodes in this step, and the key it keeps the features under."""
+
+    key: str
+    feature: MultiModalFeature
+
+
+@dataclass
+class FeaturePlacement:
+    """Feature rows [row, row + count) of the item kept under `key` replace the embeddings of input positions
+    [index, index + count) of the step (indices into ModelInput.input_ids)."""
+
+    key: str
+    row: int
+    index: int
+    count: int
 
 
 @dataclass
@@ -151,3 +214,5 @@ class StepOutput:
     prompt_logprobs: dict[int, list[PromptLogprobEntry]] = field(default_factory=dict)  # by seq_id
     drafts: dict[int, list[int]] = field(default_factory=dict)
     """Speculative decoding: the draft tokens proposed for each sequence's next step, by seq_id."""
+    encoder_seconds: float = 0.0
+    """Time the vision model took in this step (0: it encoded nothing)."""

@@ -4,6 +4,7 @@
     python -m nanoserve.walkthrough --scenario prefix    # or: chunk, preempt
     python -m nanoserve.walkthrough --pause -v           # wait for Enter between steps; show everything
     python -m nanoserve.walkthrough --model m3-tiny      # another model: a preset or a checkpoint directory
+    python -m nanoserve.walkthrough --scenario image     # images: m3-tiny-vl (m3-mini reads no pictures)
 
 It builds a real engine on the trained m3-mini (docs/m3_mini.md), sends a handful of chats chosen to make each
 mechanism happen, and after every engine step prints what happened in plain words. Nothing in the narration is
@@ -39,20 +40,25 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TextIO
 
 import torch
+from PIL import Image, ImageDraw
 
-from nanoserve.chat_template import render_chat
+from nanoserve.chat_template import MediaPart, render_chat, template_messages
 from nanoserve.config import EngineConfig, Optimizations
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.kernels import reference
-from nanoserve.model.loader import read_config
+from nanoserve.model.loader import has_vision_model, read_config, read_vision_config
 from nanoserve.model.m3_config import M3Config
+from nanoserve.multimodal.features import process_prompt
+from nanoserve.multimodal.processor import MultiModalProcessor
 from nanoserve.presets.catalog import DEFAULT_MODEL, MODEL_NAMES, PRESETS, get_preset
 from nanoserve.presets.resolve import resolve_model_dir
 from nanoserve.sampling import SamplingParams
 
 DETAILS = ("low", "normal", "high")
+IMAGE_MODEL = "m3-tiny-vl"
+"""The image scenario's model when the one asked for has no vision tower: m3-tiny with a tiny random one."""
 ANSWER_CHARS = 100  # how much of an answer to quote
 RULE_WIDTH = 110
 INDENT = 15  # the column where the text after a [tag] starts
@@ -138,6 +144,8 @@ class Ask:
     doc: bool = False
     after_prefill: str | None = None  # ... but only once this request's prompt is all in the KV cache
     after_finish: tuple[str, ...] = ()  # ... and only once these requests have finished (a client's next chat)
+    image: int | None = None  # the picture it sends (a seed of `picture`), in its user turn ...
+    lead: str = ""  # ... after this text (else before its question)
 
 
 @dataclass
@@ -155,6 +163,8 @@ class Scenario:
 
 SCENARIOS = {
     "all": "every mechanism in one run: a prefix-cache hit, a chunked prefill, MSA dropping blocks, a preemption",
+    "image": "images: the placeholder run, the vision model encoding with the prefill, the encoder cache and the "
+             "prefix cache keyed by the picture",
     "prefix": "prefix caching: shared blocks, and cached blocks revived after their owner finished",
     "chunk": "chunked prefill: a long prompt split across steps, beside a running decode",
     "preempt": "preemption: a KV pool too small for two growing sequences",
@@ -179,6 +189,18 @@ def scenario(name: str, cfg: M3Config) -> Scenario:
                      "hit; the pool is then full, so the next block anyone needs preempts B",
                 ask_key("Grace Okafor"), max_tokens=24, arrives=3, doc=True, after_prefill="L")],
             doc_blocks=long, budget_share=0.4, full_after="B")
+    if name == "image":
+        look = "What is in this picture?"
+        return Scenario(name, title, [
+            Ask("P", "a picture and a question; the step's token budget ends inside the picture's placeholders, so "
+                     "its features are made in one step and used in two", look, max_tokens=8, image=1),
+            Ask("Q", "another question about the same picture, with new text before it: no prefix-cache hit on "
+                     "the picture's blocks, but its features are still in the encoder cache", "What colour is it?",
+                max_tokens=8, arrives=2, image=1, lead="One more question.", after_finish=("P",)),
+            Ask("R", "P's chat with another picture: the same tokens, but the blocks holding the picture hash its "
+                     "content, so only the blocks before it are found in the prefix cache", look, max_tokens=8,
+                arrives=3, image=2, after_finish=("Q",))],
+            doc_blocks=0, budget_share=0.0, kv_blocks=24)
     if name == "prefix":
         return Scenario(name, title, [
             Ask("A", "a question after a short document", ask_key("Alice Smith"), max_tokens=16, doc=True),
@@ -209,6 +231,7 @@ class Prompt:
     ids: list[int]
     doc_words: int  # words in its document (0: none)
     key_block: int | None  # the KV block (entry of its block table) where the asked pass key is written
+    features: list = field(default_factory=list)  # its picture, as the engine takes it (MultiModalFeature)
 
 
 def _chat_ids(tok: Any, question: str, doc: str | None) -> tuple[str, list[int]]:
@@ -245,12 +268,41 @@ def _key_block(tok: Any, text: str, name: str, block_size: int) -> int:
     return token // block_size
 
 
-def build_prompts(tok: Any, sc: Scenario, block_size: int) -> dict[str, Prompt]:
+def picture(seed: int) -> Image.Image:
+    """A small drawing (112 x 140 px: 20 image tokens): a disc and a bar on a plain background."""
+    rng = random.Random(seed)
+    image = Image.new("RGB", (140, 112), tuple(rng.randrange(256) for _ in range(3)))
+    draw = ImageDraw.Draw(image)
+    x, y = rng.randrange(10, 70), rng.randrange(10, 50)
+    draw.ellipse((x, y, x + 50, y + 50), fill=tuple(rng.randrange(256) for _ in range(3)))
+    draw.rectangle((10, 95, 130, 102), fill=tuple(rng.randrange(256) for _ in range(3)))
+    return image
+
+
+def _image_chat(model_dir: str, tok: Any, ask: Ask) -> tuple[list[int], list]:
+    """The chat of an image request: its user turn holds the picture (rendered as ]<]image[>[ by the template,
+    expanded by the processor) - the ids and the engine's features."""
+    parts = [{"type": "text", "text": ask.lead}] if ask.lead else []
+    parts += [{"type": "image_pil", "image_pil": picture(ask.image)}, {"type": "text", "text": ask.question}]
+    media: list[MediaPart] = []
+    messages = template_messages([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": parts}],
+                                 media)
+    text = render_chat(tok, messages, chat_template_kwargs=CHAT_KWARGS)
+    vision = read_vision_config(model_dir)
+    return process_prompt(MultiModalProcessor.from_model_dir(model_dir), tok, text, vision,
+                          [m.source for m in media])
+
+
+def build_prompts(tok: Any, sc: Scenario, block_size: int, model_dir: str | None = None) -> dict[str, Prompt]:
     """Render every chat of the scenario. The document is fit to the first chat that reads it; the others read
     the same document (so that they share its KV blocks), whatever their question's length."""
     doc = None
     prompts = {}
     for ask in sc.asks:
+        if ask.image is not None:
+            ids, features = _image_chat(model_dir, tok, ask)
+            prompts[ask.name] = Prompt(ask, ids, 0, None, features)
+            continue
         if not ask.doc:
             prompts[ask.name] = Prompt(ask, _chat_ids(tok, ask.question, None)[1], 0, None)
             continue
@@ -274,6 +326,9 @@ def build_engine(model: str, sc: Scenario, prompts: dict[str, Prompt], kv_blocks
     the longest chat plus its answer."""
     longest = max(len(p.ids) + p.ask.max_tokens for p in prompts.values())
     budget = budget_blocks(sc, prompts, block_size) * block_size
+    first = next((p.features[0] for p in prompts.values() if p.features), None)
+    if first is not None:  # the first chunk ends halfway into the first picture's placeholders
+        budget = first.offset + first.num_tokens // 2
     return LLMEngine(EngineConfig(
         model=model, device="cpu", optimizations=reference_optimizations(),
         max_model_len=min(longest, kv_blocks * block_size), max_num_batched_tokens=budget,
@@ -312,6 +367,8 @@ class Narrated:
     msa_selections: int = 0
     moe_routings: int = 0
     finished: int = 0
+    encoded: int = 0  # pictures the vision model encoded
+    encoder_hits: int = 0  # pictures whose features came from the encoder cache
 
 
 @dataclass
@@ -433,6 +490,13 @@ class Narrator:
             what += f", {num_cached_tokens} more found in the prefix cache"
         self.tag("admit", f"{seq.request_id}{' (again, after its preemption)' if again else ''}: first in the "
                  f"waiting queue, and the budget and the pool have room: {what}")
+        for f in seq.mm_features:
+            (_, h, w), bs = f.grid_thw[0], self.bm.block_size
+            self.tag("image", f"{seq.request_id}'s picture is {f.num_tokens} placeholder tokens, tokens "
+                     f"{f.offset}-{f.end - 1} (]<]image[>[ x {f.num_tokens} between ]<]start of image[>[ and "
+                     f"]<]end of image[>[): {h} x {w} patches of 14 px, one token per 2 x 2 of them. Its content "
+                     f"hash {f.identifier[:8]} keys its encoder-cache entry and the KV blocks "
+                     f"{f.offset // bs}-{(f.end - 1) // bs} that hold it")
 
     def _chunk(self, seq: Sequence, num_new_tokens: int, remaining: int, **_: Any) -> None:
         self.count.chunks += 1
@@ -482,8 +546,32 @@ class Narrator:
                 parts.append(f"{r.name} prefills {r.num_new} (tokens {r.start}-{r.start + r.num_new - 1}){last}")
         self.tag("batch", f"{used} of the {budget}-token budget: {'; '.join(parts)}")
         self.tag("", "(decodes first, then prefills; running sequences are served before waiting ones)", level=2)
+        self._vision(scheduled, model_input)
         for name, why in self._waiting_reasons(preempted, budget - used):
             self.tag("waiting", f"{name}: {why}")
+
+    def _vision(self, scheduled: list[Any], model_input: Any) -> None:
+        """What the step's images do: the ones the vision model encodes, the ones whose features come from the
+        encoder cache, the entries the runner drops."""
+        encoded = {e.key for e in model_input.encoder_inputs}
+        for s in scheduled:
+            end = s.seq.num_computed_tokens + s.num_new_tokens
+            for key, f in s.features:
+                rest = f" (this step computes its tokens up to {end - 1}: the rest of its features wait in the " \
+                    f"encoder cache for the next chunk)" if f.end > end else ""
+                if key in encoded:
+                    self.count.encoded += 1
+                    self.tag("encode", f"the vision model encodes {s.seq.request_id}'s picture in this step, before "
+                             f"the text model: {f.num_tokens} feature rows, which replace the embeddings of its "
+                             f"placeholder tokens{rest}")
+                    encoded.discard(key)
+                elif f.offset >= s.seq.num_computed_tokens:
+                    self.count.encoder_hits += 1
+                    self.tag("features", f"{s.seq.request_id}'s picture (hash {f.identifier[:8]}) was encoded "
+                             f"before and its features are still in the encoder cache: the vision model does not "
+                             f"run for it")
+        for key in model_input.encoder_frees:
+            self.tag("features", f"the encoder cache drops the entry {key[:8]} to make room", level=1)
 
     def _waiting_reasons(self, preempted: list[Sequence], left: int) -> list[tuple[str, str]]:
         """Why each waiting sequence was not admitted, from the state right after scheduling (this mirrors the
@@ -597,7 +685,8 @@ class Narrator:
         self.count.steps += 1
         self.print(f"--- step {number} " + "-" * (RULE_WIDTH - 10 - len(str(number))))
         for p in arrivals:
-            doc = f"a {p.doc_words}-word document with {len(PASS_KEYS)} pass keys, then " if p.doc_words else ""
+            doc = f"a {p.doc_words}-word document with {len(PASS_KEYS)} pass keys, then " if p.doc_words else \
+                "a picture, then " if p.features else ""
             self.print(_line("arrive", f"{p.ask.name}: a {len(p.ids)}-token chat: {doc}{p.ask.question!r}; up to "
                              f"{p.ask.max_tokens} new tokens"))
         if _SAMPLED not in self.lines:
@@ -705,7 +794,8 @@ class Arrivals:
         due = [a for a in self.pending if self._ready(a, step)]
         for ask in due:
             self.pending.remove(ask)
-            self.engine.add_request(ask.name, {"prompt_token_ids": self.prompts[ask.name].ids},
+            prompt = self.prompts[ask.name]
+            self.engine.add_request(ask.name, {"prompt_token_ids": prompt.ids, "mm_features": prompt.features},
                                     SamplingParams(temperature=0.0, max_tokens=ask.max_tokens))
             self.seqs[ask.name] = self.engine.requests[ask.name].seqs[0]
         return [self.prompts[a.name] for a in due]
@@ -740,10 +830,12 @@ def rehearse(model: str, sc: Scenario, prompts: dict[str, Prompt], block_size: i
 
 def _run(name: str, model: str, detail: str, pause: bool, delay: float, out: TextIO, wait: Callable[[], Any]
          ) -> Result:
+    if name == "image" and not has_vision_model(resolve_model_dir(model)):
+        model = IMAGE_MODEL  # (m3-mini has no vision tower)
     cfg, tok = load(model)
     block_size = cfg.index_block_size  # the KV block size is the MSA block size
     sc = scenario(name, cfg)
-    prompts = build_prompts(tok, sc, block_size)
+    prompts = build_prompts(tok, sc, block_size, resolve_model_dir(model))
     kv_blocks = sc.kv_blocks or rehearse(model, sc, prompts, block_size)
     engine = build_engine(model, sc, prompts, kv_blocks, block_size)
     narrator = Narrator(engine, detail, out, {p.ask.name: p.key_block for p in prompts.values()
@@ -815,6 +907,9 @@ def _summary(engine: LLMEngine, n: Narrated, out: TextIO) -> None:
     print(f"  {'chunked prefill steps':<26}narrated {n.chunks}", file=out)
     print(f"  {'prefix evictions':<26}narrated {n.evictions}", file=out)
     print(f"  {'MSA / MoE layers traced':<26}narrated {n.msa_selections} / {n.moe_routings}", file=out)
+    if engine.vision_config is not None:
+        print(f"  {'pictures encoded':<26}engine {st.encoder_items:<6}narrated {n.encoded}", file=out)
+        print(f"  {'encoder-cache hits':<26}engine {st.encoder_cache_hits:<6}narrated {n.encoder_hits}", file=out)
     print(f"  prompt tokens {st.num_prompt_tokens}, computed {st.num_computed_prefill_tokens} (hits skip some, "
           f"preemptions recompute some), generated {st.num_generation_tokens}", file=out)
     print("  block manager integrity checked after every step: ok", file=out)

@@ -54,6 +54,19 @@ def tiny_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_dir(tmp_path_factory) -> str:
+    """An m3-tiny-vl checkpoint directory (m3-tiny with a tiny random vision tower and the image markers in its
+    tokenizer), written once per test session."""
+    from nanoserve.presets.catalog import get_preset
+    from nanoserve.presets.make_checkpoint import write_checkpoint
+
+    preset = get_preset("m3-tiny-vl")
+    path = str(tmp_path_factory.mktemp("m3-tiny-vl"))
+    write_checkpoint(path, preset.config, preset)
+    return path
+
+
+@pytest.fixture(scope="session")
 def mtp_dir(tiny_dir, tmp_path_factory) -> str:
     """The m3-tiny checkpoint plus a random MTP module in a second safetensors file (no index file, so the loader
     must find the module's tensors by reading every file), written once per test session."""

@@ -301,19 +301,21 @@ class M3Train(nn.Module):
         return block(x, cos, sin, token_mask, mode, rows)
 
     def forward(self, ids: torch.Tensor, lengths: torch.Tensor, mode: str = "dense", kl_rows: int = 0,
-                mtp: bool = True, heads: tuple[torch.Tensor, torch.Tensor] | None = None):
+                mtp: bool = True, heads: tuple[torch.Tensor, torch.Tensor] | None = None,
+                embeds: torch.Tensor | None = None):
         """ids [B, T]: one document per row from position 0, `lengths` [B] real tokens (the rest is padding, which
         only attends to what precedes it and is never trained). Returns (logits [B, T, V], mtp_logits [B, T-1, V]
         or None, aux) where mtp_logits[:, t] predicts ids[:, t + 2] and aux holds the mean indexer KL.
         `heads` (two boolean masks [B, T] and [B, T-1]) computes the LM head only where they are true: the logits
-        come back flattened over those positions (training takes the loss on assistant turns only)."""
+        come back flattened over those positions (training takes the loss on assistant turns only). `embeds`
+        [B, T, hidden]: the input embeddings to start from (image features at the placeholders: train_vision.py)."""
         cfg = self.cfg
         b, t = ids.shape
         token_mask = torch.arange(t, device=ids.device)[None, :] < lengths[:, None]
         freqs = torch.arange(t, device=ids.device, dtype=torch.float32)[None, :, None] * self.inv_freq
         cos, sin = freqs.cos().expand(b, -1, -1), freqs.sin().expand(b, -1, -1)
         rows = torch.randperm(t, device=ids.device)[:kl_rows].sort().values if kl_rows else None
-        x = self.embed_tokens(ids)
+        x = self.embed_tokens(ids) if embeds is None else embeds
         kls = []
         eager = mode in self.eager_modes
         for layer in self.layers:

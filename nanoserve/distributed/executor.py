@@ -145,6 +145,7 @@ class MultiprocExecutor(Executor):
         self.model_dir = self.runner.model_dir
         self.block_size = self.runner.block_size
         self.platform = self.runner.platform
+        self.vision_config = self.runner.vision_config
         logger.info("tensor parallel: %d ranks (%s), MoE %s, rendezvous %s", config.tensor_parallel_size,
                     dist.get_backend(), "expert-parallel" if config.enable_expert_parallel else "tensor-parallel",
                     info.init_method)
@@ -156,6 +157,7 @@ class MultiprocExecutor(Executor):
             return initialize_cache(self.runner, self.channel, max_model_len, max_num_batched_tokens, max_num_seqs)
 
         self.num_blocks = self.watchdog.guarded(init)
+        self.encoder_cache_size = self.runner.encoder_cache_size
         self.watchdog.bound_steps([dist.group.WORLD, self.channel.group])  # warmed up: steps are bounded now
         return self.num_blocks
 

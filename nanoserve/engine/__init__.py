@@ -6,6 +6,7 @@
     builder          the executor and the limits an engine is built with
     scheduler        who runs this step and how many tokens
     block_manager    the KV block pool and the prefix cache
+    encoder_cache    the books of the runner's encoder cache: the vision model's budget per step, what it holds
     sampler          logits -> tokens and logprobs, on the device
     stop_checker     EOS, stop ids, length limits, stop strings
     output_processor logprob lists and RequestOutputs

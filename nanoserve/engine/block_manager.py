@@ -13,6 +13,10 @@ request can still revive them. Blocks without a hash go to the front of the free
 
 A request's `cache_salt` (vLLM's field) starts its chain from a hash of the salt instead of nothing, so only
 requests that know the same salt share blocks: one tenant cannot learn from timing what another's prompts hold.
+
+Images and videos: a block that holds placeholder tokens of an item adds the item's content hash to its own hash
+(vLLM's extra keys), since the placeholders are the same tokens whatever the picture - the same prompt with another
+image never hits, the same image again does.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Block:
     # a block computed after a different prefix or holding different tokens
     parent: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    extra: tuple[str, ...] = ()  # the content hashes of the images / videos with placeholders in it
 
 
 def salt_root(salt: str | None) -> bytes | None:
@@ -44,11 +49,22 @@ def salt_root(salt: str | None) -> bytes | None:
     return None if salt is None else hashlib.sha256(b"cache_salt\0" + salt.encode()).digest()
 
 
-def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...]) -> bytes:
-    """sha256(parent hash || token ids as int64): equal hashes <=> equal prefixes (collisions are not a concern)."""
+def chain_hash(parent: bytes | None, token_ids: list[int] | tuple[int, ...], extra: tuple[str, ...] = ()) -> bytes:
+    """sha256(parent hash || token ids as int64 [|| the images' content hashes]): equal hashes <=> equal prefixes
+    (collisions are not a concern)."""
     h = hashlib.sha256(parent or b"")
     h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(b"\0mm\0" + "\0".join(extra).encode())
     return h.digest()
+
+
+def block_extra_keys(seq: Sequence, index: int, block_size: int) -> tuple[str, ...]:
+    """The content hashes of seq's images and videos with placeholders in its block `index` (in prompt order)."""
+    if not seq.mm_features:
+        return ()
+    start, end = index * block_size, (index + 1) * block_size
+    return tuple(f.identifier for f in seq.mm_features if f.offset < end and f.end > start)
 
 
 class BlockManager:
@@ -92,9 +108,10 @@ class BlockManager:
         parent = salt_root(seq.cache_salt)
         for i in range((len(tokens) - 1) // self.block_size):
             chunk = tokens[i * self.block_size: (i + 1) * self.block_size]
-            h = chain_hash(parent, chunk)
+            extra = block_extra_keys(seq, i, self.block_size)
+            h = chain_hash(parent, chunk, extra)
             block_id = self.cached.get(h)
-            if block_id is None or not self._holds(block_id, parent, chunk):
+            if block_id is None or not self._holds(block_id, parent, chunk, extra):
                 break
             hits.append(block_id)
             parent = h
@@ -188,21 +205,22 @@ class BlockManager:
             tokens = tokens or seq.token_ids
             chunk = tuple(tokens[i * self.block_size: (i + 1) * self.block_size])
             parent = hashes[-1] if hashes else salt_root(seq.cache_salt)
-            h = chain_hash(parent, chunk)
+            extra = block_extra_keys(seq, i, self.block_size)
+            h = chain_hash(parent, chunk, extra)
             block = self.blocks[table[i]]
             if block.hash is None and h not in self.cached:
-                block.hash, block.parent, block.token_ids = h, parent, chunk
+                block.hash, block.parent, block.token_ids, block.extra = h, parent, chunk, extra
                 self.cached[h] = block.block_id
-                cached.append((h, parent, chunk))
+                cached.append((h, parent, chunk, extra))
             hashes.append(h)
             # else: another sequence computed the same prefix concurrently; the first copy stays the cached one
-        if cached:  # (hash, parent hash, token ids) of each block that entered the cache: what KV events publish
+        if cached:  # (hash, parent hash, token ids, image hashes) of each block that entered the cache: KV events
             self.on_event("cache", seq=seq, cached=cached)
 
     # -- internals ----------------------------------------------------------------------------------------
-    def _holds(self, block_id: int, parent: bytes | None, chunk: list[int]) -> bool:
+    def _holds(self, block_id: int, parent: bytes | None, chunk: list[int], extra: tuple[str, ...]) -> bool:
         block = self.blocks[block_id]
-        return block.parent == parent and block.token_ids == tuple(chunk)
+        return block.parent == parent and block.token_ids == tuple(chunk) and block.extra == extra
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -215,7 +233,7 @@ class BlockManager:
         if block.hash is not None:
             del self.cached[block.hash]
             evicted = block.hash
-            block.hash, block.parent, block.token_ids = None, None, None
+            block.hash, block.parent, block.token_ids, block.extra = None, None, None, ()
             self.on_event("evict", block=block_id, hash=evicted)
 
     def reset_prefix_cache(self) -> None:

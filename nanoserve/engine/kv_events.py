@@ -7,8 +7,9 @@ prefix of it. It learns what a replica holds from these events, as vLLM publishe
 
     BlockStored       full blocks entered the prefix cache: block_hashes, parent_block_hash (the block before the
                       first, None at the start of a prompt), token_ids (all of theirs, in order), block_size,
-                      lora_id, medium ("GPU": the device pool), lora_name, extra_keys (per block: the cache_salt
-                      on a prompt's first block, else None), group_idx 0, kv_cache_spec_kind "full_attention"
+                      lora_id, medium ("GPU": the device pool), lora_name, extra_keys (per block: the content
+                      hashes of the images / videos with placeholders in it, then the cache_salt on a prompt's first
+                      block; None when there is neither), group_idx 0, kv_cache_spec_kind "full_attention"
     BlockRemoved      cached blocks were evicted: block_hashes, medium, group_idx
     AllBlocksCleared  the whole prefix cache was dropped
 
@@ -116,6 +117,13 @@ def block_digest(parent: bytes, token_ids: list[int] | tuple[int, ...], extra_ke
     import cbor2
 
     return hashlib.sha256(cbor2.dumps((parent, tuple(token_ids), extra_keys), canonical=True)).digest()
+
+
+def extra_keys(mm: tuple[str, ...], salt: str | None) -> tuple | None:
+    """A block's extra keys as vLLM orders them: its images' content hashes, then the cache_salt (a prompt's first
+    block only); None when it has neither."""
+    keys = (*mm, salt) if salt else tuple(mm)
+    return keys or None
 
 
 def external_key(digest: bytes) -> int:
@@ -272,15 +280,15 @@ class KVEventRecorder:
         elif event == "step":
             self.flush()
 
-    def _stored(self, seq: Any, cached: list[tuple[bytes, bytes | None, tuple[int, ...]]]) -> None:
-        """`cached`: (engine hash, engine parent hash, token ids) of each block that entered the cache, in the order
-        of seq's blocks. Runs of blocks that chain become one BlockStored each."""
+    def _stored(self, seq: Any, cached: list[tuple[bytes, bytes | None, tuple[int, ...], tuple[str, ...]]]) -> None:
+        """`cached`: (engine hash, engine parent hash, token ids, image hashes) of each block that entered the cache,
+        in the order of seq's blocks. Runs of blocks that chain become one BlockStored each."""
         from nanoserve.engine.block_manager import salt_root
 
         start = salt_root(seq.cache_salt)  # the engine's parent of a prompt's first block
         run: dict[str, Any] | None = None
         last = None
-        for h, parent, tokens in cached:
+        for h, parent, tokens, mm in cached:
             first = parent == start
             if first:
                 parent_digest = self.root
@@ -288,7 +296,7 @@ class KVEventRecorder:
                 parent_digest = self._digests.get(parent)  # type: ignore[arg-type]
                 if parent_digest is None:  # the parent was evicted meanwhile: recompute the chain from the start
                     parent_digest = self._chain_digest(seq, parent)
-            extra = (seq.cache_salt,) if first and seq.cache_salt else None
+            extra = extra_keys(mm, seq.cache_salt if first else None)
             digest = block_digest(parent_digest, tokens, extra)
             self._digests[h] = digest
             if run is None or parent != last:
@@ -301,14 +309,15 @@ class KVEventRecorder:
 
     def _chain_digest(self, seq: Any, parent: bytes) -> bytes:
         """The published digest of the block of seq whose engine hash is `parent`, from seq's tokens."""
-        from nanoserve.engine.block_manager import chain_hash, salt_root
+        from nanoserve.engine.block_manager import block_extra_keys, chain_hash, salt_root
 
         tokens, bs = seq.token_ids, self.block_size
         engine_h, digest = salt_root(seq.cache_salt), self.root
         for i in range(len(tokens) // bs):
             chunk = tokens[i * bs:(i + 1) * bs]
-            engine_h = chain_hash(engine_h, chunk)
-            digest = block_digest(digest, chunk, (seq.cache_salt,) if i == 0 and seq.cache_salt else None)
+            mm = block_extra_keys(seq, i, bs)
+            engine_h = chain_hash(engine_h, chunk, mm)
+            digest = block_digest(digest, chunk, extra_keys(mm, seq.cache_salt if i == 0 else None))
             if engine_h == parent:
                 return digest
         raise RuntimeError("KV events: a cached block's parent is not a block of its sequence")

@@ -17,6 +17,9 @@ the sequences that EOS, a stop token id or a length limit ends: what the next sc
 engine is built: the same three parts in another order, so the host work of one step runs while the device
 computes the next.
 
+Images and videos come in already processed (a prompt dict's `mm_features`: the front ends run
+nanoserve/multimodal/); the scheduler has their encoding done with the prefill (engine/encoder_cache.py).
+
 Speculative decoding (a `speculative_config`) changes nothing here but the count: a step's output carries each
 sequence's next draft tokens, which the scheduler schedules after its newest token, and a verifying sequence gets
 its accepted drafts plus one token, appended through the same stop checks (`append_tokens`).
@@ -36,6 +39,7 @@ from nanoserve.engine import kv_events
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
 from nanoserve.engine.kv_connector import KVConnector, check_supported
+from nanoserve.engine.encoder_cache import EncoderCacheManager
 from nanoserve.engine.launched_step import Appended, LaunchedStep
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
 from nanoserve.engine.outputs import Logprob, RequestOutput
@@ -51,11 +55,13 @@ from nanoserve.kv_transfer import params as kv_params
 from nanoserve.kv_transfer.config import KVTransferConfig
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
-from nanoserve.step import GrammarMasks, StepOutput
+from nanoserve.step import GrammarMasks, MultiModalFeature, StepOutput
 
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
+DEFAULT_MM_LIMIT = 999
+"""Images (and videos) a prompt may carry when limit_mm_per_prompt does not say (vLLM's default)."""
 
 
 class LLMEngine:
@@ -93,10 +99,13 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, self.block_size, opts.prefix_caching, self._emit)
         self.kv_connector = KVConnector.start(self.kv_transfer, self.executor, self.block_size) \
             if self.kv_transfer.kv_connector is not None else None
+        self.vision_config = self.executor.vision_config  # None: the model takes no images or videos
+        rows = self.executor.encoder_cache_size
+        self.encoder_cache = EncoderCacheManager(rows, rows, opts.encoder_cache) if self.vision_config else None
         self.scheduler = Scheduler(SchedulerConfig(
             config.max_num_seqs, budget, self.max_model_len, opts, config.scheduling_policy, k,
             draft_writes_kv=self.spec_config is not None and self.spec_config.method != "ngram"),
-            self.block_manager, self._emit, self.kv_connector)
+            self.block_manager, self._emit, self.kv_connector, self.encoder_cache)
         self.tokenizer = load_tokenizer(config.tokenizer or self.executor.model_dir)
         self._token_texts: dict[int, str] = {}
         self.eos_token_id = self.model_config.eos_token_id
@@ -174,7 +183,7 @@ class LLMEngine:
         """(a): wait for a step's tokens; append them and end the sequences that EOS, a stop id or a length limit
         ends. A sequence finished since the step was launched (aborted, or ended by a stop string) gets nothing."""
         output = launched.future.result()
-        self._take_prompt_logprobs(launched.sched, output)
+        self._take_side_outputs(launched.sched, output)
         appended: list[Appended] = []
         for s, out in zip(launched.sampled, output.seqs, strict=True):  # (the same sequences, in order)
             seq = s.seq
@@ -316,8 +325,10 @@ class LLMEngine:
             return not seq.grammar.failed
         return True
 
-    def _take_prompt_logprobs(self, sched: SchedulerOutput, output: StepOutput) -> None:
-        """A step's prompt logprobs onto their sequences (before the next schedule, which reads how many there are)."""
+    def _take_side_outputs(self, sched: SchedulerOutput, output: StepOutput) -> None:
+        """A step's prompt logprobs onto their sequences (before the next schedule, which reads how many there are),
+        and the time its vision model took into the stats."""
+        self.stats.encoder_seconds += output.encoder_seconds
         if not output.prompt_logprobs:
             return
         seqs = {s.seq.seq_id: s.seq for s in sched.scheduled}
@@ -359,6 +370,11 @@ class LLMEngine:
         if sched.is_empty:
             return
         self.stats.num_steps += 1
+        if sched.encoder_inputs:
+            self.stats.encoder_items += len(sched.encoder_inputs)
+            self.stats.encoder_tokens += sum(e.feature.num_tokens for e in sched.encoder_inputs)
+        if self.encoder_cache is not None:
+            self.stats.encoder_cache_hits = self.encoder_cache.hits
         self.stats.num_computed_prefill_tokens += sum(s.num_new_tokens for s in sched.scheduled if not s.is_decode)
         for s in sched.scheduled:  # a prompt done: where its tokens' KV came from (vLLM's prompt_tokens_by_source)
             seq = s.seq
@@ -405,6 +421,47 @@ class LLMEngine:
             raise ValueError(f"prompt is too long: {len(token_ids)} tokens, but max_model_len is "
                              f"{self.max_model_len} (and at least one token must be generated)")
 
+    def check_features(self, token_ids: list[int], features: Any) -> list[MultiModalFeature]:
+        """A prompt's images and videos (`mm_features`, as nanoserve/multimodal/features.py makes them), checked
+        against the prompt and this engine: ValueError naming what is wrong."""
+        if not features:
+            return []
+        vision = self.vision_config
+        if vision is None:
+            raise ValueError(f"this model ({self.config.model}) takes no images or videos: its checkpoint has no "
+                             f"vision tower")
+        if not isinstance(features, list) or not all(isinstance(f, MultiModalFeature) for f in features):
+            raise ValueError("mm_features must be a list of MultiModalFeature (nanoserve.multimodal.features)")
+        limits = self.config.limit_mm_per_prompt or {}
+        for modality in ("image", "video"):
+            count = sum(f.modality == modality for f in features)
+            if count > limits.get(modality, DEFAULT_MM_LIMIT):
+                raise ValueError(f"At most {limits.get(modality, DEFAULT_MM_LIMIT)} {modality}(s) may be provided "
+                                 f"in one prompt (limit_mm_per_prompt), got {count}")
+        placeholder = {"image": vision.image_token_id, "video": vision.video_token_id}
+        end = 0
+        for i, f in enumerate(features):
+            if f.modality not in placeholder:
+                raise ValueError(f"mm_features[{i}]: modality {f.modality!r} is not image or video")
+            rows = sum(t * h * w for t, h, w in f.grid_thw)
+            if not f.runs or f.num_tokens * vision.merge_unit != rows or len(f.pixel_values) != rows:
+                raise ValueError(f"mm_features[{i}]: {f.num_tokens} placeholders for a grid of {rows} patches")
+            for start, length in f.runs:
+                if start < end or length < 1 or start + length > len(token_ids) or any(
+                        t != placeholder[f.modality] for t in token_ids[start:start + length]):
+                    raise ValueError(f"mm_features[{i}]: its placeholder run at {start} (+{length}) is not a run of "
+                                     f"{f.modality} tokens ({placeholder[f.modality]}) of the prompt after the last")
+                end = start + length
+            if not self.encoder_cache.fits(f):
+                raise ValueError(f"{f.modality} of {f.num_tokens} tokens is larger than the encoder cache "
+                                 f"({self.encoder_cache.size} tokens, from max_num_batched_tokens)")
+        if not self.config.optimizations.chunked_prefill and \
+                sum(f.num_tokens for f in features) > self.encoder_cache.size:
+            raise ValueError(f"the prompt's images and videos ({sum(f.num_tokens for f in features)} tokens) must be "
+                             f"encoded in one step without chunked prefill, but the encoder takes "
+                             f"{self.encoder_cache.size} per step")
+        return list(features)
+
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None,
                     arrival_time: float | None = None, priority: int = 0,
                     kv_transfer_params: dict[str, Any] | None = None) -> None:
@@ -428,6 +485,7 @@ class LLMEngine:
             params.set_bad_words_token_ids(lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         text, token_ids = self.tokenize_prompt(prompt)
         self.validate_prompt(token_ids)
+        features = self.check_features(token_ids, prompt.get("mm_features") if isinstance(prompt, dict) else None)
         salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
         if salt is not None and (not isinstance(salt, str) or not salt):
             raise ValueError("cache_salt: must be a non-empty string")
@@ -435,7 +493,8 @@ class LLMEngine:
         compiled = self.structured_output.compile(params.structured_outputs) if params.structured_outputs else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = [Sequence(next(self._seq_ids), request_id, i, token_ids, params, arrival_time=arrival,
-                         cache_salt=salt, priority=priority, kv_transfer=transfer) for i in range(params.n)]
+                         cache_salt=salt, priority=priority, kv_transfer=transfer,
+                         mm_features=features) for i in range(params.n)]
         if compiled is not None:
             for seq in seqs:
                 seq.grammar = self.structured_output.new_grammar(
@@ -542,6 +601,12 @@ class EngineStats:
     prompt_tokens_local_compute: int = 0
     prompt_tokens_local_cache_hit: int = 0
     prompt_tokens_external_kv_transfer: int = 0
+    # images and videos: items encoded, their feature rows (placeholder tokens), the time the vision model took,
+    # and items a sequence found in the encoder cache instead
+    encoder_items: int = 0
+    encoder_tokens: int = 0
+    encoder_seconds: float = 0.0
+    encoder_cache_hits: int = 0
 
     @property
     def spec_decode_mean_accepted_length(self) -> float:

@@ -25,6 +25,12 @@ compute; a prefill server's sequence that ends for a pull keeps its blocks (`fin
 A prompt that asks for prompt logprobs is chunked at PROMPT_LOGPROB_CHUNK tokens even when the budget is larger:
 each of its positions becomes a row of fp32 logits over the whole vocabulary (8192 rows x 200k tokens would be
 6.5 GB), so the chunk bounds that memory.
+
+Images and videos (a prompt's `mm_features`): a chunk that reaches an item's placeholder tokens needs the item's
+features, so the item is encoded in the same step unless the encoder cache holds them already
+(engine/encoder_cache.py). The vision model has a budget of its own per step; an item that does not fit what is
+left of it (or of the cache) cuts the chunk just before the item's first placeholder, and it is encoded in a later
+step. A chunk may end inside an item's placeholders: the rest of its features wait in the cache for the next chunk.
 """
 
 from __future__ import annotations
@@ -36,9 +42,11 @@ from dataclasses import dataclass, field
 from nanoserve.config import Optimizations
 from nanoserve.engine.block_manager import BlockManager, EventHook
 from nanoserve.engine.kv_connector import KVConnector
+from nanoserve.engine.encoder_cache import EncoderCacheManager
 from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from nanoserve.kv_transfer.params import RemotePrefill
 from nanoserve.spec_decode.proposer import speculable
+from nanoserve.step import EncoderInput, MultiModalFeature
 
 PROMPT_LOGPROB_CHUNK = 2048
 """Most prompt tokens per step of a sequence that needs prompt logprobs (chunked prefill on): 2048 fp32 rows of a
@@ -74,6 +82,8 @@ class ScheduledSeq:
     num_padded: int = 0
     """Speculative decoding (switch spec_pad_drafts): the last num_padded of its drafts are padding - its newest
     token repeated - so that every sequence of the batch verifies as many (`Scheduler._pad_drafts`)."""
+    features: list[tuple[str, MultiModalFeature]] = field(default_factory=list)
+    """Its images and videos with placeholders in this step's tokens, each with its encoder-cache key."""
 
     @property
     def draft(self) -> list[int]:
@@ -104,6 +114,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     admitted: list[Sequence] = field(default_factory=list)  # taken from the waiting queue this step
+    encoder_inputs: list[EncoderInput] = field(default_factory=list)  # images / videos the step encodes
+    encoder_frees: list[str] = field(default_factory=list)  # encoder-cache keys the runner drops first
 
     @property
     def num_batched_tokens(self) -> int:
@@ -118,9 +130,11 @@ class Scheduler:
     """Decides, each step, which sequences run and how many of their tokens (see module docstring)."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, on_event: EventHook | None = None,
-                 kv_connector: KVConnector | None = None):
+                 kv_connector: KVConnector | None = None, encoder: EncoderCacheManager | None = None):
         self.config = config
         self.bm = block_manager
+        self.encoder = encoder  # the encoder cache's books (None: the model takes no images or videos)
+        self._encoder_left = 0  # what this step's encoder budget has left
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.loading: list[Sequence] = []
@@ -175,6 +189,7 @@ class Scheduler:
         chunked = self.opts.chunked_prefill
         if self.kv is not None:  # P/D: free what was pulled, run the decodes whose KV arrived
             self._kv_progress()
+        self._encoder_left = self.encoder.budget if self.encoder is not None else 0
 
         # 1. running sequences, oldest (best) first; preempt the newest (worst) when the pool is full
         queue = sorted(self.running, key=self.rank) if self.by_priority else list(self.running)
@@ -186,6 +201,9 @@ class Scheduler:
             n = self._chunk(seq, remaining, budget, chunked)
             if n > budget:
                 continue  # unchunked prefill that does not fit this step's leftover budget
+            n, encode = self._plan_encoder(seq, seq.num_computed_tokens, n)
+            if n < 1 or (not chunked and n < remaining):
+                continue  # its next placeholders need an encoder this step cannot give
             # speculative decoding: a decode verifies its drafts too, as far as the budget and the pool allow
             draft = min(len(seq.spec_token_ids), budget - n) if remaining == 1 else 0
             if draft and not self.bm.allocate(seq, seq.num_computed_tokens + n + draft):
@@ -196,7 +214,7 @@ class Scheduler:
                 if victim is seq:
                     break
             else:
-                out.scheduled.append(ScheduledSeq(seq, n + draft, draft))
+                out.scheduled.append(self._with_features(ScheduledSeq(seq, n + draft, draft), encode, out))
                 budget -= n + draft
 
         # 2. waiting sequences, first come first served
@@ -214,6 +232,9 @@ class Scheduler:
             n = self._chunk(seq, remaining, budget, chunked)
             if n > budget:
                 break
+            n, encode = self._plan_encoder(seq, num_cached, n)
+            if n < 1 or (not chunked and n < remaining):
+                break  # its first placeholders need an encoder this step cannot give
             reserve = num_cached + n if self.opts.paged_kv else max(self.config.max_model_len, seq.num_tokens)
             if not self.bm.allocate(seq, reserve, computed):
                 break
@@ -225,7 +246,7 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
             out.admitted.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.scheduled.append(self._with_features(ScheduledSeq(seq, n), encode, out))
             budget -= n
             self.on_event("admit", seq=seq, num_new_tokens=n, num_cached_tokens=num_cached)
 
@@ -242,6 +263,8 @@ class Scheduler:
                 if s.samples:
                     s.on_device = s.seq.seq_id in drafts_on_device
                     s.max_drafts = self._lookahead(s)
+        if self.encoder is not None:
+            out.encoder_frees = self.encoder.take_freed()
         return out
 
     # -- prefill/decode disaggregation -----------------------------------------------------------------------
@@ -294,6 +317,46 @@ class Scheduler:
     def take_failed_loads(self) -> list[Sequence]:
         failed, self.failed_loads = self.failed_loads, []
         return failed
+
+    # -- images and videos ----------------------------------------------------------------------------------
+    def _plan_encoder(self, seq: Sequence, start: int, n: int) -> tuple[int, list[MultiModalFeature]]:
+        """The tokens [start, start + n) of seq may run this step if the items whose placeholders they reach have
+        features: held in the encoder cache (now counted as used by seq), or encoded in this step. Returns how many
+        may run - cut before the first item that what is left of the encoder budget or the cache cannot take - and
+        the items to encode (entered in the cache by `_with_features` once the step takes seq)."""
+        enc = self.encoder
+        if enc is None or start >= seq.mm_end:
+            return n, []
+        plan: list[MultiModalFeature] = []
+        keys: set[str] = set()
+        rows = 0
+        for f in seq.mm_features:
+            if f.offset >= start + n:
+                break
+            if f.end <= start or enc.use_cached(seq, f) or enc.key(seq, f) in keys:
+                continue  # passed, or held (the same item twice in a prompt is encoded once)
+            if not enc.can_encode(f, self._encoder_left - rows, rows):
+                return f.offset - start, plan
+            plan.append(f)
+            keys.add(enc.key(seq, f))
+            rows += f.num_tokens
+        return n, plan
+
+    def _with_features(self, s: ScheduledSeq, encode: list[MultiModalFeature], out: SchedulerOutput
+                       ) -> ScheduledSeq:
+        """s is in the step: its items to encode enter the encoder cache and the step's encoder inputs, and s notes
+        every item with placeholders in its tokens, with its key."""
+        enc, seq = self.encoder, s.seq
+        if enc is None or not seq.mm_features:
+            return s
+        for f in encode:
+            if enc.key(seq, f) not in enc.rows:
+                out.encoder_inputs.append(EncoderInput(enc.allocate(seq, f), f))
+                self._encoder_left -= f.num_tokens
+        start = seq.num_computed_tokens
+        end = start + s.num_new_tokens - s.num_draft
+        s.features = [(enc.key(seq, f), f) for f in seq.mm_features if f.offset < end and f.end > start]
+        return s
 
     def _pad_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Batches that mix (switch spec_pad_drafts, with CUDA graphs for verify steps): where every scheduled
@@ -354,6 +417,8 @@ class Scheduler:
         (full blocks it registered in the prefix cache may still be hit then). `needed_by` is the sequence whose
         growth ran the pool dry (seq itself when it preempts itself); the event reports it."""
         self.bm.free_seq(seq)
+        if self.encoder is not None:
+            self.encoder.release_all(seq)
         self.running.remove(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
@@ -376,6 +441,9 @@ class Scheduler:
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens - s.num_draft
             self.bm.cache_full_blocks(s.seq)
+            for _, f in s.features:  # items whose placeholders are all computed now: their features may go
+                if f.end <= s.seq.num_computed_tokens:
+                    self.encoder.release(s.seq, f)
         return sampled
 
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
@@ -403,6 +471,8 @@ class Scheduler:
             free = self.kv.abort(seq)
         if free and not (self.kv is not None and self.kv.hold(seq, reason)):  # (P/D: kept for a decode server)
             self.bm.free_seq(seq)
+        if self.encoder is not None:
+            self.encoder.release_all(seq)
         seq.num_pending = 0  # a token of it still in flight is dropped when it arrives
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason

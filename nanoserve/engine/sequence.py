@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from nanoserve.kv_transfer.params import RemoteDecode, RemotePrefill
 from nanoserve.sampling import SamplingParams
+from nanoserve.step import MultiModalFeature
 
 if TYPE_CHECKING:
     from nanoserve.engine.structured_output import SequenceGrammar
@@ -84,6 +85,9 @@ class Sequence:
     num_external_tokens: int = 0
     """Prompt tokens whose KV was pulled from another engine (a P/D decode) rather than computed or found in the
     prefix cache here."""
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    """The prompt's images and videos, in prompt order: their placeholder tokens take the vision model's features
+    (engine/encoder_cache.py schedules the encoding; their content hashes key the prefix cache's blocks too)."""
     num_pending: int = 0
     """Tokens sampled on the device whose value the host has not received yet (the step that samples one is in
     flight). They count in num_tokens - the scheduler and the KV cache hold their positions, and async scheduling
@@ -132,6 +136,11 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
+
+    @property
+    def mm_end(self) -> int:
+        """One past the prompt position of its last placeholder token (0: no images or videos)."""
+        return self.mm_features[-1].end if self.mm_features else 0
 
     def token_at(self, i: int) -> int:
         p = len(self.prompt_token_ids)

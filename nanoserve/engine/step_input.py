@@ -5,20 +5,22 @@ The rows the runner computes the LM head on, in order: one per sequence that sam
 of the sequences that asked for prompt logprobs; the k + 1 positions of each sequence that verifies k drafts
 (ModelInput.prompt_rows holds the last two groups). With async scheduling a decode's newest token may still be on
 the device: its input position gets a placeholder and is listed in StepInput.fed, and the runner copies the token
-in there.
+in there. Images and videos: the items the step encodes, the encoder-cache keys the runner drops first, and for
+each input position that is a placeholder, which feature row replaces its embedding (`placements`).
 """
 
 from __future__ import annotations
 
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.step import ModelInput, PromptLogprobRows, StepInput, StepSeq
+from nanoserve.step import FeaturePlacement, ModelInput, MultiModalFeature, PromptLogprobRows, StepInput, StepSeq
 
 
 def build_step_input(sched: SchedulerOutput, vocab_size: int, finished: list[int]) -> StepInput:
     """The StepInput of `sched`; `finished`: the seq_ids that ended since the last step."""
     ids: list[int] = []
     verify_rows: list[int] = []
-    step = StepInput(ModelInput(ids, [], [], [], []), [], finished=finished)
+    step = StepInput(ModelInput(ids, [], [], [], [], encoder_frees=sched.encoder_frees,
+                                encoder_inputs=sched.encoder_inputs), [], finished=finished)
     prompt_token_rows: list[int] = []
     for row, s in enumerate(sched.scheduled):
         seq, start = s.seq, s.seq.num_computed_tokens
@@ -35,6 +37,8 @@ def build_step_input(sched: SchedulerOutput, vocab_size: int, finished: list[int
                                                               vocab_size if num == -1 else num,
                                                               seq.params.prompt_logprobs_temperature))
                 step.prompt_targets.extend(seq.prompt_token_ids[first + 1: last + 1])
+        for key, feature in s.features:
+            step.model.placements += placements(key, feature, start, end - s.num_draft, len(ids))
         # slice the prompt or the outputs directly: seq.token_ids copies the whole sequence (128k tokens at W4)
         known = min(end - s.num_draft, seq.num_known_tokens)
         if start >= prompt_len:
@@ -61,3 +65,16 @@ def build_step_input(sched: SchedulerOutput, vocab_size: int, finished: list[int
                                  s.on_device))
     step.model.prompt_rows = prompt_token_rows + verify_rows
     return step
+
+
+def placements(key: str, feature: MultiModalFeature, start: int, end: int, index: int) -> list[FeaturePlacement]:
+    """Where an item's features go in a step that computes prompt positions [start, end) of its sequence, whose
+    first input is input `index` of the step: one placement per placeholder run (or part of one) in that range."""
+    out = []
+    row = 0
+    for run_start, length in feature.runs:
+        lo, hi = max(run_start, start), min(run_start + length, end)
+        if lo < hi:
+            out.append(FeaturePlacement(key, row + lo - run_start, index + lo - start, hi - lo))
+        row += length
+    return out

@@ -10,6 +10,11 @@
 (of any tensor-parallel size) can be built in the same process. Dropping the last reference to an LLM, or the
 interpreter exiting, shuts it down too (a finalizer).
 
+Images and videos, as vLLM takes them: `generate({"prompt": "]<]image[>[What is this?", "multi_modal_data": {"image":
+pil_image}})` (one `]<]image[>[` / `]<]video[>[` marker per item, in order; an item is a PIL image, encoded bytes or an
+[H, W, 3] uint8 array; a video its frames), or `chat` messages with image_url / video_url parts (data URLs) or
+image_pil parts. A model without a vision tower refuses them (docs/vision.md).
+
 `LLM(..., reasoning_parser="minimax_m3")` (vLLM's engine argument) does offline what `--reasoning-parser` does on
 the server: a structured output applies to the answer, not the thinking (the grammar starts after `</mm:think>`
 when the prompt leaves thinking open or to the model), and `LLM.chat` splits each output into
@@ -27,12 +32,15 @@ from typing import Sequence as Seq
 import torch
 from tqdm import tqdm
 
-from nanoserve.chat_template import load_chat_template, render_chat, template_messages
+from nanoserve.chat_template import MediaPart, load_chat_template, render_chat, template_messages
 from nanoserve.config import EngineConfig
 from nanoserve.cpu_threads import configure_cpu_threads
 from nanoserve.engine.llm_engine import LLMEngine, Prompt
 from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.beam_search import BeamSearchInstance, BeamSearchOutput
+from nanoserve.multimodal.features import process_prompt
+from nanoserve.multimodal.loader import MediaLoader, load_parts
+from nanoserve.multimodal.processor import MultiModalProcessor
 from nanoserve.parsers.reasoning import ReasoningParser, get_reasoning_parser
 from nanoserve.parsers.tools import check_tools
 from nanoserve.sampling import BeamSearchParams, SamplingParams
@@ -60,6 +68,7 @@ class LLM:
         # holds the engine, not the LLM: runs once, at shutdown(), when the LLM is collected, or at exit
         self._finalizer = weakref.finalize(self, LLMEngine.shutdown, self.engine)
         self._reasoning_end_id = self._reasoning_end() if self.reasoning_parser else None
+        self._processor: MultiModalProcessor | None = None  # images and videos -> patches (made on first use)
 
     def _reasoning_end(self) -> int:
         ids = self.engine.tokenizer.encode(self.reasoning_parser.end, add_special_tokens=False)
@@ -99,6 +108,36 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def _with_media(self, prompt: Prompt, media: list[MediaPart] | None = None) -> Prompt:
+        """A prompt with images or videos - a dict's `multi_modal_data`, or a chat's media parts - as the engine
+        takes it: the expanded prompt's token ids and its `mm_features`. Other prompts pass unchanged."""
+        data = prompt.get("multi_modal_data") if isinstance(prompt, dict) else None
+        if not data and not media:
+            return prompt
+        vision = self.engine.vision_config
+        if vision is None:
+            raise ValueError(f"multi_modal_data: this model ({self.engine.config.model}) takes no images or videos")
+        if self._processor is None:
+            self._processor = MultiModalProcessor.from_model_dir(self.engine.executor.model_dir)
+        if media:
+            images, videos = load_parts(MediaLoader(), media)
+            text = prompt["prompt"]
+        else:
+            if not isinstance(data, dict) or set(data) - {"image", "video"}:
+                raise ValueError("multi_modal_data: must be a dict with 'image' and / or 'video'")
+            if not isinstance(prompt.get("prompt"), str):
+                raise ValueError("multi_modal_data: needs the prompt as text ('prompt'), with one ]<]image[>[ or "
+                                 "]<]video[>[ marker per item")
+            images, videos = (data.get(k) for k in ("image", "video"))
+            images = [] if images is None else images if isinstance(images, list) else [images]
+            videos = [] if videos is None else videos if isinstance(videos, list) else [videos]
+            text = prompt["prompt"]
+        ids, features = process_prompt(self._processor, self.engine.tokenizer, text, vision, images, videos)
+        out = {"prompt": text, "prompt_token_ids": ids, "mm_features": features}
+        if "cache_salt" in prompt:
+            out["cache_salt"] = prompt["cache_salt"]
+        return out
+
     def generate(self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None
                  = None, use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Run every prompt (a string, token ids as {"prompt_token_ids": [...]}, or a list of those) and return
@@ -116,6 +155,7 @@ class LLM:
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priority values for {len(prompts)} prompts")
+        prompts = [self._with_media(p) for p in prompts]
         if self.reasoning_parser is not None:
             params = [self._for_prompt(p, self.reasoning_parser.prompt_state(self._prompt_text(prompt)), False)
                       for prompt, p in zip(prompts, params)]
@@ -212,10 +252,16 @@ class LLM:
             check_tools(tools)
         template = load_chat_template(chat_template)
         convs = messages if messages and isinstance(messages[0], list) else [messages]
-        texts = [render_chat(self.engine.tokenizer, template_messages(conv), tools=tools,
-                             add_generation_prompt=add_generation_prompt, continue_final_message=continue_final_message,
-                             chat_template=template, chat_template_kwargs=chat_template_kwargs) for conv in convs]
-        prompts = [{"prompt_token_ids": self.engine.tokenizer.encode(t, add_special_tokens=False)} for t in texts]
+        texts, prompts = [], []
+        for conv in convs:
+            media: list[MediaPart] = []
+            text = render_chat(self.engine.tokenizer, template_messages(conv, media), tools=tools,
+                               add_generation_prompt=add_generation_prompt,
+                               continue_final_message=continue_final_message, chat_template=template,
+                               chat_template_kwargs=chat_template_kwargs)
+            texts.append(text)
+            prompts.append(self._with_media({"prompt": text}, media) if media else
+                           {"prompt_token_ids": self.engine.tokenizer.encode(text, add_special_tokens=False)})
         if self.reasoning_parser is None:
             return self.generate(prompts, sampling_params, use_tqdm)
         self._check_alive()

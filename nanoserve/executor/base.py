@@ -16,6 +16,7 @@ import torch
 from nanoserve.config import Platform
 from nanoserve.kv_transfer.transfer import KVTransferAgent
 from nanoserve.model.m3_config import M3Config
+from nanoserve.model.vision.config import VisionConfig
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.step import GrammarMasks, StepInput, StepOutput
 
@@ -36,6 +37,11 @@ class Executor:
     block_size: int
     platform: Platform
     """Which switches can act where the model runs (Optimizations.not_applicable)."""
+    vision_config: VisionConfig | None = None
+    """The vision model's config; None when the checkpoint has none (the model takes no images or videos)."""
+    encoder_cache_size: int = 0
+    """With a vision model: the feature rows its encoder cache holds and it may encode per step (set by
+    initialize_cache, from max_num_batched_tokens)."""
 
     def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """Size the KV pool for these limits, allocate it, and return its number of blocks."""

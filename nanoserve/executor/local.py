@@ -23,11 +23,13 @@ class LocalExecutor(Executor):
         self.device = self.runner.device
         self.block_size = self.runner.block_size
         self.platform = self.runner.platform
+        self.vision_config = self.runner.vision_config
         self.num_blocks = 0
 
     def initialize_cache(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         self.num_blocks = self.runner.determine_num_blocks(max_model_len, max_num_batched_tokens, max_num_seqs)
         self.runner.allocate_kv_cache(self.num_blocks)
+        self.encoder_cache_size = self.runner.encoder_cache_size
         return self.num_blocks
 
     supports_token_feed = True

@@ -312,6 +312,12 @@ def read_vision_config(model_dir: str) -> VisionConfig | None:
         raise CheckpointError(f"{model_dir}/config.json: {e}") from e
 
 
+def has_vision_model(model_dir: str) -> bool:
+    """Does the checkpoint hold a vision tower (a `vision_config` and vision tensors)? Reads no tensor."""
+    return read_vision_config(model_dir) is not None and \
+        any(key.startswith(VISION_PREFIXES) for key in checkpoint_files(model_dir))
+
+
 def load_vision_model(model_dir: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,
                       device: torch.device | str = "cpu") -> M3VisionModel | None:
     """The checkpoint's vision tower, projector and patch merger, loaded (replicated: whole on every rank), or None

@@ -92,10 +92,13 @@ class M3ForCausalLM(nn.Module):
         self._old_rope_tables: list[torch.Tensor] = []
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids, positions [T] -> final hidden states [T, hidden]."""
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids, positions [T] -> final hidden states [T, hidden]. `inputs_embeds` [T, hidden]: the input
+        embeddings to start from instead of the ids' (a step with image or video features at its placeholders:
+        runner/multimodal.py)."""
         rope = self.rope(positions, meta.max_seq_len)
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         selection = None
         msa_seen = 0

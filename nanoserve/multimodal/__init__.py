@@ -5,4 +5,6 @@ placeholder runs, as transformers' MiniMaxM3VLProcessor makes them (docs/vision.
     image.py      smart_resize, resize, normalise, patchify: an image -> ProcessedImage
     video.py      frames -> ProcessedVideo (temporal patches, segments of <= 4, timestamps)
     processor.py  MultiModalProcessor: prompt markers -> placeholder runs, token ids, the tower's inputs
+    features.py   a processed prompt's items as the engine takes them (MultiModalFeature: content hash, runs)
+    loader.py     where an image or video part comes from (data URLs, allowed hosts and paths) -> the processor
 """

@@ -49,7 +49,9 @@ def to_rgb(image: Image.Image) -> np.ndarray:
 
 
 def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
-    """Encoded image bytes -> [H, W, 3] uint8 RGB. ValueError naming the problem for anything unusable."""
+    """Encoded image bytes -> [H, W, 3] uint8 RGB. ValueError naming the problem for anything unusable: whatever
+    Pillow raises on bytes it cannot read (its decoders raise OSError, SyntaxError, EOFError, struct errors and
+    more on broken files) becomes one."""
     if not data:
         raise ValueError("image is empty (0 bytes)")
     try:
@@ -58,7 +60,7 @@ def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
             image = Image.open(io.BytesIO(data))
     except (Image.DecompressionBombWarning, Image.DecompressionBombError) as e:  # Pillow's own, larger limit
         raise ValueError(f"image is over the limit of {max_pixels:,} pixels ({e})") from e
-    except Image.UnidentifiedImageError as e:
+    except Exception as e:  # noqa: BLE001 - untrusted bytes: any failure to identify them is the request's
         raise ValueError(f"image cannot be read: not a PNG, JPEG or WebP file Pillow can identify ({e})") from e
     with image:
         if image.format not in FORMATS:
@@ -66,9 +68,9 @@ def decode_image(data: bytes, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:
         check_size(image.width, image.height, max_pixels)
         try:
             image.load()
-        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+            return to_rgb(image)
+        except Exception as e:  # noqa: BLE001 - a decoder's failure on untrusted bytes
             raise ValueError(f"image is corrupt: the {image.format} data cannot be decoded ({e})") from e
-        return to_rgb(image)
 
 
 def as_rgb_array(image: bytes | Image.Image | np.ndarray, max_pixels: int = MAX_IMAGE_PIXELS) -> np.ndarray:

@@ -3,7 +3,9 @@
 - `m3-mini` ships in the package: a small M3 trained for real (docs/m3_mini.md), a checkpoint directory like any
   other. It is the default model of the server, `LLM()` and the walkthrough.
 - Presets with random weights, generated on first use: `m3-tiny` for unit tests (every mechanism at CPU size),
-  `m3-slice` for GPU benchmarks (the released model's widths with 4 layers; docs/benchmarks.md).
+  `m3-tiny-vl` (m3-tiny with a tiny random vision tower and the image markers in its tokenizer: images and video
+  end to end on the CPU, docs/vision.md), `m3-slice` for GPU benchmarks (the released model's widths with 4 layers;
+  docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import os
 from dataclasses import dataclass
 
 from nanoserve.model.m3_config import DENSE, SPARSE, M3Config
-from nanoserve.presets.tokenizer import BOS_ID, EOS_ID, VOCAB_SIZE
+from nanoserve.model.vision.config import VisionConfig
+from nanoserve.presets.tokenizer import BOS_ID, EOS_ID, IMAGE_TOKEN_ID, VIDEO_TOKEN_ID, VISION_TOKENS, VOCAB_SIZE
 
 
 @dataclass(frozen=True)
@@ -24,6 +27,7 @@ class Preset:
     random_norms: bool  # draw norm offsets (and the router bias) instead of zeros, to exercise (1 + w)
     seed: int = 0
     draw_on_device: bool = False  # serve by drawing the weights in device memory, not via a written checkpoint
+    vision: VisionConfig | None = None  # a vision tower with random weights too (and the image markers' tokens)
 
 
 def _tiny() -> Preset:
@@ -42,6 +46,17 @@ def _tiny() -> Preset:
     return Preset(cfg, init_std=0.08, random_norms=True)
 
 
+def _tiny_vl() -> Preset:
+    # m3-tiny's text model with the image and video markers in its vocabulary, and M3's vision path at tiny widths:
+    # the same 1176-value patches, 2x2 merge, 3-D RoPE and segments, a 64-wide tower of 2 layers (heads of 16).
+    tiny = _tiny()
+    cfg = tiny.config.replace(vocab_size=VOCAB_SIZE + len(VISION_TOKENS))
+    vision = VisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                          projector_hidden_size=128, text_hidden_size=cfg.hidden_size,
+                          image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID)
+    return Preset(cfg, init_std=tiny.init_std, random_norms=True, seed=1, vision=vision)
+
+
 def _slice() -> Preset:
     cfg = M3Config(
         num_hidden_layers=4, attn_layer_types=[DENSE] + [SPARSE] * 3, mlp_layer_types=[DENSE] + [SPARSE] * 3,
@@ -51,7 +66,7 @@ def _slice() -> Preset:
     return Preset(cfg, init_std=0.02, random_norms=False, draw_on_device=True)
 
 
-PRESETS = {"m3-tiny": _tiny, "m3-slice": _slice}
+PRESETS = {"m3-tiny": _tiny, "m3-tiny-vl": _tiny_vl, "m3-slice": _slice}
 SHIPPED = {"m3-mini": os.path.join(os.path.dirname(__file__), "m3_mini")}
 """Trained models in the package: name -> checkpoint directory."""
 MODEL_NAMES = sorted(SHIPPED) + sorted(PRESETS)

@@ -1,7 +1,8 @@
 """The tensors of an M3 text checkpoint by their released names, and random weights for them.
 
 `checkpoint_specs(cfg)` lists every text tensor with its shape and role; the checkpoint maker writes them and
-the benchmark draws them straight into device memory, both through `random_tensors`.
+the benchmark draws them straight into device memory, both through `random_tensors`. `random_vision_tensors`
+draws a vision tower, projector and merger under their released names (a preset that sees: m3-tiny-vl).
 """
 
 from __future__ import annotations
@@ -11,7 +12,10 @@ from typing import Iterator
 
 import torch
 
+from nanoserve.model.checkpoint_names import VISION_WEIGHT_NAMES, name_map
 from nanoserve.model.m3_config import M3Config
+from nanoserve.model.vision.config import VisionConfig
+from nanoserve.model.vision.model import M3VisionModel
 
 PROJ, NORM, ROUTER, BIAS = "proj", "norm", "router", "bias"
 
@@ -91,3 +95,25 @@ def random_tensors(cfg: M3Config, init_std: float, random_norms: bool, seed: int
         else:
             t = torch.zeros(spec.shape, dtype=torch.float32, device=device)
         yield name, t.to(out_dtype)
+
+
+def random_vision_tensors(cfg: VisionConfig, init_std: float, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Every vision tensor of a checkpoint by its released name and stored shape (the Conv3d patch embedding 5-D
+    and fp32, the rest bf16, as the released checkpoint stores them), drawn from one seeded generator: matrices and
+    biases N(0, init_std), LayerNorm weights 1 + N(0, init_std)."""
+    model = M3VisionModel(cfg, device="meta")
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, target in sorted(name_map(model, VISION_WEIGHT_NAMES, prefix="").items()):
+        param = model.get_parameter(target.param)
+        if "patch_embedding" in name:
+            shape = (cfg.hidden_size, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
+        elif target.shard:  # one of q | k | v, fused into one parameter
+            shape = (param.shape[0] // 3, *param.shape[1:])
+        else:
+            shape = tuple(param.shape)
+        t = torch.empty(shape, dtype=torch.float32).normal_(0.0, init_std, generator=gen)
+        if ("layer_norm" in name or "layrnorm" in name) and name.endswith("weight"):
+            t += 1.0
+        out[name] = t if "patch_embedding" in name else t.to(torch.bfloat16)
+    return out

@@ -25,6 +25,10 @@ SPECIAL_TOKENS = [
     "]!p~[",           # 8: padding
 ]
 BOS_ID, EOS_ID = 1, 2
+VISION_TOKENS = ["]<]image[>[", "]<]video[>[", "]<]start of image[>[", "]<]end of image[>["]
+"""M3's image and video markers (placeholder, video placeholder, the brackets around a run), added after the BPE
+vocabulary by presets that see (ids VOCAB_SIZE .. VOCAB_SIZE + 3), so a text preset's ids stay as they were."""
+IMAGE_TOKEN_ID, VIDEO_TOKEN_ID = VOCAB_SIZE, VOCAB_SIZE + 1
 
 # The training text: a few paragraphs of plain English about serving language models.
 CORPUS = """
@@ -66,8 +70,9 @@ GENERATION_CONFIG = {"bos_token_id": BOS_ID, "eos_token_id": [EOS_ID], "temperat
                      "top_k": 40, "do_sample": True}
 
 
-def build_tokenizer():
-    """Train the byte-level BPE on CORPUS (deterministic: same merges every time)."""
+def build_tokenizer(vision: bool = False):
+    """Train the byte-level BPE on CORPUS (deterministic: same merges every time); `vision`: with M3's image and
+    video markers after it (VISION_TOKENS)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -78,13 +83,24 @@ def build_tokenizer():
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.train_from_iterator([CORPUS], trainer=trainer)
     assert tok.token_to_id(BOS) == BOS_ID and tok.token_to_id(EOS) == EOS_ID
+    if vision:
+        add_vision_tokens(tok)
     return tok
 
 
-def write_tokenizer(out_dir: str) -> None:
+def add_vision_tokens(tok) -> None:
+    """Append M3's image and video markers to a trained tokenizer, as special tokens of their own."""
+    from tokenizers import AddedToken
+
+    first = tok.get_vocab_size()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    assert [tok.token_to_id(t) for t in VISION_TOKENS] == list(range(first, first + len(VISION_TOKENS)))
+
+
+def write_tokenizer(out_dir: str, vision: bool = False) -> None:
     """Write tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja and
-    generation_config.json."""
-    write_tokenizer_files(out_dir, build_tokenizer(), GENERATION_CONFIG, 1 << 20)
+    generation_config.json (`vision`: the tokenizer with M3's image and video markers)."""
+    write_tokenizer_files(out_dir, build_tokenizer(vision), GENERATION_CONFIG, 1 << 20)
 
 
 def write_tokenizer_files(out_dir: str, tok, generation_config: dict, model_max_length: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 from typing import Callable
 
 import torch
@@ -20,8 +21,11 @@ from nanoserve.batch import AttentionMetadata, TokenFeed, VerifyFeed
 from nanoserve.config import DEFAULT_CPU_KV_TOKENS, EngineConfig, Platform
 from nanoserve.kernels import check_tuned_files, triton_usable
 from nanoserve.kernels.moe_wgmma import hopper_gluon
+from nanoserve.model.loader import load_vision_model
 from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
+from nanoserve.model.vision.config import VisionConfig
+from nanoserve.multimodal.processor import MultiModalProcessor
 from nanoserve.presets.resolve import load_model_or_preset
 from nanoserve.runner import cuda_graphs
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
@@ -31,6 +35,7 @@ from nanoserve.runner.kv_cache import (
     kv_cache_bytes_per_block,
     kv_cache_torch_dtype,
 )
+from nanoserve.runner.multimodal import EncoderRunner, EncoderTiming
 from nanoserve.runner.sample_step import PendingStep, StepSampler
 from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_chain import DraftChain
@@ -89,6 +94,10 @@ class ModelRunner:
         self.model.eval()
         logger.info("weights: %s", self.model.weight_summary())
         self.cfg: M3Config = self.model.cfg
+        self.encoder = self._load_vision()
+        """The vision model and the features it encoded (runner/multimodal.py); None for a text-only checkpoint."""
+        self.encoder_cache_size = 0  # feature rows the encoder cache holds (set with the KV pool's limits)
+        self._encoder_timing: EncoderTiming | None = None  # the step's encoding, until sample_tokens reports it
         self.block_size = kv_block_size(self.cfg, config.block_size)
         self.num_blocks = 0
         self.inputs = InputPreparer(self.block_size, self.device)
@@ -121,12 +130,29 @@ class ModelRunner:
         self.logits: torch.Tensor | None = None
         """The logits of the step execute_model ran, until sample_tokens takes them (the parity tests read them)."""
 
+    def _load_vision(self) -> EncoderRunner | None:
+        """The checkpoint's vision tower, projector and merger, replicated on this rank (model/loader.py
+        load_vision_model), or None when it has none."""
+        if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
+            return None  # a preset drawn on the device: its directory holds only the tokenizer
+        vision = load_vision_model(self.model_dir, self.config.optimizations, self.dtype, self.device)
+        if vision is None:
+            return None
+        vision.eval()
+        image = MultiModalProcessor.from_model_dir(self.model_dir).image_config
+        return EncoderRunner(vision, self.device, image.max_pixels // image.factor ** 2)
+
+    @property
+    def vision_config(self) -> VisionConfig | None:
+        return self.encoder.vision.cfg if self.encoder is not None else None
+
     # -- KV cache -----------------------------------------------------------------------------------------
     def determine_num_blocks(self, max_model_len: int, max_num_batched_tokens: int, max_num_seqs: int) -> int:
         """How many KV blocks fit: fixed by num_gpu_blocks_override, a token budget on the CPU, or on a GPU the
         memory left under gpu_memory_utilization after the weights and a worst-case warm-up step."""
         cfg = self.config
         self.max_model_len, self.max_num_seqs = max_model_len, max_num_seqs
+        self.encoder_cache_size = self.encoder.cache_size(max_num_batched_tokens) if self.encoder else 0
         self.sampling.proposer = self._proposer()
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
@@ -153,7 +179,9 @@ class ModelRunner:
         return blocks
 
     def _warmup(self, num_tokens: int, max_num_seqs: int) -> None:
-        """One worst-case prefill through a temporary cache, to measure peak activation memory."""
+        """One worst-case prefill through a temporary cache, to measure peak activation memory (with images: after
+        a worst-case encoder step, whose output stands for a full encoder cache meanwhile)."""
+        full_encoder_cache = self.encoder.profile(self.encoder_cache_size) if self.encoder is not None else None
         blocks = -(-num_tokens // self.block_size) + 1
         self.allocate_kv_cache(blocks)
         table = list(range(1, blocks))
@@ -164,6 +192,7 @@ class ModelRunner:
         rows = max_num_seqs * self._verify_len()
         logits_rows = torch.zeros(rows, self.cfg.hidden_size, dtype=self.dtype, device=self.device)
         self.model.compute_logits(logits_rows)
+        del full_encoder_cache
         self.allocate_kv_cache(0)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
@@ -233,8 +262,10 @@ class ModelRunner:
         on a GPU. PendingStep.result() waits for them."""
         step, logits = self._step, self.logits
         self._step = self.logits = None
-        return self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax, self.draft_chain,
-                                    self.fed_ids)
+        pending = self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax, self.draft_chain,
+                                       self.fed_ids)
+        pending.encoder, self._encoder_timing = self._encoder_timing, None
+        return pending
 
     def _proposer(self) -> Proposer | None:
         """The drafter of speculative decoding, or None (no speculative_config, or the switch off)."""
@@ -255,6 +286,8 @@ class ModelRunner:
         `on_host()` first reads them into `inp`."""
         self.last_argmax = None
         self._last_verify = None
+        if self.encoder is not None:  # drop what the engine evicted, encode this step's images and videos
+            self._encoder_timing = self.encoder.run(inp)
         graphs, q = self._step_graphs(inp)
         greedy = self.config.optimizations.spec_greedy_accept  # (the rejection sampler reads the drafts' values)
         if graphs is not None and (verify_feed is None or greedy):
@@ -273,7 +306,8 @@ class ModelRunner:
             on_host()
         input_ids, meta, logits_index = self.prepare(inp)
         apply_token_feed(input_ids, feed)
-        hidden = self.model(input_ids, meta.positions, meta)
+        embeds = self.encoder.embed(self.model.embed_tokens, input_ids, inp) if self.encoder is not None else None
+        hidden = self.model(input_ids, meta.positions, meta, embeds)
         if self.drafter is not None:
             self.drafter.observe(hidden)
         return self.model.compute_logits(hidden[logits_index])
@@ -319,7 +353,7 @@ class ModelRunner:
         the logits of every token wanted, in order); graphs on and applicable, the batch within the captured
         sizes."""
         n = len(inp.query_lens)
-        if not n:
+        if not n or inp.placements:
             return None, 1
         q = inp.query_lens[0]
         if len(inp.input_ids) != n * q or any(x != q for x in inp.query_lens):
@@ -402,4 +436,5 @@ class ModelRunner:
             return
         self.graphs = self.draft_graphs = self.chain = None
         self.allocate_kv_cache(0)
+        self.encoder = None
         del self.model

@@ -21,6 +21,7 @@ import torch
 from nanoserve.batch import TokenFeed
 from nanoserve.config import EngineConfig
 from nanoserve.runner import prompt_logprobs as prompt_lp
+from nanoserve.runner.multimodal import EncoderTiming
 from nanoserve.runner.sampler import DeviceSample, Sampler, plain_greedy
 from nanoserve.spec_decode import verify as spec_verify
 from nanoserve.spec_decode.proposer import Proposer
@@ -41,9 +42,13 @@ class PendingStep:
             frozenset()
         """The sequences whose next query - bonus token and drafts - the draft chain left on the device: a next
         step may take them there before this one's tokens arrive (async scheduling, switch spec_async)."""
+        self.encoder: EncoderTiming | None = None
+        """The step's encoding of images and videos, if it had any (the runner sets it): its time is reported."""
 
     def result(self) -> StepOutput:
         out = StepOutput()
+        if self.encoder is not None:
+            out.encoder_seconds = self.encoder.seconds()
         if self.prompt is not None:
             out.prompt_logprobs = prompt_lp.to_host(self.prompt)
         emitted: dict[int, list[int]] = {}

@@ -139,6 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "engine will meet, for at most this long (default: 120 on a GPU, 0 on the CPU; 0 skips; "
                         "docs/operating.md)")
     s.add_argument("--no-warmup", action="store_true", help="no warm-up: the same as --warmup-budget-s 0")
+    s.add_argument("--allowed-media-domains", nargs="+", default=None, metavar="HOST",
+                   help="image and video URLs (http, https) are fetched only from these hosts (default: none, only "
+                        "data URLs are read; docs/vision.md)")
+    s.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                   help="file:// image and video URLs are read only under this directory (default: none; a "
+                        "security risk: only in trusted environments)")
+    s.add_argument("--max-media-bytes", type=int, default=None,
+                   help="the largest image or video file fetched or read from a URL (default: 20 MiB)")
     s.add_argument("--cpu-threads", type=int, default=None,
                    help="torch intra-op threads when the model runs on the CPU (default: $NANOSERVE_CPU_THREADS, "
                         "else every physical core)")
@@ -197,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='prefill/decode disaggregation, vLLM\'s shape: \'{"kv_connector": "NixlConnector", '
                         '"kv_role": "kv_producer"}\' on a prefill server, "kv_consumer" on a decode server '
                         '(side channel: VLLM_NIXL_SIDE_CHANNEL_HOST / _PORT; docs/scale_out.md)')
+    e.add_argument("--limit-mm-per-prompt", type=json.loads, default=None, metavar="JSON",
+                   help='the most images and videos one prompt may carry, e.g. \'{"image": 4, "video": 1}\' '
+                        '(default: 999 each; 0 refuses a modality)')
     e.add_argument("--logprobs-mode", default=EngineConfig.logprobs_mode, choices=LOGPROBS_MODES,
                    help="what logprobs report: raw_* of the model's logits (default), processed_* of the logits "
                         "the draw used (after bias, penalties, temperature, top-k/p); *_logits as logits")
@@ -247,6 +258,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             scheduling_policy=args.scheduling_policy,
             logprobs_mode=args.logprobs_mode, speculative_config=args.speculative_config,
             kv_events_config=args.kv_events_config, kv_transfer_config=args.kv_transfer_config,
+            limit_mm_per_prompt=args.limit_mm_per_prompt,
             served_model_name=args.served_model_name[0] if args.served_model_name else None,
             optimizations=Optimizations().replace(**switches), **aliases)
     except ValueError as exc:
@@ -313,6 +325,20 @@ def server_limits(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                             max_prompt_chars=args.max_prompt_chars)
     except ValueError as exc:
         parser.error(str(exc))
+
+
+def media_rules(args: argparse.Namespace, parser: argparse.ArgumentParser):
+    """--allowed-media-domains, --allowed-local-media-path, --max-media-bytes -> what an image URL may name
+    (multimodal/loader.py MediaRules)."""
+    from nanoserve.multimodal.loader import MAX_MEDIA_BYTES, MediaRules
+
+    max_bytes = MAX_MEDIA_BYTES if args.max_media_bytes is None else args.max_media_bytes
+    if max_bytes < 1:
+        parser.error(f"--max-media-bytes must be >= 1, got {max_bytes}")
+    path = args.allowed_local_media_path
+    if path is not None and not os.path.isdir(path):
+        parser.error(f"--allowed-local-media-path: {path!r} is not a directory")
+    return MediaRules(tuple(d.lower() for d in args.allowed_media_domains or ()), path, max_bytes)
 
 
 def warmup_budget(args: argparse.Namespace, parser: argparse.ArgumentParser) -> float | None:
@@ -391,7 +417,8 @@ def main(argv: list[str] | None = None) -> None:
                         responses_store_size=args.responses_store_size,
                         log_requests=args.max_log_len if args.enable_log_requests else None,
                         enable_tokenizer_info_endpoint=args.enable_tokenizer_info_endpoint,
-                        return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                        media_rules=media_rules(args, parser))
     except ValueError as exc:
         engine.engine.shutdown()
         parser.exit(2, f"error: {exc}\n")

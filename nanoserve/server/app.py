@@ -45,6 +45,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
+from nanoserve.multimodal.loader import MediaRules
 from nanoserve.server import sagemaker_routes, system_routes
 from nanoserve.server.anthropic import routes as anthropic
 from nanoserve.server.body_parser import DEFAULT_PARSE_PROCESSES, PARSE_PROCESS_MIN_BYTES, BodyParser
@@ -94,7 +95,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
               parse_processes: int = DEFAULT_PARSE_PROCESSES,
               parse_process_min_bytes: int = PARSE_PROCESS_MIN_BYTES,
               responses_store_size: int = DEFAULT_STORE_SIZE, log_requests: int | None = None,
-              enable_tokenizer_info_endpoint: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
+              enable_tokenizer_info_endpoint: bool = False, return_tokens_as_token_ids: bool = False,
+              media_rules: MediaRules | None = None) -> FastAPI:
     """The FastAPI app. Its lifespan starts the engine loop and, on shutdown, drains and releases the engine
     (GracefulServer in shutdown.py drains before uvicorn cancels anything; this is the fallback for other
     servers). `served_model_name`: the name clients send, or several (the first is the default and the metrics'
@@ -108,13 +110,16 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str], api_ke
     `log_requests`: None, or log each generation request as it is queued with that many characters of its
     prompt (--enable-log-requests, --max-log-len). `enable_tokenizer_info_endpoint`: serve GET /tokenizer_info
     (vLLM's flag of that name: off by default, since it shows the chat template and the tokenizer's setup).
-    `return_tokens_as_token_ids`: logprobs name tokens 'token_id:N' unless a request says otherwise."""
+    `return_tokens_as_token_ids`: logprobs name tokens 'token_id:N' unless a request says otherwise.
+    `media_rules`: which http(s) hosts and local paths an image or video URL may name, and the size a fetched file
+    may have (--allowed-media-domains, --allowed-local-media-path, --max-media-bytes; default: data URLs only)."""
     offloader = Offloader(engine.get_tokenizer, min_bytes=offload_min_bytes)
     parser = BodyParser(offloader, processes=parse_processes, process_min_bytes=parse_process_min_bytes)
     server = ServerState(engine, served_model_name, api_key=api_key, chat=chat,
                           enable_server_load_tracking=enable_server_load_tracking, limits=limits,
                           offloader=offloader, parser=parser, responses_store_size=responses_store_size,
-                          log_requests=log_requests, return_tokens_as_token_ids=return_tokens_as_token_ids)
+                          log_requests=log_requests, return_tokens_as_token_ids=return_tokens_as_token_ids,
+                          media_rules=media_rules)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

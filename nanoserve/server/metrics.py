@@ -125,6 +125,7 @@ class ServerMetrics:
             self.prompt_by_source.labels(*self.values, source)
         self._cache_config_info(engine)
         self.spec = SpecDecodeMetrics(r, labels, self.values) if engine.engine.spec_config is not None else None
+        self.encoder = EncoderMetrics(r, labels, self.values) if engine.engine.vision_config is not None else None
         self._last = EngineStats()
         engine.finish_listeners.append(self.observe_finished)
         engine.engine.add_observer(self.on_engine_event)
@@ -183,6 +184,8 @@ class ServerMetrics:
             self.success.labels(*v, "abort").inc(now.num_aborted - last.num_aborted)
         if self.spec is not None:
             self.spec.update(now, last)
+        if self.encoder is not None:
+            self.encoder.update(now, last)
         self._last = now
 
     def render(self, snap: EngineSnapshot) -> tuple[bytes, str]:
@@ -244,3 +247,30 @@ class SpecDecodeMetrics:
         for pos, count in enumerate(now.spec_decode_accepted_per_pos):
             delta = count - (before[pos] if pos < len(before) else 0)
             self.per_pos.labels(*v, str(pos)).inc(max(delta, 0))
+
+
+class EncoderMetrics:
+    """The vision model's work (registered only for a model that sees): images and videos encoded, their feature
+    rows (placeholder tokens), the time the encoder took, and items found in the encoder cache instead of encoded.
+    nanoserve's own names (vLLM has no such metrics)."""
+
+    def __init__(self, registry: CollectorRegistry, labels: list[str], values: tuple[str, ...]):
+        self.values = values
+        self.counters = {
+            "encoder_items": Counter("nanoserve:encoder_items", "Images and videos the vision model encoded.",
+                                     labels, registry=registry),
+            "encoder_tokens": Counter("nanoserve:encoder_tokens", "Feature rows (placeholder tokens) encoded.",
+                                      labels, registry=registry),
+            "encoder_seconds": Counter("nanoserve:encoder_seconds", "Time the vision model took, in seconds.",
+                                       labels, registry=registry),
+            "encoder_cache_hits": Counter("nanoserve:encoder_cache_hits", "Images and videos whose features a "
+                                          "request found in the encoder cache (not encoded again).", labels,
+                                          registry=registry)}
+        for metric in self.counters.values():
+            metric.labels(*values)
+
+    def update(self, now: EngineStats, last: EngineStats) -> None:
+        for field, metric in self.counters.items():
+            delta = getattr(now, field) - getattr(last, field)
+            if delta > 0:
+                metric.labels(*self.values).inc(delta)

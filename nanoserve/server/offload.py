@@ -26,6 +26,8 @@ OFFLOAD_MIN_BYTES = 64 << 10
 """Requests whose body is at least this large are prepared in the pool; smaller ones inline (the server's
 --offload-min-bytes; `python -m studies.event_loop` measures the choices, docs/operating.md)."""
 DEFAULT_THREADS = 2
+MEDIA_WORDS = (b"image", b"video")
+"""A body with either word may hold an image or a video part (a data URL to decode, a URL to fetch)."""
 
 
 class Offloader:
@@ -47,8 +49,12 @@ class Offloader:
             tok = self._local.tokenizer = self._load_tokenizer()
         return tok
 
-    async def run(self, size: int, fn: Callable[..., T], *args: Any) -> T:
-        """fn(*args), in the pool when `size` (the request's body bytes) is at least `min_bytes`, else inline."""
+    async def run(self, body: bytes | int, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args), in the pool when `body` (the request's body, or its size) is at least `min_bytes` long or
+        may carry images or videos (MEDIA_WORDS: loading and decoding them is slow however small the body), else
+        inline."""
+        size = body if isinstance(body, int) else \
+            self.min_bytes if any(w in body for w in MEDIA_WORDS) else len(body)
         if size < self.min_bytes:
             return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)

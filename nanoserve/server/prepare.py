@@ -1,7 +1,12 @@
 """Request -> engine input: the model-name check, SamplingParams (with the model's generation defaults), the
 tools and tool_choice, the chat template, tokenization and the length checks (the prompt count and characters
 before tokenizing, limits.py; the tokens after). Each endpoint has one `prepare_*` function returning a Prepared;
-every failure is a 400 (or 404) that names the field."""
+every failure is a 400 (or 404) that names the field.
+
+A chat's images and videos (image_url / video_url parts): the template renders each as M3's marker, then
+`media_prompt` loads them (nanoserve/multimodal/loader.py: data URLs, allowed http(s) hosts and local paths),
+decodes and processes them, expands each marker into the item's placeholder tokens and makes the engine's
+features (nanoserve/multimodal/features.py); a corrupt, oversized or refused item is a 400 naming its field."""
 
 from __future__ import annotations
 
@@ -10,8 +15,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from nanoserve.chat_template import render_chat, template_messages
+from nanoserve.chat_template import MediaPart, message_text, render_chat, template_messages
+from nanoserve.engine.llm_engine import DEFAULT_MM_LIMIT
 from nanoserve.engine.structured_output import format_element
+from nanoserve.multimodal.features import process_prompt
+from nanoserve.multimodal.loader import load_parts
 from nanoserve.parsers.chat_output import ChoiceText
 from nanoserve.parsers.reasoning import ReasoningParser
 from nanoserve.parsers.tool_calls import ToolCallParser, format_tokens
@@ -22,6 +30,7 @@ from nanoserve.server.limits import check_prompt_chars, check_prompt_count
 from nanoserve.server.openai import schema as P
 from nanoserve.server.schema_base import ElidedText
 from nanoserve.server.state import ServerState
+from nanoserve.step import MultiModalFeature
 
 
 @dataclass
@@ -56,6 +65,8 @@ class Prepared:
     structured_field: str | None = None
     """The request field its output constraint came from (response_format / structured_outputs), if any."""
     chat: ChatSetup = field(default_factory=ChatSetup)
+    mm_features: list[MultiModalFeature] = field(default_factory=list)
+    """A chat's images and videos, as the engine takes them (its one prompt's)."""
 
 
 # -- the endpoints ------------------------------------------------------------------------------------------
@@ -84,8 +95,11 @@ def prepare_chat(server: ServerState, req: P.ChatCompletionRequest) -> Prepared:
     setup = chat_setup(server, req)
     if server.parsers_need_special_tokens and (setup.reasoning_parser or setup.tool_choice.parses_calls):
         params.skip_special_tokens = False  # the parsers read markers the tokenizer calls special
-    messages, text = render_messages(server, req)
-    ids = server.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
+    media: list[MediaPart] = []
+    messages, text = render_messages(server, req, media)
+    if media and req.use_beam_search:
+        raise APIError(400, "use_beam_search: not supported with images or videos", param="use_beam_search")
+    ids, features = chat_prompt_ids(server, text, media, req.add_special_tokens)
     check_length(server, ids, params, req, "messages")
     default_max = server.generation_defaults.sampling.get("max_tokens")
     if req.max_new_tokens is None and default_max is not None:  # vLLM: the model's default, if it fits
@@ -113,8 +127,8 @@ def prepare_chat(server: ServerState, req: P.ChatCompletionRequest) -> Prepared:
     # echo (vLLM): the answer starts with the final message's content when that message has the answer's role
     last = messages[-1]
     if req.echo and last.get("role") == ("assistant" if req.add_generation_prompt else last.get("role")):
-        setup.echo = last.get("content") or ""
-    return Prepared([(text, ids)], params, model, structured_field(req) or setup.structured_field, setup)
+        setup.echo = message_text(last.get("content"))
+    return Prepared([(text, ids)], params, model, structured_field(req) or setup.structured_field, setup, features)
 
 
 def as_chat_request(body: dict[str, Any]) -> P.ChatCompletionRequest:
@@ -127,12 +141,13 @@ def as_chat_request(body: dict[str, Any]) -> P.ChatCompletionRequest:
         raise describe_validation_error(exc) from exc
 
 
-def render_messages(server: ServerState, req: P.ChatCompletionRequest | P.TokenizeRequest
-                    ) -> tuple[list[dict[str, Any]], str]:
+def render_messages(server: ServerState, req: P.ChatCompletionRequest | P.TokenizeRequest,
+                    media: list[MediaPart] | None = None) -> tuple[list[dict[str, Any]], str]:
     """A request's messages (as the template reads them) and their rendering with the chat template - the
-    request's own, else the server's - with its tools and template variables (a 400 naming the field)."""
+    request's own, else the server's - with its tools and template variables (a 400 naming the field). Image and
+    video parts are rendered as their markers and their sources appended to `media` (None: they are refused)."""
     try:
-        messages = template_messages([m.to_template_dict() for m in req.messages])
+        messages = template_messages([m.to_template_dict() for m in req.messages], media)
         kwargs = dict(req.chat_template_kwargs or {})
         reasoning_effort = getattr(req, "reasoning_effort", None)
         if reasoning_effort is not None:
@@ -146,6 +161,39 @@ def render_messages(server: ServerState, req: P.ChatCompletionRequest | P.Tokeni
         raise request_error(exc, "messages") from exc
     check_prompt_chars(server.limits, server.max_model_len, text, "messages")
     return messages, text
+
+
+def chat_prompt_ids(server: ServerState, text: str, media: list[MediaPart], add_special_tokens: bool
+                    ) -> tuple[list[int], list[MultiModalFeature]]:
+    """A rendered chat's token ids, and with images or videos (`media`, in prompt order) its markers expanded into
+    their placeholders and the engine's features of them."""
+    if not media:
+        return server.tokenizer.encode(text, add_special_tokens=add_special_tokens), []
+    return media_prompt(server, text, media, add_special_tokens)
+
+
+def media_prompt(server: ServerState, text: str, media: list[MediaPart], add_special_tokens: bool
+                 ) -> tuple[list[int], list[MultiModalFeature]]:
+    """See chat_prompt_ids: the limits first (a model that sees, --limit-mm-per-prompt), then each item loaded,
+    decoded and processed (400s naming its field), then the prompt expanded and tokenized."""
+    if server.processor is None:
+        raise APIError(400, f"{media[0].where}: this model ({server.model_name}) takes no images or videos",
+                       param="messages")
+    limits = server.engine.config.limit_mm_per_prompt or {}
+    for modality in ("image", "video"):
+        count, limit = sum(m.modality == modality for m in media), limits.get(modality, DEFAULT_MM_LIMIT)
+        if count > limit:
+            raise APIError(400, f"messages: At most {limit} {modality}(s) may be provided in one prompt, got {count} "
+                                f"(--limit-mm-per-prompt)", param="messages")
+    try:
+        images, videos = load_parts(server.media_loader, media, server.processor.max_image_pixels)
+    except ValueError as exc:
+        raise request_error(exc, "messages") from exc
+    try:
+        return process_prompt(server.processor, server.tokenizer, text, server.vision_config, images, videos,
+                              add_special_tokens)
+    except ValueError as exc:
+        raise APIError(400, f"messages: {exc}", param="messages") from exc
 
 
 def chat_setup(server: ServerState, req: P.ChatCompletionRequest) -> ChatSetup:

@@ -15,6 +15,8 @@ from typing import Any
 from nanoserve.chat_template import load_chat_template
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
 from nanoserve.generation_config import load_generation_defaults
+from nanoserve.multimodal.loader import MediaLoader, MediaRules
+from nanoserve.multimodal.processor import MultiModalProcessor
 from nanoserve.parsers import get_reasoning_parser, get_tool_call_parser
 from nanoserve.server.body_parser import BodyParser
 from nanoserve.server.limits import ServerLimits
@@ -50,7 +52,8 @@ class ServerState:
                  chat: ChatOptions | None = None, enable_server_load_tracking: bool = False,
                  limits: ServerLimits | None = None, offloader: Offloader | None = None,
                  parser: BodyParser | None = None, responses_store_size: int = DEFAULT_STORE_SIZE,
-                 log_requests: int | None = None, return_tokens_as_token_ids: bool = False):
+                 log_requests: int | None = None, return_tokens_as_token_ids: bool = False,
+                 media_rules: MediaRules | None = None):
         self.engine = engine
         self.model_names = [served_model_names] if isinstance(served_model_names, str) else list(served_model_names)
         if not self.model_names or not all(isinstance(n, str) and n for n in self.model_names):
@@ -72,6 +75,12 @@ class ServerState:
         self.return_tokens_as_token_ids = return_tokens_as_token_ids  # --return-tokens-as-token-ids
         self.token_text = functools.lru_cache(maxsize=1 << 16)(self._token_text)
         self.completion_token = functools.lru_cache(maxsize=1 << 16)(self._completion_token)
+
+        # images and videos: what a request may point at, and the processor (None: the model takes none)
+        self.media_loader = MediaLoader(media_rules)
+        self.vision_config = engine.engine.vision_config
+        self.processor = MultiModalProcessor.from_model_dir(engine.engine.executor.model_dir) \
+            if self.vision_config is not None else None
 
         self.chat = chat = chat or ChatOptions()
         chat.check()

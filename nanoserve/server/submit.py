@@ -33,6 +33,8 @@ async def add_requests(server: ServerState, request_id: str, prepared: Prepared,
         with engine_errors(req, prompt_field):
             for i, (text, ids) in enumerate(prepared.prompts):
                 prompt = {"prompt": text, "prompt_token_ids": ids}
+                if prepared.mm_features:
+                    prompt["mm_features"] = prepared.mm_features
                 if req.cache_salt is not None:
                     prompt["cache_salt"] = req.cache_salt
                 if req.use_beam_search:

@@ -72,7 +72,10 @@ async def render_chat(request: Request, server: Server,
                       req: Annotated[P.ChatCompletionRequest, json_body(P.ChatCompletionRequest)]) -> JSONResponse:
     """A chat request -> one GenerateRequest (vLLM's shape): the prompt's token ids after the chat template, the
     sampling parameters; the same checks and 400s as POST /v1/chat/completions."""
-    prepared = await server.offload.run(len(await request.body()), prepare_chat, server, req)
+    prepared = await server.offload.run(await request.body(), prepare_chat, server, req)
+    if prepared.mm_features:  # (a GenerateRequest would carry the features, which this server does not render)
+        raise APIError(400, "messages: a chat with images or videos cannot be rendered for a router here",
+                       param="messages")
     return JSONResponse(generate_request(f"chatcmpl-{uuid.uuid4().hex}", prepared.prompts[0][1], prepared, req))
 
 
@@ -81,7 +84,7 @@ async def render_chat(request: Request, server: Server,
 async def render_completion(request: Request, server: Server,
                             req: Annotated[P.CompletionRequest, json_body(P.CompletionRequest)]) -> JSONResponse:
     """A completion request -> one GenerateRequest per prompt (vLLM's shape: a list)."""
-    prepared = await server.offload.run(len(await request.body()), prepare_completion, server, req)
+    prepared = await server.offload.run(await request.body(), prepare_completion, server, req)
     rid = f"cmpl-{uuid.uuid4().hex}"
     return JSONResponse([generate_request(f"{rid}-{i}", ids, prepared, req)
                          for i, (_, ids) in enumerate(prepared.prompts)])

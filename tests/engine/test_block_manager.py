@@ -227,7 +227,7 @@ def test_hash_chaining_same_block_after_other_prefix_does_not_hit():
 def test_hits_are_verified_against_tokens_and_parent(monkeypatch):
     """With a hash that collides (it ignores the parent and keeps only the first token), a hit still needs the
     block's own tokens and its parent to match, so colliding blocks are never handed out."""
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: bytes([tokens[0]]))
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens, extra=(): bytes([tokens[0]]))
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     assert admit(bm, make_seq([1, 1, 1, 1, 2, 2, 2, 2]))
     assert bm.computed_blocks(make_seq([1, 9, 9, 9, 0])) == []  # same hash, other tokens
@@ -249,7 +249,7 @@ def test_cache_salt_shares_blocks_only_with_the_same_salt(monkeypatch):
     assert admit(bm, make_seq(tokens))  # unsalted: its own chain, beside the salted one
     assert len(bm.computed_blocks(make_seq(tokens + [0]))) == 2
     bm.check_integrity()
-    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens: bytes([tokens[0]]))
+    monkeypatch.setattr(bm_module, "chain_hash", lambda parent, tokens, extra=(): bytes([tokens[0]]))
     bm = BlockManager(8, BS, enable_prefix_caching=True)
     assert admit(bm, make_seq(tokens, cache_salt="tenant-a"))
     assert bm.computed_blocks(make_seq(tokens + [0], cache_salt="tenant-b")) == []

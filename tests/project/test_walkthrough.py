@@ -197,6 +197,24 @@ def test_detail_levels_and_pause():
     assert all(getattr(layer.self_attn, "trace", None) is None for layer in model.layers)
 
 
+def test_image_scenario_narrates_the_placeholders_the_encoder_and_its_cache():
+    """On m3-tiny-vl (m3-mini has no vision tower): P's picture is encoded in the step whose chunk reaches it and
+    used by the next chunk too; Q sends it again after new text, so its features come from the encoder cache; R
+    sends another picture with P's text, so only the blocks before the picture are prefix-cache hits."""
+    text, result = narrate("image")
+    text = unwrap(text)
+    stats, bs = result.engine.stats, result.engine.block_size
+    assert "model m3-tiny-vl (random weights" in text
+    assert re.search(r"\[image\] +P's picture is 20 placeholder tokens, tokens (\d+)-(\d+)", text)
+    encodes = tagged(text, "encode")
+    assert len(encodes) == stats.encoder_items == 2 and "the rest of its features wait" in encodes[0]
+    hits = re.findall(r"\[features\] +(\w)'s picture \(hash \w+\) was encoded before", text)
+    assert hits == ["Q"] and stats.encoder_cache_hits == 1
+    p, r = result.prompts["P"], result.prompts["R"]
+    assert p.ids == [t for t in r.ids] and p.features[0].identifier != r.features[0].identifier
+    assert re.search(rf"\[prefix hit\] R: reuses {p.features[0].offset // bs * bs} cached tokens", text)
+
+
 def test_cli_and_another_model(capsys):
     assert walkthrough.main(["--scenario", "chunk", "-q"]) == 0
     out = capsys.readouterr().out

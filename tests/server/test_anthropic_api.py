@@ -185,7 +185,9 @@ def test_cache_salt_reaches_the_prefix_cache(client):
 # -- refusals, errors in Anthropic's shape ------------------------------------------------------------------------
 @pytest.mark.parametrize("extra, words", [
     ({"messages": [{"role": "user", "content": [{"type": "image", "source": {"type": "url", "url": "http://x"}}]}]},
-     "no image or document blocks"),
+     "takes no images"),  # (a text model; m3-tiny-vl reads them: tests/server/test_vision_api.py)
+    ({"messages": [{"role": "user", "content": [{"type": "document", "source": {"type": "text", "data": "x"}}]}]},
+     "no document blocks"),
     ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "server tool"),
     ({"messages": [{"role": "assistant", "content": [{"type": "tool_result", "tool_use_id": "t", "content": "x"}]}]},
      "belongs to a user message"),

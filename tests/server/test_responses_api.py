@@ -292,7 +292,8 @@ def test_store_keeps_the_most_recent():
     ({"prompt": {"id": "pmpt_1"}}, "prompt", "prompt templates"),
     ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input",
-     "input_text"),
+     "takes no images"),  # (a text model; m3-tiny-vl reads them: tests/server/test_vision_api.py)
+    ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input", "input_image"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input", "item references"),
     ({"max_output_tokens": 4000}, "max_output_tokens", "max_model_len"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text", "schema"),

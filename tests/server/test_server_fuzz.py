@@ -3,7 +3,9 @@ route's schema and bodies that break it, sent to `python -m nanoserve.server` as
 tool and reasoning parsers on, so their request paths are fuzzed too). No request shape may yield a 5xx: a body
 the server cannot serve is a 4xx naming what is wrong. The budget is bounded (a fixed number of examples per
 operation, derandomized, so a run is repeatable); generation is kept short (n and the token limits capped) so the
-run costs seconds of CPU, not minutes."""
+run costs seconds of CPU, not minutes. The server serves m3-tiny-vl (m3-tiny with a tiny vision tower), so image
+parts reach the decoder: a second test sends images of random sizes and formats, whole or broken, through the
+chat and Anthropic APIs - a readable image gets a 200, anything else a 400, never a 5xx or a stalled server."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.helpers.images import data_url
 from tests.helpers.server_utils import AGENT_FLAGS, ServerProcess
 
 schemathesis = pytest.importorskip("schemathesis")  # (a test dependency; a GPU machine's wheels may lack it)
@@ -23,9 +26,9 @@ cheap; a value the server must refuse is still sent as generated."""
 
 
 @pytest.fixture(scope="module")
-def server(tiny_dir, tmp_path_factory):
+def server(tiny_vl_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "server.log"
-    with ServerProcess(tiny_dir, log, "--max-model-len", "256", *AGENT_FLAGS, name="tiny") as srv:
+    with ServerProcess(tiny_vl_dir, log, "--max-model-len", "256", *AGENT_FLAGS, name="tiny") as srv:
         yield srv
 
 
@@ -71,3 +74,69 @@ def test_no_request_shape_gets_a_5xx(server):
         run()
     assert not failures, "\n".join(map(repr, failures[:10]))
     assert server.proc.poll() is None, server.log()
+
+
+FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+READ = ("PNG", "JPEG", "WEBP")  # what the processor accepts
+
+
+@st.composite
+def images(draw) -> tuple[bytes, str, bool]:
+    """(bytes, media type, whether the server must read it): a random image in a random format, possibly broken
+    (cut short, bytes overwritten, garbage in front) or sent under another media type."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    width, height = draw(st.integers(1, 120)), draw(st.integers(1, 120))
+    fmt = draw(st.sampled_from(FORMATS))
+    pixels = np.random.default_rng(draw(st.integers(0, 1000))).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, fmt)
+    data = out.getvalue()
+    damage = draw(st.sampled_from(["none", "none", "cut", "overwrite", "prefix"]))
+    if damage == "cut":
+        data = data[:draw(st.integers(0, len(data) - 1))]
+    elif damage == "overwrite":
+        at = draw(st.integers(0, len(data) - 1))
+        data = data[:at] + draw(st.binary(min_size=1, max_size=16)) + data[at + 16:]
+    elif damage == "prefix":
+        data = draw(st.binary(min_size=1, max_size=8)) + data
+    media_type = draw(st.sampled_from(["image/png", "image/jpeg", "image/webp", "image/gif"]))
+    readable = damage == "none" and fmt in READ and max(width, height) / min(width, height) < 200
+    return data, media_type, readable
+
+
+@pytest.mark.slow
+def test_no_image_gets_a_5xx(server):
+    import base64
+
+    import httpx
+
+    failures = []
+
+    @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(images(), st.booleans())
+    def run(image, anthropic):
+        data, media_type, readable = image
+        if anthropic:
+            body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": media_type,
+                                             "data": base64.b64encode(data).decode()}},
+                {"type": "text", "text": "What is this?"}]}]}
+            path = "/v1/messages"
+        else:
+            body = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {
+                    "url": data_url(data, media_type)}}]}]}
+            path = "/v1/chat/completions"
+        response = httpx.post(f"{server.url}{path}", json=body, timeout=120)
+        status = response.status_code
+        if status >= 500 or (readable and status != 200) or status not in (200, 400):
+            failures.append((path, len(data), media_type, readable, status, response.text[:300]))
+
+    run()
+    assert not failures, "\n".join(map(repr, failures[:10]))
+    assert server.healthy(), server.log()

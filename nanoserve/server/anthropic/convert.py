@@ -23,7 +23,14 @@ from nanoserve.server.anthropic import schema as A
 from nanoserve.server.errors import APIError, fields_renamed
 from nanoserve.server.openai import schema as P
 from nanoserve.server.openai.convert import cache_write_tokens
-from nanoserve.server.prepare import Prepared, as_chat_request, chat_setup, prepare_chat, render_messages
+from nanoserve.server.prepare import (
+    Prepared,
+    as_chat_request,
+    chat_prompt_ids,
+    chat_setup,
+    prepare_chat,
+    render_messages,
+)
 from nanoserve.server.state import ServerState
 
 ANTHROPIC_FIELDS = (("max_completion_tokens", "max_tokens"), ("stop", "stop_sequences"),
@@ -57,6 +64,8 @@ def chat_messages(req: A.ChatFields) -> list[dict[str, Any]]:
                     messages.append({"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()})
                 elif isinstance(b, A.TextBlock):
                     texts.append({"type": "text", "text": b.text})
+                elif isinstance(b, A.ImageBlock):
+                    texts.append({"type": "image_url", "image_url": {"url": b.source.as_url()}})
                 elif not isinstance(b, A.RedactedThinkingBlock):
                     raise APIError(400, f"messages[{i}].content[{j}]: a {b.type} block belongs to an assistant "
                                         f"message", param="messages")
@@ -72,8 +81,8 @@ def chat_messages(req: A.ChatFields) -> list[dict[str, Any]]:
             elif isinstance(b, A.ToolUseBlock):
                 message.setdefault("tool_calls", []).append({"id": b.id, "type": "function", "function": {
                     "name": b.name, "arguments": json.dumps(b.input, ensure_ascii=False)}})
-            elif isinstance(b, A.ToolResultBlock):
-                raise APIError(400, f"messages[{i}].content[{j}]: a tool_result block belongs to a user message",
+            elif isinstance(b, (A.ToolResultBlock, A.ImageBlock)):
+                raise APIError(400, f"messages[{i}].content[{j}]: a {b.type} block belongs to a user message",
                                param="messages")
         message["content"] = texts or None
         messages.append(message)
@@ -122,8 +131,10 @@ def count_tokens(server: ServerState, req: A.CountTokensRequest) -> A.CountToken
     with anthropic_fields():
         chat = chat_request(req)
         chat_setup(server, chat)
-        _, text = render_messages(server, chat)
-    return A.CountTokensResponse(input_tokens=len(server.tokenizer.encode(text, add_special_tokens=False)))
+        media: list = []
+        _, text = render_messages(server, chat, media)
+        ids, _ = chat_prompt_ids(server, text, media, False)
+    return A.CountTokensResponse(input_tokens=len(ids))
 
 
 # -- the answer ------------------------------------------------------------------------------------------------------

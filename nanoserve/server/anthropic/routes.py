@@ -29,7 +29,7 @@ router = v1_router()
 async def create_message(request: Request, server: Server,
                          req: Annotated[MessagesRequest, json_body(MessagesRequest)]) -> Response:
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
-    prepared, chat = await server.offload.run(len(await request.body()), prepare_message, server, req)
+    prepared, chat = await server.offload.run(await request.body(), prepare_message, server, req)
     message_id = new_message_id()
     with anthropic_fields():
         streams = await add_requests(server, message_id, prepared, chat, "messages")
@@ -43,5 +43,5 @@ async def create_message(request: Request, server: Server,
 @router.post("/messages/count_tokens", openapi_extra=request_body(CountTokensRequest))
 async def count_message_tokens(request: Request, server: Server,
                                req: Annotated[CountTokensRequest, json_body(CountTokensRequest)]) -> Response:
-    result = await server.offload.run(len(await request.body()), count_tokens, server, req)
+    result = await server.offload.run(await request.body(), count_tokens, server, req)
     return JSONResponse(result.model_dump())

@@ -3,7 +3,8 @@
 events, and this API's error body.
 
 Served as a chat, as vLLM serves it (convert.py). What this API has and nanoserve cannot honour is
-refused by name: server tools (web search, code execution, ...), image and document blocks (text only here).
+refused by name: server tools (web search, code execution, ...), document blocks. Image blocks (base64 data, or a
+URL the server may fetch) go to a model that sees as the chat's image parts.
 """
 
 from __future__ import annotations
@@ -21,6 +22,33 @@ class TextBlock(RequestModel):
     text: str
     cache_control: dict[str, Any] | None = None
     """Accepted: the prefix cache keeps every prompt's KV blocks without being asked."""
+
+
+class ImageSource(RequestModel):
+    type: Literal["base64", "url"]
+    media_type: Literal["image/jpeg", "image/png", "image/gif", "image/webp"] | None = None
+    """With type base64: the data's format (GIF is refused when decoded: PNG, JPEG and WebP are read)."""
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _fields_of_its_type(self) -> "ImageSource":
+        if self.type == "base64" and (self.media_type is None or self.data is None):
+            raise ValueError("a base64 image source needs media_type and data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("a url image source needs url")
+        return self
+
+    def as_url(self) -> str:
+        return f"data:{self.media_type};base64,{self.data}" if self.type == "base64" else self.url  # type: ignore
+
+
+class ImageBlock(RequestModel):
+    """An image in a user message, for a model that sees."""
+
+    type: Literal["image"]
+    source: ImageSource
+    cache_control: dict[str, Any] | None = None
 
 
 class ToolUseBlock(RequestModel):
@@ -64,8 +92,8 @@ class RedactedThinkingBlock(RequestModel):
     data: str
 
 
-BLOCKS = {"text": "Text", "tool_use": "ToolUse", "tool_result": "ToolResult", "thinking": "Thinking",
-          "redacted_thinking": "RedactedThinking"}
+BLOCKS = {"text": "Text", "image": "Image", "tool_use": "ToolUse", "tool_result": "ToolResult",
+          "thinking": "Thinking", "redacted_thinking": "RedactedThinking"}
 """Block type -> its tag in the ContentBlock union (capitalised: error paths leave such tags out)."""
 
 
@@ -74,12 +102,13 @@ def _block_kind(value: Any) -> str | None:
     return BLOCKS.get(kind) if isinstance(kind, str) else None  # a type that is no string is no known block
 
 
-ContentBlock = Annotated[Annotated[TextBlock, Tag("Text")] | Annotated[ToolUseBlock, Tag("ToolUse")]
+ContentBlock = Annotated[Annotated[TextBlock, Tag("Text")] | Annotated[ImageBlock, Tag("Image")]
+                         | Annotated[ToolUseBlock, Tag("ToolUse")]
                          | Annotated[ToolResultBlock, Tag("ToolResult")] | Annotated[ThinkingBlock, Tag("Thinking")]
                          | Annotated[RedactedThinkingBlock, Tag("RedactedThinking")],
                          Discriminator(_block_kind, custom_error_type="content_block_type", custom_error_message=(
-                             "the block's type must be one of text, tool_use, tool_result, thinking, "
-                             "redacted_thinking (this server serves text: no image or document blocks)"))]
+                             "the block's type must be one of text, image, tool_use, tool_result, thinking, "
+                             "redacted_thinking (no document blocks)"))]
 
 
 def _text_as_block(value: Any) -> Any:

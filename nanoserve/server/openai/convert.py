@@ -60,7 +60,8 @@ def chat_response(server: ServerState, request_id: str, req: P.ChatCompletionReq
             finish_reason=chat_finish_reason(c.finish_reason, bool(message.tool_calls)), stop_reason=c.stop_reason,
             token_ids=list(c.token_ids) if req.return_token_ids else None))
     return P.ChatCompletionResponse(
-        id=request_id, model=prepared.model, choices=choices, usage=usage([out]),
+        id=request_id, model=prepared.model, choices=choices,
+        usage=usage([out], image_tokens=image_tokens(prepared)),
         prompt_logprobs=prompt_logprobs(out) if req.prompt_logprobs is not None else None,
         prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None,
         kv_transfer_params=out.kv_transfer_params)
@@ -90,13 +91,20 @@ def chat_finish_reason(finish_reason: str | None, called_tools: bool) -> str | N
     return "tool_calls" if called_tools and finish_reason == "stop" else finish_reason
 
 
-def usage(outputs: list[RequestOutput], generated: bool = True) -> P.UsageInfo:
-    """Token counts. `generated` False: the completion tokens are not part of the answer (echo, max_tokens 0)."""
+def usage(outputs: list[RequestOutput], generated: bool = True, image_tokens: int = 0) -> P.UsageInfo:
+    """Token counts. `generated` False: the completion tokens are not part of the answer (echo, max_tokens 0).
+    `image_tokens`: the prompt's image placeholders (a chat with images), shown beside the cached tokens."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in outputs)
     return P.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached))
+                       prompt_tokens_details=P.PromptTokensDetails(cached_tokens=cached,
+                                                                   image_tokens=image_tokens or None))
+
+
+def image_tokens(prepared: Prepared) -> int:
+    """The placeholder tokens of a prepared chat's images."""
+    return sum(f.num_tokens for f in prepared.mm_features if f.modality == "image")
 
 
 def cache_write_tokens(server: ServerState, out: RequestOutput) -> int:

@@ -13,7 +13,14 @@ from nanoserve.engine.outputs import RequestOutput
 from nanoserve.entrypoints.async_engine import EngineDeadError, EngineShutdownError, RequestStream
 from nanoserve.parsers.tool_calls import CallStart, new_call_id
 from nanoserve.server.openai import schema as P
-from nanoserve.server.openai.convert import chat_finish_reason, chat_logprobs, completion_logprobs, echo_logprobs, usage
+from nanoserve.server.openai.convert import (
+    chat_finish_reason,
+    chat_logprobs,
+    completion_logprobs,
+    echo_logprobs,
+    image_tokens,
+    usage,
+)
 from nanoserve.server.prepare import ChatSetup, Prepared
 from nanoserve.server.state import ServerState
 from nanoserve.server.streaming import SSE_DONE, StreamedChoice, merge_streams, sse, sse_error, stop_holdback
@@ -125,7 +132,7 @@ async def chat_events(server: ServerState, request_id: str, req: P.ChatCompletio
                         token_ids=list(c.token_ids[t0:t1]) if req.return_token_ids else None)], running(t1))
             final = out if out.finished else final
         if req.include_usage and final is not None:
-            yield chunk([], usage([final]))
+            yield chunk([], usage([final], image_tokens=image_tokens(prepared)))
     except (EngineDeadError, EngineShutdownError) as exc:
         yield sse_error(exc)
     yield SSE_DONE

@@ -30,7 +30,14 @@ from nanoserve.server.openai.schema import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from nanoserve.server.prepare import check_model, prepare_chat, prepare_completion, render_messages, tokenize
+from nanoserve.server.prepare import (
+    chat_prompt_ids,
+    check_model,
+    prepare_chat,
+    prepare_completion,
+    render_messages,
+    tokenize,
+)
 from nanoserve.server.routing import Server, json_body, request_body, v1_router
 from nanoserve.server.state import ServerState
 from nanoserve.server.streaming import EventStreamResponse
@@ -51,7 +58,7 @@ async def create_completion(request: Request, server: Server,
 async def complete(request: Request, server: ServerState, req: CompletionRequest) -> Response:
     """A parsed completion request -> its response (also what POST /invocations runs for a completion body)."""
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
-    prepared = await server.offload.run(len(await request.body()), prepare_completion, server, req)
+    prepared = await server.offload.run(await request.body(), prepare_completion, server, req)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "prompt")
     if req.stream:
@@ -71,7 +78,7 @@ async def create_chat_completion(request: Request, server: Server,
 async def chat(request: Request, server: ServerState, req: ChatCompletionRequest) -> Response:
     """A parsed chat request -> its response (also what POST /invocations runs for a chat body)."""
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
-    prepared = await server.offload.run(len(await request.body()), prepare_chat, server, req)
+    prepared = await server.offload.run(await request.body(), prepare_chat, server, req)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await add_requests(server, request_id, prepared, req, "messages")
     if req.stream:
@@ -84,7 +91,7 @@ async def chat(request: Request, server: ServerState, req: ChatCompletionRequest
 @tokenize_router.post("/tokenize", openapi_extra=request_body(TokenizeRequest))
 async def tokenize_route(request: Request, server: Server,
                          req: Annotated[TokenizeRequest, json_body(TokenizeRequest)]) -> JSONResponse:
-    return await server.offload.run(len(await request.body()), tokenize_request, server, req)
+    return await server.offload.run(await request.body(), tokenize_request, server, req)
 
 
 def tokenize_request(server: ServerState, req: TokenizeRequest) -> JSONResponse:
@@ -92,8 +99,12 @@ def tokenize_request(server: ServerState, req: TokenizeRequest) -> JSONResponse:
     if req.prompt is not None:  # as /v1/completions: special tokens added unless turned off
         _, ids = tokenize(server, req.prompt, req.add_special_tokens is not False)
     else:  # as /v1/chat/completions: the template's text, no special tokens on top unless asked
-        _, text = render_messages(server, req)
-        _, ids = tokenize(server, text, bool(req.add_special_tokens))
+        media: list = []
+        _, text = render_messages(server, req, media)
+        if media:  # images and videos count their placeholder tokens
+            ids, _ = chat_prompt_ids(server, text, media, bool(req.add_special_tokens))
+        else:
+            _, ids = tokenize(server, text, bool(req.add_special_tokens))
     strs = server.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
     return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=server.max_model_len, tokens=ids,
                                          token_strs=strs).model_dump())
@@ -102,7 +113,7 @@ def tokenize_request(server: ServerState, req: TokenizeRequest) -> JSONResponse:
 @tokenize_router.post("/detokenize", openapi_extra=request_body(DetokenizeRequest))
 async def detokenize_route(request: Request, server: Server,
                            req: Annotated[DetokenizeRequest, json_body(DetokenizeRequest)]) -> JSONResponse:
-    return await server.offload.run(len(await request.body()), detokenize_request, server, req)
+    return await server.offload.run(await request.body(), detokenize_request, server, req)
 
 
 def detokenize_request(server: ServerState, req: DetokenizeRequest) -> JSONResponse:

@@ -70,7 +70,7 @@ def conversation(req: R.ResponsesRequest, store: ResponseStore) -> list[dict[str
             if turn is not None and not turn.get("content") and not turn.get("tool_calls"):
                 turn["content"] = item.text()  # the text of the turn a reasoning item opened
             else:
-                messages.append({"role": item.role, "content": item.text()})
+                messages.append({"role": item.role, "content": item.chat_content()})
         elif isinstance(item, R.FunctionCallItem):
             calls = assistant().setdefault("tool_calls", [])
             if all(c["id"] != item.call_id for c in calls):  # a stored turn's call sent back again is one call

@@ -26,7 +26,7 @@ router = v1_router()
 async def create_response(request: Request, server: Server,
                           req: Annotated[ResponsesRequest, json_body(ResponsesRequest)]) -> Response:
     # large requests are rendered and tokenized in the server's thread pool, off the event loop (offload.py)
-    prepared, chat, messages = await server.offload.run(len(await request.body()), prepare_response, server, req)
+    prepared, chat, messages = await server.offload.run(await request.body(), prepare_response, server, req)
     response_id = req.request_id or f"resp_{uuid.uuid4().hex}"
     created_at = now()
     with fields_renamed(RESPONSES_FIELDS):

@@ -6,7 +6,7 @@ The request is served as a chat: `instructions` and the input items become chat 
 them into a ChatCompletionRequest), so the chat template, the tool-call and reasoning parsers and
 structured outputs are the chat endpoint's. What this API has and nanoserve cannot honour is refused by name:
 built-in tools (web search, file search, ...), `background`, `truncation: "auto"`, prompt templates (`prompt`),
-`conversation`, non-text input parts.
+`conversation`, input parts other than text and images (input_image, for a model that sees).
 """
 
 from __future__ import annotations
@@ -35,15 +35,42 @@ TextParts = Annotated[list[InputText], BeforeValidator(_text_as_part)]
 """A string or a list of text parts (a string is one part)."""
 
 
+class InputImage(RequestModel):
+    """An image part of an input message (a model that sees): a data URL, or a URL the server may fetch."""
+
+    type: Literal["input_image"]
+    image_url: str
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted; every image is read at the resolution the model's processor chooses."""
+
+
+def _part_kind(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+    return {"input_text": "text", "output_text": "text", "text": "text", "input_image": "image"}.get(kind) \
+        if isinstance(kind, str) else None
+
+
+MessagePart = Annotated[Annotated[InputText, Tag("text")] | Annotated[InputImage, Tag("image")],
+                        Discriminator(_part_kind, custom_error_type="content_part_type", custom_error_message=(
+                            "a part's type must be input_text, output_text, text or input_image"))]
+
+
 class InputMessage(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
-    content: TextParts
+    content: Annotated[list[MessagePart], BeforeValidator(_text_as_part)]
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
     def text(self) -> str:
-        return "".join(p.text for p in self.content)
+        return "".join(p.text for p in self.content if isinstance(p, InputText))
+
+    def chat_content(self) -> str | list[dict[str, Any]]:
+        """The content as a chat message's: its text, or with images, text and image_url parts in order."""
+        if all(isinstance(p, InputText) for p in self.content):
+            return self.text()
+        return [{"type": "text", "text": p.text} if isinstance(p, InputText) else
+                {"type": "image_url", "image_url": {"url": p.image_url}} for p in self.content]
 
 
 class FunctionCallItem(RequestModel):

@@ -3,9 +3,9 @@ and the stream chunk (deltas)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_serializer, model_validator
+from pydantic import Discriminator, Field, Tag, model_serializer, model_validator
 
 from nanoserve.server.openai.schema.sampling import PromptLogprob, SamplingRequest, UsageInfo
 from nanoserve.server.schema_base import Int, RequestModel, ResponseModel, now
@@ -14,6 +14,41 @@ from nanoserve.server.schema_base import Int, RequestModel, ResponseModel, now
 class TextPart(RequestModel):
     type: Literal["text"]
     text: str
+
+
+class MediaURL(RequestModel):
+    url: str
+    """A data URL (data:image/png;base64,...; a video as data:video/jpeg;base64,<frame>,<frame>,...), an http(s)
+    URL of a host --allowed-media-domains lists, or a file URL under --allowed-local-media-path."""
+    detail: Literal["auto", "low", "high"] | None = None
+    """Accepted as OpenAI's; every image is read at the resolution the model's processor chooses."""
+
+
+class ImagePart(RequestModel):
+    type: Literal["image_url"] = "image_url"
+    image_url: MediaURL | str
+    uuid: str | None = None
+
+
+class VideoPart(RequestModel):
+    type: Literal["video_url"] = "video_url"
+    video_url: MediaURL | str
+    uuid: str | None = None
+
+
+def _part_kind(value: Any) -> str | None:
+    if not isinstance(value, dict):
+        return getattr(value, "type", None)
+    kind = value.get("type")
+    if kind is None:  # vLLM's short forms {"image_url": ...}, {"video_url": ...}
+        kind = next((k for k in ("image_url", "video_url") if k in value), None)
+    return kind if kind in ("text", "image_url", "video_url") else None
+
+
+ContentPart = Annotated[Annotated[TextPart, Tag("text")] | Annotated[ImagePart, Tag("image_url")]
+                        | Annotated[VideoPart, Tag("video_url")],
+                        Discriminator(_part_kind, custom_error_type="content_part_type", custom_error_message=(
+                            "a content part's type must be text, image_url or video_url"))]
 
 
 class FunctionCall(RequestModel):
@@ -34,7 +69,8 @@ class ChatMessage(RequestModel):
     role: str = Field(min_length=1)
     """system, developer, user, assistant, tool - or any other role, passed to the chat template as it is (vLLM's
     rule: the template decides what a custom role renders as)."""
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
+    """A string, or parts: text, images (image_url) and videos (video_url) for a model that sees."""
     name: str | None = None
     tool_call_id: str | None = None
     """role tool: the id of the call this message answers."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_serializer, model_validator
 
 from nanoserve.kv_transfer import params as kv_params
 from nanoserve.sampling import MAX_SEED, MIN_SEED, SamplingParams, StructuredOutputsParams
@@ -294,6 +294,12 @@ class SamplingRequest(RequestBody):
 # -- the answer's parts both endpoints share -------------------------------------------------------------------
 class PromptTokensDetails(ResponseModel):
     cached_tokens: int = 0
+    image_tokens: int | None = None
+    """With images: the prompt's image placeholder tokens (counted in prompt_tokens too)."""
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class PromptLogprob(ResponseModel):

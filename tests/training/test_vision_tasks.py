@@ -1,0 +1,53 @@
+"""The picture tasks for an m3-mini that reads images (training/vision_tasks.py) and its training loop
+(training/train_vision.py): the examples are deterministic and answerable, the held-out seeds are never trained on,
+and two steps of the loop on the CPU export a checkpoint that nanoserve loads and serves with an image."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from nanoserve import LLM, SamplingParams
+from tests.helpers.engine_utils import engine_opts
+from training import vision_tasks
+
+
+def test_examples_are_deterministic_and_answerable():
+    for task in vision_tasks.TASKS:
+        a, b = vision_tasks.sample(task, 7), vision_tasks.sample(task, 7)
+        assert (a.question, a.answer) == (b.question, b.answer)
+        assert np.array_equal(np.asarray(a.image), np.asarray(b.image))
+        assert 112 <= min(a.image.size) and max(a.image.size) <= 224
+        assert vision_tasks.grade(f"It is {a.answer}.", a.answer) is False  # the first word must be the answer
+        assert vision_tasks.grade(f"{a.answer}.", a.answer)
+    counts = {vision_tasks.sample("count", s).answer for s in range(60)}
+    assert counts == {str(n) for n in range(1, 10)}
+
+
+def test_heldout_seeds_are_never_trained_on():
+    stream = vision_tasks.stream(0)
+    trained = {(e.task, e.question, e.answer, np.asarray(e.image).tobytes()) for e in (next(stream)
+                                                                                      for _ in range(50))}
+    held = {(e.task, e.question, e.answer, np.asarray(e.image).tobytes()) for e in vision_tasks.heldout(10)}
+    assert not trained & held
+
+
+def test_two_training_steps_export_a_checkpoint_nanoserve_serves(tmp_path):
+    from training.train_vision import main
+
+    out = tmp_path / "run"
+    main(["--init", "nanoserve/presets/m3_mini", "--out", str(out), "--steps", "2", "--batch", "2",
+          "--eval-per-task", "1", "--device", "cpu"])
+    log = [json.loads(line) for line in open(out / "train_log.jsonl")]
+    assert [r["step"] for r in log] == [1, 2] and set(log[-1]["heldout"]) == set(vision_tasks.TASKS)
+    checkpoint = str(out / "checkpoint")
+    assert os.path.isfile(os.path.join(checkpoint, "preprocessor_config.json"))
+    example = vision_tasks.sample("digits", 3)
+    with LLM(checkpoint, optimizations=engine_opts(), max_model_len=512) as llm:
+        assert llm.engine.vision_config.image_token_id == 4096
+        out = llm.chat([{"role": "user", "content": [{"type": "image_pil", "image_pil": example.image},
+                                                     {"type": "text", "text": example.question}]}],
+                       SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+        assert out[0].outputs[0].token_ids and llm.engine.stats.encoder_items == 1
