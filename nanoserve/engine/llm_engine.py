@@ -38,8 +38,8 @@ from nanoserve.config import EngineConfig
 from nanoserve.engine import kv_events
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.builder import check_kv_capacity, make_executor, resolve_limits
-from nanoserve.engine.kv_connector import KVConnector, check_supported
 from nanoserve.engine.encoder_cache import EncoderCacheManager
+from nanoserve.engine.kv_connector import KVConnector, check_supported
 from nanoserve.engine.launched_step import Appended, LaunchedStep
 from nanoserve.engine.output_processor import RequestState, make_output, record_token
 from nanoserve.engine.outputs import Logprob, RequestOutput

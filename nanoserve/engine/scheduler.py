@@ -41,8 +41,8 @@ from dataclasses import dataclass, field
 
 from nanoserve.config import Optimizations
 from nanoserve.engine.block_manager import BlockManager, EventHook
-from nanoserve.engine.kv_connector import KVConnector
 from nanoserve.engine.encoder_cache import EncoderCacheManager
+from nanoserve.engine.kv_connector import KVConnector
 from nanoserve.engine.sequence import FinishReason, Sequence, SequenceStatus
 from nanoserve.kv_transfer.params import RemotePrefill
 from nanoserve.spec_decode.proposer import speculable
