@@ -110,8 +110,8 @@ def load_hf(path: str):
 def hf_features(hf, pix: torch.Tensor, grids: list[tuple[int, int, int]], max_frames: int) -> torch.Tensor:
     """transformers' projected + merged features, the grid cut into segments as its video processor cuts it."""
     cut = [(min(max_frames, t - s), h, w) for t, h, w in grids for s in range(0, t, max_frames)]
-    with torch.no_grad():
-        out = hf.model.get_image_features(pix, torch.tensor(cut))
+    with torch.no_grad():  # (the grid on the pixels' device: transformers computes its rotary positions from it)
+        out = hf.model.get_image_features(pix, torch.tensor(cut, device=pix.device))
     return torch.cat(out.pooler_output)
 
 

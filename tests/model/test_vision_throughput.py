@@ -92,6 +92,7 @@ def run() -> list[dict]:
                          "roof_share": (flops / seconds / peak(card)) if peak(card) else None, "flops": flops})
         diff = (outputs["kernels"].float() - outputs["reference"].float()).abs()
         rows[-1]["kernels_vs_reference_mean_abs"] = diff.mean().item()
+        rows[-1]["reference_mean_abs"] = outputs["reference"].float().abs().mean().item()
         assert torch.isfinite(outputs["kernels"]).all()
     # the attention kernel alone, one layer's worth at the raw grid, per tile choice
     grid = GRIDS["1344x1344 raw (96x96 patches)"]
@@ -137,7 +138,11 @@ def test_tower_throughput():
     save(rows)
     print("\n" + report(rows))
     kernels = [r for r in rows if r.get("path") == "kernels"]
-    assert all(r["kernels_vs_reference_mean_abs"] < 0.05 for r in rows if "kernels_vs_reference_mean_abs" in r)
+    # bf16 through 32 random layers: the features' mean magnitude is about 9.5, and the bf16 reference path alone is
+    # 1.5 % (mean |diff| / mean |ref|) from the fp32 one (measured on the CPU at 2 x 24 x 24 patches), so the kernels
+    # may differ from the bf16 reference by that much again: 3 %
+    assert all(r["kernels_vs_reference_mean_abs"] < 0.03 * r["reference_mean_abs"]
+               for r in rows if "kernels_vs_reference_mean_abs" in r)
     assert kernels and all(r["tflops"] > 0 for r in kernels)
 
 
