@@ -249,10 +249,8 @@ class Optimizations:
         "sequence's newest token repeated, so the step is one query length for all and replays a verify graph "
         "(exact: a padding token is accepted only where it is what the target picks)", "the batch runs eagerly, "
         "each sequence with its own drafts")
-    # off by default: on one H100 m3-mini's TPOT with MTP k = 3 was no better with it and worse on two of three
-    # chat tasks (docs/speculative_decoding.md, "Measured")
     spec_async: bool = switch(
-        False, ENGINE, "engine/llm_engine.py", "with async_scheduling and the draft chain (spec_draft_chain): a "
+        True, ENGINE, "engine/llm_engine.py", "with async_scheduling and the draft chain (spec_draft_chain): a "
         "speculative step is launched before the previous step's tokens reach the host - its queries (each "
         "sequence's bonus token and next drafts) and positions are those the previous step's draft chain left on "
         "the device, its blocks cover the most the previous step can accept - so the host's work on a step's tokens "

@@ -43,7 +43,7 @@ import torch
 
 from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
-    ASYNC,
+    NO_ASYNC,
     NO_CHAIN,
     build_llm,
     first_difference,
@@ -68,7 +68,7 @@ def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
     return [("ngram k=3", NGRAM_K3, None),
             ("mtp k=1", {**MTP, "num_speculative_tokens": 1}, no_mtp),
             ("mtp k=3", {**MTP, "num_speculative_tokens": 3}, no_mtp),
-            (ASYNC, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
+            (NO_ASYNC, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             (NO_CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             ("eagle3 k=3", {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}, no_eagle)]
 

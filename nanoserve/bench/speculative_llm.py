@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from nanoserve.bench.quality import RETRIEVAL_TOKENS, TASK_TOKENS
 
-ASYNC = "mtp k=3, host ahead"
-"""MTP k=3 with switch spec_async on (off by default): each speculative step launched before the previous step's
-tokens are on the host, its queries taken from the draft chain's graph - so the two differ on a GPU only."""
+NO_ASYNC = "mtp k=3, host in step"
+"""MTP k=3 with switch spec_async off, its reference: each speculative step launched once the previous step's tokens
+are on the host (the draft chain on). The async path takes a step's queries from the chain's graph, so the two
+differ on a GPU only."""
 
 NO_CHAIN = "mtp k=3, no draft chain"
 """MTP k=3 with switch spec_draft_chain off, its reference (spec_decode/draft_chain.py): the chain replays CUDA
@@ -25,13 +26,13 @@ def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
 
 def switches_for(name: str, optimizations):
     """The engine's switches for the configuration `name`: the given ones (None: the defaults), with
-    spec_draft_chain off for NO_CHAIN and spec_async on for ASYNC."""
-    if name not in (NO_CHAIN, ASYNC):
+    spec_draft_chain off for NO_CHAIN and spec_async off for NO_ASYNC."""
+    if name not in (NO_CHAIN, NO_ASYNC):
         return optimizations
     from nanoserve.config import Optimizations
 
-    change = {"spec_draft_chain": False} if name == NO_CHAIN else {"spec_async": True}
-    return (optimizations or Optimizations()).replace(**change)
+    off = {"spec_draft_chain": False} if name == NO_CHAIN else {"spec_async": False}
+    return (optimizations or Optimizations()).replace(**off)
 
 
 def max_tokens_for(task: str) -> int:
