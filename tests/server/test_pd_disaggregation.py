@@ -7,13 +7,15 @@ decode; the prefill server computes the prompt, keeps its KV blocks and answers 
 the router sends the original request to a decode server with those parameters; the decode server pulls the blocks
 (only those its own prefix cache lacks), computes the prompt's last token and decodes. Held here:
 
-- chats (a tool call, thinking, plain; streamed and not) and a completion give, greedy, the answers of one server;
+- 50 requests at once - chats with tool calls, thinking, a long shared system prompt, tools offered and not needed,
+  and completions, half of them streamed - give, greedy, the answers of one server;
 - the decode server computes one prompt token per request (the last, in the last partial block: its
   vllm:prompt_tokens_by_source{source="local_compute"}), the rest comes from the transfer or its prefix cache;
 - every block comes back: the prefill server's once the decode server has read them, the decode server's once
   its requests end (vllm:kv_cache_usage_perc 0 on both);
 - a decode server killed after the prefill answered and before it read the blocks: the router answers an error,
-  the prefill server keeps serving and frees the blocks at VLLM_NIXL_ABORT_REQUEST_TIMEOUT;
+  the prefill server keeps serving and frees the blocks at VLLM_NIXL_ABORT_REQUEST_TIMEOUT, the router's health
+  check drops the dead server and the client's retry is served by the other decode server;
 - a prefill server killed: the router's health check drops it, and the next requests are served by the other
   prefill server, with the same answers.
 """
@@ -48,7 +50,27 @@ GREETING = {"messages": [{"role": "system", "content": "You are a helpful assist
 STORY = {"prompt": "Once upon a time, in a small village by the sea,", "max_tokens": 8}
 REQUESTS = [("chat", WEATHER, False), ("chat", WEATHER, True), ("chat", THINKING, False), ("chat", THINKING, True),
             ("chat", GREETING, True), ("completion", STORY, False), ("completion", STORY, True)]
-"""(endpoint, body, stream): the requests every P/D run sends at once."""
+"""(endpoint, body, stream): the requests the failure tests send at once."""
+CITIES = ["Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Denver", "Madrid", "Seoul", "Nairobi", "Toronto"]
+SUMS = [(48, 37), (12, 9), (305, 17), (64, 64), (7, 58), (250, 125), (99, 1), (13, 29), (420, 80), (6, 7)]
+GREETINGS = ["Hello there, who are you?", "Hi! What can you do?", "Good morning.", "Can you help me?",
+             "Who made you?", "Tell me about yourself.", "Hey, are you there?", "What is your name?",
+             "Nice to meet you.", "How are you today?"]
+OPENINGS = ["Once upon a time, in a small village by the sea,", "The train left the station at dawn and",
+            "In the year 2150, the last library on Earth", "She opened the old wooden box and found",
+            "def fibonacci(n):", "The recipe calls for two cups of flour,", "Dear diary, today was strange because",
+            "The quick brown fox", "It was the best of times,", "Step one: unplug the device, then"]
+MANY = ([("chat", {**WEATHER, "messages": [{"role": "user", "content": f"What's the weather like in {c}?"}]},
+          i % 2 == 1) for i, c in enumerate(CITIES)]
+        + [("chat", {**THINKING, "messages": [{"role": "user", "content": f"What is {a} + {b}?"}]}, i % 2 == 0)
+           for i, (a, b) in enumerate(SUMS)]
+        + [("chat", {**GREETING, "messages": [GREETING["messages"][0], {"role": "user", "content": g}]}, i % 2 == 1)
+           for i, g in enumerate(GREETINGS)]
+        + [("chat", {**WEATHER, "messages": [{"role": "user", "content": f"What is {a} times {b}?"}]}, i % 2 == 0)
+           for i, (a, b) in enumerate(SUMS)]
+        + [("completion", {**STORY, "prompt": o}, i % 2 == 1) for i, o in enumerate(OPENINGS)])
+"""50 requests of five kinds (tool calls asked for, thinking, a long shared system prompt, tools offered and not
+needed, completions), half streamed: what the router's P/D run sends at once."""
 
 
 def pd_server(logs, name: str, role: str) -> ServerProcess:
@@ -62,12 +84,11 @@ def pd_server(logs, name: str, role: str) -> ServerProcess:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """Started together: prefill (also the one-server reference), decode, and a second prefill server. The
-    failure tests kill servers, so they come last, in this order: the second prefill server, then the decode
-    server."""
+    """Started together: prefill (also the one-server reference), decode, and a second prefill and a second decode
+    server. The failure tests kill the second ones, so they come last."""
     logs = tmp_path_factory.mktemp("pd")
-    procs = {"prefill": pd_server(logs, "prefill", "kv_producer"),
-             "decode": pd_server(logs, "decode", "kv_consumer"), "prefill2": pd_server(logs, "prefill2", "kv_producer")}
+    procs = {name: pd_server(logs, name, "kv_producer" if name.startswith("prefill") else "kv_consumer")
+             for name in ("prefill", "decode", "prefill2", "decode2")}
     try:
         for p in procs.values():
             p.__enter__()
@@ -147,16 +168,18 @@ def blocks_in_use(s: ServerProcess) -> float:
 
 def test_pd_through_the_router_gives_one_servers_answers(servers, tmp_path):
     prefill, decode = servers["prefill"], servers["decode"]
-    single = send_all(prefill.url)  # one server: the prefill server itself, asked plainly
-    assert [a[-1] for a in single[:2]] == ["tool_calls", "tool_calls"] and single[2][1], single  # a call, thinking
+    single = send_all(prefill.url, MANY)  # one server: the prefill server itself, asked plainly
+    finish = [a[-1] for a in single]
+    assert finish[:10].count("tool_calls") >= 8 and all(a[1] for a in single[10:20]), single  # calls, thinking
+    again = MANY[::5]
     before = by_source(decode)
     with pd_router(tmp_path, [prefill], [decode]) as router:
-        assert send_all(router.url) == single
+        assert send_all(router.url, MANY) == single
         # again, some: the decode server's prefix cache holds their prompts now, it pulls only the last block
-        assert send_all(router.url, REQUESTS[::2]) == single[::2]
+        assert send_all(router.url, again) == single[::5]
     moved = {k: v - before[k] for k, v in by_source(decode).items()}
     # the decode server computed each prompt's last token only; the rest was pulled or found in its prefix cache
-    assert moved["local_compute"] == len(REQUESTS) + len(REQUESTS[::2]), moved
+    assert moved["local_compute"] == len(MANY) + len(again), moved
     assert moved["external_kv_transfer"] > 0 and moved["local_cache_hit"] > 0, moved
     wait_until(lambda: blocks_in_use(prefill) == 0 and blocks_in_use(decode) == 0, timeout=10,
                what="every KV block to come back on both servers")
@@ -199,32 +222,47 @@ def test_a_prefill_server_killed_is_dropped_by_the_routers_health_check(servers,
 
 
 def test_a_decode_server_killed_before_it_reads_the_blocks(servers, tmp_path):
-    """The decode server is stopped, so the router's decode request waits in its socket while the prefill server
-    holds the prompt's blocks (and serves other requests meanwhile); then it is killed. The router answers the
-    client with an error, and the prefill server frees the blocks once its abort timeout has passed."""
-    prefill, decode = servers["prefill"], servers["decode"]
-    with pd_router(tmp_path, [prefill], [decode]) as router:
-        decode.proc.send_signal(signal.SIGSTOP)
-        answer: list = []
+    """Two decode servers; one is stopped, so the router's decode request waits in its socket while the prefill server
+    holds the prompt's blocks (and serves other requests meanwhile); then it is killed. The router answers that
+    request with an error (vllm-router does not retry a failed decode itself), the prefill server frees the blocks
+    once its abort timeout has passed, the router's health check drops the dead server, and the client's retry is
+    served by the other decode server with one server's answer."""
+    prefill, doomed, decode = servers["prefill"], servers["decode2"], servers["decode"]
+    body = {"model": MODEL, "messages": GREETING["messages"], "max_tokens": 8, "temperature": 0}
+    single = httpx.post(f"{prefill.url}/v1/chat/completions", timeout=60, json=body).json()["choices"][0]["message"]
+    with pd_router(tmp_path, [prefill], [doomed, decode], "--health-check-interval-secs", "1",
+                   "--health-failure-threshold", "1") as router:
+        doomed.proc.send_signal(signal.SIGSTOP)
+        answers: list = []
 
         def client() -> None:
             try:
-                answer.append(httpx.post(f"{router.url}/v1/chat/completions", timeout=60, json={
-                    "model": MODEL, "messages": GREETING["messages"], "max_tokens": 8, "temperature": 0}))
+                answers.append(httpx.post(f"{router.url}/v1/chat/completions", timeout=60, json=body))
             except httpx.HTTPError as exc:
-                answer.append(exc)
+                answers.append(exc)
 
-        thread = threading.Thread(target=client)
-        thread.start()
-        wait_until(lambda: blocks_in_use(prefill) > 0, timeout=30, what="the prefill server to hold the blocks")
+        # round robin: of two requests at once, one goes to each decode server
+        threads = [threading.Thread(target=client) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_until(lambda: len(answers) == 1 and blocks_in_use(prefill) > 0, timeout=30,
+                   what="one answer, and the prefill server holding the other request's blocks")
+        assert answers[0].status_code == 200 and answers[0].json()["choices"][0]["message"] == single
         # not stalled: a plain request is served while the blocks wait
         plain = httpx.post(f"{prefill.url}/v1/completions", timeout=30,
                            json={"model": MODEL, **STORY, "temperature": 0})
         assert plain.status_code == 200, plain.text
-        decode.proc.kill()
-        decode.proc.wait()
-        thread.join(60)
-        [got] = answer
-        assert isinstance(got, httpx.HTTPError) or got.status_code >= 500, got.text
-    wait_until(lambda: blocks_in_use(prefill) == 0, timeout=ABORT_TIMEOUT_S + 10,
-               what="the prefill server to free the unread blocks at its timeout")
+        doomed.proc.kill()
+        doomed.proc.wait()
+        for t in threads:
+            t.join(60)
+        failed = answers[1]
+        assert isinstance(failed, httpx.HTTPError) or failed.status_code >= 500, failed.text
+        wait_until(lambda: metric(router.metrics(), "vllm_router_worker_health", worker=doomed.url) == 0,
+                   timeout=30, what="the router's health check to drop the killed decode server")
+        before = by_source(decode)["local_compute"]
+        retry = httpx.post(f"{router.url}/v1/chat/completions", timeout=60, json=body)
+        assert retry.status_code == 200 and retry.json()["choices"][0]["message"] == single, retry.text
+        assert by_source(decode)["local_compute"] == before + 1  # the other decode server served it
+    wait_until(lambda: blocks_in_use(prefill) == 0 and blocks_in_use(decode) == 0, timeout=ABORT_TIMEOUT_S + 10,
+               what="the prefill server to free the unread blocks at its timeout, and every block to come back")
