@@ -443,6 +443,20 @@ SWITCH_ALIASES: dict[str, tuple[str, bool]] = {
     "enforce_eager": ("cuda_graphs", False),
 }
 
+def from_json_object(cls, value: dict[str, Any] | None, what: str):
+    """A config dataclass from the JSON object a flag took (`--kv-events-config`, `--kv-transfer-config`): None gives
+    the defaults; anything but an object, or a key the dataclass does not have, is a ValueError that names `what`."""
+    if value is None:
+        return cls()
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown} (known: {sorted(known)})")
+    return cls(**value)
+
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = (None, "mxfp8", "bf16")
 """`quantization=` values (vLLM's `--quantization`): None = the checkpoint's format (config.json's

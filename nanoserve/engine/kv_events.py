@@ -45,8 +45,10 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
+
+from nanoserve.config import from_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -85,15 +87,7 @@ class KVEventsConfig:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | None) -> "KVEventsConfig":
-        if value is None:
-            return cls()
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_events_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**value)
+        return from_json_object(cls, value, "kv_events_config")
 
     @property
     def publishes(self) -> bool:

@@ -27,6 +27,7 @@ a RequestStream does. Both only call `step_prompts`, `step_params` and `advance`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -64,7 +65,12 @@ def get_beam_search_score(tokens: list[int], cumulative_logprob: float, eos_toke
     seq_len = len(tokens)
     if tokens and tokens[-1] == eos_token_id:
         seq_len -= 1
-    return cumulative_logprob / (seq_len ** length_penalty)
+    try:
+        return cumulative_logprob / (seq_len ** length_penalty)
+    except OverflowError:  # an extreme length_penalty > 0: the divisor past the floats, the score 0 to the floats
+        return cumulative_logprob * 0.0
+    except ZeroDivisionError:  # an extreme length_penalty < 0: the divisor below them, the score past them
+        return -math.inf if cumulative_logprob < 0 else 0.0
 
 
 def create_sort_beams_key_function(eos_token_id: int | None,

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 import uuid
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
+
+from nanoserve.config import from_json_object
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 CONNECTORS = ("NixlConnector",)
@@ -73,15 +75,7 @@ class KVTransferConfig:
 
     @classmethod
     def from_dict(cls, value: dict[str, Any] | None) -> "KVTransferConfig":
-        if value is None:
-            return cls()
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown keys {unknown} (known: {sorted(known)})")
-        return cls(**value)
+        return from_json_object(cls, value, "kv_transfer_config")
 
     @property
     def is_producer(self) -> bool:

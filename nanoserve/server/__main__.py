@@ -265,40 +265,25 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(exc))
 
 
-def speculative_config(text: str) -> dict:
-    """--speculative-config's type: a JSON object, checked here so that a bad one stops the start at once."""
-    from nanoserve.spec_decode.config import SpeculativeConfig
+def json_config(module: str, name: str):
+    """An argparse type for a flag that takes a JSON object in the shape of config class `name` of `module`
+    (imported when the flag is used): the object is checked by the class's from_dict, so that a bad one stops the
+    start at once with its reason; the flag's value is the dict."""
+    def convert(text: str) -> dict:
+        import importlib
 
-    try:
-        value = json.loads(text)
-        SpeculativeConfig.from_dict(value)
-    except ValueError as exc:  # json.JSONDecodeError is one
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
-
-
-def kv_events_config(text: str) -> dict:
-    """--kv-events-config's type: a JSON object in vLLM's KVEventsConfig shape, checked at once."""
-    from nanoserve.engine.kv_events import KVEventsConfig
-
-    try:
-        value = json.loads(text)
-        KVEventsConfig.from_dict(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+        try:
+            value = json.loads(text)
+            getattr(importlib.import_module(module), name).from_dict(value)
+        except ValueError as exc:  # json.JSONDecodeError is one
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+    return convert
 
 
-def kv_transfer_config(text: str) -> dict:
-    """--kv-transfer-config's type: a JSON object in vLLM's KVTransferConfig shape, checked at once."""
-    from nanoserve.kv_transfer.config import KVTransferConfig
-
-    try:
-        value = json.loads(text)
-        KVTransferConfig.from_dict(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-    return value
+speculative_config = json_config("nanoserve.spec_decode.config", "SpeculativeConfig")
+kv_events_config = json_config("nanoserve.engine.kv_events", "KVEventsConfig")
+kv_transfer_config = json_config("nanoserve.kv_transfer.config", "KVTransferConfig")
 
 
 def chat_options(args: argparse.Namespace):

@@ -18,7 +18,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.entrypoints.async_engine import AsyncLLMEngine
-from nanoserve.entrypoints.beam_search import BeamSearchSequence, BeamSearchStream
+from nanoserve.entrypoints.beam_search import BeamSearchSequence, BeamSearchStream, get_beam_search_score
 from nanoserve.presets.tokenizer import EOS_ID
 from nanoserve.sampling import BeamSearchParams
 from tests.helpers.engine_utils import LOGPROB_ATOL, assert_all_blocks_free, direct_logprobs
@@ -109,6 +109,15 @@ def test_beams_are_ranked_by_the_length_penalised_score(llm, length_penalty):
         beams = search(llm, prompt_ids(seed, 4), beam_width=4, max_tokens=10, length_penalty=length_penalty)
         scores = [score(b, length_penalty) for b in beams]
         assert scores == sorted(scores, reverse=True)
+
+
+@pytest.mark.parametrize("length_penalty", [3.4e16, -3.4e16])
+def test_an_extreme_length_penalty_still_ranks_the_beams(llm, length_penalty):
+    """length ** length_penalty leaves the floats (overflow above, 0 below): the search still answers, its beams
+    from the same search (the penalty only orders the finished ones), none of them scored above 0."""
+    beams = search(llm, prompt_ids(3, 4), beam_width=4, max_tokens=10, length_penalty=length_penalty)
+    assert len(beams) == 4
+    assert all(get_beam_search_score(b.tokens, b.cum_logprob, EOS_ID, length_penalty) <= 0 for b in beams)
 
 
 def test_length_penalty_changes_the_ranking_as_the_formula_says(llm):

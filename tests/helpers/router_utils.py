@@ -9,12 +9,14 @@ import subprocess
 
 import httpx
 
-from tests.helpers.server_utils import free_port, wait_until
+from tests.helpers.server_utils import HealthCheckedProcess, free_port
 
 
-class RouterProcess:
+class RouterProcess(HealthCheckedProcess):
     """`vllm-router` in a subprocess on a free loopback port, in front of `workers` (its --worker-urls; none in P/D
     mode, where `args` name the --prefill and --decode servers); its log in `log_path`."""
+
+    START_TIMEOUT_S = 60
 
     def __init__(self, log_path, workers: list[str], *args: str):
         binary = shutil.which("vllm-router")
@@ -28,28 +30,10 @@ class RouterProcess:
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
-    def log(self) -> str:
-        return self.log_path.read_text()
-
     def metrics(self) -> str:
         return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
 
-    def ready(self) -> bool:
-        assert self.proc.poll() is None, self.log()
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def __enter__(self) -> "RouterProcess":
-        try:
-            wait_until(self.ready, timeout=60, what="the router to start")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc) -> None:  # (asked to stop first: it closes its connections)
         if self.proc.poll() is None:
             self.proc.terminate()
             try:

@@ -108,7 +108,40 @@ def metric(text: str, name: str, **labels: str) -> float:
     return 0.0
 
 
-class ServerProcess:
+class HealthCheckedProcess:
+    """A subprocess serving HTTP at `self.url`, its output in `self.log_path`: entering waits (up to START_TIMEOUT_S)
+    for /health to answer 200; leaving stops it if it still runs. Subclasses set `self.proc` (the Popen),
+    `self.url` and `self.log_path`."""
+
+    START_TIMEOUT_S = 180
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+    def healthy(self) -> bool:
+        import httpx
+
+        assert self.proc.poll() is None, self.log()
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def __enter__(self):
+        try:
+            wait_until(self.healthy, timeout=self.START_TIMEOUT_S, what=f"{type(self).__name__} to start")
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ServerProcess(HealthCheckedProcess):
     """`python -m nanoserve.server` in a subprocess on a free port (CPU, the fast reference paths), its output in
     `log_path`. Entering waits for /health to answer 200; leaving kills it if it still runs."""
 
@@ -126,27 +159,3 @@ class ServerProcess:
         with open(log_path, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
 
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def healthy(self) -> bool:
-        import httpx
-
-        assert self.proc.poll() is None, self.log()
-        try:
-            return httpx.get(f"{self.url}/health", timeout=1).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    def __enter__(self) -> "ServerProcess":
-        try:
-            wait_until(self.healthy, timeout=180, what="the server to start")
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
