@@ -16,6 +16,8 @@
     python -m nanoserve.bench --kv-cache-dtype fp8 --workloads W2,W4   # the KV cache in fp8 e4m3
     python -m nanoserve.bench --micro attention,route,ceilings   # kernel micro-benchmarks alone (GPU)
     python -m nanoserve.bench --memory-plan                     # the released model's memory plan per GPU (no run)
+    python -m nanoserve.bench --project                         # the released M3's TTFT, TPOT, tok/s per GPU at TP 4
+                                                                # and 8, projected from measured per-layer costs
     python -m nanoserve.bench --quality [--ablate]              # m3-mini on held-out requests against its targets,
                                                                 # perplexity (CPU); what each approximation costs
     python -m nanoserve.bench --speculative [--spec-limit N]    # each drafter's acceptance and speed-up (m3-mini)
@@ -125,6 +127,11 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--cpu-threads", type=int, default=None,
                     help="torch intra-op threads on the CPU (default: $NANOSERVE_CPU_THREADS, else every physical "
                          "core)")
+    ap.add_argument("--project", nargs="?", const="steps", choices=["steps", "allreduce"], default=None,
+                    help="the released M3 projected from measured per-layer step costs (m3-slice on a GPU, m3-tiny on "
+                         "the CPU; --quantization bf16,mxfp8 by default): TTFT, TPOT and output tok/s per GPU at TP 4 "
+                         "and 8 beside SGLang's and vLLM's published numbers; 'allreduce': the all-reduce model "
+                         "against gloo on this CPU (nanoserve/bench/projection.py)")
     ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model "
                     "(weights and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
     ap.add_argument("--quality", action="store_true", help="a trained model (default m3-mini) on the CPU: held-out "
@@ -184,6 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
         print(markdown_table(M3Config()))
         return 0
+    if args.project:
+        return _run_projection(args)
     if args.quality:
         from nanoserve.bench.quality import run as run_quality
         from nanoserve.presets.catalog import DEFAULT_MODEL
@@ -239,6 +248,37 @@ def _formats(text: str | None) -> list[str | None]:
             raise SystemExit(f"--quantization {t!r}: choose from {', '.join(QUANT_NAMES)}")
         out.append(QUANT_NAMES[t])
     return out
+
+
+def _run_projection(args) -> int:
+    """`--project [steps|allreduce]`: print the table, write the report under --out."""
+    import json
+    import os
+
+    import torch
+
+    from nanoserve.bench import projection
+    from nanoserve.bench.env import environment
+    from nanoserve.bench.session import resolve_switches
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if on_gpu else "cpu")
+    if args.project == "allreduce":
+        report, name = projection.run_allreduce_check(), "allreduce_model"
+    else:
+        formats = [f or "bf16" for f in _formats(args.quantization or ("bf16,mxfp8" if on_gpu else "bf16"))]
+        opts, _ = resolve_switches(device, args.cpu_reference_kernels is not False,
+                                   parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
+        report, name = projection.run_projection(device.type, args.dtype, formats, opts), "projection"
+    print(report["table"], flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
+            json.dump({**{k: v for k, v in report.items() if k != "table"}, "environment": environment(device)}, f,
+                      indent=2)
+        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
+            f.write(report["table"] + "\n")
+    return 0
 
 
 PART_ESTIMATES_S = {"build": 60, "W1": 20, "W2": 40, "W4": 25, "W5": 75, "W6": 25}
