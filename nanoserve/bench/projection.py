@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 
 M3_DENSE_LAYERS, M3_SPARSE_LAYERS = 3, 57
-"""The released model's layers of each kind (docs/m3_spec: dense attention + dense MLP, then MSA + MoE)."""
+"""The released model's layers of each kind: dense attention + dense MLP (layers 0-2), then MSA + MoE (3-59)."""
 AR_LATENCY_US = 15.0
 """Stated: one NCCL all-reduce of a few hidden vectors on NVLink, in microseconds (latency-bound)."""
 NVLINK_BUS_GBPS = 360.0
