@@ -257,6 +257,12 @@ class Optimizations:
         "the device, its blocks cover the most the previous step can accept - so the host's work on a step's tokens "
         "runs while the device computes the next", "each speculative step is launched once the previous step's "
         "tokens are on the host")
+    spec_feed_in_graph: bool = switch(
+        True, ENGINE, "runner/cuda_graphs.py", "with spec_async: a verify graph takes a query launched ahead itself - "
+        "its input ids and first positions from the rows of the draft chain's buffers that one small staged copy "
+        "names, its context lengths and slots from them - so the host launches nothing between staging and replay",
+        "the host launches the copies of GraphRunner.apply_verify_feed (about fifteen small kernels) before each "
+        "replay")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)
@@ -415,6 +421,9 @@ SWITCH_NEEDS: dict[str, tuple[str, ...]] = {
     "spec_cuda_graphs": ("speculative_decoding", "cuda_graphs"),
     "spec_greedy_accept": ("speculative_decoding",),
     "spec_draft_chain": ("spec_cuda_graphs", "spec_greedy_accept", "draft model"),
+    "spec_pad_drafts": ("spec_cuda_graphs",),
+    "spec_async": ("spec_draft_chain",),
+    "spec_feed_in_graph": ("spec_async",),
     "mx_activations": ("mxfp8",),
 }
 """What each switch needs to act at all, checked in order: a REQUIREMENTS key, another switch that must be on (and

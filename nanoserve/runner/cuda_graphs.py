@@ -152,10 +152,12 @@ class GraphRunner:
     def __init__(self, model: torch.nn.Module, max_num_seqs: int, max_model_len: int, block_size: int,
                  device: torch.device, capture: CaptureFn | None = None, captured_argmax: bool = False,
                  max_query_len: int = 1, keep: Keep | None = None, keep_width: int = 0,
-                 keep_dtype: torch.dtype | None = None, with_logits: bool = True):
+                 keep_dtype: torch.dtype | None = None, with_logits: bool = True, feed_in_graph: bool = False):
         """max_query_len: the longest verify query a graph takes (k + 1; 1 = decode graphs only). keep: what a
         drafter reads of each forward, written into the static `kept` [tokens, keep_width] of keep_dtype.
-        with_logits: allocate the static logits (a subclass whose graphs output something else does not)."""
+        with_logits: allocate the static logits (a subclass whose graphs output something else does not).
+        feed_in_graph (switch spec_feed_in_graph): verify graphs take a fed query from `next_ids` / `next_pos`
+        themselves (`_take_feed`) instead of the host launching the copies before the replay."""
         self.model = model
         self.captured_argmax = captured_argmax
         self.device = device
@@ -186,6 +188,16 @@ class GraphRunner:
         self.h_i32 = torch.zeros(2 * n + 1, dtype=torch.int32, pin_memory=on_cuda)
         self.h_tables = torch.zeros(n, w, dtype=torch.int32, pin_memory=on_cuda)
         self.n_i64, self.n_i32, self.n_tables = self.h_i64.numpy(), self.h_i32.numpy(), self.h_tables.numpy()
+        # a verify step launched before the previous one's tokens reach the host (async speculative decoding) takes
+        # its queries from here: the draft chain writes each sequence's next input ids (the bonus token, then the
+        # drafts) and the position of the first; `feed` says which row each sequence takes, then how many are fed
+        q = self.max_query_len
+        self.next_ids = torch.zeros(n, q, dtype=torch.int64, device=device) if q > 1 else None
+        self.next_pos = torch.zeros(n, dtype=torch.int64, device=device) if q > 1 else None
+        self.feed_in_graph = feed_in_graph and q > 1
+        self.feed = torch.zeros(n + 1, dtype=torch.int64, device=device)
+        self.h_feed = torch.zeros(n + 1, dtype=torch.int64, pin_memory=on_cuda)
+        self.n_feed = self.h_feed.numpy()
         self._copied = torch.cuda.Event() if on_cuda else None
         self.graphs: dict[tuple[int, int], Replay] = {}
         self.verify_graphs: dict[VerifyKey, Replay] = {}
@@ -217,9 +229,11 @@ class GraphRunner:
         verify step's queries and positions from the previous step's draft chain (async speculative decoding)."""
         n = len(seq_lens)
         bs, length = self.key(n, max(seq_lens))
-        self.stage(input_ids, seq_lens, block_tables, bs, query_len)
+        in_graph = self.feed_in_graph and query_len > 1  # (then every verify step says how many rows are fed)
+        feed_rows = (verify_feed.rows if verify_feed is not None else []) if in_graph else None
+        self.stage(input_ids, seq_lens, block_tables, bs, query_len, feed_rows)
         apply_token_feed(self.i64[0], feed)
-        if verify_feed is not None:
+        if verify_feed is not None and not in_graph:
             self.apply_verify_feed(verify_feed, n, query_len)
         if not self.replay(bs, length, query_len):
             return None
@@ -240,6 +254,21 @@ class GraphRunner:
         page = self.tables[:n].gather(1, pos // self.block_size).to(torch.int64)
         self.i64[2, : n * q].copy_((page * self.block_size + pos % self.block_size).reshape(-1))
 
+    def _take_feed(self, bs: int, q: int) -> None:
+        """apply_verify_feed inside the graph (feed_in_graph): the first `feed[max_bs]` sequences take their input
+        ids, positions, context lengths and slots from rows `feed[:bs]` of next_ids / next_pos; the others keep
+        what the host staged. The same arithmetic, with no launches of the host's between stage and replay."""
+        rows, count, t = self.feed[:bs], self.feed[self.max_bs], bs * q
+        fed = torch.arange(bs, device=self.device) < count  # [bs]
+        first = self.next_pos[rows]
+        pos = first[:, None] + torch.arange(q, device=self.device)[None, :]
+        page = self.tables[:bs].gather(1, (pos // self.block_size).clamp(0, self.max_blocks - 1)).to(torch.int64)
+        taken = torch.stack([self.next_ids[rows, :q], pos, page * self.block_size + pos % self.block_size])
+        staged = self.i64[:, :t]
+        staged.copy_(torch.where(fed[None, :, None], taken, staged.view(3, bs, q)).view(3, t))
+        lens = self.i32[self.max_bs + 1: self.max_bs + 1 + bs]
+        lens.copy_(torch.where(fed, (first + q).to(torch.int32), lens))
+
     def replay(self, bs: int, length: int, query_len: int = 1) -> bool:
         """Replay the graph of this key over the staged buffers, capturing it first if needed; False if its
         capture failed (the caller runs the step eagerly)."""
@@ -252,9 +281,10 @@ class GraphRunner:
         return True
 
     def stage(self, input_ids: list[int], seq_lens: list[int], block_tables: list[list[int]], bs: int,
-              query_len: int = 1) -> None:
+              query_len: int = 1, feed_rows: list[int] | None = None) -> None:
         """Write the padded batch (bs sequences of query_len tokens) into the host staging buffers and copy them
-        to the device buffers."""
+        to the device buffers; `feed_rows`: the rows of `next_ids` / `next_pos` the sequences take in the graph
+        (feed_in_graph; [] = none fed)."""
         if self._copied is not None:
             self._copied.synchronize()  # the previous step's copies have read the staging buffers
         n, q, page = len(seq_lens), query_len, self.block_size
@@ -280,6 +310,11 @@ class GraphRunner:
         self.i64.copy_(self.h_i64, non_blocking=non_blocking)
         self.i32.copy_(self.h_i32, non_blocking=non_blocking)
         self.tables[:bs].copy_(self.h_tables[:bs], non_blocking=non_blocking)
+        if feed_rows is not None:
+            self.n_feed[: len(feed_rows)] = feed_rows
+            self.n_feed[len(feed_rows): self.max_bs] = 0
+            self.n_feed[self.max_bs] = len(feed_rows)
+            self.feed.copy_(self.h_feed, non_blocking=non_blocking)
         if self._copied is not None:
             self._copied.record()
 
@@ -306,8 +341,11 @@ class GraphRunner:
         model, logits, tokens = self.model, self.logits[:t], self.tokens[:bs]
         argmax = self.captured_argmax and query_len == 1  # a verify step's rows go to the acceptance rule
         keep, kept = self.keep, self.kept[:t] if self.kept is not None else None
+        take_feed = self.feed_in_graph and query_len > 1
 
         def forward() -> None:
+            if take_feed:
+                self._take_feed(bs, query_len)
             hidden = model(input_ids, meta.positions, meta)
             if keep is not None:
                 kept.copy_(keep(hidden))

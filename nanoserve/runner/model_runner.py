@@ -389,7 +389,7 @@ class ModelRunner:
                             "spec_cuda_graphs keeps them in graphs)", self.drafter.method)
                 self._graph_notice = "drafter"
             return None
-        state = cuda_graphs.switch_state(opts) + (opts.spec_cuda_graphs,)
+        state = cuda_graphs.switch_state(opts) + (opts.spec_cuda_graphs, opts.spec_feed_in_graph)
         if self.graphs is None or state != self._graph_switches:
             self.graphs = None
             reason = None if self.graph_capture is not None else \
@@ -404,7 +404,7 @@ class ModelRunner:
                 self.model, self.max_num_seqs, self.max_model_len, self.block_size, self.device, self.graph_capture,
                 captured_argmax=opts.captured_argmax, max_query_len=self._verify_len(),
                 keep=drafter.read if drafter is not None else None, keep_width=drafter.width if drafter else 0,
-                keep_dtype=self.dtype)
+                keep_dtype=self.dtype, feed_in_graph=opts.spec_feed_in_graph)
             self._graph_switches = state
         return self.graphs
 

@@ -59,9 +59,9 @@ class DraftChain:
         self.drafts = torch.zeros(n, k, dtype=torch.int64, device=device)
         # what the next verify step takes on the device when it is launched before this one's tokens reach the
         # host (async scheduling): each sequence's next input ids - the bonus token, then the drafts - and the
-        # position of the first of them (one past the last accepted one)
-        self.next_ids = torch.zeros(n, k + 1, dtype=torch.int64, device=device)
-        self.next_pos = torch.zeros(n, dtype=torch.int64, device=device)
+        # position of the first of them (one past the last accepted one); the target's buffers, which its verify
+        # graphs read themselves with switch spec_feed_in_graph
+        self.next_ids, self.next_pos = target.next_ids, target.next_pos
         self.graphs: dict[tuple[int, int, int], Replay] = {}
         self.disabled: str | None = None
 

@@ -20,7 +20,8 @@ from nanoserve.runner.model_runner import platform_of
 CPU = Platform()
 HOPPER_MXFP8 = Platform(device="cuda", triton=True, hopper_gluon=True, mxfp8=True)
 OTHER_GPU_BF16 = Platform(device="cuda", triton=True)
-SPECULATIVE = ("speculative_decoding", "spec_cuda_graphs", "spec_greedy_accept", "spec_draft_chain")
+SPECULATIVE = ("speculative_decoding", "spec_cuda_graphs", "spec_greedy_accept", "spec_draft_chain", "spec_pad_drafts",
+               "spec_async", "spec_feed_in_graph")
 
 
 def test_on_a_cpu_the_gpu_and_kernel_switches_are_na():

@@ -18,11 +18,11 @@ from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance
 from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, finish_all
 
 
-def build(model: str, spec_async: bool, **kwargs) -> tuple[LLM, list]:
+def build(model: str, spec_async: bool, feed_in_graph: bool = True, **kwargs) -> tuple[LLM, list]:
     """An engine with the draft chain under emulated graphs; the list fills with each launched step's count of
     sequences whose query came from the device."""
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=True,
-                                 spec_async=spec_async)
+                                 spec_async=spec_async, spec_feed_in_graph=feed_in_graph)
     llm = LLM(model, optimizations=opts, max_model_len=kwargs.pop("max_model_len", MAX_MODEL_LEN), max_num_seqs=4,
               speculative_config=MTP, **kwargs)
     runner = llm.engine.executor.runner
@@ -48,17 +48,19 @@ def run(llm: LLM, batches, params=GREEDY) -> list[list[int]]:
     return outs
 
 
+@pytest.mark.parametrize("feed_in_graph", [True, False], ids=["feed in graph", "feed by the host"])
 @pytest.mark.parametrize("model", ["mtp_dir", "m3-mini"])
-def test_launched_ahead_the_same_tokens_and_drafts(model, request):
+def test_launched_ahead_the_same_tokens_and_drafts(model, feed_in_graph, request):
     """m3-tiny's random MTP module (drafts mostly rejected) and the trained m3-mini's (mostly accepted, whole and
-    partial runs): the same tokens and the same acceptance, per position, as the reference; most steps ahead."""
+    partial runs): the same tokens and the same acceptance, per position, as the reference; most steps ahead -
+    with the fed queries taken inside the verify graph (spec_feed_in_graph) and by the host's launches."""
     name = request.getfixturevalue(model) if model == "mtp_dir" else model
     batches = [prompts()[:1], prompts()] if model == "mtp_dir" else \
         [[[1, 2, 3] + list(range(40, 80))], [list(range(100, 140)), list(range(300, 330)) * 2]]
     kwargs = {} if model == "mtp_dir" else {"dtype": "float32", "max_model_len": 512}
     results = {}
     for spec_async in (True, False):
-        llm, fed = build(name, spec_async, **kwargs)
+        llm, fed = build(name, spec_async, feed_in_graph, **kwargs)
         results[spec_async] = run(llm, batches), acceptance(llm.engine.stats), fed
         assert_all_blocks_free(llm)
         llm.shutdown()
@@ -178,3 +180,54 @@ def test_padded_drafts_make_one_query_length(tiny_dir):
 def run_reference(model: str, batch) -> list[list[int]]:
     with LLM(model, optimizations=engine_opts(), max_model_len=MAX_MODEL_LEN, max_num_seqs=4) as llm:
         return run(llm, [batch])
+
+
+FEED_OPS = {"aten.gather.default", "aten.floor_divide.default", "aten.remainder.Scalar", "aten.index.Tensor"}
+"""What taking a fed query launches (apply_verify_feed: rows of the chain's buffers, the slots from the tables)."""
+
+
+@pytest.mark.parametrize("feed_in_graph", [True, False])
+def test_a_step_launched_ahead_takes_its_query_inside_the_graph(feed_in_graph):
+    """spec_feed_in_graph: between staging and replay the host launches none of the feed's kernels (they run
+    inside the replayed graph); with it off, every step launched ahead launches them itself. Counted by dispatch
+    outside the (emulated) graphs, on the trained m3-mini."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    llm, fed = build("m3-mini", True, feed_in_graph, dtype="float32", max_model_len=512)
+    runner, inside = llm.engine.executor.runner, [0]
+
+    def capture(fn):
+        def replay():
+            inside[0] += 1
+            try:
+                fn()
+            finally:
+                inside[0] -= 1
+        return replay
+
+    runner.graph_capture = capture
+    per_step: list[Counter] = []
+
+    class Dispatched(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not inside[0] and per_step:
+                per_step[-1][str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    execute = runner.execute_model
+
+    def counting(step):
+        per_step.append(Counter())
+        return execute(step)
+
+    runner.execute_model = counting
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    with Dispatched():
+        run(llm, [[list(range(100, 140))]], params)
+    ahead = [ops for ops, n in zip(per_step, fed[-len(per_step):]) if n]
+    assert len(ahead) > len(per_step) // 2
+    launched = [sum(ops[op] for op in FEED_OPS) for ops in ahead]
+    assert all(n == 0 for n in launched) if feed_in_graph else all(n > 0 for n in launched), launched
+    llm.shutdown()
