@@ -180,9 +180,12 @@ def time_variant(model: str, device: str, dtype: str, quantization: str | None, 
                 dec = ModelInput(rng.integers(0, vocab, w.concurrency).tolist(), [1] * w.concurrency,
                                  [ctx] * w.concurrency, tables, list(range(w.concurrency)))
                 out["decode"][w.name] = _timed(runner, dec, repeats)
-    finally:
+    finally:  # the next variant is built next: this one's weights, pool and graphs go first
+        import gc
+
         llm.shutdown()
         del llm, runner
+        gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return out
