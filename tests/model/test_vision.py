@@ -29,11 +29,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from nanoserve.config import Optimizations
-from nanoserve.model.checkpoint_names import VISION_WEIGHT_NAMES, name_map
 from nanoserve.model.loader import load_model, load_vision_model
 from nanoserve.model.vision.config import VisionConfig
-from nanoserve.model.vision.model import M3VisionModel, merge_multimodal_embeddings
+from nanoserve.model.vision.model import merge_multimodal_embeddings
 from nanoserve.presets.catalog import get_preset
+from nanoserve.presets.checkpoint_layout import random_vision_tensors
 from nanoserve.presets.make_checkpoint import write_checkpoint
 
 FP32_ATOL = 1e-4
@@ -47,25 +47,8 @@ VIDEO = (6, 4, 4)
 """Patch grids (t, h, w): two images and a video of 6 temporal patches (12 frames), cut 4 + 2."""
 
 
-def vision_tensors(cfg: VisionConfig, seed: int = 0, std: float = 0.05) -> dict[str, torch.Tensor]:
-    """Random vision weights under the released names and shapes (the Conv3d patch embedding 5-D, fp32), LayerNorm
-    weights around 1."""
-    model = M3VisionModel(cfg, device="meta")
-    gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, target in sorted(name_map(model, VISION_WEIGHT_NAMES, prefix="").items()):
-        param = model.get_parameter(target.param)
-        if "patch_embedding" in name:
-            shape = (cfg.hidden_size, cfg.num_channels, cfg.temporal_patch_size, cfg.patch_size, cfg.patch_size)
-        elif target.shard:  # one of q | k | v
-            shape = (param.shape[0] // 3, *param.shape[1:])
-        else:
-            shape = tuple(param.shape)
-        t = torch.randn(shape, generator=gen) * std
-        if "layer_norm" in name or "layrnorm" in name:
-            t = t + 1.0 if name.endswith("weight") else t
-        out[name] = t if "patch_embedding" in name else t.to(torch.bfloat16)
-    return out
+VISION_STD = 0.05
+"""The random vision weights' std (presets/checkpoint_layout.random_vision_tensors draws them)."""
 
 
 def write_vl_checkpoint(path: str, cfg: VisionConfig, mxfp8: bool = False, seed: int = 0,
@@ -78,7 +61,7 @@ def write_vl_checkpoint(path: str, cfg: VisionConfig, mxfp8: bool = False, seed:
     vocab = preset.config.vocab_size
     cfg = cfg.replace(text_hidden_size=preset.config.hidden_size, image_token_id=vocab - 2, video_token_id=vocab - 1)
     weights = load_file(os.path.join(path, "model.safetensors"))
-    weights.update(vision_tensors(cfg, seed) if tensors is None else tensors)
+    weights.update(random_vision_tensors(cfg, VISION_STD, seed) if tensors is None else tensors)
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json")) as f:
         config = json.load(f)

@@ -20,7 +20,8 @@ from nanoserve.model.checkpoint_names import VISION_WEIGHT_NAMES, loader_for, na
 from nanoserve.model.loader import CheckpointError, load_model, load_vision_model
 from nanoserve.model.vision.config import VisionConfig
 from nanoserve.model.vision.model import M3VisionModel
-from tests.model.test_vision import vision_tensors, write_vl_checkpoint
+from nanoserve.presets.checkpoint_layout import random_vision_tensors
+from tests.model.test_vision import VISION_STD, write_vl_checkpoint
 
 RELEASED_CONFIG = {  # the vision part of the released config.json (top level + vision_config)
     "model_type": "minimax_m3_vl", "text_config": {"hidden_size": 6144}, "image_token_index": 200025,
@@ -102,7 +103,7 @@ def test_checkpoint_round_trips(mxfp8, tmp_path):
     """Written under the released names (vision unquantized beside MXFP8 text weights), read back bit for bit;
     the text model loads from the same directory as before, the vision tensors skipped."""
     cfg = write_vl_checkpoint(str(tmp_path), SMALL, mxfp8=mxfp8)
-    written = vision_tensors(cfg)
+    written = random_vision_tensors(cfg, VISION_STD)
     vision = load_vision_model(str(tmp_path), Optimizations.reference(), torch.float32)
     assert vision is not None and vision.cfg == cfg
     names = name_map(vision, VISION_WEIGHT_NAMES, prefix="")
