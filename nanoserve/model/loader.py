@@ -132,13 +132,19 @@ def checkpoint_files(model_dir: str) -> dict[str, str]:
             raise CheckpointError(f"{model_dir}: safetensors file(s) listed in the index are missing: "
                                   f"{', '.join(missing)}")
         return {k: os.path.join(model_dir, f) for k, f in weight_map.items()}
-    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    return scan_safetensors(model_dir, model_dir)
+
+
+def scan_safetensors(directory: str, what: str) -> dict[str, str]:
+    """key -> file path over every *.safetensors file in `directory` (opened for their key lists); `what` names the
+    directory in the error when there is none."""
+    files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
     if not files:
-        raise CheckpointError(f"{model_dir}: no *.safetensors files found")
+        raise CheckpointError(f"{what}: no *.safetensors files found")
     out = {}
     for fname in files:
-        with safe_open(os.path.join(model_dir, fname), framework="pt") as h:
-            out.update({k: os.path.join(model_dir, fname) for k in h.keys()})
+        with safe_open(os.path.join(directory, fname), framework="pt") as h:
+            out.update({k: os.path.join(directory, fname) for k in h.keys()})
     return out
 
 

@@ -35,7 +35,7 @@ from safetensors import safe_open
 from nanoserve.batch import AttentionMetadata
 from nanoserve.config import Optimizations
 from nanoserve.kernels import reference, triton_usable
-from nanoserve.model.loader import CheckpointError
+from nanoserve.model.loader import CheckpointError, scan_safetensors
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.m3_config import M3Config
 
@@ -195,14 +195,7 @@ def draft_files(draft_dir: str) -> dict[str, str]:
     """Tensor name -> safetensors file of a draft directory (every *.safetensors file in it)."""
     if not os.path.isdir(draft_dir):
         raise CheckpointError(f"EAGLE-3 draft directory {draft_dir!r} does not exist")
-    files = sorted(f for f in os.listdir(draft_dir) if f.endswith(".safetensors"))
-    if not files:
-        raise CheckpointError(f"EAGLE-3 draft {draft_dir}: no *.safetensors files found")
-    out = {}
-    for fname in files:
-        with safe_open(os.path.join(draft_dir, fname), framework="pt") as h:
-            out.update({k: os.path.join(draft_dir, fname) for k in h.keys()})
-    return out
+    return scan_safetensors(draft_dir, f"EAGLE-3 draft {draft_dir}")
 
 
 def normalised(name: str) -> str:
