@@ -195,9 +195,10 @@ class GraphRunner:
         self.next_ids = torch.zeros(n, q, dtype=torch.int64, device=device) if q > 1 else None
         self.next_pos = torch.zeros(n, dtype=torch.int64, device=device) if q > 1 else None
         self.feed_in_graph = feed_in_graph and q > 1
-        self.feed = torch.zeros(n + 1, dtype=torch.int64, device=device)
-        self.h_feed = torch.zeros(n + 1, dtype=torch.int64, pin_memory=on_cuda)
-        self.n_feed = self.h_feed.numpy()
+        if self.feed_in_graph:
+            self.feed = torch.zeros(n + 1, dtype=torch.int64, device=device)
+            self.h_feed = torch.zeros(n + 1, dtype=torch.int64, pin_memory=on_cuda)
+            self.n_feed = self.h_feed.numpy()
         self._copied = torch.cuda.Event() if on_cuda else None
         self.graphs: dict[tuple[int, int], Replay] = {}
         self.verify_graphs: dict[VerifyKey, Replay] = {}
