@@ -2,7 +2,7 @@
 model on the Pillow-drawn tasks of vision_tasks.py, then exported as one checkpoint nanoserve serves with images.
 
     python -m training.train_vision --init nanoserve/presets/m3_mini --out data/vision-run --device cuda \\
-        [--steps 6000] [--batch 64] [--time-budget 3600]
+        [--steps 6000] [--batch 64] [--time-budget 3600] [--text-data data/prepared]
 
 What it does:
 - the tokenizer: m3-mini's, with M3's image and video markers appended (ids 4096-4099); the text model grows its
@@ -13,6 +13,9 @@ What it does:
   rendered with m3-mini's chat template - the image part as ]<]image[>[, expanded by nanoserve's processor -
   whose answer (`</mm:think>` answer EOS, as m3-mini answers a plain request) is the only thing with a loss; the
   features replace the placeholders' embeddings (`M3Train.forward(embeds=...)`);
+- rehearsal (--text-data): each step also takes --text-batch packed windows of the text chats train.py learns from
+  (prepare.py's chats.npz) with their next-token and MTP losses, so fine-tuning on pictures does not wear away
+  what the text model could do (tool calls, retrieval, arithmetic);
 - the optimiser: AdamW, the vision path at --lr, the text model at --text-lr (fine-tuned gently, so its text skills
   stay), warm-up then cosine; every --eval-every steps and at the end, greedy answers to a held-out set (seeds the
   training stream never draws) graded per task (vision_tasks.grade);
@@ -31,6 +34,7 @@ import math
 import os
 import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
@@ -47,6 +51,7 @@ from training import vision_tasks
 from training.config import MINI
 from training.export import GENERATION_CONFIG, export
 from training.model import M3Train
+from training.train import Docs, batch, losses, packed_rows
 
 IMAGE_PIXELS = 224 * 224
 """The processor's max_pixels for m3-mini: the tasks' images are at most 224 px a side (64 tokens)."""
@@ -211,6 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--time-budget", type=float, default=3600.0, help="seconds: the schedule ends by then")
     ap.add_argument("--eval-every", type=int, default=1000)
     ap.add_argument("--eval-per-task", type=int, default=40)
+    ap.add_argument("--text-data", default=None, metavar="DIR",
+                    help="prepare.py's arrays: rehearse the text chats (chats.npz) beside the pictures")
+    ap.add_argument("--text-batch", type=int, default=8, help="rehearsed windows per step")
+    ap.add_argument("--text-seq", type=int, default=1024, help="tokens per rehearsed window")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -237,6 +246,8 @@ def main(argv: list[str] | None = None) -> None:
                             weight_decay=0.01, betas=(0.9, 0.95))
     heldout = vision_tasks.heldout(args.eval_per_task)
     examples = vision_tasks.stream(args.seed)
+    chats = Docs(args.text_data, "chats") if args.text_data else None
+    rng = np.random.default_rng(args.seed)
     log = open(os.path.join(args.out, "train_log.jsonl"), "a")  # noqa: SIM115 - one line per step, closed at the end
     start = time.monotonic()
     for step in range(1, args.steps + 1):
@@ -245,11 +256,17 @@ def main(argv: list[str] | None = None) -> None:
         for group in opt.param_groups:
             group["lr"] = group["peak"] * scale
         loss = loss_of(model, vision, batcher([next(examples) for _ in range(args.batch)]))
+        record = {"step": step, "loss": round(float(loss.detach()), 4)}
+        if chats is not None:
+            main_l, mtp_l, _ = losses(model, *batch(packed_rows(chats, rng, args.text_batch, args.text_seq), device),
+                                      mode="dense", kl_rows=0)
+            record["text_loss"] = round(float(main_l.detach()), 4)
+            loss = loss + main_l + 0.3 * mtp_l
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*vision.parameters(), *model.parameters()], 1.0)
         opt.step()
-        record = {"step": step, "loss": round(float(loss.detach()), 4), "seconds": round(time.monotonic() - start, 1)}
+        record["seconds"] = round(time.monotonic() - start, 1)
         last = step == args.steps or progress >= 1.0
         if step % args.eval_every == 0 or last:
             record["heldout"] = evaluate(model, vision, batcher, heldout)

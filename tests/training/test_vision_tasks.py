@@ -38,10 +38,16 @@ def test_two_training_steps_export_a_checkpoint_nanoserve_serves(tmp_path):
     from training.train_vision import main
 
     out = tmp_path / "run"
+    # rehearsal data in prepare.py's layout: two chats of 40 tokens, the second half of each trained
+    ids = np.random.default_rng(0).integers(10, 4000, size=80)
+    trains = np.tile(np.r_[np.zeros(20), np.ones(20)], 2).astype(np.uint8)
+    np.savez(tmp_path / "chats.npz", ids=ids, trains=trains, starts=np.array([0, 40]))
     main(["--init", "nanoserve/presets/m3_mini", "--out", str(out), "--steps", "2", "--batch", "2",
-          "--eval-per-task", "1", "--device", "cpu"])
+          "--eval-per-task", "1", "--device", "cpu", "--text-data", str(tmp_path), "--text-batch", "2",
+          "--text-seq", "32"])
     log = [json.loads(line) for line in open(out / "train_log.jsonl")]
     assert [r["step"] for r in log] == [1, 2] and set(log[-1]["heldout"]) == set(vision_tasks.TASKS)
+    assert all(r["text_loss"] > 0 for r in log)  # random ids: the rehearsed chats' loss is far from zero
     checkpoint = str(out / "checkpoint")
     assert os.path.isfile(os.path.join(checkpoint, "preprocessor_config.json"))
     example = vision_tasks.sample("digits", 3)
