@@ -10,7 +10,8 @@ step and a draft step cost on the device.
 **Acceptance** (`acceptance`). A trained model's directory carries its held-out prompts (`heldout.jsonl.gz`, rows
 {"task", "prompt", ...}). Each prompt is answered greedily, alone (batch 1, where speculation pays), once without
 speculation and once per drafter (ngram k=3, mtp k=1 and k=3 when the checkpoint has an MTP module - on a GPU also
-k=3 with switch spec_draft_chain off - and eagle3 k=3 with --spec-eagle3 DIR), each by an engine that on a GPU first
+k=3 with switch spec_async, spec_draft_chain or spec_feed_in_graph off - and eagle3 k=3 with --spec-eagle3 DIR),
+each by an engine that on a GPU first
 warms up as the server does (kernels built, and every decode, verify and draft graph captured: engine/warmup.py), so
 no TPOT pays for them. Per drafter and task: the mean accepted length (tokens a verify step emits: accepted drafts +
 1) and the acceptance per draft position (the fraction of verify steps that accepted position j), from the engine's
@@ -45,6 +46,7 @@ from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
     NO_ASYNC,
     NO_CHAIN,
+    NO_FEED,
     build_llm,
     first_difference,
     max_tokens_for,
@@ -70,6 +72,7 @@ def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
             ("mtp k=3", {**MTP, "num_speculative_tokens": 3}, no_mtp),
             (NO_ASYNC, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             (NO_CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
+            (NO_FEED, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             ("eagle3 k=3", {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}, no_eagle)]
 
 

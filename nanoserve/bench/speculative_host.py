@@ -6,11 +6,11 @@
 A model's arithmetic at batch 1 is small; what a step costs beyond it is host work (drafting, scheduling, input
 staging, launching, sampling, acceptance, detokenisation) and the waits where the host syncs with the device. For each
 configuration - no speculation, ngram k=3 (prompt lookup 1-3 tokens), mtp k=3 (when the checkpoint has an MTP module)
-and, on a GPU, mtp k=3 with switch spec_async off and with spec_draft_chain off - the engine is built once (on a GPU
-warmed up as the server is: engine/warmup.py), answers one short prompt untimed, and then answers the held-out chat
-prompts (tasks arith, tool, no_tool) greedily, one at a time (batch 1, where speculation pays). Meanwhile
-time.perf_counter wrappers, installed on the engine's objects (the engine's code is not changed), time each phase of
-every engine step:
+and, on a GPU, mtp k=3 with switch spec_async off, with spec_draft_chain off and with spec_feed_in_graph off - the
+engine is built once (on a GPU warmed up as the server is: engine/warmup.py), answers one short prompt untimed, and
+then answers the held-out chat prompts (tasks arith, tool, no_tool) greedily, one at a time (batch 1, where
+speculation pays). Meanwhile time.perf_counter wrappers, installed on the engine's objects (the engine's code is
+not changed), time each phase of every engine step:
 
     launch          engine.launch: schedule the step and hand it to the executor, made of
       schedule        engine.scheduler.schedule
@@ -49,6 +49,7 @@ from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
     NO_ASYNC,
     NO_CHAIN,
+    NO_FEED,
     build_llm,
     first_difference,
     max_tokens_for,
@@ -79,7 +80,8 @@ def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict 
 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
     return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp),
-            (NO_ASYNC, MTP_K3, no_chain_skip(no_mtp, device)), (NO_CHAIN, MTP_K3, no_chain_skip(no_mtp, device))]
+            (NO_ASYNC, MTP_K3, no_chain_skip(no_mtp, device)), (NO_CHAIN, MTP_K3, no_chain_skip(no_mtp, device)),
+            (NO_FEED, MTP_K3, no_chain_skip(no_mtp, device))]
 
 
 @dataclass

@@ -15,6 +15,14 @@ NO_CHAIN = "mtp k=3, no draft chain"
 """MTP k=3 with switch spec_draft_chain off, its reference (spec_decode/draft_chain.py): the chain replays CUDA
 graphs, so the two differ on a GPU only."""
 
+NO_FEED = "mtp k=3, feed on host"
+"""MTP k=3 with switch spec_feed_in_graph off, its reference: an ahead step's verify query is copied into the verify
+graph's inputs by separate launches on the host (cuda_graphs.apply_verify_feed) instead of inside the graph; the
+feed exists only on the async path's graphs, so the two differ on a GPU only."""
+
+REFERENCE_SWITCH = {NO_ASYNC: "spec_async", NO_CHAIN: "spec_draft_chain", NO_FEED: "spec_feed_in_graph"}
+"""Each reference configuration and the switch it turns off (MTP k=3 otherwise)."""
+
 
 def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
     """Why NO_CHAIN is not measured (None: it is): the model has no MTP module (`no_mtp`), or the run is on the CPU."""
@@ -26,13 +34,12 @@ def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
 
 def switches_for(name: str, optimizations):
     """The engine's switches for the configuration `name`: the given ones (None: the defaults), with
-    spec_draft_chain off for NO_CHAIN and spec_async off for NO_ASYNC."""
-    if name not in (NO_CHAIN, NO_ASYNC):
+    REFERENCE_SWITCH[name] off for a reference configuration."""
+    if name not in REFERENCE_SWITCH:
         return optimizations
     from nanoserve.config import Optimizations
 
-    off = {"spec_draft_chain": False} if name == NO_CHAIN else {"spec_async": False}
-    return (optimizations or Optimizations()).replace(**off)
+    return (optimizations or Optimizations()).replace(**{REFERENCE_SWITCH[name]: False})
 
 
 def max_tokens_for(task: str) -> int:

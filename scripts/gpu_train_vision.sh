@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Teach a trained m3-mini to read pictures on one GPU (training/train_vision.py), done by a deadline, and leave the
+# checkpoint (text and vision tensors, one model) in 15 MB pieces.
+#
+#   OUT=DIR [INIT=data/run/checkpoint] [BUDGET=300] [VISION_ARGS="..."] bash scripts/gpu_train_vision.sh
+#
+# INIT is the text model to start from (a checkpoint directory export.py wrote, e.g. gpu_train.sh's, unpacked with
+# `cat checkpoint.tar.part-* | tar x -C data/run`; default the shipped nanoserve/presets/m3_mini when data/run has
+# none). The text chats it rehearses beside the pictures come from data/prepared/chats.npz (carry it). The run's log
+# goes to $OUT/vision.txt and $OUT/vision_log.jsonl, the checkpoint to $OUT/vision_checkpoint.tar.part-aa, -ab, ...
+set -uo pipefail
+cd "$(dirname "$0")/.." || exit 1
+OUT=${OUT:?set OUT to a directory for the logs and the checkpoint}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+INIT=${INIT:-data/run/checkpoint}
+[ -f "$INIT/model.safetensors" ] || INIT=nanoserve/presets/m3_mini
+[ -f "$INIT/chat_template.jinja" ] || cp nanoserve/presets/m3_mini/chat_template.jinja "$INIT/"
+[ -f data/prepared/chats.npz ] || { echo "no data/prepared/chats.npz: carry it"; exit 1; }
+BUDGET=${BUDGET:-300}
+RUN=${RUN:-/tmp/m3_mini_vision}
+echo "vision training from $INIT for $BUDGET s"
+# shellcheck disable=SC2086
+timeout $(( BUDGET + 120 )) python3 -m training.train_vision --device cuda --init "$INIT" --out "$RUN" \
+  --time-budget "$BUDGET" --text-data data/prepared ${VISION_ARGS:-} > "$OUT/vision.txt" 2>&1
+echo "vision training exit $?"
+tail -3 "$OUT/vision.txt"
+cp "$RUN/train_log.jsonl" "$OUT/vision_log.jsonl" 2>/dev/null
+tar cf /tmp/vision_checkpoint.tar -C "$RUN" checkpoint && split -b 15M /tmp/vision_checkpoint.tar "$OUT/vision_checkpoint.tar.part-"
