@@ -5,7 +5,7 @@
 - Presets with random weights, generated on first use: `m3-tiny` for unit tests (every mechanism at CPU size),
   `m3-tiny-vl` (m3-tiny with a tiny random vision tower and the image markers in its tokenizer: images and video
   end to end on the CPU, docs/vision.md), `m3-slice` for GPU benchmarks (the released model's widths with 4 layers;
-  docs/benchmarks.md).
+  docs/benchmarks.md), `m3-slice-vl` (m3-slice with the released 32-layer vision tower: the vision benchmark).
 """
 
 from __future__ import annotations
@@ -66,7 +66,17 @@ def _slice() -> Preset:
     return Preset(cfg, init_std=0.02, random_norms=False, draw_on_device=True)
 
 
-PRESETS = {"m3-tiny": _tiny, "m3-tiny-vl": _tiny_vl, "m3-slice": _slice}
+def _slice_vl() -> Preset:
+    # m3-slice's text model with the image and video markers, and the released vision path at its real widths
+    # (32 layers of 1280, projector and merger into 6144): ~1.6 GB more, drawn on the device too
+    s = _slice()
+    cfg = s.config.replace(vocab_size=s.config.vocab_size + len(VISION_TOKENS))
+    vision = VisionConfig(text_hidden_size=cfg.hidden_size, image_token_id=IMAGE_TOKEN_ID,
+                          video_token_id=VIDEO_TOKEN_ID)
+    return Preset(cfg, init_std=s.init_std, random_norms=False, draw_on_device=True, vision=vision)
+
+
+PRESETS = {"m3-tiny": _tiny, "m3-tiny-vl": _tiny_vl, "m3-slice": _slice, "m3-slice-vl": _slice_vl}
 SHIPPED = {"m3-mini": os.path.join(os.path.dirname(__file__), "m3_mini")}
 """Trained models in the package: name -> checkpoint directory."""
 MODEL_NAMES = sorted(SHIPPED) + sorted(PRESETS)

@@ -13,12 +13,13 @@ import os
 import torch
 
 from nanoserve.config import Optimizations
-from nanoserve.model.checkpoint_names import weight_loaders
+from nanoserve.model.checkpoint_names import VISION_WEIGHT_NAMES, loader_for, name_map, weight_loaders
 from nanoserve.model.loader import CheckpointError, load_model, resolve_quantization
 from nanoserve.model.m3 import M3ForCausalLM
 from nanoserve.model.mxfp8 import QuantizeOnLoad, is_quantized_matrix
+from nanoserve.model.vision.model import M3VisionModel
 from nanoserve.presets.catalog import MODEL_NAMES, PRESETS, SHIPPED, get_preset
-from nanoserve.presets.checkpoint_layout import random_tensors
+from nanoserve.presets.checkpoint_layout import random_tensors, random_vision_tensors
 
 
 def resolve_model_dir(model: str) -> str:
@@ -43,7 +44,7 @@ def preset_tokenizer_dir(preset: str) -> str:
 
     path = preset_cache_dir(preset) + "-tokenizer"
     if not os.path.isfile(os.path.join(path, "tokenizer.json")):
-        write_tokenizer(path)
+        write_tokenizer(path, vision=get_preset(preset).vision is not None)
     return path
 
 
@@ -56,6 +57,20 @@ def init_random_weights(model: M3ForCausalLM, preset: str, device: torch.device 
     for key, t in random_tensors(model.cfg, p.init_std, p.random_norms, p.seed, device=device):
         src = QuantizeOnLoad(t) if model.quantization and is_quantized_matrix(key, t.shape) else t
         loaders[key](src)
+
+
+def random_vision_model(preset: str, opts: Optimizations | None, dtype: torch.dtype, device: torch.device | str
+                        ) -> M3VisionModel | None:
+    """A preset drawn on the device that sees (m3-slice-vl): its vision path with the random weights a written
+    checkpoint of it would hold (checkpoint_layout.random_vision_tensors), or None for a text-only preset."""
+    p = get_preset(preset)
+    if p.vision is None:
+        return None
+    vision = M3VisionModel(p.vision, opts, dtype, device)
+    targets = name_map(vision, VISION_WEIGHT_NAMES, prefix="")
+    for key, t in random_vision_tensors(p.vision, p.init_std, p.seed).items():
+        loader_for(vision, key, targets[key])(t.to(device))
+    return vision
 
 
 def load_model_or_preset(model: str, opts: Optimizations | None = None, dtype: torch.dtype = torch.float32,

@@ -26,7 +26,7 @@ from nanoserve.model.m3_config import M3Config
 from nanoserve.model.memory_plan import DeviceMemory, engine_kv_pool_bytes
 from nanoserve.model.vision.config import VisionConfig
 from nanoserve.multimodal.processor import MultiModalProcessor
-from nanoserve.presets.resolve import load_model_or_preset
+from nanoserve.presets.resolve import load_model_or_preset, random_vision_model
 from nanoserve.runner import cuda_graphs
 from nanoserve.runner.input_prep import InputPreparer, apply_token_feed, reference_prepare
 from nanoserve.runner.kv_cache import (
@@ -134,8 +134,10 @@ class ModelRunner:
         """The checkpoint's vision tower, projector and merger, replicated on this rank (model/loader.py
         load_vision_model), or None when it has none."""
         if not os.path.isfile(os.path.join(self.model_dir, "config.json")):
-            return None  # a preset drawn on the device: its directory holds only the tokenizer
-        vision = load_vision_model(self.model_dir, self.config.optimizations, self.dtype, self.device)
+            # a preset drawn on the device (its directory holds only the tokenizer): its vision path drawn too
+            vision = random_vision_model(self.config.model, self.config.optimizations, self.dtype, self.device)
+        else:
+            vision = load_vision_model(self.model_dir, self.config.optimizations, self.dtype, self.device)
         if vision is None:
             return None
         vision.eval()

@@ -146,3 +146,20 @@ def test_loader_refuses_what_does_not_fit(tmp_path, tiny_dir):
     with pytest.raises(CheckpointError, match="vision_feature_layer"):
         load_vision_model(path)
     assert cfg.text_hidden_size == 128
+
+
+def test_a_preset_drawn_on_the_device_draws_the_vision_weights_its_checkpoint_would_hold():
+    # m3-slice-vl is drawn in device memory, vision path included (presets/resolve.random_vision_model); the same
+    # function on m3-tiny-vl must give exactly the tensors its written checkpoint holds
+    from nanoserve.presets.catalog import get_preset
+    from nanoserve.presets.resolve import random_vision_model, resolve_model_dir
+
+    drawn = random_vision_model("m3-tiny-vl", None, torch.float32, "cpu").state_dict()
+    loaded = load_vision_model(resolve_model_dir("m3-tiny-vl")).state_dict()
+    assert drawn.keys() == loaded.keys() and all(torch.equal(drawn[k], loaded[k]) for k in drawn)
+    assert random_vision_model("m3-tiny", None, torch.float32, "cpu") is None
+    slice_vl = get_preset("m3-slice-vl")  # the released tower's widths, into m3-slice's text width
+    assert slice_vl.draw_on_device and slice_vl.vision == VisionConfig(
+        text_hidden_size=6144, image_token_id=slice_vl.vision.image_token_id,
+        video_token_id=slice_vl.vision.video_token_id)
+    assert slice_vl.config.vocab_size == get_preset("m3-slice").config.vocab_size + 4
