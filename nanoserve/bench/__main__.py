@@ -23,6 +23,7 @@
     python -m nanoserve.bench --speculative [--spec-limit N]    # each drafter's acceptance and speed-up (m3-mini)
     python -m nanoserve.bench --speculative cost                # verify / decode / draft step costs (m3-slice)
     python -m nanoserve.bench --speculative host                # where a speculative step's host time goes (m3-mini)
+    python -m nanoserve.bench --vision                          # TTFT per image size, TPOT of requests with images
     python -m nanoserve.bench --compare BASE NEW                # two runs' results side by side (NEW / BASE)
     python -m nanoserve.bench --report results/ > docs/results.md   # the page of current numbers, from the records
 
@@ -132,6 +133,14 @@ def parser() -> argparse.ArgumentParser:
                          "the CPU; --quantization bf16,mxfp8 by default): TTFT, TPOT and output tok/s per GPU at TP 4 "
                          "and 8 beside SGLang's and vLLM's published numbers; 'allreduce': the all-reduce model "
                          "against gloo on this CPU (nanoserve/bench/projection.py)")
+    ap.add_argument("--vision", action="store_true", help="images through the engine (m3-slice-vl on a GPU, "
+                    "m3-tiny-vl on the CPU): TTFT per image size, and the TPOT of a batch whose requests carry an "
+                    "image each against text only (nanoserve/bench/vision.py)")
+    ap.add_argument("--vision-sizes", default=None, metavar="LIST", help="--vision: square image sides in pixels "
+                    "(default 224,448,672,1344)")
+    ap.add_argument("--vision-concurrency", type=int, default=16, metavar="N", help="--vision: requests in the "
+                    "TPOT batch")
+    ap.add_argument("--vision-repeats", type=int, default=3, metavar="N", help="--vision: requests per image size")
     ap.add_argument("--memory-plan", action="store_true", help="print the memory plan of the released M3 model "
                     "(weights and KV bytes per GPU, bf16 vs MXFP8, TP=8 and TP=8+EP on H200 and MI355X) and exit")
     ap.add_argument("--quality", action="store_true", help="a trained model (default m3-mini) on the CPU: held-out "
@@ -193,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.project:
         return _run_projection(args)
+    if args.vision:
+        return _run_vision(args)
     if args.quality:
         from nanoserve.bench.quality import run as run_quality
         from nanoserve.presets.catalog import DEFAULT_MODEL
@@ -252,8 +263,6 @@ def _formats(text: str | None) -> list[str | None]:
 
 def _run_projection(args) -> int:
     """`--project [steps|allreduce]`: print the table, write the report under --out."""
-    import json
-    import os
 
     import torch
 
@@ -270,15 +279,41 @@ def _run_projection(args) -> int:
         opts, _ = resolve_switches(device, args.cpu_reference_kernels is not False,
                                    parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
         report, name = projection.run_projection(device.type, args.dtype, formats, opts), "projection"
-    print(report["table"], flush=True)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"{name}.json"), "w") as f:
-            json.dump({**{k: v for k, v in report.items() if k != "table"}, "environment": environment(device)}, f,
-                      indent=2)
-        with open(os.path.join(args.out, f"{name}.md"), "w") as f:
-            f.write(report["table"] + "\n")
+    _write_report(args.out, name, {**report, "environment": environment(device)})
     return 0
+
+
+def _run_vision(args) -> int:
+    """`--vision`: print the tables, write the report under --out."""
+    import torch
+
+    from nanoserve.bench.session import resolve_switches
+    from nanoserve.bench.vision import SIZES, measure_vision
+
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if on_gpu else "cpu")
+    opts, _ = resolve_switches(device, args.cpu_reference_kernels is not False,
+                               parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
+    sizes = tuple(_ints(args.vision_sizes)) if args.vision_sizes else SIZES
+    report = measure_vision(args.model or ("m3-slice-vl" if on_gpu else "m3-tiny-vl"), device.type, args.dtype,
+                            sizes, args.vision_repeats, args.vision_concurrency, args.prompt_len or 256,
+                            args.output_len or 128, opts=opts, seed=args.seed)
+    _write_report(args.out, "vision", report)
+    return 0
+
+
+def _write_report(out: str | None, name: str, report: dict) -> None:
+    """Print a report's table; under `out`, write NAME.json (the report without its table) and NAME.md."""
+    import json
+    import os
+
+    print(report["table"], flush=True)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, f"{name}.json"), "w") as f:
+            json.dump({k: v for k, v in report.items() if k != "table"}, f, indent=2)
+        with open(os.path.join(out, f"{name}.md"), "w") as f:
+            f.write(report["table"] + "\n")
 
 
 PART_ESTIMATES_S = {"build": 60, "W1": 20, "W2": 40, "W4": 25, "W5": 75, "W6": 25}
