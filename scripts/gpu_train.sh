@@ -15,7 +15,8 @@
 #   2. `training.train` with $TRAIN_ARGS, its time budget set so that the export is done DEADLINE seconds after
 #      the script started; the log in $OUT/train.txt and $OUT/train_log.jsonl.
 #   3. The exported checkpoint directory as $OUT/checkpoint.tar.part-aa, -ab, ... (15 MB each); put it back with
-#      `cat checkpoint.tar.part-* | tar x -C data/run`.
+#      `cat checkpoint.tar.part-* | tar x -C data/run`. Each save during the run (every 120 s) is packed there too,
+#      so a call cut short returns the latest one.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:?set OUT to a directory for the logs and the checkpoint}
@@ -53,13 +54,28 @@ if [ "${PROFILE:-0}" = 1 ]; then
   compile=""
   if awk -v a="$eager" -v b="$compiled" 'BEGIN {exit !(b > 1.1 * a)}'; then compile="--compile"; fi
 fi
+# a call cut short (the machine taken back, the call's limit) still returns the latest save: every --save-every
+# export is packed into $OUT as the final one is, once it has not changed for 10 s (export.py writes it whole)
+pack() {
+  cp "$RUN/train_log.jsonl" "$OUT/" 2>/dev/null
+  tar cf /tmp/checkpoint.tar -C "$RUN" checkpoint && rm -f "$OUT"/checkpoint.tar.part-* \
+    && split -b 15M /tmp/checkpoint.tar "$OUT/checkpoint.tar.part-"
+}
+( packed=0
+  while sleep 15; do
+    f="$RUN/checkpoint/model.safetensors"
+    [ -f "$f" ] || continue
+    m=$(stat -c %Y "$f")
+    if [ "$m" != "$packed" ] && [ $(( $(date +%s) - m )) -ge 10 ]; then pack; packed=$m; fi
+  done ) &
+watcher=$!
 budget=$(( ${DEADLINE:-570} - ($(date +%s) - start) - 30 ))
 echo "training for $budget s ${compile:+with --compile}"
 # shellcheck disable=SC2086
 timeout $(( budget + 25 )) python3 -m training.train --device cuda $TRAIN_ARGS $compile --tokenizer "$TOKENIZER" --time-budget "$budget" \
   --save-every 120 --out "$RUN" > "$OUT/train.txt" 2>&1
 echo "train exit $?"
+kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null
 tail -3 "$OUT/train.txt"
-cp "$RUN/train_log.jsonl" "$OUT/" 2>/dev/null
-tar cf /tmp/checkpoint.tar -C "$RUN" checkpoint && split -b 15M /tmp/checkpoint.tar "$OUT/checkpoint.tar.part-"
+pack
 ls -la "$OUT"
