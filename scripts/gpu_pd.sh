@@ -15,6 +15,8 @@
 #   OUT=DIR [MODEL=m3-slice] [QUANT=mxfp8] [CONCURRENCY=1,64] [WARMUP_S=60] bash scripts/gpu_pd.sh
 #
 # with .pd carried (the GPU tool's `carry`); m3-slice in MXFP8 (26 GiB of weights) fits twice on an 80 GB card.
+# On a CPU machine with the packages installed (and no .pd), `MODEL=m3-mini QUANT=bf16 CONCURRENCY=1,4 WARMUP_S=0`
+# runs the same steps in a few minutes: a check of the script, not a measurement.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:?set OUT to a directory for the logs and results}

@@ -37,8 +37,9 @@ def model_config(model: str) -> M3Config:
     if model in PRESETS:
         return get_preset(model).config
     from nanoserve.model.loader import read_config
+    from nanoserve.presets.resolve import resolve_model_dir
 
-    return read_config(model)
+    return read_config(resolve_model_dir(model))  # a shipped model (m3-mini) by name, or a directory
 
 
 def resolve_switches(device: torch.device, cpu_reference_kernels: bool, changes: dict[str, bool]
