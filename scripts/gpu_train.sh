@@ -25,6 +25,7 @@ start=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 16384 --long-tokens 16384 --long-every 4 --text-frac 0.2 --long-text-frac 0.35 --warmup 300 --pack --init nanoserve/presets/m3_mini}
 RUN=${RUN:-/tmp/m3_mini_run}
+DEVICE=${DEVICE:-cuda}  # cpu: a check of the script (with small TRAIN_ARGS / VISION_ARGS and COMPILE=0)
 # the frozen tokenizer the package ships (the same file training.tokenizer wrote), so data/tokenizer need not travel
 TOKENIZER=${TOKENIZER:-nanoserve/presets/m3_mini/tokenizer.json}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null
@@ -42,10 +43,10 @@ compile=""
 [ "${COMPILE:-1}" = 1 ] && compile="--compile"
 if [ "${PROFILE:-0}" = 1 ]; then
   # shellcheck disable=SC2086
-  timeout 120 python3 -m training.train --device cuda --profile-steps 10 $TRAIN_ARGS --out /tmp/profile_eager \
+  timeout 120 python3 -m training.train --device "$DEVICE" --profile-steps 10 $TRAIN_ARGS --out /tmp/profile_eager \
     > /tmp/profile_eager.txt 2>&1
   # shellcheck disable=SC2086
-  timeout 240 python3 -m training.train --device cuda --profile-steps 10 $TRAIN_ARGS --compile \
+  timeout 240 python3 -m training.train --device "$DEVICE" --profile-steps 10 $TRAIN_ARGS --compile \
     --out /tmp/profile_compile > /tmp/profile_compile.txt 2>&1
   eager=$(rate /tmp/profile_eager.txt) compiled=$(rate /tmp/profile_compile.txt)
   { echo "== eager: $eager tokens/s"; cat /tmp/profile_eager.txt
@@ -72,7 +73,7 @@ watcher=$!
 budget=$(( ${DEADLINE:-570} - ($(date +%s) - start) - 30 ))
 echo "training for $budget s ${compile:+with --compile}"
 # shellcheck disable=SC2086
-timeout $(( budget + 25 )) python3 -m training.train --device cuda $TRAIN_ARGS $compile --tokenizer "$TOKENIZER" --time-budget "$budget" \
+timeout $(( budget + 25 )) python3 -m training.train --device "$DEVICE" $TRAIN_ARGS $compile --tokenizer "$TOKENIZER" --time-budget "$budget" \
   --save-every 120 --out "$RUN" > "$OUT/train.txt" 2>&1
 echo "train exit $?"
 kill "$watcher" 2>/dev/null; wait "$watcher" 2>/dev/null

@@ -19,9 +19,10 @@ INIT=${INIT:-data/run/checkpoint}
 [ -f data/prepared/chats.npz ] || { echo "no data/prepared/chats.npz: carry it"; exit 1; }
 BUDGET=${BUDGET:-300}
 RUN=${RUN:-/tmp/m3_mini_vision}
+DEVICE=${DEVICE:-cuda}  # cpu: a check of the script (with small TRAIN_ARGS / VISION_ARGS and COMPILE=0)
 echo "vision training from $INIT for $BUDGET s"
 # shellcheck disable=SC2086
-timeout $(( BUDGET + 120 )) python3 -m training.train_vision --device cuda --init "$INIT" --out "$RUN" \
+timeout $(( BUDGET + 120 )) python3 -m training.train_vision --device "$DEVICE" --init "$INIT" --out "$RUN" \
   --time-budget "$BUDGET" --text-data data/prepared ${VISION_ARGS:-} > "$OUT/vision.txt" 2>&1
 echo "vision training exit $?"
 tail -3 "$OUT/vision.txt"
