@@ -16,6 +16,8 @@ What it does:
 - rehearsal (--text-data): each step also takes --text-batch packed windows of the text chats train.py learns from
   (prepare.py's chats.npz) with their next-token and MTP losses, so fine-tuning on pictures does not wear away
   what the text model could do (tool calls, retrieval, arithmetic);
+- the host: drawing and processing a picture takes about 5 ms of a CPU thread, so --workers processes (default:
+  every core but one, at most 15) make the batches ahead of the steps;
 - the optimiser: AdamW, the vision path at --lr, the text model at --text-lr (fine-tuned gently, so its text skills
   stay), warm-up then cosine; every --eval-every steps and at the end, greedy answers to a held-out set (seeds the
   training stream never draws) graded per task (vision_tasks.grade);
@@ -104,6 +106,16 @@ class Batcher:
         self.eos = tokenizer.convert_tokens_to_ids(EOS)
         self.rendered: dict[str, str] = {}  # question -> the rendered user turn (the template is slow; questions few)
 
+    @classmethod
+    def load(cls, tokenizer_json: str, template_path: str, device: torch.device) -> "Batcher":
+        """The batcher of a run: the tokenizer with the image markers (tokenizer_json), m3-mini's chat template,
+        images of at most IMAGE_PIXELS."""
+        from transformers import PreTrainedTokenizerFast
+
+        return cls(PreTrainedTokenizerFast(tokenizer_file=tokenizer_json),
+                   MultiModalProcessor(ProcessorConfig(max_pixels=IMAGE_PIXELS)), load_chat_template(template_path),
+                   device)
+
     def prompt(self, example: vision_tasks.Example):
         """The user turn with its image, rendered and expanded: (ids, pixel values, grid)."""
         text = self.rendered.get(example.question)
@@ -116,6 +128,10 @@ class Batcher:
         return mm.input_ids, mm.pixel_values, mm.images[0].grid_thw
 
     def __call__(self, examples: list[vision_tasks.Example]):
+        return self.to_device(self.rows(examples))
+
+    def rows(self, examples: list[vision_tasks.Example]):
+        """The batch on the CPU: token rows, answer masks, the images' pixels, their grids (what a worker sends)."""
         rows, masks, pixels, grids = [], [], [], []
         for ex in examples:
             ids, pix, grid = self.prompt(ex)
@@ -124,11 +140,46 @@ class Batcher:
             masks.append([False] * len(ids) + [True] * len(answer))
             pixels.append(pix)
             grids.append(grid)
+        return rows, masks, torch.cat(pixels), grids
+
+    def to_device(self, batch):
+        rows, masks, pixels, grids = batch
         t = max(map(len, rows))
         ids = torch.tensor([r + [0] * (t - len(r)) for r in rows], device=self.device)
         mask = torch.tensor([m + [False] * (t - len(m)) for m in masks], device=self.device)
         lengths = torch.tensor([len(r) for r in rows], device=self.device)
-        return ids, mask, lengths, torch.cat(pixels).to(self.device), grids
+        return ids, mask, lengths, pixels.to(self.device), grids
+
+
+_worker_batcher: Batcher | None = None
+
+
+def _start_worker(tokenizer_json: str, template_path: str) -> None:
+    global _worker_batcher
+    torch.set_num_threads(1)
+    _worker_batcher = Batcher.load(tokenizer_json, template_path, torch.device("cpu"))
+
+
+def _worker_rows(keys: list[tuple[str, int]]):
+    """In a worker process: draw the examples of `keys` and make their batch (Batcher.rows)."""
+    return _worker_batcher.rows([vision_tasks.sample(task, seed) for task, seed in keys])
+
+
+def batches(batcher: Batcher, keys, size: int, workers: int, tokenizer_json: str, template_path: str):
+    """The training batches on the device, in the order of `keys`: drawing and processing the pictures is the
+    run's host work (about 5 ms an example), so `workers` processes make them ahead of the steps (0: in this
+    process). Either way the same batches, in the same order."""
+    chunks = ([next(keys) for _ in range(size)] for _ in iter(int, 1))
+    if workers <= 0:
+        for chunk in chunks:
+            yield batcher([vision_tasks.sample(task, seed) for task, seed in chunk])
+        return
+    import multiprocessing
+
+    # spawned, not forked: this process has the GPU open. imap keeps the workers ahead (results in order).
+    with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_json, template_path)) as pool:
+        for rows in pool.imap(_worker_rows, chunks, chunksize=1):
+            yield batcher.to_device(rows)
 
 
 def embeddings(model: M3Train, vision: M3VisionModel, ids: torch.Tensor, pixels: torch.Tensor,
@@ -220,6 +271,8 @@ def main(argv: list[str] | None = None) -> None:
                     help="prepare.py's arrays: rehearse the text chats (chats.npz) beside the pictures")
     ap.add_argument("--text-batch", type=int, default=8, help="rehearsed windows per step")
     ap.add_argument("--text-seq", type=int, default=1024, help="tokens per rehearsed window")
+    ap.add_argument("--workers", type=int, default=max(0, min(15, (os.cpu_count() or 1) - 1)),
+                    help="processes drawing the pictures ahead of the steps (0: in this process)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -228,24 +281,21 @@ def main(argv: list[str] | None = None) -> None:
     os.makedirs(args.out, exist_ok=True)
 
     from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer.from_file(os.path.join(args.init, "tokenizer.json"))
     add_vision_tokens(tok)
     tokenizer_json = os.path.join(args.out, "tokenizer.json")
     tok.save(tokenizer_json)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_file=tokenizer_json)
-    image_id = tokenizer.convert_tokens_to_ids(VISION_TOKENS[0])
+    template_path = os.path.join(args.init, "chat_template.jinja")
+    batcher = Batcher.load(tokenizer_json, template_path, device)
+    image_id = batcher.tokenizer.convert_tokens_to_ids(VISION_TOKENS[0])
     model = load_text_model(args.init, tok.get_vocab_size(), device).train()
     vision = build_vision(vision_config(model.cfg.hidden_size, image_id), device, args.seed).train()
-    processor = MultiModalProcessor(ProcessorConfig(max_pixels=IMAGE_PIXELS))
-    template = load_chat_template(os.path.join(args.init, "chat_template.jinja"))
-    batcher = Batcher(tokenizer, processor, template, device)
     opt = torch.optim.AdamW([{"params": list(vision.parameters()), "lr": args.lr, "peak": args.lr},
                              {"params": list(model.parameters()), "lr": args.text_lr, "peak": args.text_lr}],
                             weight_decay=0.01, betas=(0.9, 0.95))
     heldout = vision_tasks.heldout(args.eval_per_task)
-    examples = vision_tasks.stream(args.seed)
+    pictures = batches(batcher, vision_tasks.keys(args.seed), args.batch, args.workers, tokenizer_json, template_path)
     chats = Docs(args.text_data, "chats") if args.text_data else None
     rng = np.random.default_rng(args.seed)
     log = open(os.path.join(args.out, "train_log.jsonl"), "a")  # noqa: SIM115 - one line per step, closed at the end
@@ -255,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
         scale = min(1.0, step / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in opt.param_groups:
             group["lr"] = group["peak"] * scale
-        loss = loss_of(model, vision, batcher([next(examples) for _ in range(args.batch)]))
+        loss = loss_of(model, vision, next(pictures))
         record = {"step": step, "loss": round(float(loss.detach()), 4)}
         if chats is not None:
             main_l, mtp_l, _ = losses(model, *batch(packed_rows(chats, rng, args.text_batch, args.text_seq), device),
@@ -275,6 +325,7 @@ def main(argv: list[str] | None = None) -> None:
         if last:
             break
     log.close()
+    pictures.close()  # the workers end with the generator
     export_vl(model, vision, os.path.join(args.out, "checkpoint"), tokenizer_json)
     with open(os.path.join(args.out, "checkpoint", "generation_config.json"), "w") as f:
         json.dump(GENERATION_CONFIG, f, indent=2)

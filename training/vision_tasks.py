@@ -171,12 +171,17 @@ def sample(task: str, seed: int) -> Example:
     raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
 
 
-def stream(seed: int = 0):
-    """Training examples forever, the tasks in turn, from seeds below HELDOUT_SEED_BASE."""
+def keys(seed: int = 0):
+    """The (task, seed) of every training example, forever: the tasks in turn, seeds below HELDOUT_SEED_BASE."""
     rng = random.Random(seed)
     while True:
         for task in TASKS:
-            yield sample(task, rng.randrange(HELDOUT_SEED_BASE))
+            yield task, rng.randrange(HELDOUT_SEED_BASE)
+
+
+def stream(seed: int = 0):
+    """Training examples forever, in the order of `keys`."""
+    return (sample(task, s) for task, s in keys(seed))
 
 
 def heldout(n_per_task: int) -> list[Example]:

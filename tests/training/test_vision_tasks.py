@@ -44,7 +44,7 @@ def test_two_training_steps_export_a_checkpoint_nanoserve_serves(tmp_path):
     np.savez(tmp_path / "chats.npz", ids=ids, trains=trains, starts=np.array([0, 40]))
     main(["--init", "nanoserve/presets/m3_mini", "--out", str(out), "--steps", "2", "--batch", "2",
           "--eval-per-task", "1", "--device", "cpu", "--text-data", str(tmp_path), "--text-batch", "2",
-          "--text-seq", "32"])
+          "--text-seq", "32", "--workers", "0"])
     log = [json.loads(line) for line in open(out / "train_log.jsonl")]
     assert [r["step"] for r in log] == [1, 2] and set(log[-1]["heldout"]) == set(vision_tasks.TASKS)
     assert all(r["text_loss"] > 0 for r in log)  # random ids: the rehearsed chats' loss is far from zero
@@ -57,3 +57,23 @@ def test_two_training_steps_export_a_checkpoint_nanoserve_serves(tmp_path):
                                                      {"type": "text", "text": example.question}]}],
                        SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         assert out[0].outputs[0].token_ids and llm.engine.stats.encoder_items == 1
+
+
+def test_worker_processes_make_the_same_batches_in_the_same_order(tmp_path):
+    import torch
+    from tokenizers import Tokenizer
+
+    from nanoserve.presets.tokenizer import add_vision_tokens
+    from training.train_vision import Batcher, batches
+
+    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
+    add_vision_tokens(tok)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    args = (str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja")
+    batcher = Batcher.load(*args, torch.device("cpu"))
+    inline = batches(batcher, vision_tasks.keys(3), 3, 0, *args)
+    spread = batches(batcher, vision_tasks.keys(3), 3, 2, *args)
+    for _ in range(3):
+        a, b = next(inline), next(spread)
+        assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4] == b[4]
+    spread.close()  # the pool ends with the generator
