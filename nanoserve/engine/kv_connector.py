@@ -52,10 +52,6 @@ def check_supported(config: EngineConfig, kv: KVTransferConfig) -> None:
     if config.tensor_parallel_size > 1:
         raise ValueError(f"kv_transfer_config: prefill/decode disaggregation runs with tensor_parallel_size 1 only "
                          f"(got {config.tensor_parallel_size}): each rank would move its own shard of the blocks")
-    method = (config.speculative_config or {}).get("method")
-    if method not in (None, "ngram") and config.optimizations.speculative_decoding:
-        raise ValueError(f"kv_transfer_config: speculative decoding with a draft model ({method!r}) is not "
-                         f"served with a KV connector (the draft model's KV is not transferred); ngram is")
 
 
 @dataclass

@@ -215,10 +215,11 @@ class ModelRunner:
 
     def kv_pools(self) -> list[torch.Tensor]:
         """Every pool of the target model, block dimension first, in layer order: per layer its K/V pool, then on
-        MSA layers its index-key pool. One block id names the same block in all of them (what a KV transfer moves:
-        kv_transfer/transfer.py)."""
-        return [pool for kv, index in zip(self.kv_caches, self.index_caches)
-                for pool in ((kv,) if index is None else (kv, index))]
+        MSA layers its index-key pool; then the drafter's (MTP, EAGLE-3). One block id names the same block in all
+        of them (what a KV transfer moves: kv_transfer/transfer.py)."""
+        target = [pool for kv, index in zip(self.kv_caches, self.index_caches)
+                  for pool in ((kv,) if index is None else (kv, index))]
+        return target + (self.drafter.kv_pools() if self.drafter is not None else [])
 
     # -- one step -----------------------------------------------------------------------------------------
     def prepare(self, inp: ModelInput) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:

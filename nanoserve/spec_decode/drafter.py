@@ -104,6 +104,16 @@ class DraftRunner:
                         device=self.device),
             torch.zeros(num_blocks, self.block_size, c.index_head_dim, dtype=self.dtype, device=self.device))
 
+    def kv_pools(self) -> list[torch.Tensor]:
+        """The drafter's pools, block dimension first (MTP: its K/V and index-key pools; EAGLE-3: its K/V pool),
+        under the target's block ids: a KV transfer moves them with the target's."""
+        if isinstance(self.drafter, Eagle3Drafter):
+            pools = [self.drafter.kv_cache]
+        else:
+            attn = self.drafter.block.self_attn
+            pools = [attn.kv_cache, attn.index_cache]
+        return [p for p in pools if p is not None]
+
     # -- what it reads of the target ---------------------------------------------------------------------------
     def _tap(self, layer: int):
         def hook(module, args):

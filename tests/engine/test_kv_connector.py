@@ -224,11 +224,48 @@ def test_what_a_connector_cannot_serve_is_refused_by_name(engines):
         with pytest.raises(ValueError, match=message):
             e.add_request("refused", {"prompt_token_ids": prompt(5)}, params, kv_transfer_params=kv)
     connector = KVTransferConfig.from_dict({"kv_connector": "NixlConnector", "kv_role": "kv_both"})
-    for change, message in [({"tensor_parallel_size": 2}, "tensor_parallel_size 1 only"),
-                            ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}},
-                             "with a draft model")]:
-        with pytest.raises(ValueError, match=message):
-            check_supported(EngineConfig.from_kwargs(model="m3-tiny", **change), connector)
+    with pytest.raises(ValueError, match="tensor_parallel_size 1 only"):
+        check_supported(EngineConfig.from_kwargs(model="m3-tiny", tensor_parallel_size=2), connector)
+    check_supported(EngineConfig.from_kwargs(  # a draft model's pools move with the target's (the test below)
+        model="m3-tiny", speculative_config={"method": "mtp", "num_speculative_tokens": 1}), connector)
+
+
+def test_pd_with_mtp_drafts_as_one_engine_does():
+    """m3-mini with MTP k=3 on both sides: the decode engine's answers, its verify steps and its accepted drafts are
+    one engine's exactly - the MTP layer's KV of the prompt came with the target's (without it, on these chats, the
+    decode engine needed 24 and 16 verify steps instead of 19 and 13, and accepted 35 and 19 drafts, not 40 and
+    21). The prefill engine runs the same speculative config: the pools' layouts must match."""
+    from nanoserve.chat_template import render_chat
+
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+
+    def build(name: str, role: str) -> LLMEngine:
+        config = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": name}
+        with environ(UCX_TLS="tcp", VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+                     VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()), VLLM_NIXL_ABORT_REQUEST_TIMEOUT="10"):
+            return LLMEngine(engine_config("m3-mini", kv_transfer_config=config, speculative_config=spec))
+
+    built = [build("mtp-single", "kv_both"), build("mtp-prefill", "kv_producer"), build("mtp-decode", "kv_consumer")]
+    single, prefill, decode = built
+    tok = single.tokenizer
+    params = SamplingParams(temperature=0, max_tokens=60)
+    try:
+        for i, question in enumerate(["What is 348 + 275?", "Hello! Who are you?"]):
+            ids = tok.encode(render_chat(tok, [{"role": "user", "content": question}]), add_special_tokens=False)
+            before = [(e.stats.spec_decode_num_drafts, e.stats.spec_decode_num_accepted_tokens) for e in built]
+            alone = run(single, f"mtp-alone-{i}", ids, params)
+            first, out = pd(prefill, decode, f"mtp-{i}", ids, params)
+            after = [(e.stats.spec_decode_num_drafts, e.stats.spec_decode_num_accepted_tokens) for e in built]
+            steps = [(a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before)]
+            assert out.outputs[0].token_ids == alone.outputs[0].token_ids and out.num_cached_tokens == len(ids) - 1
+            assert steps[2] == steps[0] and steps[0][1] > 0, steps  # the same drafts, the same acceptance
+        for e in built:
+            drain(e)
+            e.block_manager.check_integrity()
+            assert e.block_manager.num_free_blocks == e.block_manager.num_blocks
+    finally:
+        for e in built:
+            e.shutdown()
 
 
 def test_an_engine_without_a_connector_refuses_the_params():
