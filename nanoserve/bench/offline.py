@@ -330,15 +330,13 @@ def drive(engine: LLMEngine, wl: Workload, tag: str = "run") -> tuple[list[Reque
     return [results[i] for i in ids], wall
 
 
-def result_from_outputs(wl: Workload, outputs: list[RequestOutput], wall: float, engine_name: str, mode: str,
-                        opts: Optimizations | None, cost: ModelCost, hw: Ceilings, engine_stats=None,
-                        keep_tokens: bool = True) -> RunResult:
+def latencies_ms(outputs: list[RequestOutput]) -> tuple[list[float], list[float], list[float]]:
+    """Each finished request's TTFT, TPOT ((last token - first token) / (tokens - 1), requests of 2 tokens or more)
+    and end-to-end latency, in milliseconds, from its metrics."""
     ttft, tpot, e2e = [], [], []
-    out_tokens = 0
     for o in outputs:
         m = o.metrics
         n = len(o.outputs[0].token_ids)
-        out_tokens += n
         if m is None or m.first_token_time is None:
             continue
         ttft.append((m.first_token_time - m.arrival_time) * 1e3)
@@ -346,6 +344,14 @@ def result_from_outputs(wl: Workload, outputs: list[RequestOutput], wall: float,
             tpot.append((m.last_token_time - m.first_token_time) / (n - 1) * 1e3)
         end = m.finished_time or m.last_token_time
         e2e.append((end - m.arrival_time) * 1e3)
+    return ttft, tpot, e2e
+
+
+def result_from_outputs(wl: Workload, outputs: list[RequestOutput], wall: float, engine_name: str, mode: str,
+                        opts: Optimizations | None, cost: ModelCost, hw: Ceilings, engine_stats=None,
+                        keep_tokens: bool = True) -> RunResult:
+    ttft, tpot, e2e = latencies_ms(outputs)
+    out_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     prompt_tokens = sum(len(r.prompt_ids) for r in wl.requests)
     t, f = stats(tpot), stats(ttft)
     extra = {}

@@ -14,10 +14,10 @@ new (its pixels drawn from a seeded generator), so neither the encoder cache nor
 the image's tokens, the vision model's time (the engine's encoder_seconds), TTFT (mean of --vision-repeats).
 
 **TPOT with images.** `--vision-concurrency` requests at once, each a prompt of --prompt-len text tokens (default
-256) and 128 output tokens (ignore_eos, greedy): once text only, once with one new --vision-tpot-size image each
-(default 1344: 576 image tokens). TPOT is each request's (last token - first token) / (tokens - 1), so the images'
-encoding (part of the prefill) is in TTFT, not TPOT; what an image adds to TPOT is its tokens in the KV cache that
-every decode step reads. The ratio is the table's last column (the target: within 10 %).
+256) and 128 output tokens (ignore_eos, greedy): once text only, once with one new 1344 x 1344 image each
+(`measure_vision`'s tpot_size: 576 image tokens). TPOT is each request's (last token - first token) / (tokens - 1),
+so the images' encoding (part of the prefill) is in TTFT, not TPOT; what an image adds to TPOT is its tokens in the
+KV cache that every decode step reads. The ratio is the table's last column (the target: within 10 %).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import time
 import numpy as np
 
 from nanoserve.bench.env import environment
+from nanoserve.bench.offline import latencies_ms, stats
 
 SIZES = (224, 448, 672, 1344)
 """Square image sides (pixels) timed for TTFT: 64, 256, 576 and (resized to 672) 576 image tokens."""
@@ -43,15 +44,6 @@ def _image(rng: np.random.Generator, size: int):
 def _prompt(image_marker: str, words: int = 0) -> str:
     filler = " ".join(["context"] * words)
     return (f"{image_marker}{QUESTION} {filler}").strip()
-
-
-def _tpot_ms(outputs) -> list[float]:
-    out = []
-    for o in outputs:
-        m, n = o.metrics, len(o.outputs[0].token_ids)
-        if m is not None and m.first_token_time is not None and m.last_token_time is not None and n > 1:
-            out.append((m.last_token_time - m.first_token_time) / (n - 1) * 1e3)
-    return out
 
 
 def measure_vision(model: str, device: str, dtype: str = "auto", sizes: tuple[int, ...] = SIZES,
@@ -102,12 +94,10 @@ def measure_vision(model: str, device: str, dtype: str = "auto", sizes: tuple[in
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall = time.perf_counter() - t0
-        tpot = _tpot_ms(outs)
+        ttft, tpot, _ = (stats(v) for v in latencies_ms(outs))
         batches[name] = {"requests": concurrency, "prompt_tokens_mean": statistics.mean(len(o.prompt_token_ids)
                                                                                          for o in outs),
-                         "tpot_ms_mean": statistics.mean(tpot), "tpot_ms_p50": statistics.median(tpot),
-                         "ttft_ms_mean": statistics.mean((o.metrics.first_token_time - o.metrics.arrival_time) * 1e3
-                                                         for o in outs),
+                         "tpot_ms_mean": tpot["mean"], "tpot_ms_p50": tpot["p50"], "ttft_ms_mean": ttft["mean"],
                          "output_tok_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall}
     env = environment(engine.executor.device)
     llm.shutdown()
