@@ -264,20 +264,16 @@ def _formats(text: str | None) -> list[str | None]:
 def _run_projection(args) -> int:
     """`--project [steps|allreduce]`: print the table, write the report under --out."""
 
-    import torch
-
     from nanoserve.bench import projection
     from nanoserve.bench.env import environment
-    from nanoserve.bench.session import resolve_switches
+    from nanoserve.bench.session import device_and_switches
 
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if on_gpu else "cpu")
+    device, opts = device_and_switches(args)
     if args.project == "allreduce":
         report, name = projection.run_allreduce_check(), "allreduce_model"
     else:
-        formats = [f or "bf16" for f in _formats(args.quantization or ("bf16,mxfp8" if on_gpu else "bf16"))]
-        opts, _ = resolve_switches(device, args.cpu_reference_kernels is not False,
-                                   parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
+        formats = [f or "bf16" for f in _formats(args.quantization or
+                                                 ("bf16,mxfp8" if device.type == "cuda" else "bf16"))]
         report, name = projection.run_projection(device.type, args.dtype, formats, opts), "projection"
     _write_report(args.out, name, {**report, "environment": environment(device)})
     return 0
@@ -285,19 +281,14 @@ def _run_projection(args) -> int:
 
 def _run_vision(args) -> int:
     """`--vision`: print the tables, write the report under --out."""
-    import torch
-
-    from nanoserve.bench.session import resolve_switches
+    from nanoserve.bench.session import device_and_switches
     from nanoserve.bench.vision import SIZES, measure_vision
 
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda" if on_gpu else "cpu")
-    opts, _ = resolve_switches(device, args.cpu_reference_kernels is not False,
-                               parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
+    device, opts = device_and_switches(args)
     sizes = tuple(_ints(args.vision_sizes)) if args.vision_sizes else SIZES
-    report = measure_vision(args.model or ("m3-slice-vl" if on_gpu else "m3-tiny-vl"), device.type, args.dtype,
-                            sizes, args.vision_repeats, args.vision_concurrency, args.prompt_len or 256,
-                            args.output_len or 128, opts=opts, seed=args.seed)
+    model = args.model or ("m3-slice-vl" if device.type == "cuda" else "m3-tiny-vl")
+    report = measure_vision(model, device.type, args.dtype, sizes, args.vision_repeats, args.vision_concurrency,
+                            args.prompt_len or 256, args.output_len or 128, opts=opts, seed=args.seed)
     _write_report(args.out, "vision", report)
     return 0
 

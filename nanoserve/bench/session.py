@@ -42,6 +42,17 @@ def model_config(model: str) -> M3Config:
     return read_config(resolve_model_dir(model))  # a shipped model (m3-mini) by name, or a directory
 
 
+def device_and_switches(args) -> tuple[torch.device, Optimizations]:
+    """The device bench's --device names (auto: a GPU when there is one) and the bench's switches there: on the CPU
+    the reference kernels (Triton would run in its interpreter) unless --no-cpu-reference-kernels, then --switch and
+    --enforce-eager."""
+    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda" if on_gpu else "cpu")
+    opts, _ = resolve_switches(device, args.cpu_reference_kernels is not False,
+                               parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
+    return device, opts
+
+
 def resolve_switches(device: torch.device, cpu_reference_kernels: bool, changes: dict[str, bool]
                      ) -> tuple[Optimizations, dict[str, str]]:
     """The effective switches: defaults, then CPU reference kernels / unavailable kernels off, then explicit

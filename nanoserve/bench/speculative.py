@@ -251,17 +251,13 @@ def acceptance_table(report: dict[str, Any]) -> str:
 def run(args) -> int:
     """`python -m nanoserve.bench --speculative [acceptance|cost|host]`: print the report, write it under --out;
     exit status 1 when greedy output changed with speculation."""
-    from nanoserve.bench.session import parse_switch_changes, resolve_switches
+    from nanoserve.bench.session import device_and_switches
     from nanoserve.cpu_threads import configure_cpu_threads
 
-    on_gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-    device = "cuda" if on_gpu else "cpu"
+    dev, opts = device_and_switches(args)
+    on_gpu, device = dev.type == "cuda", dev.type
     if not on_gpu:
         configure_cpu_threads(args.cpu_threads)
-    # the bench's switches: on the CPU the reference kernels (Triton would run in its interpreter) unless
-    # --no-cpu-reference-kernels, then --switch and --enforce-eager
-    opts, _ = resolve_switches(torch.device(device), args.cpu_reference_kernels is not False,
-                               parse_switch_changes(args.switch, {"enforce_eager": args.enforce_eager}))
     if args.speculative == "cost":
         from nanoserve.bench.speculative_cost import measure_costs
 
