@@ -25,7 +25,7 @@ start=$(date +%s)
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 TRAIN_ARGS=${TRAIN_ARGS:---batch 16 --seq 1280 --long-seq 16384 --long-tokens 16384 --long-every 4 --text-frac 0.2 --long-text-frac 0.35 --warmup 300 --pack --init nanoserve/presets/m3_mini}
 RUN=${RUN:-/tmp/m3_mini_run}
-DEVICE=${DEVICE:-cuda}  # cpu: a check of the script (with small TRAIN_ARGS / VISION_ARGS and COMPILE=0)
+DEVICE=${DEVICE:-cuda}  # cpu: a check of the script (with small TRAIN_ARGS and COMPILE=0)
 # the frozen tokenizer the package ships (the same file training.tokenizer wrote), so data/tokenizer need not travel
 TOKENIZER=${TOKENIZER:-nanoserve/presets/m3_mini/tokenizer.json}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null

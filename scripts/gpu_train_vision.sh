@@ -15,11 +15,10 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 INIT=${INIT:-data/run/checkpoint}
 [ -f "$INIT/model.safetensors" ] || INIT=nanoserve/presets/m3_mini
-[ -f "$INIT/chat_template.jinja" ] || cp nanoserve/presets/m3_mini/chat_template.jinja "$INIT/"
 [ -f data/prepared/chats.npz ] || { echo "no data/prepared/chats.npz: carry it"; exit 1; }
 BUDGET=${BUDGET:-300}
 RUN=${RUN:-/tmp/m3_mini_vision}
-DEVICE=${DEVICE:-cuda}  # cpu: a check of the script (with small TRAIN_ARGS / VISION_ARGS and COMPILE=0)
+DEVICE=${DEVICE:-cuda}  # cpu: a check of the script (with a small BUDGET and VISION_ARGS)
 echo "vision training from $INIT for $BUDGET s"
 # shellcheck disable=SC2086
 timeout $(( BUDGET + 120 )) python3 -m training.train_vision --device "$DEVICE" --init "$INIT" --out "$RUN" \
