@@ -615,10 +615,10 @@ def test_the_bench_reads_a_models_config_by_any_name_the_server_takes(tmp_path):
     # `--serve URL --model m3-mini` (scripts/gpu_pd.sh on a CPU) once failed: the shipped model's name was read as a
     # directory
     from nanoserve.bench.session import model_config
-    from nanoserve.model.loader import read_config
+    from nanoserve.model.loader import CheckpointError, read_config
     from nanoserve.presets.catalog import SHIPPED, get_preset
 
     assert model_config("m3-mini") == read_config(SHIPPED["m3-mini"])
     assert model_config("m3-slice") == get_preset("m3-slice").config
-    with pytest.raises(Exception, match="does not exist"):
+    with pytest.raises(CheckpointError, match="does not exist"):
         model_config(str(tmp_path / "nowhere"))
