@@ -17,7 +17,9 @@ the router sends the original request to a decode server with those parameters; 
   the prefill server keeps serving and frees the blocks at VLLM_NIXL_ABORT_REQUEST_TIMEOUT, the router's health
   check drops the dead server and the client's retry is served by the other decode server;
 - a prefill server killed: the router's health check drops it, and the next requests are served by the other
-  prefill server, with the same answers.
+  prefill server, with the same answers;
+- both servers with MTP speculative decoding: the same answers through the router, and the decode server's drafts
+  accepted (the drafter's KV moved with the target's).
 """
 
 from __future__ import annotations
@@ -73,13 +75,13 @@ MANY = ([("chat", {**WEATHER, "messages": [{"role": "user", "content": f"What's 
 needed, completions), half streamed: what the router's P/D run sends at once."""
 
 
-def pd_server(logs, name: str, role: str) -> ServerProcess:
+def pd_server(logs, name: str, role: str, *flags: str) -> ServerProcess:
     """An m3-mini server with the agent flags and a NIXL connector in `role`, its side channel on a free port."""
     env = {"UCX_TLS": "tcp", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()), "VLLM_NIXL_ABORT_REQUEST_TIMEOUT": str(ABORT_TIMEOUT_S)}
     config = {"kv_connector": "NixlConnector", "kv_role": role, "engine_id": name}
     return ServerProcess(MODEL, logs / f"{name}.log", *AGENT_FLAGS, "--max-model-len", "2048",
-                         "--kv-transfer-config", json.dumps(config), name=MODEL, env=env)
+                         "--kv-transfer-config", json.dumps(config), *flags, name=MODEL, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +185,22 @@ def test_pd_through_the_router_gives_one_servers_answers(servers, tmp_path):
     assert moved["external_kv_transfer"] > 0 and moved["local_cache_hit"] > 0, moved
     wait_until(lambda: blocks_in_use(prefill) == 0 and blocks_in_use(decode) == 0, timeout=10,
                what="every KV block to come back on both servers")
+
+
+def test_pd_with_mtp_on_both_servers_gives_one_servers_answers(tmp_path):
+    """Both servers started with MTP k=3 (the drafter's KV pools move with the target's): through the router, the
+    answers of the prefill server asked plainly, and the decode server's drafts are accepted."""
+    mtp = ("--speculative-config", json.dumps({"method": "mtp", "num_speculative_tokens": 3}))
+    requests = MANY[10:20]  # the sums, with thinking: long answers, where drafts pay
+    with pd_server(tmp_path, "mtp-prefill", "kv_producer", *mtp) as prefill, \
+            pd_server(tmp_path, "mtp-decode", "kv_consumer", *mtp) as decode:
+        single = send_all(prefill.url, requests)
+        with pd_router(tmp_path, [prefill], [decode]) as router:
+            assert send_all(router.url, requests) == single
+        assert by_source(decode)["local_compute"] == len(requests)  # the prompts' last tokens only
+        assert metric(scrape(decode), "vllm:spec_decode_num_accepted_tokens_total") > 0
+        wait_until(lambda: blocks_in_use(prefill) == 0 and blocks_in_use(decode) == 0, timeout=10,
+                   what="every KV block to come back on both servers")
 
 
 @pytest.mark.parametrize("body, message", [
