@@ -26,6 +26,9 @@ not changed), time each phase of every engine step:
     step            the whole engine.step
     outside step    generate()'s time outside engine.step (add_request, the generate loop), per step
 
+On a GPU, CUDA events recorded around each step's forward, draft chain and sampling add the device's side: its
+time per step, and the bubbles where it waited for the host (bench/device_timeline.py).
+
 How to read it: each phase row is its mean milliseconds per step, where a step is one forward of the target model
 (a prefill, a decode or a verify step: tokens per step is output tokens / steps). With overlap_scheduling (on by
 default) one step() call receives the previous step's tokens and launches the next, and a request's last step()
@@ -45,6 +48,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from nanoserve.bench.device_timeline import DeviceTimeline
+from nanoserve.bench.device_timeline import install as install_timeline
 from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
     NO_ASYNC,
@@ -72,6 +77,13 @@ PHASE_SOURCES = {"launch": "engine.launch", "schedule": "engine.scheduler.schedu
                  "sample_tokens": "engine.executor.sample_tokens", "update": "engine.update",
                  "result": "the step's future, result()", "propose": "the runner's Proposer.propose",
                  "propose_drafts": "the runner's propose_drafts", "outputs": "engine.outputs"}
+
+DEVICE_ROWS = (("device: forward (inputs staged, forward queued)", "forward_ms", ".3f"),
+               ("device: draft chain (the steps that ran one)", "chain_ms", ".3f"),
+               ("device: span of a step (first work to sampling queued)", "device_ms", ".3f"),
+               ("device: bubble (idle between a step and the next)", "bubble_ms", ".3f"),
+               ("device: idle share (bubbles / (spans + bubbles))", "idle_share", ".2f"))
+"""The device's side of a step, from CUDA events (on a GPU): mean ms per step (bench/device_timeline.py)."""
 
 
 def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict | None, str | None]]:
@@ -196,10 +208,16 @@ def _measure_one(model: str, device: str, dtype: str, config: dict | None, rows:
         llm.generate([rows[0]["prompt"]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
         timer = PhaseTimer()
         install_timers(engine, timer)
+        timeline = None
+        if engine.executor.device.type == "cuda":  # events on the stream: what the device did meanwhile
+            timeline = DeviceTimeline()
+            install_timeline(engine, timeline)
         stats = engine.stats
         drafts0, accepted0 = stats.spec_decode_num_drafts, stats.spec_decode_num_accepted_tokens
         outs, wall = [], 0.0
         for r in rows:
+            if timeline is not None:
+                timeline.boundary()
             t0 = time.perf_counter()
             out = llm.generate([r["prompt"]], SamplingParams(temperature=0.0, max_tokens=max_tokens_for(r["task"])),
                                use_tqdm=False)[0]
@@ -207,6 +225,10 @@ def _measure_one(model: str, device: str, dtype: str, config: dict | None, rows:
             outs.append(list(out.outputs[0].token_ids))
         num_drafts = stats.spec_decode_num_drafts - drafts0
         num_accepted = stats.spec_decode_num_accepted_tokens - accepted0
+        if timeline is not None:
+            import torch
+
+            torch.cuda.synchronize()
     finally:
         llm.shutdown()
     steps = timer.calls["execute_model"]  # target forwards
@@ -226,7 +248,8 @@ def _measure_one(model: str, device: str, dtype: str, config: dict | None, rows:
               "outside_step_ms_per_step": per_step_ms(wall - step_s),
               "ms_per_token": step_s * 1e3 / tokens if tokens else None,
               "num_drafts": num_drafts, "num_accepted_tokens": num_accepted,
-              "mean_accepted_length": 1.0 + num_accepted / num_drafts if num_drafts else None}
+              "mean_accepted_length": 1.0 + num_accepted / num_drafts if num_drafts else None,
+              "device": timeline.summary() if timeline is not None else None}
     return result, outs
 
 
@@ -264,6 +287,10 @@ def host_table(report: dict[str, Any]) -> str:
                             ("mean accepted length", "mean_accepted_length", ".2f"),
                             ("**ms / token** (step time per output token)", "ms_per_token", ".3f")):
         lines.append(f"| {label} | " + " | ".join(_f(c[key], fmt) for c in configs.values()) + " |")
+    if any(c.get("device") for c in configs.values()):  # on a GPU: the device's side (bench/device_timeline.py)
+        for label, key, fmt in DEVICE_ROWS:
+            cells = [_f((c.get("device") or {}).get(key), fmt) for c in configs.values()]
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
     for name, why in report["skipped"].items():
         lines.append(f"\n{name}: skipped, {why}")
     if not report["identical"]:
