@@ -95,7 +95,8 @@ def hf_features(hf, pix: torch.Tensor, grids: list[tuple[int, int, int]], max_fr
     cut = [(min(max_frames, t - s), h, w) for t, h, w in grids for s in range(0, t, max_frames)]
     with torch.no_grad():  # (the grid on the pixels' device: transformers computes its rotary positions from it)
         out = hf.model.get_image_features(pix, torch.tensor(cut, device=pix.device))
-    return torch.cat(out.pooler_output)
+    pooled = out.pooler_output  # one tensor per image in 5.25; already concatenated in 5.17 (the GPU image's)
+    return pooled if isinstance(pooled, torch.Tensor) else torch.cat(pooled)
 
 
 def assert_close(ours: torch.Tensor, ref: torch.Tensor, label: str, atol: float = FP32_ATOL) -> None:
