@@ -7,7 +7,8 @@
 #      0.45 of it; the decode server's 0.9 counts the prefill server's share: nanoserve's utilization is of the whole
 #      card, others' memory included), NixlConnector between them (UCX picks CUDA IPC on one GPU), behind
 #      vllm-router --vllm-pd-disaggregation: the same requests and answers.
-# Then a table: TTFT and TPOT (p50, mean) and output tok/s of each at each concurrency, the answers that match,
+# Then a table: TTFT and TPOT (p50, mean) and output tok/s of each at each concurrency, the answers that match (and,
+# as their control, the one server's answers to the same 8 asked again, their prompts then from its prefix cache),
 # where the decode server's prompt tokens came from (vllm:prompt_tokens_by_source) and the blocks each server still
 # holds. Everything goes under $OUT as it is made; the table is printed last.
 #
@@ -62,7 +63,11 @@ measure() {  # url name: the W3 client at each concurrency (W2's shape), then th
     --concurrency "$CONCURRENCY" --requests-per-concurrency 1 --prompt-len 1024 --output-len 256 \
     --out "$OUT/$2" > "$OUT/$2.txt" 2>&1
   echo "$2 sweep exit $?"
-  python3 - "$1" "$OUT/$2_answers.json" <<'EOF'
+  answers "$1" "$OUT/$2_answers.json"
+}
+
+answers() {  # url file: 8 greedy completions, one at a time
+  python3 - "$1" "$2" <<'EOF'
 import json, sys, urllib.request
 url, path = sys.argv[1], sys.argv[2]
 answers = []
@@ -88,6 +93,9 @@ single=$!
 PIDS+=("$single")
 wait_up 8123 "$single" || { tail -20 "$OUT/single_server.txt"; exit 1; }
 measure http://127.0.0.1:8123 single
+# the same 8 again: their prompts' full blocks now come from the prefix cache and only the rest is computed, as on
+# a decode server - the control for the answers' comparison (a difference here is the model's rounding, not P/D's)
+answers http://127.0.0.1:8123 "$OUT/single_again_answers.json"
 kill -TERM "$single"; wait "$single" 2>/dev/null
 
 # -- 2. prefill + decode on the same GPU, behind the router --------------------------------------------------------------
@@ -152,11 +160,15 @@ for c in sorted(set(single) | set(pd)):
         if lv:
             print(f"{name:<10}{c:>4}{lv['completed']:>5}{lv['output_throughput']:>11.0f}{lv['ttft_ms']['p50']:>10.1f}"
                   f"{lv['ttft_ms']['mean']:>11.1f}{lv['tpot_ms']['p50']:>10.2f}{lv['tpot_ms']['mean']:>11.2f}")
-a, b = (json.load(open(os.path.join(out, f"{n}_answers.json"))) for n in ("single", "pd"))
-same = sum(x == y for x, y in zip(a, b))
-firsts = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
-          for x, y in zip(a, b) if x != y and isinstance(x, list) and isinstance(y, list)]
-print(f"greedy answers identical: {same}/{len(a)}" + (f" (the others part at tokens {firsts})" if firsts else ""))
+def compare(label, a, b):
+    same = sum(x == y for x, y in zip(a, b))
+    firsts = [next((i for i, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+              for x, y in zip(a, b) if x != y and isinstance(x, list) and isinstance(y, list)]
+    print(f"{label}: {same}/{len(a)}" + (f" (the others part at tokens {firsts})" if firsts else ""))
+
+single_a, pd_a, again = (json.load(open(os.path.join(out, f"{n}_answers.json"))) for n in ("single", "pd", "single_again"))
+compare("greedy answers identical, P/D against one server", single_a, pd_a)
+compare("control: one server asked again, prompts from its prefix cache", single_a, again)
 d, p = os.path.join(out, "decode_metrics.txt"), os.path.join(out, "prefill_metrics.txt")
 print("decode server's prompt tokens: " + ", ".join(
     f"{s} {metric(d, 'vllm:prompt_tokens_by_source_total', source=s):.0f}"
