@@ -11,8 +11,10 @@ the LM head over the whole vocabulary, staging, launches): T = F + n_dense x d +
 kinds - dense (full attention + dense MLP; M3's layers 0-2) and sparse (MSA + MoE; layers 3-59). Three models of
 the preset's widths with its random weights are built in turn and timed on the engine's model runner, as the engine
 runs a step (decode under CUDA graphs where they apply, prefill eagerly): [dense, sparse], [dense, sparse, sparse,
-sparse] and [sparse]. The first two give s, the first and third d, and then F. Each kind is timed at the steps the
-comparisons need: decode at a batch and a context, prefill of a prompt from an empty context.
+sparse], [sparse] and [dense x 4, sparse]. A least-squares fit of their times gives s, d and F (four variants for
+three costs: the dense layer, small beside the sparse one, is timed four times over, so timing noise does not swamp
+it). Each kind is timed at the steps the comparisons need: decode at a batch and a context, prefill of a prompt from
+an empty context.
 
 **Modelled: M3 over TP ranks.** M3 = F + 3 d + 57 s of the measured costs, each rank computing 1/TP of every layer
 and of the LM head (an ideal split: M3's 4 KV heads are replicated past TP 4, so its attention reads at TP 8 are
@@ -44,8 +46,11 @@ AR_LATENCY_US = 15.0
 """Stated: one NCCL all-reduce of a few hidden vectors on NVLink, in microseconds (latency-bound)."""
 NVLINK_BUS_GBPS = 360.0
 """Stated: NCCL's all-reduce bus bandwidth between 8 H100 / H200 SXM GPUs (NVLink 4: 450 GB/s a direction)."""
-VARIANTS = {"1d+1s": ["dense", "sparse"], "1d+3s": ["dense", "sparse", "sparse", "sparse"], "1s": ["sparse"]}
-"""The models timed (layer kinds in order): their three step times give F, d and s."""
+VARIANTS = {"1d+1s": ["dense", "sparse"], "1d+3s": ["dense", "sparse", "sparse", "sparse"], "1s": ["sparse"],
+            "4d+1s": ["dense", "dense", "dense", "dense", "sparse"]}
+"""The models timed (layer kinds in order): their step times give F, d and s by least squares. A dense layer costs
+a tenth of a sparse one or less, so it is timed four times over: an error e in each variant's time moves d by at
+most 0.54 e, where the difference of two variants that differ by one dense layer moves it by up to 2 e."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,11 +81,13 @@ def allreduce_s(nbytes: float, tp: int, latency_us: float = AR_LATENCY_US, bus_g
     return latency_us * 1e-6 + moved / (bus_gbps * 1e9)
 
 
-def decompose(t_1d1s: float, t_1d3s: float, t_1s: float) -> dict[str, float]:
-    """The per-kind costs from the three variants' step times: s (a sparse layer), d (a dense one), F (the rest)."""
-    s = (t_1d3s - t_1d1s) / 2
-    d = t_1d1s - t_1s
-    return {"sparse_layer": s, "dense_layer": d, "rest": t_1s - s}
+def decompose(times: dict[str, float]) -> dict[str, float]:
+    """The per-kind costs from the variants' step times ({VARIANTS label: seconds}): s (a sparse layer), d (a dense
+    one), F (the rest), the least-squares fit of T = F + n_dense x d + n_sparse x s over the variants."""
+    labels = list(times)
+    design = np.array([[1.0, VARIANTS[v].count("dense"), VARIANTS[v].count("sparse")] for v in labels])
+    (f, d, s), *_ = np.linalg.lstsq(design, np.array([times[v] for v in labels]), rcond=None)
+    return {"sparse_layer": float(s), "dense_layer": float(d), "rest": float(f)}
 
 
 def m3_step(costs: dict[str, float], tp: int, tokens: int, hidden: int, vocab: int, **ar) -> float:
@@ -206,7 +213,7 @@ def measure(base: str, device: str, dtype: str, formats, workloads, repeats: int
                                             repeats, optimizations)
         measured["variants"][fmt] = times
         measured["formats"][fmt] = {
-            step: {w.name: decompose(*(times[v][step][w.name] for v in VARIANTS)) for w in workloads}
+            step: {w.name: decompose({v: times[v][step][w.name] for v in VARIANTS}) for w in workloads}
             for step in ("decode", "prefill")}
     return measured
 
