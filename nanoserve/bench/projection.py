@@ -8,7 +8,7 @@ A projection, not a measurement: no machine here holds the released model. What 
 
 **Measured: what a layer costs.** A step's time is a sum over its layers plus what is not a layer (the embedding,
 the LM head over the whole vocabulary, staging, launches): T = F + n_dense x d + n_sparse x s, with M3's two layer
-kinds - dense (full attention + dense MLP; M3's layers 0-2) and sparse (MSA + MoE; layers 3-59). Three models of
+kinds - dense (full attention + dense MLP; M3's layers 0-2) and sparse (MSA + MoE; layers 3-59). Four models of
 the preset's widths with its random weights are built in turn and timed on the engine's model runner, as the engine
 runs a step (decode under CUDA graphs where they apply, prefill eagerly): [dense, sparse], [dense, sparse, sparse,
 sparse], [sparse] and [dense x 4, sparse]. A least-squares fit of their times gives s, d and F (four variants for
@@ -199,7 +199,7 @@ def time_variant(model: str, device: str, dtype: str, quantization: str | None, 
 
 
 def measure(base: str, device: str, dtype: str, formats, workloads, repeats: int, optimizations=None) -> dict:
-    """Each format's per-kind costs for every workload's decode and prefill steps (the three variants timed)."""
+    """Each format's per-kind costs for every workload's decode and prefill steps (the four variants timed)."""
     from nanoserve.presets.catalog import get_preset
 
     cfg = get_preset(base).config
