@@ -10,7 +10,8 @@
 # Then a table: TTFT and TPOT (p50, mean) and output tok/s of each at each concurrency, the answers that match (and,
 # as their control, the one server's answers to the same 8 asked again, their prompts then from its prefix cache),
 # where the decode server's prompt tokens came from (vllm:prompt_tokens_by_source) and the blocks each server still
-# holds. Everything goes under $OUT as it is made; the table is printed last.
+# holds. Everything goes under $OUT as it is made; the table is printed last and kept in $OUT/table.txt, and all of
+# $OUT is packed into $OUT/pd_run.tgz at the end.
 #
 #   bash scripts/pd_bundle.sh                          # here, with the package index: .pd/pd-a.tar.xz
 #   OUT=DIR [MODEL=m3-slice] [QUANT=mxfp8] [CONCURRENCY=1,64] [WARMUP_S=60] bash scripts/gpu_pd.sh
@@ -122,7 +123,7 @@ metrics 8100 "$OUT/prefill_metrics.txt"
 metrics 8200 "$OUT/decode_metrics.txt"
 
 # -- the table --------------------------------------------------------------------------------------------------------
-python3 - "$OUT" <<'EOF'
+python3 - "$OUT" > "$OUT/table.txt" <<'EOF'
 import json, os, re, sys
 out = sys.argv[1]
 
@@ -176,3 +177,6 @@ print("decode server's prompt tokens: " + ", ".join(
 print(f"KV blocks in use after the run: prefill {metric(p, 'vllm:kv_cache_usage_perc'):.3f}, "
       f"decode {metric(d, 'vllm:kv_cache_usage_perc'):.3f}")
 EOF
+cat "$OUT/table.txt"
+# everything in one file as well (a file transfer may return only a few files: the sweeps' JSON is in here)
+tar czf /tmp/pd_run.tgz -C "$OUT" . 2>/dev/null && mv /tmp/pd_run.tgz "$OUT/"
