@@ -8,11 +8,14 @@ side:
     forward after the forward is queued (a decode or verify graph replayed, or the eager launches)
     end     after the step's sampling, verification and draft chain are queued (`sample_tokens` returned)
 
-and two more around the draft chain (`chain_start`, `chain`) when a verify step runs one. From them, per step:
-`forward` = start -> forward, `chain` = chain_start -> chain, `device` = start -> end (the device's span of the step:
-its work, and any wait for the host inside the step), and the **bubble** before the next step = end -> next start:
-the device idle because the host had not launched the next step yet (0 where the host is a step ahead). Steps of
-different requests are not compared (`boundary()` between them): the gap there is the client's, not the engine's.
+and two more around the draft chain (`chain_start`, `chain`) when a verify step runs one, and around a draft
+model's passes made once the step's tokens are on the host (`draft_start`, `draft`: the runner's `propose_drafts`,
+where no chain made the drafts). From them, per step: `forward` = start -> forward, `chain` = chain_start -> chain,
+`draft` = draft_start -> draft, `device` = start -> end (the device's span of the step: its work, and any wait for
+the host inside the step), and the **bubble** before the next step = end -> next start, less the draft passes run
+in that gap: the device idle because the host had not launched the next step yet (0 where the host is a step
+ahead). Steps of different requests are not compared (`boundary()` between them): the gap there is the client's,
+not the engine's.
 """
 
 from __future__ import annotations
@@ -74,9 +77,10 @@ class DeviceTimeline:
         complete = [s for s in self.steps if "start" in s and "end" in s]
         forward = [s["start"].elapsed_time(s["forward"]) for s in complete if "forward" in s]
         chain = [s["chain_start"].elapsed_time(s["chain"]) for s in complete if "chain" in s and "chain_start" in s]
+        draft = [_draft_ms(s) for s in complete if "draft" in s]
         spans = [s["start"].elapsed_time(s["end"]) for s in complete]
         starts = set(self.segments)
-        bubbles = [max(0.0, a["end"].elapsed_time(b["start"]))
+        bubbles = [max(0.0, a["end"].elapsed_time(b["start"]) - _draft_ms(a))
                    for i, (a, b) in enumerate(zip(self.steps, self.steps[1:]), start=1)
                    if i not in starts and "end" in a and "start" in b]
 
@@ -85,8 +89,14 @@ class DeviceTimeline:
 
         busy, idle = sum(spans), sum(bubbles)
         return {"steps": len(complete), "forward_ms": mean(forward), "chain_ms": mean(chain),
-                "chain_steps": len(chain), "device_ms": mean(spans), "bubble_ms": mean(bubbles),
+                "chain_steps": len(chain), "draft_ms": mean(draft), "draft_steps": len(draft),
+                "device_ms": mean(spans), "bubble_ms": mean(bubbles),
                 "idle_share": idle / (busy + idle) if busy + idle > 0 else None}
+
+
+def _draft_ms(step: dict[str, Event]) -> float:
+    """The step's draft passes made on the host's call (0 where it had none)."""
+    return step["draft_start"].elapsed_time(step["draft"]) if "draft" in step and "draft_start" in step else 0.0
 
 
 def install(engine, timeline: DeviceTimeline) -> None:
@@ -104,4 +114,6 @@ def install(engine, timeline: DeviceTimeline) -> None:
         return drafts
 
     runner.draft_chain = chain
+    if runner.drafter is not None:  # a draft model's passes once the tokens are on the host (no chain made them)
+        runner.propose_drafts = timeline.wrap(runner.propose_drafts, before="draft_start", after="draft")
     engine.executor.sample_tokens = timeline.wrap(engine.executor.sample_tokens, after="end")

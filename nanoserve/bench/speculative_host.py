@@ -80,10 +80,12 @@ PHASE_SOURCES = {"launch": "engine.launch", "schedule": "engine.scheduler.schedu
 
 DEVICE_ROWS = (("device: forward (inputs staged, forward queued)", "forward_ms", ".3f"),
                ("device: draft chain (the steps that ran one)", "chain_ms", ".3f"),
+               ("device: draft passes after the tokens (the steps that ran them)", "draft_ms", ".3f"),
                ("device: span of a step (first work to sampling queued)", "device_ms", ".3f"),
                ("device: bubble (idle between a step and the next)", "bubble_ms", ".3f"),
                ("device: idle share (bubbles / (spans + bubbles))", "idle_share", ".2f"))
-"""The device's side of a step, from CUDA events (on a GPU): mean ms per step (bench/device_timeline.py)."""
+"""The device's side of a step, from CUDA events (on a GPU): mean ms per step, the chain's and the draft passes' over
+the steps that ran them (bench/device_timeline.py)."""
 
 
 def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict | None, str | None]]:

@@ -40,19 +40,20 @@ def test_forward_chain_span_and_bubbles_from_the_events():
                     ("start", 2.5), ("forward", 3.0), ("end", 3.5)):
         clock.now = t
         tl.mark(name)
-    # request 2 starts 100 ms later: that gap is the client's, not a bubble; its step follows with none
+    # request 2 starts 100 ms later: that gap is the client's, not a bubble. Between its two steps the draft model's
+    # passes run for 0.4 ms of a 0.7 ms gap (the device busy, not idle): a bubble of 0.3
     tl.boundary()
-    for name, t in (("start", 103.5), ("forward", 104.0), ("end", 104.5), ("start", 104.5), ("forward", 105.0),
-                    ("end", 106.5)):
+    for name, t in (("start", 103.5), ("forward", 104.0), ("end", 104.5), ("draft_start", 104.6), ("draft", 105.0),
+                    ("start", 105.2), ("forward", 105.7), ("end", 107.2)):
         clock.now = t
         tl.mark(name)
     s = tl.summary()
-    assert s["steps"] == 4 and s["chain_steps"] == 1
+    assert s["steps"] == 4 and s["chain_steps"] == 1 and s["draft_steps"] == 1
     assert s["forward_ms"] == pytest.approx((1.0 + 0.5 + 0.5 + 0.5) / 4)
-    assert s["chain_ms"] == pytest.approx(0.5)
+    assert s["chain_ms"] == pytest.approx(0.5) and s["draft_ms"] == pytest.approx(0.4)
     assert s["device_ms"] == pytest.approx((2.0 + 1.0 + 1.0 + 2.0) / 4)
-    assert s["bubble_ms"] == pytest.approx((0.5 + 0.0) / 2)  # two gaps within a request, not the 99 ms between
-    assert s["idle_share"] == pytest.approx(0.5 / (6.0 + 0.5))
+    assert s["bubble_ms"] == pytest.approx((0.5 + 0.3) / 2)  # two gaps within a request, not the 99 ms between
+    assert s["idle_share"] == pytest.approx(0.8 / (6.0 + 0.8))
 
 
 def test_no_events_no_numbers():
@@ -91,3 +92,6 @@ def test_every_step_of_a_speculating_engine_gets_its_events():
     assert all(s["start"].t < s["forward"].t <= s["chain_start"].t < s["chain"].t < s["end"].t for s in chained)
     s = tl.summary()
     assert s["steps"] == len(tl.steps) and s["chain_steps"] == len(chained) and s["bubble_ms"] > 0
+    # the first drafts after each prompt come from the draft model's passes once its first token is on the host
+    assert s["draft_steps"] >= 2 and all(st["end"].t < st["draft_start"].t < st["draft"].t
+                                         for st in tl.steps if "draft" in st)
