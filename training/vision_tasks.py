@@ -179,11 +179,6 @@ def keys(seed: int = 0):
             yield task, rng.randrange(HELDOUT_SEED_BASE)
 
 
-def stream(seed: int = 0):
-    """Training examples forever, in the order of `keys`."""
-    return (sample(task, s) for task, s in keys(seed))
-
-
 def heldout(n_per_task: int) -> list[Example]:
     return [sample(task, HELDOUT_SEED_BASE + i) for task in TASKS for i in range(n_per_task)]
 

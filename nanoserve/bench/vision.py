@@ -52,7 +52,8 @@ def _words_for(tokenizer, words: int, tokens: int) -> int:
     def count(n: int) -> int:
         return len(tokenizer.encode(_prompt("", n) + " request 0"))
 
-    base, step = count(words), count(words + 100) - count(words)
+    base = count(words)
+    step = count(words + 100) - base
     return max(words, words + round((tokens - base) * 100 / max(step, 1)))
 
 
