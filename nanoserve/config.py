@@ -77,7 +77,8 @@ def switch(default: bool, layer: str, module: str, does: str, reference: str, *,
 @dataclass
 class Optimizations:
     """Every optimization switch, one declaration each. Defaults: on where it applies. Approximations that change
-    outputs: off. Read them as attributes (`opts.fused_moe`); the declarations as `Optimizations.switches()`."""
+    outputs: off, and so is an exact one measured slower than its reference (spec_multi_step). Read them as
+    attributes (`opts.fused_moe`); the declarations as `Optimizations.switches()`."""
 
     paged_kv: bool = switch(
         True, ENGINE, "engine/block_manager.py", "allocate KV blocks on demand as a sequence grows",
@@ -263,6 +264,14 @@ class Optimizations:
         "names, its context lengths and slots from them - so the host launches nothing between staging and replay",
         "the host launches the copies of GraphRunner.apply_verify_feed (about fifteen small kernels) before each "
         "replay")
+    spec_multi_step: bool = switch(
+        False, ENGINE, "spec_decode/multi_step.py", "(off by default: measured slower on an H100, where one step per "
+        "launch with spec_async already overlaps the host with the device; docs/speculative_decoding.md) "
+        "with spec_feed_in_graph: where every running sequence verifies k "
+        "drafts, is plain greedy and has room for them, nothing waits and the pool holds the blocks, one graph runs "
+        "spec_steps_per_launch speculative steps (verify, accept, the next drafts) back to back on the device, each "
+        "taking its queries from the one before; the host stages once, waits once and appends every step's tokens "
+        "through the stop checks (tokens past a stop are dropped)", "one speculative step per launch")
     msa_topk_reuse: bool = switch(
         False, MODEL, "model/m3.py", "reuse one MSA layer's block selection in the next layer(s)",
         "every MSA layer selects its own blocks", exact=False)
@@ -424,6 +433,7 @@ SWITCH_NEEDS: dict[str, tuple[str, ...]] = {
     "spec_pad_drafts": ("spec_cuda_graphs",),
     "spec_async": ("spec_draft_chain",),
     "spec_feed_in_graph": ("spec_async",),
+    "spec_multi_step": ("spec_feed_in_graph",),
     "mx_activations": ("mxfp8",),
 }
 """What each switch needs to act at all, checked in order: a REQUIREMENTS key, another switch that must be on (and
@@ -535,6 +545,9 @@ class EngineConfig:
     "prompt_lookup_max": n, "prompt_lookup_min": m}, {"method": "mtp", "num_speculative_tokens": k} or
     {"method": "eagle3", "model": DRAFT_DIR, "num_speculative_tokens": k}; None = none. Checked when the engine is built
     (spec_decode/config.py); docs/speculative_decoding.md."""
+    spec_steps_per_launch: int = 4
+    """Speculative decoding with switch spec_multi_step: the most speculative steps one launch runs on the device
+    (spec_decode/multi_step.py); 1 = one per launch."""
     kv_events_config: dict[str, Any] | None = None
     """KV-cache events for KV-aware routers (vLLM's `--kv-events-config`): {"enable_kv_cache_events": true,
     "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": ..., "topic": ..., "buffer_steps": ...,
@@ -599,6 +612,7 @@ class EngineConfig:
         int_in("max_model_len", 1, optional=True)
         int_in("block_size", 1, optional=True)
         int_in("max_num_seqs", 1)
+        int_in("spec_steps_per_launch", 1)
         int_in("max_num_batched_tokens", 1, optional=True)
         need(isinstance(self.gpu_memory_utilization, (int, float)) and not isinstance(self.gpu_memory_utilization, bool)
              and 0.0 < self.gpu_memory_utilization <= 1.0, "gpu_memory_utilization", "a fraction in (0, 1]")

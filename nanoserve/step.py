@@ -161,6 +161,10 @@ class StepInput:
     """seq_ids that ended since the last step: the runner drops what it keeps for them (their generators)."""
     propose: bool = True
     """Speculative decoding: propose the next drafts after this step (False: a warm-up step of dummy rows)."""
+    spec_steps: int = 1
+    """Speculative decoding (switch spec_multi_step): run up to this many verify steps back to back on the device,
+    each taking its queries from the draft chain of the one before (spec_decode/multi_step.py); the runner runs
+    one where that does not apply."""
 
     @property
     def sampled(self) -> list[StepSeq]:
@@ -200,6 +204,9 @@ class SeqTokens:
     token_ids: list[int]  # 1 token, or a verify step's accepted drafts then the drawn token
     logprobs: list[dict[int, float]] | None = None
     """Per token (when the request asked for logprobs): the chosen token first, then the top alternatives."""
+    accepted: list[int] | None = None
+    """Several verify steps in one launch (StepInput.spec_steps): the drafts each accepted, in order (token_ids
+    holds each step's accepted drafts and drawn token, one step after the other)."""
 
 
 PromptLogprobEntry = tuple[int, list[tuple[int, float, int]]]

@@ -175,11 +175,22 @@ def batches(batcher: Batcher, keys, size: int, workers: int, tokenizer_json: str
             yield batcher([vision_tasks.sample(task, seed) for task, seed in chunk])
         return
     import multiprocessing
+    from collections import deque
 
-    # spawned, not forked: this process has the GPU open. imap keeps the workers ahead (results in order).
+    # spawned, not forked: this process has the GPU open. At most AHEAD_PER_WORKER batches per worker are made
+    # ahead of the steps, taken in order: the workers make batches far faster than the steps use them, and
+    # Pool.imap's unbounded read-ahead kept every finished batch (tens of MB of pixels each) until the host ran
+    # out of memory.
     with multiprocessing.get_context("spawn").Pool(workers, _start_worker, (tokenizer_json, template_path)) as pool:
-        for rows in pool.imap(_worker_rows, chunks, chunksize=1):
+        pending = deque(pool.apply_async(_worker_rows, (next(chunks),)) for _ in range(AHEAD_PER_WORKER * workers))
+        while True:
+            rows = pending.popleft().get()
+            pending.append(pool.apply_async(_worker_rows, (next(chunks),)))
             yield batcher.to_device(rows)
+
+
+AHEAD_PER_WORKER = 2
+"""Batches made ahead of the training steps per worker process (bounds the host memory the batches hold)."""
 
 
 def embeddings(model: M3Train, vision: M3VisionModel, ids: torch.Tensor, pixels: torch.Tensor,

@@ -20,7 +20,12 @@ NO_FEED = "mtp k=3, feed on host"
 graph's inputs by separate launches on the host (cuda_graphs.apply_verify_feed) instead of inside the graph; the
 feed exists only on the async path's graphs, so the two differ on a GPU only."""
 
-REFERENCE_SWITCH = {NO_ASYNC: "spec_async", NO_CHAIN: "spec_draft_chain", NO_FEED: "spec_feed_in_graph"}
+NO_MULTI = "mtp k=3, one step per launch"
+"""MTP k=3 with switch spec_multi_step off, its reference (spec_decode/multi_step.py): one speculative step per
+launch instead of spec_steps_per_launch; the multi-step graphs exist on a GPU only."""
+
+REFERENCE_SWITCH = {NO_ASYNC: "spec_async", NO_CHAIN: "spec_draft_chain", NO_FEED: "spec_feed_in_graph",
+                    NO_MULTI: "spec_multi_step"}
 """Each reference configuration and the switch it turns off (MTP k=3 otherwise)."""
 
 

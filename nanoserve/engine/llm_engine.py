@@ -53,9 +53,10 @@ from nanoserve.engine.tokenizer import load_tokenizer
 from nanoserve.executor.base import Executor
 from nanoserve.kv_transfer import params as kv_params
 from nanoserve.kv_transfer.config import KVTransferConfig
+from nanoserve.runner.sampler import plain_greedy
 from nanoserve.sampling import SamplingParams
 from nanoserve.spec_decode.config import SpeculativeConfig
-from nanoserve.step import GrammarMasks, MultiModalFeature, StepOutput
+from nanoserve.step import GrammarMasks, MultiModalFeature, SeqTokens, StepInput, StepOutput
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +174,7 @@ class LLMEngine:
         if sched.is_empty:
             return None
         step = build_step_input(sched, self.model_config.vocab_size, self._take_finished())
+        step.spec_steps = self._spec_steps(sched, step)
         self._emit("step", scheduled=sched.scheduled, preempted=sched.preempted, model_input=step.model)
         self.executor.execute_model(step)  # the forward, queued
         future = self.executor.sample_tokens(self._grammar_masks(sched))  # (the masks filled while it runs)
@@ -190,9 +192,9 @@ class LLMEngine:
             if seq.is_finished:  # (finishing dropped its pending tokens)
                 continue
             seq.num_pending -= 1
+            appended += (added := self.append_tokens(seq, out.token_ids, out.logprobs))
             if s.num_draft > s.num_padded:  # (the drafts proposed, not the padding: spec_pad_drafts)
-                self.stats.record_acceptance(s.proposed, min(len(out.token_ids) - 1, s.proposed))
-            appended += self.append_tokens(seq, out.token_ids, out.logprobs)
+                self._record_acceptance(s, out, len(added))
             if s.max_drafts and not seq.is_finished:  # speculative decoding: keep the accepted K/V, take drafts
                 self._speculated(s, len(out.token_ids) - 1, output.drafts.get(seq.seq_id, []))
         return appended
@@ -245,6 +247,16 @@ class LLMEngine:
         return GrammarMasks(self.structured_output.bitmask(sampled) if sampled else None,
                             self.structured_output.verify_masks(verifying) if verifying else None)
 
+    def _record_acceptance(self, s: ScheduledSeq, out: SeqTokens, num_appended: int) -> None:
+        """The acceptance counters of a verifying sequence's step: one verify per step the launch ran (several with
+        spec_multi_step), counting those that emitted a token the sequence kept (not the ones past its stop)."""
+        done = 0
+        for n in out.accepted or [len(out.token_ids) - 1]:
+            if done >= num_appended:
+                break
+            self.stats.record_acceptance(s.proposed, min(n, s.proposed))
+            done += n + 1
+
     def _speculated(self, s: ScheduledSeq, num_accepted: int, drafts: list[int]) -> None:
         """After a speculative sequence's tokens are appended: the K/V of its accepted drafts is kept and the blocks of
         rejected or lookahead positions go back (`Scheduler.accept_drafts`); its next drafts - a structured output's
@@ -273,6 +285,34 @@ class LLMEngine:
         """The sequences whose next query - bonus token and drafts - a step launched ahead of `previous`'s tokens
         takes where previous's draft chain left it (speculative decoding with async scheduling)."""
         return previous.future.chained if previous is not None and self.spec_config is not None else frozenset()
+
+    def _spec_steps(self, sched: SchedulerOutput, step: StepInput) -> int:
+        """How many speculative steps this launch runs on the device (switch spec_multi_step,
+        spec_decode/multi_step.py): spec_steps_per_launch where every scheduled sequence verifies k drafts, is plain
+        greedy and has room for that many steps (max_tokens, max_model_len: so its drafts are those one step per
+        launch makes), nothing waits to be admitted, and the pool holds the blocks of the farthest those steps and
+        the last one's drafts can reach (taken here, trimmed when the tokens arrive); else 1."""
+        steps, spec = self.config.spec_steps_per_launch, self.spec_config
+        if (steps < 2 or spec is None or spec.method == "ngram" or not self.config.optimizations.spec_multi_step
+                or self.scheduler.waiting or sched.preempted or step.fed):
+            return 1
+        k = spec.num_speculative_tokens
+        for s, row in zip(sched.scheduled, step.seqs, strict=True):
+            seq = s.seq
+            if not s.samples or s.num_draft != k or s.num_padded or s.max_drafts < k or not plain_greedy(row):
+                return 1
+            lag = k + 1 if s.on_device else 0  # (the step in flight may emit that many the host does not know)
+            room = (steps + 1) * (k + 1) + lag
+            if seq.num_known_tokens + room > self.max_model_len or (
+                    seq.params.max_tokens is not None and len(seq.output_token_ids) + room > seq.params.max_tokens):
+                return 1
+        # the farthest position: k + 1 per step, the last chain's drafts k - 1 further, after the (unknown) lag
+        reach = [s.seq.num_computed_tokens + (k if s.on_device else 0) + steps * (k + 1) + k - 1
+                 for s in sched.scheduled]
+        if not self.scheduler.reserve(list(zip((s.seq for s in sched.scheduled), reach))):
+            return 1
+        step.model.block_tables = [list(s.seq.block_table) for s in sched.scheduled]
+        return steps
 
     def _speculative_ahead(self, previous: LaunchedStep) -> bool:
         """Speculative decoding with async scheduling (switch spec_async): may the next step be launched before

@@ -446,6 +446,20 @@ class Scheduler:
                     self.encoder.release(s.seq, f)
         return sampled
 
+    def reserve(self, reach: list[tuple[Sequence, int]]) -> bool:
+        """Grow each sequence's blocks to cover its number of tokens (several speculative steps per launch: the
+        farthest they can write), all or none: False, with nothing taken, when the pool cannot hold them all. What
+        the steps leave unused goes back in `accept_drafts`."""
+        if not self.opts.paged_kv:
+            return all(n <= len(seq.block_table) * self.bm.block_size for seq, n in reach)
+        before = {seq.seq_id: len(seq.block_table) for seq, _ in reach}
+        for seq, n in reach:
+            if not self.bm.allocate(seq, n):
+                for s, _ in reach:
+                    self.bm.trim(s, before[s.seq_id] * self.bm.block_size)
+                return False
+        return True
+
     def accept_drafts(self, seq: Sequence, num_accepted: int) -> None:
         """A speculative step's result: its first num_accepted drafts were right, so their K/V (written by the step)
         is kept; the blocks that only the rejected ones (or the drafter's lookahead) needed go back to the pool.

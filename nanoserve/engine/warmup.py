@@ -16,8 +16,9 @@ every request needs first, the rarer shapes last, so a budget that runs out leav
    verify step of every query length 2 .. k + 1 (with spec_cuda_graphs each captures its verify graph) and, for a
    draft model (mtp, eagle3), after the k + 1 one, a draft step from each number of final positions 1 .. k + 1
    (the MTP drafter captures its first-pass graph of that length and its one-token pass; with spec_draft_chain
-   the k + 1 verify step also captures its draft chain's graph). Without them a request's first verify and draft
-   steps of each length capture graphs and build kernels inside its TPOT.
+   the k + 1 verify step also captures its draft chain's graph, and with spec_multi_step a launch of
+   spec_steps_per_launch such steps then captures its graph, ending in the same context bucket). Without them a
+   request's first verify and draft steps of each length capture graphs and build kernels inside its TPOT.
 3. prefill: one prompt of every power-of-two token count up to max_num_batched_tokens (the MoE's token buckets
    are powers of two, and the small-batch kernels pad their rows to one), and the budget itself.
 4. MSA: a prompt of index_topk_blocks + 2 blocks, so every sparse layer selects among more blocks than it keeps
@@ -47,6 +48,7 @@ from typing import TYPE_CHECKING, Callable
 from nanoserve.engine.sequence import Sequence
 from nanoserve.runner.cuda_graphs import batch_buckets, seq_len_buckets
 from nanoserve.sampling import SamplingParams
+from nanoserve.spec_decode import multi_step
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.step import ModelInput, StepInput, StepSeq
 
@@ -209,7 +211,8 @@ def warm_up(engine: "LLMEngine", budget_s: float, clock: Callable[[], float] = t
     scratch = Sequence(WARMUP_SEQ_ID, "warmup", 0, [], SamplingParams())
     # (a draft shape writes its drafts' K/V up to k - 1 positions past its context)
     longest = max([ctx for s in shapes for _, ctx in s.steps] +
-                  [s.context + k - 1 for s in shapes if s.kind in ("draft", "verify")])
+                  [s.context + k - 1 for s in shapes if s.kind in ("draft", "verify")] +
+                  [s.context + multi_step.reach(0, k + 1, _spec_steps(engine)) for s in shapes if s.kind == "verify"])
     if not bm.allocate(scratch, longest):
         raise RuntimeError(f"warm-up: the KV pool has no {bm.blocks_needed(longest)} free blocks for its "
                            f"scratch sequence")
@@ -260,6 +263,36 @@ def _run(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:
         # (each dummy row's generator is dropped first: the seeded row always draws from a fresh one)
         engine.executor.execute_model(StepInput(inp, seqs, finished=[s.seq_id for s in seqs], propose=False))
         engine.executor.sample_tokens().result()  # waits for the step
+        if shape.kind == "verify" and query == k + 1 and _spec_steps(engine) > 1:
+            _multi(engine, shape, table, query, context)
+
+
+def _spec_steps(engine: "LLMEngine") -> int:
+    """The speculative steps one launch runs (1: no multi-step launches; spec_decode/multi_step.py)."""
+    spec, cfg = engine.spec_config, engine.config
+    if spec is None or spec.method == "ngram" or not cfg.optimizations.spec_multi_step:
+        return 1
+    return cfg.spec_steps_per_launch
+
+
+def _multi(engine: "LLMEngine", shape: Shape, table: list[int], query: int, context: int) -> None:
+    """A launch of several verify steps after the verify step at `context` (the draft chain's): started early
+    enough that its farthest position stays in that step's context bucket, whose graph it captures."""
+    steps, k, vocab = _spec_steps(engine), query - 1, engine.model_config.vocab_size
+    extra = multi_step.reach(0, query, steps)
+    bucket = next(b for b in seq_len_buckets(engine.max_model_len) if b >= context)
+    context = min(context, bucket - extra)
+    if context < query:
+        return
+    blocks = table[: -(-(context + extra) // engine.block_size)]
+    n = shape.batch
+    ids = [(context + i) % vocab for i in range(n * query)]
+    seqs = [_row(WARMUP_SEQ_ID - i, GREEDY, context - query, query, ids[i * query + 1: (i + 1) * query], k)
+            for i in range(n)]
+    inp = ModelInput(ids, [query] * n, [context] * n, [blocks] * n, [], list(range(n * query)))
+    engine.executor.execute_model(StepInput(inp, seqs, finished=[s.seq_id for s in seqs], propose=False,
+                                            spec_steps=steps))
+    engine.executor.sample_tokens().result()
 
 
 def _draft(engine: "LLMEngine", shape: Shape, table: list[int]) -> None:

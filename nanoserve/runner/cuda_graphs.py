@@ -255,12 +255,17 @@ class GraphRunner:
         page = self.tables[:n].gather(1, pos // self.block_size).to(torch.int64)
         self.i64[2, : n * q].copy_((page * self.block_size + pos % self.block_size).reshape(-1))
 
-    def _take_feed(self, bs: int, q: int) -> None:
+    def _take_feed(self, bs: int, q: int, rows: torch.Tensor | None = None, fed: torch.Tensor | None = None
+                   ) -> None:
         """apply_verify_feed inside the graph (feed_in_graph): the first `feed[max_bs]` sequences take their input
         ids, positions, context lengths and slots from rows `feed[:bs]` of next_ids / next_pos; the others keep
-        what the host staged. The same arithmetic, with no launches of the host's between stage and replay."""
-        rows, count, t = self.feed[:bs], self.feed[self.max_bs], bs * q
-        fed = torch.arange(bs, device=self.device) < count  # [bs]
+        what the host staged. The same arithmetic, with no launches of the host's between stage and replay.
+        `rows` and `fed` (device tensors [bs]): which row each sequence takes and whether it takes one, in place of
+        the staged `feed` (a later step of a multi-step graph: spec_decode/multi_step.py)."""
+        t = bs * q
+        if rows is None:
+            rows, count = self.feed[:bs], self.feed[self.max_bs]
+            fed = torch.arange(bs, device=self.device) < count  # [bs]
         first = self.next_pos[rows]
         pos = first[:, None] + torch.arange(q, device=self.device)[None, :]
         page = self.tables[:bs].gather(1, (pos // self.block_size).clamp(0, self.max_blocks - 1)).to(torch.int64)
@@ -334,15 +339,16 @@ class GraphRunner:
             query_lens_cpu=[query_len] * bs, seq_lens_cpu=[max_seq_len] * bs)
         return self.i64[0, :t], meta
 
-    def _forward(self, bs: int, max_seq_len: int, query_len: int) -> Callable[[], None]:
+    def _forward(self, bs: int, max_seq_len: int, query_len: int, take_feed: bool = True) -> Callable[[], None]:
         """The step a graph records: the model over the first bs static sequences, logits into the static output
-        (and what the drafter reads into `kept`)."""
+        (and what the drafter reads into `kept`); a verify step first takes the staged feed (feed_in_graph) unless
+        `take_feed` is False (the caller feeds it)."""
         input_ids, meta = self.static_inputs(bs, max_seq_len, query_len)
         t = bs * query_len
         model, logits, tokens = self.model, self.logits[:t], self.tokens[:bs]
         argmax = self.captured_argmax and query_len == 1  # a verify step's rows go to the acceptance rule
         keep, kept = self.keep, self.kept[:t] if self.kept is not None else None
-        take_feed = self.feed_in_graph and query_len > 1
+        take_feed = take_feed and self.feed_in_graph and query_len > 1
 
         def forward() -> None:
             if take_feed:

@@ -41,6 +41,7 @@ from nanoserve.spec_decode.config import SpeculativeConfig
 from nanoserve.spec_decode.draft_chain import DraftChain
 from nanoserve.spec_decode.draft_input import DraftInput
 from nanoserve.spec_decode.drafter import DraftGraphs, DraftRunner
+from nanoserve.spec_decode.multi_step import MultiStep
 from nanoserve.spec_decode.proposer import Proposer
 from nanoserve.step import GrammarMasks, ModelInput, StepInput
 
@@ -108,6 +109,9 @@ class ModelRunner:
         self.graphs: cuda_graphs.GraphRunner | None = None
         self.draft_graphs: DraftGraphs | None = None
         self.chain: DraftChain | None = None  # switch spec_draft_chain: the MTP drafts made after a verify graph
+        self.multi: MultiStep | None = None  # switch spec_multi_step: several verify steps and chains per launch
+        self._multi_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        """The last step, when it ran several speculative steps in one launch: their ids, argmax and last drafts."""
         self._last_verify: tuple[cuda_graphs.GraphRunner, int, int, int] | None = None
         """The last step, when it replayed a verify graph: (its graphs, sequences, query length, longest context)."""
         self.graph_capture: cuda_graphs.CaptureFn | None = None
@@ -231,10 +235,34 @@ class ModelRunner:
 
     def execute_model(self, step: StepInput) -> None:
         """Queue a step's forward (rank 0; the other ranks run `execute` on step.model). `sample_tokens` follows."""
-        self._step, self.fed_ids = step, None
+        self._step, self.fed_ids, self._multi_out = step, None, None
         verify_feed = self._verify_feed(step)
+        if step.spec_steps > 1:  # (else, or where no multi-step graph fits: one step)
+            self._multi_out = self._multi_step(step, verify_feed)
+            if self._multi_out is not None:
+                return
         self.logits = self.execute(step.model, self.sampling.feed(step), verify_feed,
                                    on_host=lambda: self._resolve_on_host(step, verify_feed))
+
+    def _multi_step(self, step: StepInput, feed: VerifyFeed | None
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Run step.spec_steps speculative steps in one launch (spec_decode/multi_step.py), or None where it does
+        not apply here: no draft chain, a batch that no verify graph takes, or no graph fits."""
+        opts = self.config.optimizations
+        if step.model.encoder_inputs or step.model.encoder_frees:  # (the encoder's work runs in one step's path)
+            return None
+        graphs, q = self._step_graphs(step.model)
+        if (graphs is None or q < 2 or not opts.spec_multi_step or not opts.spec_greedy_accept
+                or not self.sampling.chains(step) or self.draft_pass_graphs() is None):
+            return None
+        chain = self._chain(graphs)
+        if self.multi is None or self.multi.chain is not chain or self.multi.steps != step.spec_steps:
+            self.multi = MultiStep(chain, step.spec_steps)
+        inp = step.model
+        out = self.multi.run(inp.input_ids, inp.seq_lens, inp.block_tables, q, feed)
+        if out is not None and self.drafter is not None:  # (what a proposer would read: the last step's rows)
+            self.drafter.last = graphs.kept[: len(inp.input_ids)]
+        return out
 
     def _verify_feed(self, step: StepInput) -> VerifyFeed | None:
         """The queries a step launched ahead of the previous one's tokens takes from that step's draft chain (every
@@ -263,10 +291,13 @@ class ModelRunner:
     def sample_tokens(self, masks: GrammarMasks | None = None) -> PendingStep:
         """Queue the tokens of the step `execute_model` ran (its structured-output masks: `masks`); returns at once
         on a GPU. PendingStep.result() waits for them."""
-        step, logits = self._step, self.logits
-        self._step = self.logits = None
-        pending = self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax, self.draft_chain,
-                                       self.fed_ids)
+        step, logits, multi = self._step, self.logits, self._multi_out
+        self._step = self.logits = self._multi_out = None
+        if multi is not None:
+            pending = self.sampling.sample_steps(step, *multi)
+        else:
+            pending = self.sampling.sample(logits, step, masks or GrammarMasks(), self.last_argmax,
+                                           self.draft_chain, self.fed_ids)
         pending.encoder, self._encoder_timing = self._encoder_timing, None
         return pending
 
@@ -328,9 +359,13 @@ class ModelRunner:
         if last is None or not self.config.optimizations.spec_draft_chain or self.draft_pass_graphs() is None:
             return None
         graphs, n, q, max_seq_len = last
+        return self._chain(graphs).run(n, q, max_seq_len)
+
+    def _chain(self, graphs: cuda_graphs.GraphRunner) -> DraftChain:
+        """The draft chain over these graphs (rebuilt with them, or with another drafter)."""
         if self.chain is None or self.chain.target is not graphs or self.chain.draft is not self.drafter:
             self.chain = DraftChain(self.drafter, graphs)
-        return self.chain.run(n, q, max_seq_len)
+        return self.chain
 
     def draft_pass_graphs(self, drafter: DraftRunner | None = None) -> DraftGraphs | None:
         """With spec_cuda_graphs and the target's graphs in use: the drafter's passes as graphs (rebuilt with the
@@ -418,9 +453,10 @@ class ModelRunner:
 
     @property
     def num_graphs(self) -> int:
-        """Every graph captured over the current pool: decode, verify, draft-pass and draft-chain graphs
-        (engine/warmup.py reports how many it captured)."""
-        chain = len(self.chain.graphs) if self.chain is not None else 0
+        """Every graph captured over the current pool: decode, verify, draft-pass, draft-chain and multi-step
+        graphs (engine/warmup.py reports how many it captured)."""
+        chain = (len(self.chain.graphs) if self.chain is not None else 0) + \
+            (len(self.multi.graphs) if self.multi is not None else 0)
         return chain + sum(len(g.graphs) + len(g.verify_graphs) for g in (self.graphs, self.draft_graphs)
                            if g is not None)
 

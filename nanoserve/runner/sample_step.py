@@ -60,18 +60,21 @@ class PendingStep:
                 if s.params.logprobs is not None:
                     logprobs[s.seq_id] = [result.logprobs(i)]
         premade: dict[int, list[int]] = {}
+        accepted: dict[int, list[int]] = {}
         if self.verify is not None:
             tokens, result = spec_verify.to_host(self.verify)
             width = self.verify.width
             for r, s in enumerate(self.verify.seqs):
                 emitted[s.seq_id] = tokens[r]
+                if self.verify.accepted is not None:
+                    accepted[s.seq_id] = self.verify.accepted[r]
                 if s.params.logprobs is not None:
                     logprobs[s.seq_id] = [result.logprobs(r * width + j) for j in range(len(tokens[r]))]
             if self.chain is not None:  # the drafts the chain made on the device: row r * k + j
                 chained = Sampler.to_host(self.chain).token_ids
                 k = len(chained) // len(self.verify.seqs)
                 premade = {s.seq_id: chained[r * k: (r + 1) * k] for r, s in enumerate(self.verify.seqs)}
-        out.seqs = [SeqTokens(s.seq_id, emitted[s.seq_id], logprobs.get(s.seq_id))
+        out.seqs = [SeqTokens(s.seq_id, emitted[s.seq_id], logprobs.get(s.seq_id), accepted.get(s.seq_id))
                     for s in self.step.seqs if s.seq_id in emitted]
         if self.proposer is not None and self.step.propose:
             out.drafts = self.proposer.propose(self.step, emitted, premade)
@@ -121,7 +124,7 @@ class StepSampler:
         if verifying:  # then the k + 1 positions of each sequence that verifies drafts
             verify = spec_verify.verify(logits[num_sampled + num_prompt:], verifying, self.sampler,
                                         masks.verified, self.opts.spec_greedy_accept, fed_ids)
-            drafts = draft_chain() if verify.greedy and self._chains(step) else None
+            drafts = draft_chain() if verify.greedy and self.chains(step) else None
             if drafts is not None:  # one copy out of the static buffer, which the next replay overwrites
                 chain = DeviceSample(drafts.clone().view(-1), [None] * drafts.numel(), None, None,
                                      None).start_host_copy()
@@ -129,7 +132,28 @@ class StepSampler:
         self.chained_rows = {s.seq_id: i for i, s in enumerate(verifying)} if chain is not None else {}
         return PendingStep(step, sample, prompt, verify, chain, self.proposer)
 
-    def _chains(self, step: StepInput) -> bool:
+    @torch.inference_mode()
+    def sample_steps(self, step: StepInput, ids: torch.Tensor, argmax: torch.Tensor, drafts: torch.Tensor
+                     ) -> PendingStep:
+        """Queue the copies of a launch of several verify steps (spec_decode/multi_step.py): each step's verified
+        ids and argmax [steps, tokens] and the last chain's drafts [n, k], all static buffers. Its tokens are
+        accepted on the host step by step (spec_verify.to_host); no next step takes its queries on the device."""
+        for seq_id in step.finished:
+            self.sampler.forget(seq_id)
+        verifying = step.verifying
+
+        def copy(x: torch.Tensor) -> DeviceSample:
+            flat = x.clone().view(-1)
+            return DeviceSample(flat, [None] * flat.numel(), None, None, None).start_host_copy()
+
+        verify = spec_verify.DeviceVerify(verifying, max(s.num_draft for s in verifying) + 1, copy(argmax),
+                                          greedy=True, fed=copy(ids), steps=argmax.shape[0])
+        pending = PendingStep(step, None, None, verify, copy(drafts), self.proposer)
+        pending.chained = frozenset()  # (the next step is staged from the host's tokens)
+        self.last, self.last_rows, self.chained_rows = None, {}, {}
+        return pending
+
+    def chains(self, step: StepInput) -> bool:
         """May a draft chain follow this verify step? (switch spec_draft_chain, a draft model: every sequence
         verifies k drafts, is plain greedy, and has the KV blocks the chain's passes write to)."""
         proposer = self.proposer

@@ -57,6 +57,7 @@ class DraftChain:
         self.i64 = torch.zeros(2, n, dtype=torch.int64, device=device)
         self.i32 = torch.zeros(2 * n + 1, dtype=torch.int32, device=device)
         self.drafts = torch.zeros(n, k, dtype=torch.int64, device=device)
+        self.argmax = torch.zeros(target.max_tokens, dtype=torch.int64, device=device)  # each verified row's
         # what the next verify step takes on the device when it is launched before this one's tokens reach the
         # host (async scheduling): each sequence's next input ids - the bonus token, then the drafts - and the
         # position of the first of them (one past the last accepted one); the target's buffers, which its verify
@@ -112,14 +113,15 @@ class DraftChain:
         one = AttentionMetadata(positions=positions, query_start_loc=starts, seq_lens=lens, block_tables=tables,
                                 slot_mapping=slots, block_size=block, max_query_len=1, max_seq_len=length,
                                 num_decode_seqs=bs, query_lens_cpu=[1] * bs, seq_lens_cpu=[length] * bs)
-        drafts, next_ids, next_pos = self.drafts[:bs], self.next_ids[:bs, :q], self.next_pos[:bs]
+        drafts, next_ids, next_pos, argmax_out = self.drafts[:bs], self.next_ids[:bs, :q], self.next_pos[:bs], \
+            self.argmax[:t]
         # made before the capture and held by the closure (a replay keeps its function alive)
         rows = torch.arange(bs, device=target.device)
         query_starts = torch.arange(bs + 1, dtype=torch.int32, device=target.device)
         last_block = tables.shape[1] - 1
 
         def forward() -> None:
-            argmax = logits.argmax(dim=-1)
+            argmax = torch.argmax(logits, dim=-1, out=argmax_out)
             guess = verified.view(bs, q)[:, 1:]  # each sequence's drafts
             accepted = (guess == argmax.view(bs, q)[:, :-1]).to(torch.int64).cumprod(dim=1).sum(dim=1)
             out, carry = draft._step(argmax, combine(kept) if combine is not None else kept, meta)

@@ -38,6 +38,11 @@ class DeviceVerify:
     fed: DeviceSample | None = None
     """A step that took its queries on the device (async speculative decoding): the input ids it verified, copied
     back beside the argmax - the drafts `to_host` compares with it (the host's are placeholders)."""
+    steps: int = 1
+    """Greedy only: how many verify steps ran in one launch (spec_decode/multi_step.py); `sample` and `fed` then
+    hold one block of rows per step, each laid out as one step's."""
+    accepted: list[list[int]] | None = None
+    """After `to_host`, for several steps: per sequence, the drafts each step accepted."""
 
 
 def verify(logits: torch.Tensor, seqs: list[StepSeq], sampler: Sampler, mask: GrammarMask | None,
@@ -107,13 +112,20 @@ def to_host(verify: DeviceVerify) -> tuple[list[list[int]], SampleResult]:
             emitted.append([t for t in row if t >= 0])
         return emitted, result
     fed = Sampler.to_host(verify.fed).token_ids if verify.fed is not None else None
-    start = 0
-    for s in verify.seqs:  # the longest prefix equal to the argmax, then the argmax after it
-        argmax = result.token_ids[start: start + s.num_draft + 1]
-        draft = s.draft if fed is None else fed[start + 1: start + s.num_draft + 1]
-        n = 0
-        while n < s.num_draft and draft[n] == argmax[n]:
-            n += 1
-        emitted.append(draft[:n] + [argmax[n]])
-        start += s.num_draft + 1
+    emitted = [[] for _ in verify.seqs]
+    accepted: list[list[int]] = [[] for _ in verify.seqs]
+    rows = len(result.token_ids) // verify.steps
+    for step in range(verify.steps):  # (several: each step's queries are the one before's bonus token and drafts)
+        start = step * rows
+        for r, s in enumerate(verify.seqs):  # the longest prefix equal to the argmax, then the argmax after it
+            argmax = result.token_ids[start: start + s.num_draft + 1]
+            draft = s.draft if fed is None else fed[start + 1: start + s.num_draft + 1]
+            n = 0
+            while n < s.num_draft and draft[n] == argmax[n]:
+                n += 1
+            emitted[r] += draft[:n] + [argmax[n]]
+            accepted[r].append(n)
+            start += s.num_draft + 1
+    if verify.steps > 1:
+        verify.accepted = accepted
     return emitted, result

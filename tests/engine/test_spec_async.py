@@ -22,7 +22,8 @@ def build(model: str, spec_async: bool, feed_in_graph: bool = True, **kwargs) ->
     """An engine with the draft chain under emulated graphs; the list fills with each launched step's count of
     sequences whose query came from the device."""
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=True,
-                                 spec_async=spec_async, spec_feed_in_graph=feed_in_graph)
+                                 spec_async=spec_async, spec_feed_in_graph=feed_in_graph,
+                                 spec_multi_step=False)  # (one step per launch: tests/engine/test_spec_multi_step.py)
     llm = LLM(model, optimizations=opts, max_model_len=kwargs.pop("max_model_len", MAX_MODEL_LEN), max_num_seqs=4,
               speculative_config=MTP, **kwargs)
     runner = llm.engine.executor.runner

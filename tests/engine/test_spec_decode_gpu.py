@@ -120,3 +120,28 @@ def test_the_draft_chain_under_real_cuda_graphs(batch):
     # (these token-range prompts are no chat: a third to a half of the drafts were accepted on an H100)
     assert chained[2] > 0.25 * chained[1], "m3-mini's MTP drafts were meant to be accepted"
     assert abs(chained[2] - ref[2]) <= 0.1 * ref[2], results
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_several_steps_per_launch_under_real_cuda_graphs(batch):
+    """Switch spec_multi_step with real CUDA graphs (spec_steps_per_launch 4), on the trained m3-mini in fp32: the
+    same greedy tokens as one step per launch and as no speculation, multi-step graphs captured and replayed (a
+    launch's capture runs all its steps once eagerly and puts the inputs back: a wrong restore shows here), fewer
+    launches, and every block back."""
+    from nanoserve import Optimizations
+
+    prompts = [[1, 2, 3] + list(range(40, 80)), list(range(100, 140)), list(range(300, 330)) * 2][:batch]
+    spec = {"method": "mtp", "num_speculative_tokens": 3}
+    results = {}
+    for multi in (None, False, True):
+        kwargs = {} if multi is None else dict(speculative_config=spec, spec_steps_per_launch=4,
+                                               optimizations=Optimizations(spec_multi_step=multi))
+        with LLM("m3-mini", **ENGINE, **kwargs) as llm:
+            outs = tokens_of(llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False))
+            runner = llm.engine.executor.runner
+            results[multi] = (outs, llm.engine.stats.num_steps,
+                              len(runner.multi.graphs) if runner.multi is not None else 0)
+            assert_all_blocks_free(llm)
+    plain, one, multi = results[None], results[False], results[True]
+    assert one[0] == plain[0] and multi[0] == plain[0]
+    assert one[2] == 0 and multi[2] > 0 and multi[1] < one[1], results

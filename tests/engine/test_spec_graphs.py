@@ -47,6 +47,7 @@ def generate(model: str, batches: list[list[list[int]]], spec: dict | None, grap
     """Greedy outputs of each batch in turn (one generate call each); with `graphs`, under the emulated capture
     (or `capture`) with spec_cuda_graphs on. Returns the outputs, how often each graph key replayed (query length
     1: decode; more: verify) and the engine's stats and GraphRunner (before it shut down)."""
+    switches.setdefault("spec_multi_step", False)  # (one step per launch here: tests/engine/test_spec_multi_step.py)
     opts = engine_opts().replace(cuda_graphs=graphs, spec_cuda_graphs=graphs, **switches)
     llm = LLM(model, optimizations=opts, max_model_len=MAX_MODEL_LEN, max_num_seqs=4, speculative_config=spec)
     runner = llm.engine.executor.runner

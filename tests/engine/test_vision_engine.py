@@ -192,7 +192,8 @@ def test_images_on_a_gpu(tiny_vl_dir):
 
     prompts = [image_prompt("Describe it.", 40, size=(300, 420)), image_prompt("And these?", 41, 42)]
     kept = []
-    for opts in (Optimizations(), Optimizations.reference()):
+    # (the reference keeps its features too - switch encoder_cache on - so there is something to compare)
+    for opts in (Optimizations(), Optimizations.reference().replace(encoder_cache=True)):
         with LLM(tiny_vl_dir, optimizations=opts, max_model_len=2048, device="cuda") as gpu:
             outs = gpu.generate(prompts, GREEDY, use_tqdm=False)
             assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in outs)

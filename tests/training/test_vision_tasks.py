@@ -77,3 +77,35 @@ def test_worker_processes_make_the_same_batches_in_the_same_order(tmp_path):
         a, b = next(inline), next(spread)
         assert all(torch.equal(x, y) for x, y in zip(a[:4], b[:4])) and a[4] == b[4]
     spread.close()  # the pool ends with the generator
+
+
+def test_worker_processes_stay_a_bounded_number_of_batches_ahead(tmp_path):
+    """The workers make batches far faster than a GPU step uses them: at most AHEAD_PER_WORKER per worker are made
+    ahead (an unbounded read-ahead held every finished batch and ran the host out of memory)."""
+    import time
+
+    import torch
+    from tokenizers import Tokenizer
+
+    from nanoserve.presets.tokenizer import add_vision_tokens
+    from training.train_vision import AHEAD_PER_WORKER, Batcher, batches
+
+    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
+    add_vision_tokens(tok)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    args = (str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja")
+    batcher = Batcher.load(*args, torch.device("cpu"))
+    drawn = []
+    keys = vision_tasks.keys(3)
+
+    def counted():
+        while True:
+            drawn.append(1)
+            yield next(keys)
+
+    spread = batches(batcher, counted(), 2, 2, *args)
+    for _ in range(2):
+        next(spread)
+    time.sleep(1.0)  # (an unbounded read-ahead keeps drawing meanwhile)
+    assert len(drawn) <= 2 * (2 + AHEAD_PER_WORKER * 2), len(drawn)
+    spread.close()

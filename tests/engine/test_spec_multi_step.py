@@ -1,0 +1,181 @@
+"""Several speculative steps per launch (switch spec_multi_step, spec_decode/multi_step.py): one graph runs
+spec_steps_per_launch verify steps and draft chains back to back, each step taking its queries from the one before.
+
+Against its reference - one speculative step per launch - on the CPU with the graphs emulated (each replay re-runs
+the captured function over the same static buffers, as in tests/engine/test_spec_async.py): the same greedy
+tokens, the same acceptance per position, launches that really ran several steps, every KV block accounted for
+after every launch; and the host's late view: a stop string and EOS inside a launch, max_tokens (the last steps
+fall back to one per launch), an abort while a launch is in flight, a pool too small for a launch's farthest reach
+and requests waiting to be admitted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoserve import LLM, SamplingParams
+from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, prompts
+from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, finish_all
+
+STEPS = 4
+
+
+def build(model: str, multi: bool, **kwargs) -> tuple[LLM, list]:
+    """An engine with the draft chain under emulated graphs; the list fills with each launch's number of steps
+    as the runner ran it (1 where no multi-step graph ran)."""
+    opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=True,
+                                 spec_multi_step=multi)
+    llm = LLM(model, optimizations=opts, max_model_len=kwargs.pop("max_model_len", MAX_MODEL_LEN), max_num_seqs=4,
+              speculative_config=MTP, spec_steps_per_launch=STEPS, **kwargs)
+    runner = llm.engine.executor.runner
+    runner.graph_capture = lambda fn: fn
+    launches: list[int] = []
+    execute = runner.execute_model
+
+    def counting(step):
+        llm.engine.block_manager.check_integrity()  # every launch: the pool's books balance
+        out = execute(step)
+        launches.append(runner._multi_out[0].shape[0] if runner._multi_out is not None else 1)
+        return out
+
+    runner.execute_model = counting
+    return llm, launches
+
+
+def run(llm: LLM, batches, params=GREEDY) -> list[list[int]]:
+    outs = []
+    for batch in batches:
+        outs += [o.outputs[0].token_ids for o in
+                 llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
+    return outs
+
+
+@pytest.mark.parametrize("model", ["mtp_dir", "m3-mini"])
+def test_several_steps_per_launch_the_same_tokens_and_acceptance(model, request):
+    """m3-tiny's random MTP module (drafts mostly rejected) and the trained m3-mini's (mostly accepted): the same
+    tokens and the same acceptance, per position, as one step per launch, with most launches running all their
+    steps - at batch 1 and 2."""
+    name = request.getfixturevalue(model) if model == "mtp_dir" else model
+    batches = [prompts()[:1], prompts()[1:]] if model == "mtp_dir" else \
+        [[[1, 2, 3] + list(range(40, 80))], [list(range(100, 140)), list(range(300, 330)) * 2]]
+    kwargs = {} if model == "mtp_dir" else {"dtype": "float32", "max_model_len": 512}
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    results = {}
+    for multi in (True, False):
+        llm, launches = build(name, multi, **kwargs)
+        results[multi] = run(llm, batches, params), acceptance(llm.engine.stats), launches
+        assert_all_blocks_free(llm)
+        llm.shutdown()
+    (out, accepted, launches), (ref, ref_accepted, ref_launches) = results[True], results[False]
+    assert out == ref and accepted == ref_accepted
+    assert set(ref_launches) == {1}
+    assert launches.count(STEPS) >= 3 and len(launches) < len(ref_launches), (launches, ref_launches)
+
+
+def test_stops_limits_and_aborts_inside_a_launch(mtp_dir):
+    """A stop string completed in a launch's second step, max_tokens and EOS-free runs of several lengths, and an
+    abort while a launch of several steps is in flight: the reference's outputs and finish reasons, nothing past a
+    stop, every block back."""
+    ref_llm, _ = build(mtp_dir, False)
+    llm, launches = build(mtp_dir, True)
+    p = prompts()
+    free_run = run(ref_llm, [p[:1]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
+    text = ref_llm.get_tokenizer().decode(free_run[14:16])
+    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[text]),
+              SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True)]
+    got = {}
+    for lm in (ref_llm, llm):
+        outs = lm.generate([{"prompt_token_ids": q} for q in p], params, use_tqdm=False)
+        got[lm is llm] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    ref = got[False]
+    assert got[True] == ref and ref[0][2] == "stop" and ref[1][2] == "length" and len(ref[1][1]) == 23
+    assert STEPS in launches
+    assert_all_blocks_free(llm)
+    # an abort while a launch of several steps is in flight
+    engine = llm.engine
+    for i, q in enumerate(p):
+        engine.add_request(f"a{i}", {"prompt_token_ids": q}, GREEDY)
+    for _ in range(40):
+        engine.step()
+        in_flight = engine.overlapped.in_flight
+        if in_flight is not None and in_flight.step.spec_steps > 1:
+            break
+    else:
+        pytest.fail("no launch of several steps")
+    engine.abort_request("a1")
+    engine.block_manager.check_integrity()
+    finished = finish_all(engine)
+    expected = run(ref_llm, [p])
+    assert finished == {"a0": expected[0], "a2": expected[2]}
+    assert_all_blocks_free(llm)
+    for lm in (ref_llm, llm):
+        lm.shutdown()
+
+
+def test_a_small_pool_and_waiting_requests_run_one_step(mtp_dir):
+    """A pool too small for the farthest a launch of several steps reaches, and requests waiting to be admitted:
+    those launches run one step (nothing is taken from the pool for them), the outputs are the reference's."""
+    p = prompts()
+    small = dict(num_gpu_blocks_override=12, max_model_len=192)
+    ref_llm, _ = build(mtp_dir, False, **small)
+    expected = run(ref_llm, [p])
+    ref_llm.shutdown()
+    llm, launches = build(mtp_dir, True, **small)
+    scheduler = llm.engine.scheduler
+    reserve, refused = scheduler.reserve, []
+
+    def reserving(reach):
+        free = llm.engine.block_manager.num_free_blocks
+        ok = reserve(reach)
+        if not ok:
+            refused.append(free == llm.engine.block_manager.num_free_blocks)  # (nothing taken)
+        return ok
+
+    scheduler.reserve = reserving
+    assert run(llm, [p]) == expected
+    assert refused and all(refused), "the pool was meant to be too small for some launch of several steps"
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+    # more requests than max_num_seqs: while some wait, no launch runs several steps
+    llm, launches = build(mtp_dir, True)
+    engine = llm.engine
+    waiting_seen = []
+    spec_steps = engine._spec_steps
+
+    def watching(sched, step):
+        n = spec_steps(sched, step)
+        waiting_seen.append((bool(engine.scheduler.waiting), n))
+        return n
+
+    engine._spec_steps = watching
+    assert run(llm, [p + p[:2]]) == run(build(mtp_dir, False)[0], [p + p[:2]])
+    assert any(w for w, _ in waiting_seen) and all(n == 1 for w, n in waiting_seen if w)
+    assert any(n == STEPS for w, n in waiting_seen if not w)
+    assert_all_blocks_free(llm)
+    llm.shutdown()
+
+
+def test_the_warm_up_captures_the_launches_graphs(mtp_dir):
+    """With switch spec_multi_step, the warm-up runs a launch of several steps per batch bucket after the draft
+    chain's verify step, capturing its graph in that step's context bucket: later requests capture none, and the
+    greedy output is the reference's."""
+    from nanoserve.engine.warmup import warm_up
+
+    p = prompts()
+    ref_llm, _ = build(mtp_dir, False)
+    expected = run(ref_llm, [p])
+    ref_llm.shutdown()
+    llm, launches = build(mtp_dir, True)
+    runner = llm.engine.executor.runner
+    captured = []
+    runner.graph_capture = lambda fn: captured.append(fn.key) or fn
+    warm_up(llm.engine, budget_s=600)
+    warm = [k for k in captured if k[0] == "multi"]
+    assert sorted(k[1] for k in warm) == [1, 2, 4], warm  # (max_num_seqs 4: batch buckets 1, 2 and 4)
+    launches.clear()
+    before = len(captured)
+    assert run(llm, [p]) == expected
+    assert STEPS in launches and captured[before:] == [], captured[before:]
+    assert_all_blocks_free(llm)
+    llm.shutdown()
