@@ -44,10 +44,10 @@ import torch
 
 from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
+    MULTI,
     NO_ASYNC,
     NO_CHAIN,
     NO_FEED,
-    NO_MULTI,
     build_llm,
     first_difference,
     max_tokens_for,
@@ -74,7 +74,7 @@ def drafters(model_dir: str, eagle3_dir: str | None, device: str = "cpu"
             (NO_ASYNC, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             (NO_CHAIN, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             (NO_FEED, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
-            (NO_MULTI, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
+            (MULTI, {**MTP, "num_speculative_tokens": 3}, no_chain_skip(no_mtp, device)),
             ("eagle3 k=3", {"method": "eagle3", "model": eagle3_dir, "num_speculative_tokens": 3}, no_eagle)]
 
 

@@ -52,10 +52,10 @@ from nanoserve.bench.device_timeline import DeviceTimeline
 from nanoserve.bench.device_timeline import install as install_timeline
 from nanoserve.bench.quality import heldout_rows
 from nanoserve.bench.speculative_llm import (
+    MULTI,
     NO_ASYNC,
     NO_CHAIN,
     NO_FEED,
-    NO_MULTI,
     build_llm,
     first_difference,
     max_tokens_for,
@@ -96,7 +96,7 @@ def configurations(model_dir: str, device: str = "cpu") -> list[tuple[str, dict 
     no_mtp = None if has_mtp(model_dir) else f"{model_dir} has no MTP module (language_model.model.mtp.*)"
     return [("no speculation", None, None), ("ngram k=3", NGRAM, None), ("mtp k=3", MTP_K3, no_mtp),
             (NO_ASYNC, MTP_K3, no_chain_skip(no_mtp, device)), (NO_CHAIN, MTP_K3, no_chain_skip(no_mtp, device)),
-            (NO_FEED, MTP_K3, no_chain_skip(no_mtp, device)), (NO_MULTI, MTP_K3, no_chain_skip(no_mtp, device))]
+            (NO_FEED, MTP_K3, no_chain_skip(no_mtp, device)), (MULTI, MTP_K3, no_chain_skip(no_mtp, device))]
 
 
 @dataclass

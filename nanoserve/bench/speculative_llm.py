@@ -20,13 +20,15 @@ NO_FEED = "mtp k=3, feed on host"
 graph's inputs by separate launches on the host (cuda_graphs.apply_verify_feed) instead of inside the graph; the
 feed exists only on the async path's graphs, so the two differ on a GPU only."""
 
-NO_MULTI = "mtp k=3, one step per launch"
-"""MTP k=3 with switch spec_multi_step off, its reference (spec_decode/multi_step.py): one speculative step per
-launch instead of spec_steps_per_launch; the multi-step graphs exist on a GPU only."""
+MULTI = "mtp k=3, 4 steps per launch"
+"""MTP k=3 with switch spec_multi_step on (off by default; spec_decode/multi_step.py): four speculative steps per
+launch, in one graph, instead of one; the multi-step graphs exist on a GPU only."""
 
-REFERENCE_SWITCH = {NO_ASYNC: "spec_async", NO_CHAIN: "spec_draft_chain", NO_FEED: "spec_feed_in_graph",
-                    NO_MULTI: "spec_multi_step"}
+REFERENCE_SWITCH = {NO_ASYNC: "spec_async", NO_CHAIN: "spec_draft_chain", NO_FEED: "spec_feed_in_graph"}
 """Each reference configuration and the switch it turns off (MTP k=3 otherwise)."""
+
+ON_SWITCH = {MULTI: "spec_multi_step"}
+"""Each configuration that turns on a switch that is off by default (MTP k=3 otherwise)."""
 
 
 def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
@@ -39,12 +41,13 @@ def no_chain_skip(no_mtp: str | None, device: str) -> str | None:
 
 def switches_for(name: str, optimizations):
     """The engine's switches for the configuration `name`: the given ones (None: the defaults), with
-    REFERENCE_SWITCH[name] off for a reference configuration."""
-    if name not in REFERENCE_SWITCH:
+    REFERENCE_SWITCH[name] off for a reference configuration and ON_SWITCH[name] on."""
+    if name not in REFERENCE_SWITCH and name not in ON_SWITCH:
         return optimizations
     from nanoserve.config import Optimizations
 
-    return (optimizations or Optimizations()).replace(**{REFERENCE_SWITCH[name]: False})
+    change = {REFERENCE_SWITCH[name]: False} if name in REFERENCE_SWITCH else {ON_SWITCH[name]: True}
+    return (optimizations or Optimizations()).replace(**change)
 
 
 def max_tokens_for(task: str) -> int:

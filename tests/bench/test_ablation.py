@@ -21,7 +21,7 @@ CPU = Platform()
 HOPPER_MXFP8 = Platform(device="cuda", triton=True, hopper_gluon=True, mxfp8=True)
 OTHER_GPU_BF16 = Platform(device="cuda", triton=True)
 SPECULATIVE = ("speculative_decoding", "spec_cuda_graphs", "spec_greedy_accept", "spec_draft_chain", "spec_pad_drafts",
-               "spec_async", "spec_feed_in_graph")
+               "spec_async", "spec_feed_in_graph", "spec_multi_step")
 
 
 def test_on_a_cpu_the_gpu_and_kernel_switches_are_na():

@@ -210,7 +210,7 @@ def test_ablation_lists_every_switch(bench, tmp_path):
     assert na == set(REFERENCE) | server_side | {"cuda_graphs", "captured_argmax", "mxfp8_weights", "mx_activations",
                                                  "overlap_grammar", "speculative_decoding", "spec_cuda_graphs",
                                                  "spec_greedy_accept", "spec_draft_chain", "spec_pad_drafts",
-                                                 "spec_async", "spec_feed_in_graph"}
+                                                 "spec_async", "spec_feed_in_graph", "spec_multi_step"}
     assert set(abl["not_applicable"]) == na
     assert rows["cuda_graphs"]["note"] == "n/a: no CUDA/HIP device"
     assert rows["fused_moe"]["note"].startswith("n/a: Triton kernels do not run on this device")

@@ -84,6 +84,7 @@ def test_drafters_the_model_cannot_run_are_skipped_with_the_reason(tiny_dir, tra
     assert "GPU" in with_mtp.pop("mtp k=3, no draft chain")  # (it replays CUDA graphs)
     assert "GPU" in with_mtp.pop("mtp k=3, host in step")  # (so does the async path it is the reference of)
     assert "GPU" in with_mtp.pop("mtp k=3, feed on host")  # (the feed exists only on the async path's graphs)
+    assert "GPU" in with_mtp.pop("mtp k=3, 4 steps per launch")  # (a launch of several steps is one graph)
     assert all(skip is None for skip in with_mtp.values())
     assert all(skip is None for _, _, skip in drafters(trained_dir, "/some/draft", device="cuda"))
 
@@ -129,7 +130,7 @@ def test_host_time_per_phase_of_a_speculative_step(trained_dir):
     assert report["prompts"] == {"no_tool": 2}  # the chat tasks only: no retrieval prompt
     assert list(report["configs"]) == ["no speculation", "ngram k=3", "mtp k=3"]
     assert list(report["skipped"]) == [  # (graphs: a GPU)
-        "mtp k=3, host in step", "mtp k=3, no draft chain", "mtp k=3, feed on host"]  # (graphs: a GPU)
+        "mtp k=3, host in step", "mtp k=3, no draft chain", "mtp k=3, feed on host", "mtp k=3, 4 steps per launch"]
     assert report["identical"] is True and report["differences"] == []
     plain = {"launch", "schedule", "execute_model", "masks", "sample_tokens", "update", "result", "outputs"}
     expected = {"no speculation": plain, "ngram k=3": plain | {"propose"}, "mtp k=3": set(PHASES)}
