@@ -197,6 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
                         '"prompt_lookup_max": 4, "prompt_lookup_min": 2}\'; method mtp, or eagle3 with "model": '
                         'DRAFT_DIR (docs/speculative_decoding.md)')
+    e.add_argument("--spec-steps-per-launch", type=int, default=EngineConfig.spec_steps_per_launch, metavar="N",
+                   help="with switch spec_multi_step (off by default): the most speculative steps one launch runs on "
+                        "the device (docs/speculative_decoding.md)")
     e.add_argument("--kv-events-config", type=kv_events_config, default=None, metavar="JSON",
                    help='publish KV-cache events for KV-aware routers, vLLM\'s format over ZMQ, e.g. '
                         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
@@ -257,6 +260,7 @@ def engine_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             seed=args.seed, max_waiting_requests=args.max_waiting_requests, max_logprobs=args.max_logprobs,
             scheduling_policy=args.scheduling_policy,
             logprobs_mode=args.logprobs_mode, speculative_config=args.speculative_config,
+            spec_steps_per_launch=args.spec_steps_per_launch,
             kv_events_config=args.kv_events_config, kv_transfer_config=args.kv_transfer_config,
             limit_mm_per_prompt=args.limit_mm_per_prompt,
             served_model_name=args.served_model_name[0] if args.served_model_name else None,
