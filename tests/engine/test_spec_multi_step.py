@@ -14,19 +14,20 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, prompts
+from tests.engine.test_spec_decode import eagle_config
+from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, eagle_draft, prompts  # noqa: F401
 from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, finish_all
 
 STEPS = 4
 
 
-def build(model: str, multi: bool, **kwargs) -> tuple[LLM, list]:
+def build(model: str, multi: bool, spec: dict = MTP, **kwargs) -> tuple[LLM, list]:
     """An engine with the draft chain under emulated graphs; the list fills with each launch's number of steps
     as the runner ran it (1 where no multi-step graph ran)."""
     opts = engine_opts().replace(cuda_graphs=True, spec_cuda_graphs=True, spec_draft_chain=True,
                                  spec_multi_step=multi)
     llm = LLM(model, optimizations=opts, max_model_len=kwargs.pop("max_model_len", MAX_MODEL_LEN), max_num_seqs=4,
-              speculative_config=MTP, spec_steps_per_launch=STEPS, **kwargs)
+              speculative_config=spec, spec_steps_per_launch=STEPS, **kwargs)
     runner = llm.engine.executor.runner
     runner.graph_capture = lambda fn: fn
     launches: list[int] = []
@@ -50,19 +51,23 @@ def run(llm: LLM, batches, params=GREEDY) -> list[list[int]]:
     return outs
 
 
-@pytest.mark.parametrize("model", ["mtp_dir", "m3-mini"])
+@pytest.mark.parametrize("model", ["mtp_dir", "m3-mini", "eagle3"])
 def test_several_steps_per_launch_the_same_tokens_and_acceptance(model, request):
-    """m3-tiny's random MTP module (drafts mostly rejected) and the trained m3-mini's (mostly accepted): the same
-    tokens and the same acceptance, per position, as one step per launch, with most launches running all their
-    steps - at batch 1 and 2."""
-    name = request.getfixturevalue(model) if model == "mtp_dir" else model
-    batches = [prompts()[:1], prompts()[1:]] if model == "mtp_dir" else \
-        [[[1, 2, 3] + list(range(40, 80))], [list(range(100, 140)), list(range(300, 330)) * 2]]
-    kwargs = {} if model == "mtp_dir" else {"dtype": "float32", "max_model_len": 512}
+    """m3-tiny's random MTP module and a random EAGLE-3 draft (drafts mostly rejected) and the trained m3-mini's MTP
+    (mostly accepted): the same tokens and the same acceptance, per position, as one step per launch, with most
+    launches running all their steps - at batch 1 and 2."""
+    spec = MTP
+    if model == "eagle3":
+        name, spec = request.getfixturevalue("tiny_dir"), eagle_config(request.getfixturevalue("eagle_draft"), 3)
+    else:
+        name = request.getfixturevalue(model) if model == "mtp_dir" else model
+    batches = [[[1, 2, 3] + list(range(40, 80))], [list(range(100, 140)), list(range(300, 330)) * 2]] \
+        if model == "m3-mini" else [prompts()[:1], prompts()[1:]]
+    kwargs = {"dtype": "float32", "max_model_len": 512} if model == "m3-mini" else {}
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     results = {}
     for multi in (True, False):
-        llm, launches = build(name, multi, **kwargs)
+        llm, launches = build(name, multi, spec, **kwargs)
         results[multi] = run(llm, batches, params), acceptance(llm.engine.stats), launches
         assert_all_blocks_free(llm)
         llm.shutdown()
