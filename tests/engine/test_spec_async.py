@@ -15,7 +15,7 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, prompts
-from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, finish_all
+from tests.helpers.engine_utils import abort_while_in_flight, assert_all_blocks_free, engine_opts
 
 
 def build(model: str, spec_async: bool, feed_in_graph: bool = True, **kwargs) -> tuple[LLM, list]:
@@ -96,22 +96,8 @@ def test_stops_limits_and_aborts_with_a_step_in_flight(mtp_dir):
     assert any(fed)
     assert_all_blocks_free(llm)
     # an abort while a step launched ahead is in flight
-    engine = llm.engine
-    for i, q in enumerate(p):
-        engine.add_request(f"a{i}", {"prompt_token_ids": q}, GREEDY)
-    for _ in range(40):
-        engine.step()
-        in_flight = engine.overlapped.in_flight
-        if in_flight is not None and any(s.on_device for s in in_flight.step.seqs):
-            break
-    else:
-        pytest.fail("no step was launched ahead")
-    engine.abort_request("a1")
-    engine.block_manager.check_integrity()
-    finished = finish_all(engine)
-    expected = run(ref_llm, [p])
-    assert finished == {"a0": expected[0], "a2": expected[2]}
-    assert_all_blocks_free(llm)
+    abort_while_in_flight(llm, p, GREEDY, lambda step: any(s.on_device for s in step.seqs), run(ref_llm, [p]),
+                          "step was launched ahead")
     for lm in (ref_llm, llm):
         lm.shutdown()
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import pytest
 
 from nanoserve import LLM, SamplingParams
+from tests.engine.test_spec_async import run
 from tests.engine.test_spec_decode import eagle_config
 from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, eagle_draft, prompts  # noqa: F401
-from tests.helpers.engine_utils import assert_all_blocks_free, engine_opts, finish_all
+from tests.helpers.engine_utils import abort_while_in_flight, assert_all_blocks_free, engine_opts
 
 STEPS = 4
 
@@ -41,14 +42,6 @@ def build(model: str, multi: bool, spec: dict = MTP, **kwargs) -> tuple[LLM, lis
 
     runner.execute_model = counting
     return llm, launches
-
-
-def run(llm: LLM, batches, params=GREEDY) -> list[list[int]]:
-    outs = []
-    for batch in batches:
-        outs += [o.outputs[0].token_ids for o in
-                 llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)]
-    return outs
 
 
 @pytest.mark.parametrize("model", ["mtp_dir", "m3-mini", "eagle3"])
@@ -97,23 +90,8 @@ def test_stops_limits_and_aborts_inside_a_launch(mtp_dir):
     assert got[True] == ref and ref[0][2] == "stop" and ref[1][2] == "length" and len(ref[1][1]) == 23
     assert STEPS in launches
     assert_all_blocks_free(llm)
-    # an abort while a launch of several steps is in flight
-    engine = llm.engine
-    for i, q in enumerate(p):
-        engine.add_request(f"a{i}", {"prompt_token_ids": q}, GREEDY)
-    for _ in range(40):
-        engine.step()
-        in_flight = engine.overlapped.in_flight
-        if in_flight is not None and in_flight.step.spec_steps > 1:
-            break
-    else:
-        pytest.fail("no launch of several steps")
-    engine.abort_request("a1")
-    engine.block_manager.check_integrity()
-    finished = finish_all(engine)
-    expected = run(ref_llm, [p])
-    assert finished == {"a0": expected[0], "a2": expected[2]}
-    assert_all_blocks_free(llm)
+    abort_while_in_flight(llm, p, GREEDY, lambda step: step.spec_steps > 1, run(ref_llm, [p]),
+                          "launch of several steps")
     for lm in (ref_llm, llm):
         lm.shutdown()
 

@@ -76,6 +76,29 @@ def finish_all(engine) -> dict[str, list[int]]:
     return finished
 
 
+def abort_while_in_flight(llm: LLM, prompts: list[list[int]], params, in_flight_is, expected: list[list[int]],
+                          what: str) -> None:
+    """Add one request per prompt ("a0", "a1", ...) to the overlapped engine, step until the step in flight is one
+    `in_flight_is(step)` accepts (pytest.fail naming `what` if none comes in 40 steps), abort "a1" there: the books
+    balance, the others finish with `expected`'s tokens, and every block comes back."""
+    import pytest
+
+    engine = llm.engine
+    for i, q in enumerate(prompts):
+        engine.add_request(f"a{i}", {"prompt_token_ids": q}, params)
+    for _ in range(40):
+        engine.step()
+        in_flight = engine.overlapped.in_flight
+        if in_flight is not None and in_flight_is(in_flight.step):
+            break
+    else:
+        pytest.fail(f"no {what}")
+    engine.abort_request("a1")
+    engine.block_manager.check_integrity()
+    assert finish_all(engine) == {f"a{i}": out for i, out in enumerate(expected) if i != 1}
+    assert_all_blocks_free(llm)
+
+
 def direct_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """log_softmax of the model's logits at every position of `tokens`, from one forward pass outside the
     scheduler (through the first blocks of the engine's KV pool, whose cached prefixes are dropped after)."""
