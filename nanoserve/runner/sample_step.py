@@ -62,12 +62,12 @@ class PendingStep:
         premade: dict[int, list[int]] = {}
         accepted: dict[int, list[int]] = {}
         if self.verify is not None:
-            tokens, result = spec_verify.to_host(self.verify)
+            tokens, per_step, result = spec_verify.to_host(self.verify)
             width = self.verify.width
             for r, s in enumerate(self.verify.seqs):
                 emitted[s.seq_id] = tokens[r]
-                if self.verify.accepted is not None:
-                    accepted[s.seq_id] = self.verify.accepted[r]
+                if per_step is not None:
+                    accepted[s.seq_id] = per_step[r]
                 if s.params.logprobs is not None:
                     logprobs[s.seq_id] = [result.logprobs(r * width + j) for j in range(len(tokens[r]))]
             if self.chain is not None:  # the drafts the chain made on the device: row r * k + j
@@ -126,8 +126,7 @@ class StepSampler:
                                         masks.verified, self.opts.spec_greedy_accept, fed_ids)
             drafts = draft_chain() if verify.greedy and self.chains(step) else None
             if drafts is not None:  # one copy out of the static buffer, which the next replay overwrites
-                chain = DeviceSample(drafts.clone().view(-1), [None] * drafts.numel(), None, None,
-                                     None).start_host_copy()
+                chain = DeviceSample.of_tokens(drafts.clone())
         self.last, self.last_rows = sample, {s.seq_id: i for i, s in enumerate(sampled)}
         self.chained_rows = {s.seq_id: i for i, s in enumerate(verifying)} if chain is not None else {}
         return PendingStep(step, sample, prompt, verify, chain, self.proposer)
@@ -141,14 +140,11 @@ class StepSampler:
         for seq_id in step.finished:
             self.sampler.forget(seq_id)
         verifying = step.verifying
-
-        def copy(x: torch.Tensor) -> DeviceSample:
-            flat = x.clone().view(-1)
-            return DeviceSample(flat, [None] * flat.numel(), None, None, None).start_host_copy()
-
-        verify = spec_verify.DeviceVerify(verifying, max(s.num_draft for s in verifying) + 1, copy(argmax),
-                                          greedy=True, fed=copy(ids), steps=argmax.shape[0])
-        pending = PendingStep(step, None, None, verify, copy(drafts), self.proposer)
+        # (each a clone: the buffers are static, and the copies read them later on the stream)
+        verify = spec_verify.DeviceVerify(verifying, max(s.num_draft for s in verifying) + 1,
+                                          DeviceSample.of_tokens(argmax.clone()), greedy=True,
+                                          fed=DeviceSample.of_tokens(ids.clone()), steps=argmax.shape[0])
+        pending = PendingStep(step, None, None, verify, DeviceSample.of_tokens(drafts.clone()), self.proposer)
         pending.chained = frozenset()  # (the next step is staged from the host's tokens)
         self.last, self.last_rows, self.chained_rows = None, {}, {}
         return pending

@@ -55,6 +55,12 @@ class DeviceSample:
     queued since - with async scheduling, the whole next step."""
     copied: torch.cuda.Event | None = None
 
+    @classmethod
+    def of_tokens(cls, token_ids: torch.Tensor) -> "DeviceSample":
+        """Token ids only, no logprobs (flattened), their host copy queued now. The caller clones a static graph
+        buffer first: the copy reads it later, on the stream."""
+        return cls(token_ids.reshape(-1), [None] * token_ids.numel(), None, None, None).start_host_copy()
+
     def start_host_copy(self) -> "DeviceSample":
         """Queue the copies to pinned host memory now (CUDA/HIP; elsewhere the tensors are on the host already)."""
         if self.token_ids.device.type != "cuda":
@@ -149,7 +155,7 @@ class Sampler:
         row's argmax of `logits`, already on the device (a decode graph took it, switch captured_argmax); an
         unconstrained batch whose rows are all plain greedy then takes a copy of it and launches nothing else."""
         if argmax is not None and grammar is None and all(plain_greedy(s) for s in seqs):
-            return DeviceSample(argmax.clone(), [None] * len(seqs), None, None, None).start_host_copy()
+            return DeviceSample.of_tokens(argmax.clone())
         logits = logits.to(torch.float32, copy=True)  # the steps edit it in place; the caller's stays intact
         logits = self._apply_grammar(logits, grammar)
         num_logprobs = [s.params.logprobs for s in seqs]

@@ -84,24 +84,25 @@ class MultiStep:
 
     def _capture(self, key: tuple[int, int, int]) -> Replay | None:
         """Warm up and capture one graph. The eager warm-up runs all K steps, which moves the staged inputs and
-        the chain's next queries on: they are put back before the capture, so the first replay starts where the
-        host staged it (the K/V it writes are the same values again)."""
+        the chain's next queries on: they are put back after it, run or failed, so the first replay (or the one
+        step the caller runs instead) starts where the host staged it (the K/V it writes are the same values
+        again)."""
         target, chain = self.target, self.chain
         fn = self._forward(*key)
         state = [target.i64, target.i32, target.feed, chain.next_ids, chain.next_pos]
         saved = [x.clone() for x in state]
         try:
-            fn()
-            for x, y in zip(state, saved):
-                x.copy_(y)
+            try:
+                fn()
+            finally:
+                for x, y in zip(state, saved):
+                    x.copy_(y)
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
             replay = target._capture(fn)
         except Exception as e:  # noqa: BLE001 - a failed capture must not take the engine down
             if target.device.type == "cuda":
                 torch.cuda.synchronize(target.device)
-            for x, y in zip(state, saved):
-                x.copy_(y)
             self.disabled = f"capture of batch {key[0]} / context {key[1]} / query length {key[2]} x " \
                             f"{self.steps} steps failed: {type(e).__name__}: {e}"
             logger.warning("multi-step speculative graphs disabled, one step per launch: %s", self.disabled,

@@ -41,8 +41,6 @@ class DeviceVerify:
     steps: int = 1
     """Greedy only: how many verify steps ran in one launch (spec_decode/multi_step.py); `sample` and `fed` then
     hold one block of rows per step, each laid out as one step's."""
-    accepted: list[list[int]] | None = None
-    """After `to_host`, for several steps: per sequence, the drafts each step accepted."""
 
 
 def verify(logits: torch.Tensor, seqs: list[StepSeq], sampler: Sampler, mask: GrammarMask | None,
@@ -54,9 +52,8 @@ def verify(logits: torch.Tensor, seqs: list[StepSeq], sampler: Sampler, mask: Gr
     k_max = max(counts)
     if greedy_accept and mask is None and all(plain_greedy(s) for s in seqs):
         argmax = logits.argmax(dim=-1)
-        sample = DeviceSample(argmax, [None] * len(argmax), None, None, None).start_host_copy()
-        fed = None if fed_ids is None else \
-            DeviceSample(fed_ids.clone(), [None] * fed_ids.numel(), None, None, None).start_host_copy()
+        sample = DeviceSample.of_tokens(argmax)
+        fed = None if fed_ids is None else DeviceSample.of_tokens(fed_ids.clone())
         return DeviceVerify(seqs, k_max + 1, sample, greedy=True, fed=fed)
     if fed_ids is not None:
         raise RuntimeError("a verify step whose queries are on the device is accepted greedily only")
@@ -101,18 +98,17 @@ def verify(logits: torch.Tensor, seqs: list[StepSeq], sampler: Sampler, mask: Gr
     return DeviceVerify(seqs, width, sample)
 
 
-def to_host(verify: DeviceVerify) -> tuple[list[list[int]], SampleResult]:
-    """Wait for a verify step's outcome: each sequence's emitted tokens (its accepted drafts, then the drawn one),
-    and the draw on the host, whose row r * width + j is sequence r's j-th emitted token (for its logprobs)."""
+def to_host(verify: DeviceVerify) -> tuple[list[list[int]], list[list[int]] | None, SampleResult]:
+    """Wait for a verify step's outcome: each sequence's emitted tokens (its accepted drafts, then the drawn one);
+    for a launch of several steps, each sequence's accepted drafts per step (None for one step: its emitted tokens
+    less one); and the draw on the host, whose row r * width + j is sequence r's j-th emitted token (for its
+    logprobs)."""
     result = Sampler.to_host(verify.sample)
-    emitted: list[list[int]] = []
     if not verify.greedy:
-        for r in range(len(verify.seqs)):
-            row = result.token_ids[r * verify.width: (r + 1) * verify.width]
-            emitted.append([t for t in row if t >= 0])
-        return emitted, result
+        rows = [result.token_ids[r * verify.width: (r + 1) * verify.width] for r in range(len(verify.seqs))]
+        return [[t for t in row if t >= 0] for row in rows], None, result
     fed = Sampler.to_host(verify.fed).token_ids if verify.fed is not None else None
-    emitted = [[] for _ in verify.seqs]
+    emitted: list[list[int]] = [[] for _ in verify.seqs]
     accepted: list[list[int]] = [[] for _ in verify.seqs]
     rows = len(result.token_ids) // verify.steps
     for step in range(verify.steps):  # (several: each step's queries are the one before's bonus token and drafts)
@@ -126,6 +122,4 @@ def to_host(verify: DeviceVerify) -> tuple[list[list[int]], SampleResult]:
             emitted[r] += draft[:n] + [argmax[n]]
             accepted[r].append(n)
             start += s.num_draft + 1
-    if verify.steps > 1:
-        verify.accepted = accepted
-    return emitted, result
+    return emitted, (accepted if verify.steps > 1 else None), result
