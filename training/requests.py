@@ -952,9 +952,19 @@ FAMILIES: tuple[Callable[[random.Random], Family], ...] = (
     log_meal)
 
 
+def camel(name: str) -> str:
+    """A snake_case tool name as camelCase APIs write it (get_weather -> getWeather)."""
+    first, *rest = name.split("_")
+    return first + "".join(w.capitalize() for w in rest)
+
+
 def family_names() -> set[str]:
-    """Every tool name the families can take (weather and convert_units draw theirs from a few)."""
-    return {make(random.Random(seed)).name for make in FAMILIES for seed in range(40)}
+    """Every tool name the families can take (weather and convert_units draw theirs from a few), in both styles,
+    and every name of a lookup tool (training/lookup_tools.py)."""
+    from training.lookup_tools import lookup_names
+
+    names = {make(random.Random(seed)).name for make in FAMILIES for seed in range(40)}
+    return names | {camel(n) for n in names} | lookup_names()
 
 
 # -- how people phrase a request ------------------------------------------------------------------------------------
@@ -983,7 +993,7 @@ def phrase(rng: random.Random, sentence: str, values: list[str]) -> str:
         out = f"{rng.choice(LEAD_INS)} {sentence}"
     elif x < 0.75:
         wrap = rng.choice(POLITE)
-        low = sentence[:1].lower() + sentence[1:]
+        low = sentence if any(sentence.startswith(v) for v in values) else sentence[:1].lower() + sentence[1:]
         out = wrap.format(s=low.rstrip(".?!") + ("?" if wrap.startswith(("Could", "Can", "Would", "Any")) else "."),
                           S=sentence)
     elif x < 0.88:
@@ -1034,17 +1044,33 @@ def request_exchange(rng: random.Random, mode: str, fams: list[Family], target: 
                                     "calls": [{"name": f.name, "arguments": a} for f, a in pairs]})
 
 
+LOOKUP_SHARE = 0.45
+"""Of the tool sets offered, the share made of lookup tools (training/lookup_tools.py), and as much again mixes
+them with named families: names the model cannot have memorised, picked by the words of the request."""
+CAMEL_SHARE = 0.25
+"""Of the named families offered, the share renamed to camelCase: the same tool under a name not seen before."""
+
+
 def toolset(rng: random.Random, n_extra: int | None = None) -> list[Family]:
-    """1-4 families in random order, none twice (four tools' schemas keep a chat within a 1,280-token window)."""
+    """1-4 families in random order, none twice (four tools' schemas keep a chat within a 1,280-token window):
+    named families, lookup tools, or both."""
+    from training.lookup_tools import lookup_toolset
+
     n = rng.choice((1, 2, 2, 3, 3, 4)) if n_extra is None else n_extra + 1
-    picked, names = [], set()
+    x = rng.random()
+    n_lookup = n if x < LOOKUP_SHARE else rng.randint(0, n) if x < 2 * LOOKUP_SHARE else 0
+    picked = lookup_toolset(rng, n_lookup) if n_lookup else []
+    names = {f.name for f in picked}
     for make in rng.sample(FAMILIES, len(FAMILIES)):
+        if len(picked) >= n:
+            break
         f = make(rng)
+        if rng.random() < CAMEL_SHARE:
+            f.spec = {**f.spec, "function": {**f.spec["function"], "name": camel(f.name)}}
         if f.name not in names:
             picked.append(f)
             names.add(f.name)
-        if len(picked) == n:
-            break
+    rng.shuffle(picked)
     return picked
 
 

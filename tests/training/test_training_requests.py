@@ -110,7 +110,7 @@ def test_request_wording_varies():
     assert sum(u.startswith(tuple(requests.LEAD_INS)) for u in users) > 20
     assert sum(u[:1].islower() for u in users) > 10
     assert sum(u.endswith(("Thanks!", "Thank you.")) for u in users) > 3
-    assert sum(any(w in u for w in ("two", "three", "four", "five", "six")) for u in users) > 10  # counts in words
+    assert sum(any(w in u for w in ("two", "three", "four", "five", "six")) for u in users) > 4  # counts in words
 
 
 def test_request_no_call_offers_tools_and_calls_none():
@@ -183,3 +183,40 @@ def test_generation_config_bounds_a_reply():
     shipped = load_generation_defaults("auto", SHIPPED["m3-mini"], model_eos_token_id=2)
     assert shipped.sampling["max_tokens"] == GENERATION_CONFIG["max_new_tokens"] <= 1024
     assert shipped.sampling["temperature"] == GENERATION_CONFIG["temperature"]
+
+
+def test_lookup_tools_are_told_apart_by_the_words_of_the_request():
+    """A lookup tool (training/lookup_tools.py) is offered beside others of the same subject: the call names the
+    tool whose attribute the request says, copies the request's value exactly, and keeps to the tool's schema."""
+    from training import lookup_tools
+
+    rng = random.Random(11)
+    said = 0
+    for _ in range(200):
+        fams = lookup_tools.lookup_toolset(rng, rng.randint(2, 4))
+        assert len({f.name for f in fams}) == len(fams) and len({f.topic for f in fams}) == len(fams)
+        target = rng.choice(fams)
+        ex = requests.request_exchange(rng, "disabled", fams, [target])
+        call = ex.replies[0]["tool_calls"][0]["function"]
+        args = json.loads(call["arguments"])
+        assert call["name"] == target.name
+        jsonschema.validate(args, target.spec["function"]["parameters"])
+        key = target.spec["function"]["parameters"]["required"][0]
+        assert args[key] in ex.user  # the value is copied as said
+        attr = target.topic.removeprefix("the ").split(" of a ")[0]
+        said += attr in ex.user.lower()
+        assert str(json.loads(ex.replies[1]["content"])[attr.replace(" ", "_")]) in ex.replies[2]["content"]
+    assert said > 150  # the attribute's words are the cue (a typo may hit one of them)
+
+
+def test_toolsets_mix_named_families_lookup_tools_and_new_names():
+    from training import lookup_tools
+
+    rng = random.Random(3)
+    names = [f.name for _ in range(400) for f in requests.toolset(rng)]
+    lookups = lookup_tools.lookup_names()
+    named = requests.family_names() - lookups
+    assert sum(n in lookups for n in names) > 0.3 * len(names)
+    assert sum(n in named for n in names) > 0.3 * len(names)
+    assert any(n != n.lower() and n in named for n in names)  # a named family renamed to camelCase
+    assert set(names) <= requests.family_names()  # the held-out check covers every name offered
