@@ -10,8 +10,9 @@ the thinking mode - and read as a client reads the server's answer (the reasonin
 graded (heldout/grade.py): tool calls exact, no call where none is needed, calls to tools that were not offered
 (with the `constrained_tool_calls` switch on and off, where the build has it), a tool's result used in the answer,
 answers read from a passage in the prompt, arithmetic with and without thinking, retrieval at 8k and 16k tokens,
-honest replies to what the model cannot know. The table shows each target, the measurement and the shipped weights'
-own (heldout/shipped.json).
+honest replies to what the model cannot know; and, for a model with a vision tower, picture questions (digits, a
+word, shapes counted, a sum, a bar chart: heldout/pictures.jsonl.gz, held out by seed). The table shows each target,
+the measurement and the shipped weights' own (heldout/shipped.json).
 
     ppl <corpus>          perplexity of the held-out text of each training corpus (heldout/text.jsonl.gz, the
                           first --quality-text-tokens tokens per corpus, in windows of 512)
@@ -46,7 +47,7 @@ from typing import Any
 
 import torch
 
-from nanoserve.bench.heldout.evaluate import CONSTRAINT, HeldoutReport, select_rows, target_table
+from nanoserve.bench.heldout.evaluate import CONSTRAINT, HeldoutReport, evaluate_pictures, select_rows, target_table
 from nanoserve.bench.heldout.evaluate import evaluate as evaluate_heldout
 
 TASK_TOKENS = {"arith": 200, "tool": 120, "no_tool": 200}
@@ -304,7 +305,7 @@ def heldout_quality(model: str, limit: int | None, text_tokens: int, retrieval_l
     """The held-out requests graded on `model` (the requests that offer tools with the constraint switch both ways,
     where it exists) and the perplexity of the frozen held-out text: (report, perplexity, whether the build has
     the switch)."""
-    from nanoserve.bench.heldout import TEXT, load_requests
+    from nanoserve.bench.heldout import PICTURES, TEXT, load_requests, read_jsonl
     from nanoserve.config import Optimizations
 
     rows = select_rows(load_requests(), limit, retrieval_limit)
@@ -313,6 +314,11 @@ def heldout_quality(model: str, limit: int | None, text_tokens: int, retrieval_l
     try:
         on = bool(getattr(llm.engine.config.optimizations, CONSTRAINT)) if present else None
         report = evaluate_heldout(llm, rows, on)
+        if llm.engine.vision_config is not None:  # a model that reads pictures: the picture questions too
+            pictures = select_rows(read_jsonl(PICTURES), limit)
+            accuracy, records = evaluate_pictures(llm, pictures)
+            report.accuracy.update(accuracy)
+            report.answers += records
         ppl: dict[str, float] = {}
         if text_tokens:
             ppl = perplexity(llm, "", text_tokens, text_path=TEXT)

@@ -269,3 +269,41 @@ def test_heldout_answers_through_llm_chat(tiny_dir, monkeypatch):
     assert report.accuracy["well_formed"][1] == len(rows) == len(report.answers)
     assert report.stray["constraint on"][0] == 0 and set(report.stray) == {"constraint on", "constraint off"}
     assert report.accuracy["tool_call (constraint off)"][1] == 1
+
+
+def test_picture_questions_are_frozen_images_with_their_answers():
+    """heldout/pictures.jsonl.gz: every task of the picture set, each row a PNG the processor opens (112-224 px a
+    side) with its question and answer."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    from nanoserve.bench.heldout import PICTURES, read_jsonl
+
+    rows = read_jsonl(PICTURES)
+    assert {r["task"] for r in rows} == {"digits", "word", "count", "sum", "bars"} and len(rows) >= 100
+    for r in rows[::9]:
+        head, data = r["image"].split(",", 1)
+        assert head == "data:image/png;base64"
+        img = Image.open(io.BytesIO(base64.b64decode(data)))
+        assert 112 <= min(img.size) and max(img.size) <= 224 and r["question"].endswith("?") and r["answer"]
+
+
+def test_picture_questions_through_llm_chat(tiny_vl_dir):
+    """A model with a vision tower (m3-tiny-vl, random weights) answers picture questions through LLM.chat: one
+    row per task with its count, a record per question, and the grade is the first word or number."""
+    from nanoserve.bench.heldout import PICTURES, read_jsonl
+    from nanoserve.bench.heldout.evaluate import evaluate_pictures, first_word, select_rows
+
+    rows = select_rows(read_jsonl(PICTURES), 1)
+    llm = LLM(model=tiny_vl_dir, device="cpu", dtype="float32", optimizations=engine_opts(), max_model_len=2048,
+              kv_cache_tokens=8192, seed=0, reasoning_parser="minimax_m3")
+    try:
+        accuracy, records = evaluate_pictures(llm, rows)
+    finally:
+        llm.shutdown()
+    assert accuracy.keys() == {f"pictures ({t})" for t in ("digits", "word", "count", "sum", "bars")}
+    assert all(n == 1 for _, n in accuracy.values()) and len(records) == 5
+    assert all(r["ok"] == (first_word(r["content"]) == r["expected"].lower()) for r in records)
+    assert first_word(" 4071, I think.") == "4071" and first_word("Garden!") == "garden" and first_word("...") is None

@@ -8,6 +8,10 @@
                          weights this set was first measured on, so a later model is graded on the same text
     shipped.json         what the shipped weights measured on this set: the "before" column and the perplexity
                          a new model must not exceed
+    pictures.jsonl.gz    picture questions for a model with a vision tower: `task`, `question`, `answer`, `image`
+                         (a PNG data URL). Unlike the requests, these come from the training generator's picture
+                         tasks, held out by seed (seeds its training stream never draws); written by
+                         scripts/freeze_vision_heldout.py
 
 `build.py` wrote the first two files. It is a generator of its own: its tool families, templates, names, filler and
 glossary are not the training generator's (training/), and tests/training/test_heldout_leak.py checks that none of
@@ -26,6 +30,7 @@ REQUESTS = os.path.join(HERE, "requests.jsonl.gz")
 DOCUMENTS = os.path.join(HERE, "documents.jsonl.gz")
 TEXT = os.path.join(HERE, "text.jsonl.gz")
 SHIPPED = os.path.join(HERE, "shipped.json")
+PICTURES = os.path.join(HERE, "pictures.jsonl.gz")
 DOCUMENT = "\x00DOCUMENT\x00"
 """The placeholder a retrieval request's user message holds where its document goes."""
 

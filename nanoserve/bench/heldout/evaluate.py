@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,11 @@ TARGETS: list[tuple[str, str, str, float | None]] = [
     ("retrieval_8k", "a combination among 40 in 8k tokens of notes", ">=", 0.95),
     ("retrieval_16k", "the same in 16k tokens", ">=", 0.85),
     ("out_of_scope", "an honest \"I don't know\" to what it cannot know", ">=", 0.80),
+    ("pictures (digits)", "a number of 1-4 digits in a picture", ">=", 0.90),
+    ("pictures (word)", "a word in a picture", ">=", None),
+    ("pictures (count)", "shapes of one kind counted among others", ">=", 0.90),
+    ("pictures (sum)", "the sum of two numbers in a picture", ">=", 0.80),
+    ("pictures (bars)", "a bar chart read (the tallest bar, a bar's value)", ">=", 0.80),
     ("well_formed", "every answer ended by the model, no marker in the content", ">=", None),
 ]
 
@@ -234,3 +240,36 @@ def target_table(report: HeldoutReport, perplexity: dict[str, float], before: di
         met = "" if was is None else ("yes" if round(ppl, 2) <= round(was, 2) else "no")
         lines.append(f"| perplexity {corpus} | <= shipped | {ppl:.2f} | | {_fmt('<=', was)} | {met} |")
     return "\n".join(lines)
+
+
+PICTURE_TOKENS = 16
+"""max_tokens of a picture question: the answer is a word or a number."""
+
+
+def first_word(text: str) -> str | None:
+    """The first number or word of an answer, lower-cased."""
+    found = re.search(r"[A-Za-z]+|\d+", text)
+    return found.group(0).lower() if found else None
+
+
+def evaluate_pictures(llm, rows: list[dict]) -> tuple[dict[str, tuple[float, int]], list[dict[str, Any]]]:
+    """The picture questions (heldout.PICTURES rows) answered greedily through LLM.chat, an image_url part and the
+    question in one user message, read as the server's reasoning parser reads the answer; right when its first
+    number or word is the expected one. (accuracy per `pictures (<task>)` row, a record per question)."""
+    from nanoserve.sampling import SamplingParams
+
+    messages = [[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": r["image"]}},
+                                              {"type": "text", "text": r["question"]}]}] for r in rows]
+    params = SamplingParams(temperature=0.0, max_tokens=PICTURE_TOKENS, skip_special_tokens=False)
+    outs = llm.chat(messages, params, use_tqdm=False)
+    right: dict[str, list[bool]] = {}
+    records = []
+    for r, m, o in zip(rows, messages, outs):
+        c = o.outputs[0]
+        # how the prompt leaves thinking does not depend on the picture: the question alone tells it
+        state = prompt_state(llm, {"messages": [{"role": "user", "content": r["question"]}]})
+        ans = read_answer({"task": "pictures"}, c.text, c.finish_reason, state)
+        ok = first_word(ans.content) == r["answer"].lower()
+        right.setdefault(f"pictures ({r['task']})", []).append(ok)
+        records.append({"task": f"pictures ({r['task']})", "ok": ok, "content": ans.content, "expected": r["answer"]})
+    return {k: (sum(v) / len(v), len(v)) for k, v in right.items()}, records
