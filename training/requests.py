@@ -1088,14 +1088,77 @@ def sample_request(rng: random.Random, src: Sources) -> Chat:
     return _chat_of(rng, "request", mode, request_exchange(rng, mode, fams, target), fams)
 
 
+def unmatched_exchange(rng: random.Random, mode: str, fams: list[Family]) -> Exchange:
+    """A request for what none of the offered `fams` does (another family's or lookup tool's request), phrased as a
+    request that needs a call would be, and a reply that says no tool here does it: the request's words, not its
+    being a request, decide whether to call."""
+    from training.lookup_tools import lookup_family
+
+    names, topics = {f.name for f in fams}, {f.topic for f in fams}
+    for _ in range(50):
+        other = rng.choice(FAMILIES)(rng) if rng.random() < 0.5 else lookup_family(rng)
+        if other.name not in names and other.topic not in topics:
+            break
+    args, sents = other.ask(rng)
+    user = phrase(rng, rng.choice(sents), values_of(args))
+    listed = ", ".join(f.name for f in fams)
+    reply = rng.choice((f"I can't do that here: none of the tools I have ({listed}) does it.",
+                        f"None of the available tools ({listed}) can help with {other.topic}, so I can't do that.",
+                        f"I have no tool for {other.topic}. The tools here are {listed}."))
+    why = f"The user wants {other.topic}; none of {listed} does that, so I call nothing."
+    return Exchange(user, [_assistant(reply, why if _think(mode, 0.3, rng) else "")], {"reply": reply})
+
+
+# conversation that asks for nothing: (what is said, replies), the topic words filled in per message
+CONVERSATION: tuple[tuple[tuple[str, ...], tuple[str, ...]], ...] = (
+    (("thanks for that", "that was helpful", "much appreciated", "you've been a great help", "cheers for the help",
+      "that's exactly what I needed"), ("You're welcome!", "Happy to help.", "Any time.")),
+    (("I'm heading off now", "catch you later", "that's everything for today", "I'll be back tomorrow",
+      "have a nice evening", "signing off"), ("Goodbye!", "Take care!", "See you next time.")),
+    (("okay", "got it", "sounds good", "makes sense", "fair enough", "alright then", "perfect", "noted"),
+     ("Let me know if you need anything else.", "Okay! Anything else I can do?")),
+    (("I'm tired", "I had a long day", "I'm in a great mood today", "I'm a bit stressed about work",
+      "I can't sleep", "I'm bored"), ("Thanks for telling me. Is there anything I can help with?",
+                                      "I hear you. If there's something I can do, just ask.")),
+    (("do you like {thing}", "what's your favourite kind of {thing}", "what do you think of {thing}",
+      "is {thing} overrated"), ("I don't have tastes of my own, but I'm happy to help with a question.",
+                                "I have no opinions about {thing}, I'm afraid. Anything I can help with?")),
+    (("write a poem about {thing}", "tell me a story about {thing}", "make up a song about {thing}",
+      "invent a riddle about {thing}"), ("I'm a very small model and can't write that well. I can answer short "
+                                         "questions or use the tools here.",)),
+)
+THINGS = ("music", "coffee", "rainy weather", "chess", "old movies", "the sea", "mountains", "cats", "football",
+          "spicy food", "winter", "trains")
+OPENERS = ("", "", "", "Okay. ", "Alright, ", "Well, ", "Hmm, ", "By the way, ", "Honestly, ", "Oh, ")
+
+
+def conversation_exchange(rng: random.Random, mode: str) -> Exchange:
+    """A message that asks for nothing a tool or a fact could give - thanks, goodbyes, acknowledgements, moods,
+    opinions, creative requests - and a short reply."""
+    said, replies = rng.choice(CONVERSATION)
+    thing = rng.choice(THINGS)
+    body = rng.choice(said).format(thing=thing)
+    text = rng.choice(OPENERS) + body
+    text = text[:1].upper() + text[1:] + rng.choice(("", ".", "!", "?" if body.startswith(("do ", "what", "is "))
+                                                     else "."))
+    x = rng.random()  # typed as people type it: sometimes a typo, sometimes all lower case
+    user = _typos(rng, text, [thing]) if x < 0.15 else text.lower() if x < 0.35 else text
+    reply = rng.choice(replies).format(thing=thing)
+    why = "Nothing to look up or compute here: I reply briefly."
+    return Exchange(user, [_assistant(reply, why if _think(mode, 0.05, rng) else "")], {"reply": reply})
+
+
 def sample_request_no_call(rng: random.Random, src: Sources) -> Chat:
-    """The families' tools offered, a message none of them serves: the answer comes without a call."""
+    """The families' tools offered, a message none of them serves: the answer comes without a call. The message is
+    arithmetic, a chat, a question it cannot know, a passage, a request for a tool that is not offered, or
+    conversation."""
     from training import chats, honesty, passages
 
     mode = _pick_mode(rng, enabled=0.15, disabled=0.3)
     fams = toolset(rng)
     x = rng.random()
-    ex = (chats._arith_exchange(rng, mode) if x < 0.2 else chats._chat_exchange(rng, mode, src) if x < 0.5
-          else honesty.unknown_exchange(rng, mode) if x < 0.75 else passages.passage_exchange(rng, mode, src))
+    ex = (chats._arith_exchange(rng, mode) if x < 0.15 else chats._chat_exchange(rng, mode, src) if x < 0.3
+          else honesty.unknown_exchange(rng, mode) if x < 0.45 else passages.passage_exchange(rng, mode, src)
+          if x < 0.6 else unmatched_exchange(rng, mode, fams) if x < 0.8 else conversation_exchange(rng, mode))
     ex.expected["calls"] = []
     return _chat_of(rng, "request_no_call", mode, ex, fams)

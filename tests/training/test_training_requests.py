@@ -220,3 +220,19 @@ def test_toolsets_mix_named_families_lookup_tools_and_new_names():
     assert sum(n in named for n in names) > 0.3 * len(names)
     assert any(n != n.lower() and n in named for n in names)  # a named family renamed to camelCase
     assert set(names) <= requests.family_names()  # the held-out check covers every name offered
+
+
+def test_no_call_chats_include_requests_for_tools_not_offered_and_conversation():
+    """request_no_call also holds requests phrased like those that need a call but for a tool that is not offered
+    (the reply names the tools there are and calls nothing), and conversation that asks for nothing."""
+    rng = random.Random(21)
+    fams = requests.toolset(rng, 2)
+    for _ in range(100):
+        ex = requests.unmatched_exchange(rng, "disabled", fams)
+        assert len(ex.replies) == 1 and "tool_calls" not in ex.replies[0]
+        assert all(f.name in ex.replies[0]["content"] for f in fams)
+        assert ex.user.strip()
+    said = [requests.conversation_exchange(rng, "disabled") for _ in range(200)]
+    assert len({e.user for e in said}) > 100 and all("tool_calls" not in e.replies[0] for e in said)
+    chats_ = draw("request_no_call", seed=5, n=300)
+    assert not any(m.get("tool_calls") for c in chats_ for m in c.messages)
