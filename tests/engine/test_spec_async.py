@@ -15,7 +15,13 @@ import pytest
 
 from nanoserve import LLM, SamplingParams
 from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, prompts
-from tests.helpers.engine_utils import abort_while_in_flight, assert_all_blocks_free, engine_opts
+from tests.helpers.engine_utils import (
+    abort_while_in_flight,
+    assert_all_blocks_free,
+    engine_opts,
+    finished,
+    stop_and_limits,
+)
 
 
 def build(model: str, spec_async: bool, feed_in_graph: bool = True, **kwargs) -> tuple[LLM, list]:
@@ -81,17 +87,8 @@ def test_stops_limits_and_aborts_with_a_step_in_flight(mtp_dir):
     ref_llm, _ = build(mtp_dir, False)
     llm, fed = build(mtp_dir, True)
     p = prompts()
-    free_run = run(ref_llm, [p[:1]], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
-    text = ref_llm.get_tokenizer().decode(free_run[10:12])
-    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop=[text]),
-              SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=25, ignore_eos=True)]
-    for lm in (ref_llm, llm):
-        outs = lm.generate([{"prompt_token_ids": q} for q in p], params, use_tqdm=False)
-        if lm is ref_llm:
-            ref = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-        else:
-            got = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+    params = stop_and_limits(ref_llm, p[0], stop_at=10, max_tokens=(30, 7, 25))
+    ref, got = finished(ref_llm, p, params), finished(llm, p, params)
     assert got == ref and ref[0][2] == "stop" and ref[1][2] == "length" and len(ref[1][1]) == 7
     assert any(fed)
     assert_all_blocks_free(llm)

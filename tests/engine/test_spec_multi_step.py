@@ -17,7 +17,13 @@ from nanoserve import LLM, SamplingParams
 from tests.engine.test_spec_async import run
 from tests.engine.test_spec_decode import eagle_config
 from tests.engine.test_spec_graphs import GREEDY, MAX_MODEL_LEN, MTP, acceptance, eagle_draft, prompts  # noqa: F401
-from tests.helpers.engine_utils import abort_while_in_flight, assert_all_blocks_free, engine_opts
+from tests.helpers.engine_utils import (
+    abort_while_in_flight,
+    assert_all_blocks_free,
+    engine_opts,
+    finished,
+    stop_and_limits,
+)
 
 STEPS = 4
 
@@ -77,17 +83,9 @@ def test_stops_limits_and_aborts_inside_a_launch(mtp_dir):
     ref_llm, _ = build(mtp_dir, False)
     llm, launches = build(mtp_dir, True)
     p = prompts()
-    free_run = run(ref_llm, [p[:1]], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0]
-    text = ref_llm.get_tokenizer().decode(free_run[14:16])
-    params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, stop=[text]),
-              SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
-              SamplingParams(temperature=0.0, max_tokens=37, ignore_eos=True)]
-    got = {}
-    for lm in (ref_llm, llm):
-        outs = lm.generate([{"prompt_token_ids": q} for q in p], params, use_tqdm=False)
-        got[lm is llm] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
-    ref = got[False]
-    assert got[True] == ref and ref[0][2] == "stop" and ref[1][2] == "length" and len(ref[1][1]) == 23
+    params = stop_and_limits(ref_llm, p[0], stop_at=14, max_tokens=(40, 23, 37))
+    ref, got = finished(ref_llm, p, params), finished(llm, p, params)
+    assert got == ref and ref[0][2] == "stop" and ref[1][2] == "length" and len(ref[1][1]) == 23
     assert STEPS in launches
     assert_all_blocks_free(llm)
     abort_while_in_flight(llm, p, GREEDY, lambda step: step.spec_steps > 1, run(ref_llm, [p]),

@@ -99,6 +99,25 @@ def abort_while_in_flight(llm: LLM, prompts: list[list[int]], params, in_flight_
     assert_all_blocks_free(llm)
 
 
+def stop_and_limits(ref_llm: LLM, prompt: list[int], stop_at: int, max_tokens: tuple[int, int, int]) -> list:
+    """Three greedy requests that end three ways: the first at a stop string (the two tokens `ref_llm` writes at
+    `stop_at` of a free run of `max_tokens[0]`), the other two at their max_tokens, EOS ignored by all."""
+    from nanoserve import SamplingParams
+
+    free = ref_llm.generate([{"prompt_token_ids": prompt}],
+                            SamplingParams(temperature=0.0, max_tokens=max_tokens[0], ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    stop = ref_llm.get_tokenizer().decode(free[stop_at:stop_at + 2])
+    return [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, stop=[stop] if i == 0 else None)
+            for i, n in enumerate(max_tokens)]
+
+
+def finished(llm: LLM, prompts: list[list[int]], params) -> list[tuple[str, list[int], str]]:
+    """Each request's (text, token ids, finish reason)."""
+    outs = llm.generate([{"prompt_token_ids": q} for q in prompts], params, use_tqdm=False)
+    return [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+
+
 def direct_logprobs(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """log_softmax of the model's logits at every position of `tokens`, from one forward pass outside the
     scheduler (through the first blocks of the engine's KV pool, whose cached prefixes are dropped after)."""
