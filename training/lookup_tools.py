@@ -18,8 +18,8 @@ from __future__ import annotations
 import random
 from typing import Any, Callable
 
-from training.chats import CITIES, COUNTRIES, FIRST_NAMES, LAST_NAMES
-from training.requests import DEVICES, PRODUCTS, STOCKS, TEAMS, Family, function, say_date
+from training.chats import CITIES, COUNTRIES, FIRST_NAMES
+from training.requests import DEVICES, PRODUCTS, STOCKS, TEAMS, Family, _person, function, say_date
 
 
 def _code(rng: random.Random) -> str:
@@ -37,10 +37,6 @@ def _host(rng: random.Random) -> str:
 
 def _handle(rng: random.Random) -> str:
     return f"{rng.choice(FIRST_NAMES).lower()}{rng.choice(('', '_', '.'))}{rng.randint(1, 999)}"
-
-
-def _person(rng: random.Random) -> str:
-    return f"{rng.choice(FIRST_NAMES)} {rng.choice(LAST_NAMES)}"
 
 
 # subject -> (parameter names, value drawn, attributes one can ask of it)

@@ -262,12 +262,12 @@ def evaluate_pictures(llm, rows: list[dict]) -> tuple[dict[str, tuple[float, int
                                               {"type": "text", "text": r["question"]}]}] for r in rows]
     params = SamplingParams(temperature=0.0, max_tokens=PICTURE_TOKENS, skip_special_tokens=False)
     outs = llm.chat(messages, params, use_tqdm=False)
+    # every question is rendered in the default thinking mode, so one prompt tells how they all leave thinking
+    state = prompt_state(llm, {"messages": [{"role": "user", "content": rows[0]["question"]}]}) if rows else "none"
     right: dict[str, list[bool]] = {}
     records = []
-    for r, m, o in zip(rows, messages, outs):
+    for r, o in zip(rows, outs):
         c = o.outputs[0]
-        # how the prompt leaves thinking does not depend on the picture: the question alone tells it
-        state = prompt_state(llm, {"messages": [{"role": "user", "content": r["question"]}]})
         ans = read_answer({"task": "pictures"}, c.text, c.finish_reason, state)
         ok = first_word(ans.content) == r["answer"].lower()
         right.setdefault(f"pictures ({r['task']})", []).append(ok)
