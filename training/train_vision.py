@@ -31,6 +31,7 @@ loop on the CPU, export included, and serves the result with an image.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -80,16 +81,37 @@ def load_text_model(init: str, vocab: int, device: torch.device) -> M3Train:
 
 
 def build_vision(cfg: VisionConfig, device: torch.device, seed: int) -> M3VisionModel:
-    """The vision path with random weights (matrices N(0, 0.02), LayerNorm weights 1), trainable."""
+    """The vision path with random weights, trainable: matrices N(0, 1/fan_in), biases 0, LayerNorm weights 1.
+
+    Why that scale: with every matrix at N(0, 0.02) (the text model's init) the four matrices between the tower and
+    the text model each shrink what passes through, the biases win, and every image token starts as nearly the
+    same vector (its spread across patches about 2 % of a token embedding's size). The text model then learns to
+    answer from the question alone and the answer loss stalls at guessing. At 1/fan_in the patches differ at init
+    as much as they are large; `match_embeddings` then sets their size to the embeddings'."""
     vision = M3VisionModel(cfg, Optimizations.reference(), torch.float32, device)
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in vision.named_parameters():
         if "layer_norm" in name or "layrnorm" in name:
             p.data.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif p.dim() >= 2:
+            fan_in = p[0].numel()
+            p.data.copy_(torch.randn(p.shape, generator=gen) * fan_in ** -0.5)
         else:
-            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+            p.data.zero_()
         p.requires_grad_(True)
     return vision
+
+
+@torch.no_grad()
+def match_embeddings(vision: M3VisionModel, model: M3Train, batch) -> float:
+    """Scale the merger's last matrix so that the features of `batch` have the root-mean-square size of the token
+    embeddings they replace (the placeholder rows of the same batch); returns the factor."""
+    ids, _, _, pixels, grids = batch
+    rms = lambda x: float(x.float().pow(2).mean().sqrt())  # noqa: E731
+    text = rms(model.embed_tokens(ids[ids != vision.cfg.image_token_id]))
+    factor = text / rms(encode(vision, pixels, grids))
+    vision.merger.linear_2.weight.mul_(factor)
+    return factor
 
 
 def encode(vision: M3VisionModel, pixels: torch.Tensor, grids: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -306,7 +328,10 @@ def main(argv: list[str] | None = None) -> None:
                              {"params": list(model.parameters()), "lr": args.text_lr, "peak": args.text_lr}],
                             weight_decay=0.01, betas=(0.9, 0.95))
     heldout = vision_tasks.heldout(args.eval_per_task)
-    pictures = batches(batcher, vision_tasks.keys(args.seed), args.batch, args.workers, tokenizer_json, template_path)
+    source = batches(batcher, vision_tasks.keys(args.seed), args.batch, args.workers, tokenizer_json, template_path)
+    first = next(source)
+    print(f"features scaled by {match_embeddings(vision, model, first):.4f} to the embeddings' size", flush=True)
+    pictures = itertools.chain([first], source)
     chats = Docs(args.text_data, "chats") if args.text_data else None
     rng = np.random.default_rng(args.seed)
     log = open(os.path.join(args.out, "train_log.jsonl"), "a")  # noqa: SIM115 - one line per step, closed at the end
@@ -336,7 +361,7 @@ def main(argv: list[str] | None = None) -> None:
         if last:
             break
     log.close()
-    pictures.close()  # the workers end with the generator
+    source.close()  # the workers end with the generator
     export_vl(model, vision, os.path.join(args.out, "checkpoint"), tokenizer_json)
     with open(os.path.join(args.out, "checkpoint", "generation_config.json"), "w") as f:
         json.dump(GENERATION_CONFIG, f, indent=2)

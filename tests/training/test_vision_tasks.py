@@ -109,3 +109,32 @@ def test_worker_processes_stay_a_bounded_number_of_batches_ahead(tmp_path):
     time.sleep(1.0)  # (an unbounded read-ahead keeps drawing meanwhile)
     assert len(drawn) <= 2 * (2 + AHEAD_PER_WORKER * 2), len(drawn)
     spread.close()
+
+
+def test_a_fresh_tower_tells_patches_apart_at_the_embeddings_size(tmp_path):
+    """At init the image features must differ from patch to patch (at N(0, 0.02) matrices every image token was
+    nearly the same vector and the answer loss stalled at guessing) and have the root-mean-square size of the token
+    embeddings they replace (fp32: equal within 1e-4 relative)."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from nanoserve.presets.tokenizer import VISION_TOKENS, add_vision_tokens
+    from training.train_vision import Batcher, build_vision, encode, load_text_model, match_embeddings, vision_config
+
+    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
+    add_vision_tokens(tok)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cpu = torch.device("cpu")
+    batcher = Batcher.load(str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja", cpu)
+    image_id = batcher.tokenizer.convert_tokens_to_ids(VISION_TOKENS[0])
+    model = load_text_model("nanoserve/presets/m3_mini", tok.get_vocab_size(), cpu)
+    vision = build_vision(vision_config(model.cfg.hidden_size, image_id), cpu, seed=0)
+    batch = batcher([vision_tasks.sample(task, 7) for task in vision_tasks.TASKS])
+    match_embeddings(vision, model, batch)
+    ids, _, _, pixels, grids = batch
+    with torch.no_grad():
+        features = encode(vision, pixels, grids)
+        embeds = model.embed_tokens(ids[ids != image_id])
+    rms = features.pow(2).mean().sqrt()
+    assert abs(float(rms) / float(embeds.pow(2).mean().sqrt()) - 1) < 1e-4
+    assert float(features.std(0).mean()) > 0.3 * float(rms)  # patches differ by about as much as they are large
