@@ -341,15 +341,13 @@ def main(argv: list[str] | None = None) -> None:
         scale = min(1.0, step / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in opt.param_groups:
             group["lr"] = group["peak"] * scale
-        # bf16 autocast as train.py's steps: in fp32 the matmuls run without tensor cores, several times slower
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = loss_of(model, vision, next(pictures))
-            record = {"step": step, "loss": round(float(loss.detach()), 4)}
-            if chats is not None:
-                main_l, mtp_l, _ = losses(model, *batch(packed_rows(chats, rng, args.text_batch, args.text_seq),
-                                                        device), mode="dense", kl_rows=0)
-                record["text_loss"] = round(float(main_l.detach()), 4)
-                loss = loss + main_l + 0.3 * mtp_l
+        loss = loss_of(model, vision, next(pictures))
+        record = {"step": step, "loss": round(float(loss.detach()), 4)}
+        if chats is not None:
+            main_l, mtp_l, _ = losses(model, *batch(packed_rows(chats, rng, args.text_batch, args.text_seq), device),
+                                      mode="dense", kl_rows=0)
+            record["text_loss"] = round(float(main_l.detach()), 4)
+            loss = loss + main_l + 0.3 * mtp_l
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_([*vision.parameters(), *model.parameters()], 1.0)
