@@ -42,9 +42,11 @@ def test_two_training_steps_export_a_checkpoint_nanoserve_serves(tmp_path):
     ids = np.random.default_rng(0).integers(10, 4000, size=80)
     trains = np.tile(np.r_[np.zeros(20), np.ones(20)], 2).astype(np.uint8)
     np.savez(tmp_path / "chats.npz", ids=ids, trains=trains, starts=np.array([0, 40]))
+    # and the corpora's plain text (every token trained): one window of the two rehearsed each step
+    np.savez(tmp_path / "text.npz", ids=ids[::-1].copy(), trains=np.ones(80, np.uint8), starts=np.array([0, 40]))
     main(["--init", "nanoserve/presets/m3_mini", "--out", str(out), "--steps", "2", "--batch", "2",
           "--eval-per-task", "1", "--device", "cpu", "--text-data", str(tmp_path), "--text-batch", "2",
-          "--text-seq", "32", "--workers", "0"])
+          "--text-seq", "32", "--corpus-frac", "0.5", "--workers", "0"])
     log = [json.loads(line) for line in open(out / "train_log.jsonl")]
     assert [r["step"] for r in log] == [1, 2] and set(log[-1]["heldout"]) == set(vision_tasks.TASKS)
     assert all(r["text_loss"] > 0 for r in log)  # random ids: the rehearsed chats' loss is far from zero
