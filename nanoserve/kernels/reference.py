@@ -413,12 +413,30 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqle
                      scale: float) -> torch.Tensor:
     """Bidirectional attention within segments: q, k, v [N, H, D], segment s = rows cu_seqlens[s] ..
     cu_seqlens[s + 1] (every query sees every key of its segment and none outside it). Returns [N, H, D].
-    Scores and softmax in fp32; a segment's queries go through in chunks (SCORE_BYTES)."""
+    Scores and softmax in fp32. Segments of one length go through together, as many at a time as SCORE_BYTES of
+    scores hold (a batch of pictures comes in a few sizes: a few products per layer instead of one per picture,
+    which is what bounds a training step of many small images); a segment too long for that goes through alone,
+    its queries in chunks."""
     out = torch.empty_like(q)
+    heads = q.shape[1]
     everything = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=q.device)
     bounds = cu_seqlens.tolist()
+    by_length: dict[int, list[int]] = {}
     for a, b in zip(bounds[:-1], bounds[1:]):
-        ks, vs = k[a:b].float().transpose(0, 1), v[a:b].float().transpose(0, 1)  # [H, L, D]
-        for c0, c1 in _query_chunks(b - a, q.shape[1] * (b - a) * 4, None):
-            out[a + c0:a + c1] = _attend(q[a + c0:a + c1], ks, vs, everything, scale)
+        if b > a:
+            by_length.setdefault(b - a, []).append(a)
+    for length, starts in by_length.items():
+        together = SCORE_BYTES // (heads * length * length * 4)
+        if together < 2:  # alone, in query chunks
+            for a in starts:
+                ks, vs = k[a:a + length].float().transpose(0, 1), v[a:a + length].float().transpose(0, 1)
+                for c0, c1 in _query_chunks(length, heads * length * 4, None):
+                    out[a + c0:a + c1] = _attend(q[a + c0:a + c1], ks, vs, everything, scale)
+            continue
+        for g in range(0, len(starts), together):
+            first = torch.tensor(starts[g:g + together], device=q.device)
+            rows = (first[:, None] + torch.arange(length, device=q.device)).reshape(-1)  # [G x L]
+            qs, ks, vs = (t[rows].float().view(-1, length, heads, t.shape[-1]).transpose(1, 2) for t in (q, k, v))
+            probs = torch.softmax(torch.matmul(qs, ks.transpose(-1, -2)) * scale, dim=-1)  # [G, H, L, L]
+            out[rows] = torch.matmul(probs, vs).transpose(1, 2).reshape(-1, heads, v.shape[-1]).to(q.dtype)
     return out

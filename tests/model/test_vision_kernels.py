@@ -105,3 +105,28 @@ def test_tower_with_kernels_matches_reference_path(device):
     grids = [(1, 4, 6), (5, 2, 2), (1, 2, 2)]
     pix = torch.randn(sum(t * h * w for t, h, w in grids), cfg.patch_dim, generator=gen).to(device)
     torch.testing.assert_close(fast(pix, grids), slow(pix, grids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("score_bytes", [1 << 30, 2 * 36 * 36 * 4 * 2, 2 * 80 * 4 * 10],
+                         ids=["grouped", "pairs", "alone-in-chunks"])
+def test_reference_varlen_attention_is_softmax_attention_per_segment(score_bytes, monkeypatch):
+    """The reference (segments of one length together, as many as SCORE_BYTES holds; a longer one alone in query
+    chunks) against PyTorch's SDPA run segment by segment, fp32 on the CPU within 1e-5, outputs and the gradients
+    training takes through it. The batch repeats lengths (8 twice, 36 twice) and has an empty segment."""
+    monkeypatch.setattr(reference, "SCORE_BYTES", score_bytes)
+    heads, head_dim = 2, 16
+    lens = [8, 36, 0, 8, 4, 36, 80]
+    n = sum(lens)
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(n, heads, head_dim, generator=gen).requires_grad_(True) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    got = reference.varlen_attention(q, k, v, cu, head_dim ** -0.5)
+    want = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+        *(t[a:b].transpose(0, 1) for t in (q, k, v)), scale=head_dim ** -0.5).transpose(0, 1)
+        for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    weights = torch.randn(n, heads, head_dim, generator=gen)
+    grads = torch.autograd.grad((got * weights).sum(), (q, k, v))
+    expected = torch.autograd.grad((want * weights).sum(), (q, k, v))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)
