@@ -2,7 +2,7 @@
 model on the Pillow-drawn tasks of vision_tasks.py, then exported as one checkpoint nanoserve serves with images.
 
     python -m training.train_vision --init nanoserve/presets/m3_mini --out data/vision-run --device cuda \\
-        [--steps 6000] [--batch 64] [--time-budget 3600] [--text-data data/prepared]
+        [--steps 6000] [--batch 64] [--time-budget 3600] [--text-data data/prepared] [--tasks digits,count]
 
 What it does:
 - the tokenizer: m3-mini's, with M3's image and video markers appended (ids 4096-4099); the text model grows its
@@ -312,7 +312,12 @@ def main(argv: list[str] | None = None) -> None:
                     help="processes drawing the pictures ahead of the steps (0: in this process)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tasks", default=",".join(vision_tasks.TASKS),
+                    help="the tasks trained and evaluated, a comma list (default: all)")
     args = ap.parse_args(argv)
+    tasks = tuple(args.tasks.split(","))
+    if not tasks or set(tasks) - set(vision_tasks.TASKS):
+        ap.error(f"--tasks {args.tasks!r}: each must be one of {', '.join(vision_tasks.TASKS)}")
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
     os.makedirs(args.out, exist_ok=True)
@@ -331,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
     opt = torch.optim.AdamW([{"params": list(vision.parameters()), "lr": args.lr, "peak": args.lr},
                              {"params": list(model.parameters()), "lr": args.text_lr, "peak": args.text_lr}],
                             weight_decay=0.01, betas=(0.9, 0.95))
-    heldout = vision_tasks.heldout(args.eval_per_task)
-    source = batches(batcher, vision_tasks.keys(args.seed), args.batch, args.workers, tokenizer_json, template_path)
+    heldout = vision_tasks.heldout(args.eval_per_task, tasks)
+    source = batches(batcher, vision_tasks.keys(args.seed, tasks), args.batch, args.workers, tokenizer_json,
+                     template_path)
     first = next(source)
     print(f"features scaled by {match_embeddings(vision, model, first):.4f} to the embeddings' size", flush=True)
     pictures = itertools.chain([first], source)

@@ -171,16 +171,16 @@ def sample(task: str, seed: int) -> Example:
     raise ValueError(f"unknown task {task!r}; tasks: {', '.join(TASKS)}")
 
 
-def keys(seed: int = 0):
-    """The (task, seed) of every training example, forever: the tasks in turn, seeds below HELDOUT_SEED_BASE."""
+def keys(seed: int = 0, tasks: tuple[str, ...] = TASKS):
+    """The (task, seed) of every training example, forever: `tasks` in turn, seeds below HELDOUT_SEED_BASE."""
     rng = random.Random(seed)
     while True:
-        for task in TASKS:
+        for task in tasks:
             yield task, rng.randrange(HELDOUT_SEED_BASE)
 
 
-def heldout(n_per_task: int) -> list[Example]:
-    return [sample(task, HELDOUT_SEED_BASE + i) for task in TASKS for i in range(n_per_task)]
+def heldout(n_per_task: int, tasks: tuple[str, ...] = TASKS) -> list[Example]:
+    return [sample(task, HELDOUT_SEED_BASE + i) for task in tasks for i in range(n_per_task)]
 
 
 def grade(answer: str, expected: str) -> bool:

@@ -140,3 +140,19 @@ def test_a_fresh_tower_tells_patches_apart_at_the_embeddings_size(tmp_path):
     rms = features.pow(2).mean().sqrt()
     assert abs(float(rms) / float(embeds.pow(2).mean().sqrt()) - 1) < 1e-4
     assert float(features.std(0).mean()) > 0.3 * float(rms)  # patches differ by about as much as they are large
+
+
+def test_a_run_can_train_and_grade_some_tasks_only(tmp_path, capsys):
+    """--tasks picks what is trained and graded (an easier start than all five); an unknown task is an error."""
+    import pytest
+
+    from training.train_vision import main
+
+    out = tmp_path / "run"
+    main(["--out", str(out), "--steps", "1", "--batch", "2", "--eval-per-task", "2", "--device", "cpu",
+          "--workers", "0", "--tasks", "digits,count"])
+    log = [json.loads(line) for line in open(out / "train_log.jsonl")]
+    assert set(log[-1]["heldout"]) == {"digits", "count"}
+    with pytest.raises(SystemExit) as exit_:
+        main(["--out", str(out), "--tasks", "digits,faces", "--device", "cpu"])
+    assert exit_.value.code == 2 and "faces" in capsys.readouterr().err
