@@ -217,19 +217,36 @@ AHEAD_PER_WORKER = 2
 
 
 def embeddings(model: M3Train, vision: M3VisionModel, ids: torch.Tensor, pixels: torch.Tensor,
-               grids: list) -> torch.Tensor:
+               grids: list, features: torch.Tensor | None = None) -> torch.Tensor:
+    """The token embeddings of `ids` with the images' features (encoded here unless given) at the placeholders."""
     embeds = model.embed_tokens(ids)
-    features = encode(vision, pixels, grids).to(embeds.dtype)
+    features = (encode(vision, pixels, grids) if features is None else features).to(embeds.dtype)
     where = (ids == vision.cfg.image_token_id)[..., None].expand_as(embeds)
     return embeds.masked_scatter(where, features)
 
 
-def loss_of(model: M3Train, vision: M3VisionModel, batch) -> torch.Tensor:
+def loss_of(model: M3Train, vision: M3VisionModel, batch, readout: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The answers' next-token loss, and with `readout` the readout loss: each image's mean feature, scored against
+    the (fixed) token embeddings, should name its answer's first token - a training-only signal that reaches the
+    tower directly rather than through the text model, and leaves no tensor in the checkpoint."""
     ids, mask, lengths, pixels, grids = batch
     heads = mask[:, 1:]  # position t predicts token t + 1: the rows whose next token is part of an answer
+    features = encode(vision, pixels, grids)
     logits, _, _ = model(ids[:, :-1], lengths - 1, mtp=False, heads=(heads, heads[:, 1:]),
-                         embeds=embeddings(model, vision, ids[:, :-1], pixels, grids))
-    return F.cross_entropy(logits.float(), ids[:, 1:][heads])
+                         embeds=embeddings(model, vision, ids[:, :-1], pixels, grids, features))
+    loss = F.cross_entropy(logits.float(), ids[:, 1:][heads])
+    if not readout:
+        return loss, None
+    sizes = [int(t * h * w) // vision.cfg.merge_unit for t, h, w in grids]
+    pooled = torch.stack([f.mean(0) for f in features.split(sizes)])
+    scores = pooled.float() @ model.embed_tokens.weight.detach().t().float()
+    return loss, F.cross_entropy(scores, answer_first_tokens(ids, mask))
+
+
+def answer_first_tokens(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's first answer token after `</mm:think>` (the first token of its answer mask)."""
+    return ids[torch.arange(len(ids), device=ids.device), mask.int().argmax(1) + 1]
 
 
 @torch.no_grad()
@@ -312,6 +329,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="processes drawing the pictures ahead of the steps (0: in this process)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--readout", type=float, default=0.0,
+                    help="weight of a training-only readout loss on the tower (each image's mean feature names its "
+                         "answer's first token); 0: off")
     ap.add_argument("--tasks", default=",".join(vision_tasks.TASKS),
                     help="the tasks trained and evaluated, a comma list (default: all)")
     args = ap.parse_args(argv)
@@ -354,8 +374,11 @@ def main(argv: list[str] | None = None) -> None:
         scale = min(1.0, step / args.warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(progress, 1.0))))
         for group in opt.param_groups:
             group["lr"] = group["peak"] * scale
-        loss = loss_of(model, vision, next(pictures))
+        loss, readout = loss_of(model, vision, next(pictures), args.readout > 0)
         record = {"step": step, "loss": round(float(loss.detach()), 4)}
+        if readout is not None:
+            record["readout_loss"] = round(float(readout.detach()), 4)
+            loss = loss + args.readout * readout
         if chats is not None:
             rows = packed_rows(chats, rng, args.text_batch - n_corpus, args.text_seq)
             if n_corpus:

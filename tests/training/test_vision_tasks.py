@@ -156,3 +156,38 @@ def test_a_run_can_train_and_grade_some_tasks_only(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["--out", str(out), "--tasks", "digits,faces", "--device", "cpu"])
     assert exit_.value.code == 2 and "faces" in capsys.readouterr().err
+
+
+def test_the_readout_loss_reaches_the_tower_only(tmp_path):
+    """--readout: each picture's mean feature should name its answer's first token (a number's first digits, a
+    count, a bar's letter); the loss's gradient reaches every vision tensor and no text-model tensor."""
+    import torch
+    from tokenizers import Tokenizer
+
+    from nanoserve.presets.tokenizer import VISION_TOKENS, add_vision_tokens
+    from training.train_vision import (
+        Batcher,
+        answer_first_tokens,
+        build_vision,
+        load_text_model,
+        loss_of,
+        vision_config,
+    )
+
+    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
+    add_vision_tokens(tok)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    cpu = torch.device("cpu")
+    batcher = Batcher.load(str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja", cpu)
+    examples = [vision_tasks.sample(task, 11) for task in vision_tasks.TASKS]
+    batch = batcher(examples)
+    firsts = [batcher.tokenizer.decode([t]) for t in answer_first_tokens(batch[0], batch[1]).tolist()]
+    assert all(ex.answer.startswith(first) and first for ex, first in zip(examples, firsts)), firsts
+    model = load_text_model("nanoserve/presets/m3_mini", tok.get_vocab_size(), cpu)
+    vision = build_vision(vision_config(model.cfg.hidden_size, batcher.tokenizer.convert_tokens_to_ids(
+        VISION_TOKENS[0])), cpu, seed=0)
+    _, readout = loss_of(model, vision, batch, readout=True)
+    readout.backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in vision.parameters())
+    assert all(p.grad is None for p in model.parameters())
+    assert loss_of(model, vision, batch)[1] is None  # off by default
