@@ -106,7 +106,7 @@ def build_vision(cfg: VisionConfig, device: torch.device, seed: int) -> M3Vision
 @torch.no_grad()
 def match_embeddings(vision: M3VisionModel, model: M3Train, batch) -> float:
     """Scale the merger's last matrix so that the features of `batch` have the root-mean-square size of the token
-    embeddings they replace (the placeholder rows of the same batch); returns the factor."""
+    embeddings beside them (every other token of the same batch, padding included); returns the factor."""
     ids, _, _, pixels, grids = batch
     rms = lambda x: float(x.float().pow(2).mean().sqrt())  # noqa: E731
     text = rms(model.embed_tokens(ids[ids != vision.cfg.image_token_id]))
@@ -238,8 +238,7 @@ def loss_of(model: M3Train, vision: M3VisionModel, batch, readout: bool = False
     loss = F.cross_entropy(logits.float(), ids[:, 1:][heads])
     if not readout:
         return loss, None
-    sizes = [int(t * h * w) // vision.cfg.merge_unit for t, h, w in grids]
-    pooled = torch.stack([f.mean(0) for f in features.split(sizes)])
+    pooled = torch.stack([f.mean(0) for f in features.split(vision.tokens_per_item(grids))])
     scores = pooled.float() @ model.embed_tokens.weight.detach().t().float()
     return loss, F.cross_entropy(scores, answer_first_tokens(ids, mask))
 

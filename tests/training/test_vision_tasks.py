@@ -14,6 +14,19 @@ from tests.helpers.engine_utils import engine_opts
 from training import vision_tasks
 
 
+def marked_tokenizer(tmp_path) -> tuple[int, tuple[str, str]]:
+    """m3-mini's tokenizer with M3's image markers, saved under tmp_path: (its vocabulary size, the (tokenizer
+    file, chat template) pair Batcher.load and the batch workers take)."""
+    from tokenizers import Tokenizer
+
+    from nanoserve.presets.tokenizer import add_vision_tokens
+
+    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
+    add_vision_tokens(tok)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    return tok.get_vocab_size(), (str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja")
+
+
 def test_examples_are_deterministic_and_answerable():
     for task in vision_tasks.TASKS:
         a, b = vision_tasks.sample(task, 7), vision_tasks.sample(task, 7)
@@ -63,15 +76,10 @@ def test_two_training_steps_export_a_checkpoint_nanoserve_serves(tmp_path):
 
 def test_worker_processes_make_the_same_batches_in_the_same_order(tmp_path):
     import torch
-    from tokenizers import Tokenizer
 
-    from nanoserve.presets.tokenizer import add_vision_tokens
     from training.train_vision import Batcher, batches
 
-    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
-    add_vision_tokens(tok)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    args = (str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja")
+    _, args = marked_tokenizer(tmp_path)
     batcher = Batcher.load(*args, torch.device("cpu"))
     inline = batches(batcher, vision_tasks.keys(3), 3, 0, *args)
     spread = batches(batcher, vision_tasks.keys(3), 3, 2, *args)
@@ -87,15 +95,10 @@ def test_worker_processes_stay_a_bounded_number_of_batches_ahead(tmp_path):
     import time
 
     import torch
-    from tokenizers import Tokenizer
 
-    from nanoserve.presets.tokenizer import add_vision_tokens
     from training.train_vision import AHEAD_PER_WORKER, Batcher, batches
 
-    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
-    add_vision_tokens(tok)
-    tok.save(str(tmp_path / "tokenizer.json"))
-    args = (str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja")
+    _, args = marked_tokenizer(tmp_path)
     batcher = Batcher.load(*args, torch.device("cpu"))
     drawn = []
     keys = vision_tasks.keys(3)
@@ -115,21 +118,18 @@ def test_worker_processes_stay_a_bounded_number_of_batches_ahead(tmp_path):
 
 def test_a_fresh_tower_tells_patches_apart_at_the_embeddings_size(tmp_path):
     """At init the image features must differ from patch to patch (at N(0, 0.02) matrices every image token was
-    nearly the same vector and the answer loss stalled at guessing) and have the root-mean-square size of the token
-    embeddings they replace (fp32: equal within 1e-4 relative)."""
+    nearly the same vector and the answer loss stalled at guessing) and have the root-mean-square size of the
+    batch's other token embeddings (fp32: equal within 1e-4 relative)."""
     import torch
-    from tokenizers import Tokenizer
 
-    from nanoserve.presets.tokenizer import VISION_TOKENS, add_vision_tokens
+    from nanoserve.presets.tokenizer import VISION_TOKENS
     from training.train_vision import Batcher, build_vision, encode, load_text_model, match_embeddings, vision_config
 
-    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
-    add_vision_tokens(tok)
-    tok.save(str(tmp_path / "tokenizer.json"))
+    vocab, args = marked_tokenizer(tmp_path)
     cpu = torch.device("cpu")
-    batcher = Batcher.load(str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja", cpu)
+    batcher = Batcher.load(*args, cpu)
     image_id = batcher.tokenizer.convert_tokens_to_ids(VISION_TOKENS[0])
-    model = load_text_model("nanoserve/presets/m3_mini", tok.get_vocab_size(), cpu)
+    model = load_text_model("nanoserve/presets/m3_mini", vocab, cpu)
     vision = build_vision(vision_config(model.cfg.hidden_size, image_id), cpu, seed=0)
     batch = batcher([vision_tasks.sample(task, 7) for task in vision_tasks.TASKS])
     match_embeddings(vision, model, batch)
@@ -162,9 +162,8 @@ def test_the_readout_loss_reaches_the_tower_only(tmp_path):
     """--readout: each picture's mean feature should name its answer's first token (a number's first digits, a
     count, a bar's letter); the loss's gradient reaches every vision tensor and no text-model tensor."""
     import torch
-    from tokenizers import Tokenizer
 
-    from nanoserve.presets.tokenizer import VISION_TOKENS, add_vision_tokens
+    from nanoserve.presets.tokenizer import VISION_TOKENS
     from training.train_vision import (
         Batcher,
         answer_first_tokens,
@@ -174,16 +173,14 @@ def test_the_readout_loss_reaches_the_tower_only(tmp_path):
         vision_config,
     )
 
-    tok = Tokenizer.from_file("nanoserve/presets/m3_mini/tokenizer.json")
-    add_vision_tokens(tok)
-    tok.save(str(tmp_path / "tokenizer.json"))
+    vocab, args = marked_tokenizer(tmp_path)
     cpu = torch.device("cpu")
-    batcher = Batcher.load(str(tmp_path / "tokenizer.json"), "nanoserve/presets/m3_mini/chat_template.jinja", cpu)
+    batcher = Batcher.load(*args, cpu)
     examples = [vision_tasks.sample(task, 11) for task in vision_tasks.TASKS]
     batch = batcher(examples)
     firsts = [batcher.tokenizer.decode([t]) for t in answer_first_tokens(batch[0], batch[1]).tolist()]
     assert all(ex.answer.startswith(first) and first for ex, first in zip(examples, firsts)), firsts
-    model = load_text_model("nanoserve/presets/m3_mini", tok.get_vocab_size(), cpu)
+    model = load_text_model("nanoserve/presets/m3_mini", vocab, cpu)
     vision = build_vision(vision_config(model.cfg.hidden_size, batcher.tokenizer.convert_tokens_to_ids(
         VISION_TOKENS[0])), cpu, seed=0)
     _, readout = loss_of(model, vision, batch, readout=True)
