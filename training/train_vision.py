@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="data/vision-run")
     ap.add_argument("--steps", type=int, default=6000)
     ap.add_argument("--batch", type=int, default=64)
-    ap.add_argument("--lr", type=float, default=1e-3, help="the vision path's peak learning rate")
+    ap.add_argument("--lr", type=float, default=1e-4,
+                    help="the vision path's peak learning rate (3e-4 learned digits more slowly; docs/vision.md)")
     ap.add_argument("--text-lr", type=float, default=1e-4, help="the text model's peak learning rate")
     ap.add_argument("--warmup", type=int, default=200)
     ap.add_argument("--time-budget", type=float, default=3600.0, help="seconds: the schedule ends by then")

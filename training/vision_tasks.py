@@ -7,10 +7,11 @@
     bars     a bar chart of 3-5 labelled bars           "Which bar is the tallest?" / "What is the value of
                                                         bar C?"                                  -> "C" / "7"
 
-Every image varies what a reader must ignore: size (112-224 px a side, so 16-64 image tokens), background and ink
-colours (always contrasting), font (every TrueType font found among `font_paths`, at several sizes; Pillow's
-built-in font otherwise), position and small rotations. `sample(task, rng)` draws one example; the same seed draws
-the same example, so a held-out set is a list of seeds (`heldout(n)`: seeds the training stream never draws).
+Every image varies what a reader must ignore: size (112-224 px a side, so 16-64 image tokens), colours (a light
+background, a dark ink, hues of any kind), font (every TrueType font found among `font_paths`, at several sizes;
+Pillow's built-in font otherwise), position and small rotations. `sample(task, rng)` draws one example; the same
+seed draws the same example, so a held-out set is a list of seeds (`heldout(n)`: seeds the training stream never
+draws).
 `grade(task, answer, expected)` is the held-out check: the first number or word of the answer must be the expected
 one.
 """
@@ -65,12 +66,15 @@ def font(index: int, size: int) -> ImageFont.ImageFont:
 
 
 def colours(rng: random.Random) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    """(background, ink) with enough contrast to read."""
-    while True:
-        bg = tuple(rng.randrange(256) for _ in range(3))
-        ink = tuple(rng.randrange(256) for _ in range(3))
-        if abs(sum(bg) - sum(ink)) > 250:
-            return bg, ink
+    """(background, ink): a light background and a dark ink, each channel drawn on its own, so hues vary.
+
+    Why one polarity: with any two colours of enough contrast (light on dark as often as dark on light) a tower
+    trained from scratch learned nothing in the pictures a run can afford. Told apart by a linear head on the
+    tower's mean feature, single digits stayed at chance for 800 steps of 32 pictures (lr 1e-4 and 1e-3); dark
+    on light, with the same fonts, sizes, positions and hues, reached 37 % held out in the same 800 steps."""
+    bg = tuple(rng.randrange(170, 256) for _ in range(3))
+    ink = tuple(rng.randrange(0, 110) for _ in range(3))
+    return bg, ink
 
 
 def canvas(rng: random.Random, sides: tuple[int, ...] = (112, 140, 168, 196, 224)
