@@ -216,11 +216,10 @@ AHEAD_PER_WORKER = 2
 """Batches made ahead of the training steps per worker process (bounds the host memory the batches hold)."""
 
 
-def embeddings(model: M3Train, vision: M3VisionModel, ids: torch.Tensor, pixels: torch.Tensor,
-               grids: list, features: torch.Tensor | None = None) -> torch.Tensor:
-    """The token embeddings of `ids` with the images' features (encoded here unless given) at the placeholders."""
+def embeddings(model: M3Train, vision: M3VisionModel, ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The token embeddings of `ids` with the images' features (`encode`'s output) at the placeholders."""
     embeds = model.embed_tokens(ids)
-    features = (encode(vision, pixels, grids) if features is None else features).to(embeds.dtype)
+    features = features.to(embeds.dtype)
     where = (ids == vision.cfg.image_token_id)[..., None].expand_as(embeds)
     return embeds.masked_scatter(where, features)
 
@@ -234,7 +233,7 @@ def loss_of(model: M3Train, vision: M3VisionModel, batch, readout: bool = False
     heads = mask[:, 1:]  # position t predicts token t + 1: the rows whose next token is part of an answer
     features = encode(vision, pixels, grids)
     logits, _, _ = model(ids[:, :-1], lengths - 1, mtp=False, heads=(heads, heads[:, 1:]),
-                         embeds=embeddings(model, vision, ids[:, :-1], pixels, grids, features))
+                         embeds=embeddings(model, vision, ids[:, :-1], features))
     loss = F.cross_entropy(logits.float(), ids[:, 1:][heads])
     if not readout:
         return loss, None
@@ -257,11 +256,11 @@ def evaluate(model: M3Train, vision: M3VisionModel, batcher: Batcher, examples: 
     for ex in examples:
         ids, pix, grid = batcher.prompt(ex)
         out: list[int] = []
-        pix = pix.to(batcher.device)
+        features = encode(vision, pix.to(batcher.device), [grid])  # once per picture, not once per token
         for _ in range(max_new):
             x = torch.tensor([ids + out], device=batcher.device)
             logits, _, _ = model(x, torch.tensor([x.shape[1]], device=batcher.device), mtp=False,
-                                 embeds=embeddings(model, vision, x, pix, [grid]))
+                                 embeds=embeddings(model, vision, x, features))
             token = int(logits[0, -1].argmax())
             if token == batcher.eos:
                 break

@@ -12,7 +12,7 @@ background, a dark ink, hues of any kind), font (every TrueType font found among
 Pillow's built-in font otherwise), position and small rotations. `sample(task, rng)` draws one example; the same
 seed draws the same example, so a held-out set is a list of seeds (`heldout(n)`: seeds the training stream never
 draws).
-`grade(task, answer, expected)` is the held-out check: the first number or word of the answer must be the expected
+`grade(answer, expected)` is the held-out check: the first number or word of the answer must be the expected
 one.
 """
 
